@@ -75,7 +75,9 @@ class ParallelMesh:
             return self.get(names[0])
         for name in names:
             self._check_present(name)
-        return self.world[names]
+        # A derived axis backed by a single dense axis (e.g. fsdp when cp == 1) is an alias of that
+        # axis, not a dimension of the world mesh: slice the world by the view's own dimension name.
+        return self.world[tuple(self._views[name].mesh_dim_names[0] for name in names)]  # type: ignore[index]
 
     def _check_present(self, axis: str) -> None:
         valid = sorted(set(DENSE_AXES) | set(DERIVED_AXES) | set(EXPERT_AXES))

@@ -1,0 +1,42 @@
+"""Configuration for `apply_fsdp` and activation checkpointing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["ActivationCheckpointConfig", "FSDPConfig"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FSDPConfig:
+    """How `apply_fsdp` shards a model with FSDP2 (`fully_shard`)."""
+
+    param_dtype: torch.dtype | None = None
+    """Dtype parameters are all-gathered and computed in (None = keep the stored dtype)."""
+    reduce_dtype: torch.dtype | None = torch.float32
+    """Dtype gradients are reduce-scattered in (None = param_dtype)."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2 like)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 CPUOffloadPolicy)."""
+    wrap_classes: tuple[str, ...] | None = None
+    """Class names wrapped as their own FSDP unit; None = the model's `_no_split_modules`."""
+    wrap_embeddings: bool = True
+    """Wrap the input embedding as its own unit (skipped, with a warning, when tied to lm_head)."""
+    wrap_lm_head: bool = True
+    """Wrap the output projection as its own unit (skipped, with a warning, when tied)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationCheckpointConfig:
+    """Which decoder layers recompute their activations in backward."""
+
+    mode: Literal["none", "full", "selective"] = "none"
+    """none: keep all activations; full: every layer; selective: every `every`-th layer."""
+    every: int = 2
+    """For mode=selective: checkpoint layers 0, every, 2*every, ..."""
+    layer_classes: tuple[str, ...] | None = None
+    """Class names to checkpoint; None = the model's `_no_split_modules`."""

@@ -1,0 +1,173 @@
+"""Packed-sequence (cu_seqlens) attention for HF models, registered via `AttentionInterface`.
+
+Legend: T = packed tokens of all sequences, H = query heads, Hkv = key/value heads,
+D = head dim, N = number of sequences. ``cu_seqlens`` [N+1] holds sequence boundaries.
+
+HF passes the packing through the model's ``**kwargs`` as ``cu_seq_lens_q`` /
+``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` (the flash-attention kwargs), so
+no module is patched: a model opts in with ``config._attn_implementation = "shardforge_packed"``
+(see `register_packed_attention`). Without cu_seqlens (e.g. during ``generate``) the
+function falls back to HF's SDPA path, so one model serves training and generation.
+
+Back-ends: on CUDA with fp16/bf16, `torch.nn.attention.varlen.varlen_attn` (flash varlen);
+elsewhere, causal SDPA run on each sequence's block of the packed tensor (block-diagonal),
+which computes sum(L_i^2) scores instead of T^2 and never builds a [T, T] mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["PACKED_ATTENTION", "packed_attention_forward", "packed_sdpa", "packed_model_kwargs", "register_packed_attention"]
+
+PACKED_ATTENTION = "shardforge_packed"
+
+
+def register_packed_attention(name: str = PACKED_ATTENTION) -> str:
+    """Register the packed attention (and its mask function) under ``name``; return the name.
+
+    Idempotent. Use it with ``AutoModelForCausalLM.from_config(cfg, attn_implementation=name)``
+    or ``model.set_attn_implementation(name)``.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(name, packed_attention_forward)
+    # Packed calls need no mask; the fallback (no cu_seqlens) uses SDPA, so use SDPA's mask.
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return name
+
+
+def packed_model_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int | None = None) -> dict[str, Any]:
+    """The extra forward kwargs that route a packed batch to `packed_attention_forward`."""
+    cu = cu_seqlens.to(torch.int32)
+    if max_seqlen is None:
+        max_seqlen = int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_seqlen, "max_length_k": max_seqlen}
+
+
+def packed_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF attention-interface function. query [1, H, T, D]; key/value [1, Hkv, T, D] -> [1, T, H, D]."""
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(  # type: ignore[no-any-return]
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if query.shape[0] != 1:
+        raise ValueError(
+            f"packed attention expects batch size 1 (all sequences concatenated), got query shape {tuple(query.shape)}"
+        )
+    if dropout:
+        raise ValueError("packed attention does not implement attention dropout; set attention_dropout=0.0")
+    max_seqlen = kwargs.get("max_length_q")
+    out_THD = packed_sdpa(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        cu_seqlens,
+        max_seqlen=max_seqlen,
+        scale=scaling,
+        sliding_window=sliding_window,
+    )
+    return out_THD.unsqueeze(0), None
+
+
+def packed_sdpa(
+    q_THD: torch.Tensor,
+    k_THD: torch.Tensor,
+    v_THD: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    max_seqlen: int | None = None,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention within each packed sequence. q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
+    num_heads, num_kv_heads = q_THD.shape[1], k_THD.shape[1]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of key/value heads ({num_kv_heads})")
+    total = int(cu_seqlens[-1].item())
+    if total != q_THD.shape[0]:
+        raise ValueError(f"cu_seqlens[-1]={total} must equal the packed length T={q_THD.shape[0]}")
+    if _use_varlen_kernel(q_THD):
+        return _varlen_flash(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, scale, sliding_window)
+    return _blockwise_sdpa(q_THD, k_THD, v_THD, cu_seqlens, scale, sliding_window)
+
+
+def _use_varlen_kernel(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _varlen_flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None,
+    scale: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    if max_seqlen is None:
+        max_seqlen = int((cu[1:] - cu[:-1]).max().item())
+    window = (sliding_window - 1, 0) if sliding_window else (-1, 0)
+    out = varlen_attn(
+        q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window, enable_gqa=k.shape[1] != q.shape[1]
+    )
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def _blockwise_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    q_HTD, k_HTD, v_HTD = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    bounds = cu_seqlens.tolist()
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        length = end - start
+        mask = None
+        if sliding_window is not None and length > sliding_window:
+            idx = torch.arange(length, device=q.device)
+            diff = idx[:, None] - idx[None, :]
+            mask = (diff >= 0) & (diff < sliding_window)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q_HTD[:, start:end],
+                k_HTD[:, start:end],
+                v_HTD[:, start:end],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+            )
+        )
+    return torch.cat(outputs, dim=1).transpose(0, 1)
