@@ -1,0 +1,26 @@
+"""shardforge.algorithms: packed batches, the training engine, losses and trainers."""
+
+from shardforge.algorithms.batch import PackedBatch, pack_sequences
+from shardforge.algorithms.config import EngineConfig, OptimizerConfig, SchedulerConfig, parse_dtype
+from shardforge.algorithms.engine import LossFn, LossWeightFn, TrainEngine
+from shardforge.algorithms.losses import sft_loss, target_logprobs, token_count
+from shardforge.algorithms.microbatch import ffd_bins, split_microbatches
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EngineConfig",
+    "LossFn",
+    "LossWeightFn",
+    "OptimizerConfig",
+    "PackedBatch",
+    "SchedulerConfig",
+    "TrainEngine",
+    "ffd_bins",
+    "pack_sequences",
+    "parse_dtype",
+    "sft_loss",
+    "split_microbatches",
+    "target_logprobs",
+    "token_count",
+]

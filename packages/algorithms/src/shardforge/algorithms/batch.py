@@ -1,0 +1,113 @@
+"""Packed batches: all sequences concatenated into one row, no padding.
+
+Legend: T = total tokens, N = sequences. ``cu_seqlens`` [N+1] marks sequence starts.
+``loss_mask[t] = 1`` means token t is a training *target* (it is predicted from the tokens
+before it in its sequence); the first token of a sequence can never be a target.
+Per-token tensors in ``extras`` (rewards, old log-probs, advantages, ...) follow the same
+target alignment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["PackedBatch", "pack_sequences"]
+
+
+@dataclass(kw_only=True)
+class PackedBatch:
+    """A packed batch of N sequences, T tokens in total."""
+
+    input_ids: torch.Tensor
+    """[T] int64 token ids."""
+    position_ids: torch.Tensor
+    """[T] int64 positions, restarting at 0 for every sequence."""
+    cu_seqlens: torch.Tensor
+    """[N+1] int32 cumulative sequence lengths (0, len0, len0+len1, ...)."""
+    loss_mask: torch.Tensor
+    """[T] float32 1.0 where the token is a training target."""
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Optional per-token [T] or per-sequence [N] tensors (rewards, advantages, ...)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.cu_seqlens.numel() - 1)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()  # type: ignore[no-any-return]
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            cu_seqlens=self.cu_seqlens.to(device),
+            loss_mask=self.loss_mask.to(device),
+            extras={k: v.to(device) for k, v in self.extras.items()},
+        )
+
+    def select(self, indices: Sequence[int]) -> PackedBatch:
+        """A new packed batch with the sequences at ``indices`` (in that order)."""
+        bounds = self.cu_seqlens.tolist()
+        spans = [(bounds[i], bounds[i + 1]) for i in indices]
+        token_index = (
+            torch.cat([torch.arange(a, b) for a, b in spans]) if spans else torch.zeros(0, dtype=torch.long)
+        )
+        lengths = torch.tensor([b - a for a, b in spans], dtype=torch.int32)
+        cu = torch.zeros(len(spans) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lengths, 0)
+        extras: dict[str, torch.Tensor] = {}
+        for key, value in self.extras.items():
+            if value.shape[0] == self.num_tokens:
+                extras[key] = value[token_index]
+            elif value.shape[0] == self.num_sequences:
+                extras[key] = value[list(indices)]
+            else:
+                raise ValueError(
+                    f"extra {key!r} has leading size {value.shape[0]}; expected T={self.num_tokens} "
+                    f"(per token) or N={self.num_sequences} (per sequence)"
+                )
+        return PackedBatch(
+            input_ids=self.input_ids[token_index],
+            position_ids=self.position_ids[token_index],
+            cu_seqlens=cu,
+            loss_mask=self.loss_mask[token_index],
+            extras=extras,
+        )
+
+
+def pack_sequences(
+    sequences: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[float]] | None = None,
+) -> PackedBatch:
+    """Concatenate token lists into a `PackedBatch`. ``loss_masks`` default to all targets."""
+    if len(sequences) == 0:
+        raise ValueError("cannot pack an empty list of sequences")
+    if loss_masks is not None and len(loss_masks) != len(sequences):
+        raise ValueError(f"got {len(sequences)} sequences but {len(loss_masks)} loss masks")
+    ids, pos, masks, lengths = [], [], [], []
+    for i, seq in enumerate(sequences):
+        if len(seq) == 0:
+            raise ValueError(f"sequence {i} is empty; drop empty sequences before packing")
+        ids.append(torch.as_tensor(list(seq), dtype=torch.long))
+        pos.append(torch.arange(len(seq), dtype=torch.long))
+        if loss_masks is None:
+            mask = torch.ones(len(seq), dtype=torch.float32)
+        else:
+            mask = torch.as_tensor(list(loss_masks[i]), dtype=torch.float32)
+            if mask.numel() != len(seq):
+                raise ValueError(f"sequence {i} has {len(seq)} tokens but its loss mask has {mask.numel()}")
+        mask = mask.clone()
+        mask[0] = 0.0  # the first token has no context to be predicted from
+        masks.append(mask)
+        lengths.append(len(seq))
+    cu = torch.zeros(len(sequences) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    return PackedBatch(input_ids=torch.cat(ids), position_ids=torch.cat(pos), cu_seqlens=cu, loss_mask=torch.cat(masks))

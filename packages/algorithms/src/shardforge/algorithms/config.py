@@ -1,0 +1,87 @@
+"""Engine configuration (frozen, keyword-only dataclasses, one docstring per field)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+__all__ = ["EngineConfig", "OptimizerConfig", "SchedulerConfig", "parse_dtype"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bf16"`` / ``"bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16`` (and fp32, fp16)."""
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid: {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerConfig:
+    """AdamW with decoupled weight decay on matrices only."""
+
+    lr: float = 1e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Weight decay for parameters with >= 2 dims (biases and norm weights never decay)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this value (None = no clipping)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerConfig:
+    """Learning-rate schedule: linear warmup, then constant, linear or cosine decay."""
+
+    kind: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape after warmup."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from 0 to the peak LR."""
+    total_steps: int = 1
+    """Steps over which linear/cosine decay to min_lr_ratio * lr."""
+    min_lr_ratio: float = 0.0
+    """Floor of the decay as a fraction of the peak LR."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """How `TrainEngine` builds and steps the model."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer settings."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Learning-rate schedule."""
+    param_dtype: str = "float32"
+    """Dtype of the stored (master) parameters."""
+    compute_dtype: str | None = None
+    """FSDP mixed-precision compute dtype (e.g. "bf16"); None = param_dtype."""
+    max_tokens_per_microbatch: int = 4096
+    """Token budget of one micro-batch (forward/backward unit)."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute decoder-layer activations in backward."""
+    checkpoint_every: int = 2
+    """For selective activation checkpointing: every k-th layer."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered params after forward."""
+    cpu_offload: bool = False
+    """FSDP: keep params/grads/optimizer state on CPU."""
+    seed: int = 0
+    """Seed for weights initialised from a config (not from a checkpoint)."""
+    dist_timeout_s: float = 600.0
+    """Collective timeout: a hang becomes an error after this many seconds."""

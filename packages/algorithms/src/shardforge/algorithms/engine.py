@@ -1,0 +1,318 @@
+"""`TrainEngine`: one HF causal LM, sharded per a `ParallelDims`, trained on packed batches.
+
+The engine is the only place that knows the order parallelisms are applied in
+(TP -> CP attention -> EP -> PP -> activation checkpointing -> FSDP/HSDP); today it
+composes packed attention, activation checkpointing and FSDP/HSDP.
+
+Loss normalisation: ``loss_fn`` returns a *sum* over a micro-batch; the engine divides by
+the loss weight summed over the whole global batch (all micro-batches, all data-parallel
+ranks), and multiplies by the number of ranks FSDP averages gradients over. The update
+is therefore the same whatever the micro-batching or the world size.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardforge.algorithms.batch import PackedBatch
+from shardforge.algorithms.config import EngineConfig, parse_dtype
+from shardforge.algorithms.losses import sft_loss, target_logprobs, token_count
+from shardforge.algorithms.microbatch import split_microbatches
+from shardforge.algorithms.modeling import load_hf_config, materialize_reference, validate_layout
+from shardforge.algorithms.optim import build_optimizer, build_scheduler
+from shardforge.fsdp_wrap import (
+    ActivationCheckpointConfig,
+    FSDPConfig,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    clip_grad_norm_,
+    load_full_state_dict,
+    total_grad_norm,
+)
+from shardforge.mesh import ParallelDims, ParallelMesh, build_mesh, current_device, init_distributed
+from shardforge.ulysses_cp import packed_model_kwargs, register_packed_attention
+
+__all__ = ["LossFn", "LossWeightFn", "TrainEngine"]
+
+LossFn = Callable[[torch.Tensor, PackedBatch], torch.Tensor]
+"""(target log-probs [T], micro-batch) -> summed loss (0-dim)."""
+LossWeightFn = Callable[[PackedBatch], torch.Tensor]
+"""micro-batch -> its weight in the global normalisation (e.g. number of target tokens)."""
+
+
+class TrainEngine:
+    """Build, shard and train an HF causal LM.
+
+    Args:
+        model: an HF model directory (``save_pretrained`` output) or a `PretrainedConfig`
+            (weights initialised with ``config.seed``, identically on any layout).
+        dims: the parallel layout (`ParallelDims` or a string like ``"d4"`` / ``"r2d2"``).
+        config: optimizer, schedule, dtype and memory settings.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        dims: ParallelDims | str = "d-1",
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.hf_config = load_hf_config(model)
+        dims = ParallelDims.parse(dims) if isinstance(dims, str) else dims
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        # Everything that can be wrong with the inputs is checked before the first collective.
+        self.dims = dims.resolve(world)
+        validate_layout(self.dims, self.hf_config)
+        self.param_dtype = parse_dtype(self.config.param_dtype)
+        compute = self.config.compute_dtype
+        self.compute_dtype = parse_dtype(compute) if compute else None
+        self.mesh: ParallelMesh | None = None
+        if world > 1 or dist.is_initialized():
+            init_distributed(timeout_s=self.config.dist_timeout_s)
+            self.mesh = build_mesh(self.dims)
+        self.device = current_device()
+        self.model = self._build_model(model)
+        self.optimizer = build_optimizer(self.model, self.config.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, self.config.scheduler)
+        self.step = 0
+
+    # ------------------------------------------------------------------ construction
+    def _build_model(self, source: Any) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        attn = register_packed_attention()
+        is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        reference = None
+        if is_rank0:
+            reference = materialize_reference(
+                source, self.hf_config, dtype=self.param_dtype, attn_implementation=attn, seed=self.config.seed
+            )
+            reference.config.use_cache = False
+        if self.mesh is None or self.dims.world_size == 1:
+            assert reference is not None
+            apply_activation_checkpointing(reference, self._ac_config())
+            return reference.to(self.device)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.param_dtype, attn_implementation=attn)
+        model.config.use_cache = False
+        apply_activation_checkpointing(model, self._ac_config())
+        apply_fsdp(model, self._fsdp_mesh(), self._fsdp_config())
+        full = reference.state_dict() if reference is not None else None
+        buffers = dict(reference.named_buffers()) if reference is not None else None
+        load_full_state_dict(model, full, device=self.device, buffers=buffers)
+        del reference, full, buffers
+        return model
+
+    def _ac_config(self) -> ActivationCheckpointConfig:
+        return ActivationCheckpointConfig(
+            mode=self.config.activation_checkpointing, every=self.config.checkpoint_every
+        )
+
+    def _fsdp_config(self) -> FSDPConfig:
+        return FSDPConfig(
+            param_dtype=self.compute_dtype,
+            reduce_dtype=torch.float32,
+            reshard_after_forward=self.config.reshard_after_forward,
+            cpu_offload=self.config.cpu_offload,
+        )
+
+    def _fsdp_mesh(self) -> Any:
+        assert self.mesh is not None
+        if self.mesh.has("dp_replicate") and self.mesh.has("fsdp"):
+            return self.mesh.get(("dp_replicate", "fsdp"))
+        if self.mesh.has("fsdp"):
+            return self.mesh.get("fsdp")
+        # Replicate-only layouts (r>1, d=1) shard over the replicas: numerically the same as
+        # DDP, with less memory.
+        return self.mesh.get("dp_replicate")
+
+    # ------------------------------------------------------------------ groups
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """Ranks holding different data (losses and weights are summed over them)."""
+        if self.mesh is None or not self.mesh.has("dp"):
+            return None
+        return self.mesh.get("dp").get_group()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.local_rank("dp") if self.mesh is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def is_main(self) -> bool:
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    def _all_reduce_sum(self, value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        value = value.detach().to(torch.float64).reshape(1).clone()
+        if group is not None:
+            value = value.to(self.device)
+            dist.all_reduce(value, group=group)
+        return value[0].cpu()
+
+    def _microbatches(self, batch: PackedBatch) -> list[tuple[list[int], PackedBatch | None]]:
+        group = dist.group.WORLD if dist.is_initialized() else None
+        return split_microbatches(batch, self.config.max_tokens_per_microbatch, group=group)
+
+    # ------------------------------------------------------------------ compute
+    def _logprobs(self, mb: PackedBatch) -> torch.Tensor:
+        mb = mb.to(self.device)
+        out = self.model(
+            input_ids=mb.input_ids[None],
+            position_ids=mb.position_ids[None],
+            use_cache=False,
+            **packed_model_kwargs(mb.cu_seqlens),
+        )
+        return target_logprobs(out.logits[0], mb.input_ids, mb.cu_seqlens)
+
+    def _dummy(self) -> PackedBatch:
+        # Ranks with fewer sequences than the agreed micro-batch count still run forward and
+        # backward (FSDP collectives must match) on one token with zero loss weight.
+        return PackedBatch(
+            input_ids=torch.zeros(1, dtype=torch.long),
+            position_ids=torch.zeros(1, dtype=torch.long),
+            cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+            loss_mask=torch.zeros(1),
+        )
+
+    def train_batch(
+        self,
+        batch: PackedBatch,
+        loss_fn: LossFn = sft_loss,
+        loss_weight_fn: LossWeightFn = token_count,
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's share of the global batch; return global stats."""
+        start = time.perf_counter()
+        self.model.train()
+        microbatches = self._microbatches(batch)
+        local_weight = sum((loss_weight_fn(mb).detach().double() for _, mb in microbatches if mb is not None),
+                           torch.zeros((), dtype=torch.float64))
+        global_weight = float(self._all_reduce_sum(local_weight, self.dp_group))
+        if global_weight <= 0:
+            raise ValueError(
+                "the global batch has zero loss weight (no target tokens on any rank); check loss_mask "
+                "(e.g. completions are empty or were truncated away)"
+            )
+        # FSDP averages gradients over the dp_cp ranks; undo that so the sum is global.
+        grad_scale = self.dims.dp_cp / global_weight
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for _, mb in microbatches:
+            real = mb is not None
+            mb = mb if mb is not None else self._dummy()
+            logprobs = self._logprobs(mb)
+            loss = loss_fn(logprobs, mb)
+            if not real:
+                loss = loss * 0.0
+            (loss * grad_scale).backward()
+            loss_sum += loss.detach().double().cpu()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.config.optimizer.max_grad_norm
+        grad_norm = clip_grad_norm_(params, max_norm) if max_norm else total_grad_norm(params)
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.step += 1
+        total_loss = float(self._all_reduce_sum(loss_sum, self.dp_group)) / global_weight
+        num_tokens = float(self._all_reduce_sum(torch.tensor(float(batch.num_tokens)), self.dp_group))
+        return {
+            "loss": total_loss,
+            "grad_norm": float(grad_norm),
+            "lr": float(lr),
+            "loss_weight": global_weight,
+            "tokens": num_tokens,
+            "microbatches": float(len(microbatches)),
+            "skipped": float(not finite),
+            "step_time_s": time.perf_counter() - start,
+        }
+
+    @torch.no_grad()
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """[T] target log-probs of this rank's batch (token order of ``batch``)."""
+        self.model.eval()
+        out = torch.zeros(batch.num_tokens, dtype=torch.float32)
+        bounds = batch.cu_seqlens.tolist()
+        for indices, mb in self._microbatches(batch):
+            logprobs = self._logprobs(mb if mb is not None else self._dummy()).cpu()
+            if mb is None:
+                continue
+            offset = 0
+            for i in indices:
+                length = bounds[i + 1] - bounds[i]
+                out[bounds[i] : bounds[i + 1]] = logprobs[offset : offset + length]
+                offset += length
+        return out
+
+    @torch.no_grad()
+    def eval_batch(
+        self,
+        batch: PackedBatch,
+        loss_fn: LossFn = sft_loss,
+        loss_weight_fn: LossWeightFn = token_count,
+    ) -> dict[str, float]:
+        """Global loss of a batch without updating anything."""
+        self.model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        weight = torch.zeros((), dtype=torch.float64)
+        for _, mb in self._microbatches(batch):
+            logprobs = self._logprobs(mb if mb is not None else self._dummy())
+            if mb is None:
+                continue
+            loss_sum += loss_fn(logprobs, mb.to(self.device)).double().cpu()
+            weight += loss_weight_fn(mb).double()
+        total = float(self._all_reduce_sum(loss_sum, self.dp_group))
+        weight_total = float(self._all_reduce_sum(weight, self.dp_group))
+        return {"loss": total / max(weight_total, 1e-12), "loss_weight": weight_total}
+
+    # ------------------------------------------------------------------ export
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) model state dict on rank 0's CPU; an empty dict elsewhere."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if not dist.is_initialized():
+            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return state if dist.get_rank() == 0 else {}
+
+    def export_hf(self, out_dir: str | os.PathLike[str], tokenizer: Any = None) -> None:
+        """Write an HF model directory (safetensors + config [+ tokenizer]) from rank 0.
+
+        Gathers the full state dict on rank 0; a streaming exporter belongs to checkpoint-dcp.
+        """
+        state = self.full_state_dict()
+        if self.is_main:
+            from transformers import AutoModelForCausalLM
+
+            config = replace_attn(self.hf_config)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=self.param_dtype)
+            model.load_state_dict(state, assign=True, strict=True)
+            model.tie_weights()
+            model.save_pretrained(out_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out_dir)
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def replace_attn(hf_config: Any) -> Any:
+    """A copy of ``hf_config`` whose saved attention implementation is plain SDPA."""
+    import copy
+
+    config = copy.deepcopy(hf_config)
+    config._attn_implementation = "sdpa"
+    return config

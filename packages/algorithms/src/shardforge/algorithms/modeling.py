@@ -1,0 +1,95 @@
+"""Load HF configs and models for the engine, and validate layouts against them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardforge.mesh import ParallelDims, divisors
+
+__all__ = ["load_hf_config", "validate_layout", "is_model_dir"]
+
+_PLANNED = {
+    "tp": "tensor parallelism (package shardforge-tensor-parallel)",
+    "cp": "Ulysses context parallelism (package shardforge-ulysses-cp, cp > 1)",
+    "pp": "pipeline parallelism (package shardforge-pipeline)",
+    "ep": "expert parallelism (package shardforge-moe-ep)",
+}
+
+
+def is_model_dir(source: object) -> bool:
+    return isinstance(source, (str, os.PathLike))
+
+
+def load_hf_config(source: Any) -> Any:
+    """An HF config from a model directory, or ``source`` itself if it is already a config."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        return source
+    if not is_model_dir(source):
+        raise TypeError(f"model must be an HF model directory or a PretrainedConfig, got {type(source).__name__}")
+    path = Path(source)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model directory {str(path)!r} does not exist; pass a directory written by "
+            "`save_pretrained` (config.json + *.safetensors)"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{str(path)!r} has no config.json (found: {sorted(p.name for p in path.iterdir())[:10]}); "
+            "pass a directory written by `save_pretrained`"
+        )
+    return AutoConfig.from_pretrained(path)
+
+
+def validate_layout(dims: ParallelDims, hf_config: Any) -> None:
+    """Check ``dims`` against the model's shape before any collective; raise `ValueError`."""
+    heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", heads) or heads)
+    layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    if dims.tp > 1:
+        for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            if value % dims.tp != 0:
+                raise ValueError(f"tp={dims.tp} must divide {name}={value}; valid tp: {divisors(value)}")
+    if dims.cp > 1 and heads % dims.cp != 0:
+        raise ValueError(f"cp={dims.cp} must divide num_attention_heads={heads}; valid cp: {divisors(heads)}")
+    if dims.pp > 1 and layers < dims.pp:
+        raise ValueError(
+            f"pp={dims.pp} needs at least one decoder layer per stage but the model has {layers} layers; "
+            f"valid pp: 1..{layers}"
+        )
+    if dims.ep > 1:
+        experts = int(getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0) or 0)
+        if experts == 0:
+            raise ValueError(f"ep={dims.ep} but {type(hf_config).__name__} has no experts; use ep=1")
+        if experts % dims.ep != 0:
+            raise ValueError(f"ep={dims.ep} must divide num_experts={experts}; valid ep: {divisors(experts)}")
+    unsupported = [axis for axis in ("tp", "cp", "pp", "ep") if dims.size(axis) > 1]
+    if unsupported:
+        what = "; ".join(f"{a}={dims.size(a)}: {_PLANNED[a]}" for a in unsupported)
+        raise ValueError(
+            f"layout {dims.to_string()} uses parallelism the engine does not provide yet ({what}); "
+            "use FSDP/HSDP layouts (letters r and d), e.g. 'd4' or 'r2d2'"
+        )
+
+
+def materialize_reference(
+    source: Any, hf_config: Any, *, dtype: torch.dtype, attn_implementation: str, seed: int
+) -> nn.Module:
+    """The full model on CPU (rank 0 only): from disk, or initialised from the config with ``seed``."""
+    from transformers import AutoModelForCausalLM
+
+    if is_model_dir(source):
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
