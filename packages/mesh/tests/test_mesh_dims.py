@@ -63,7 +63,9 @@ def test_dims_are_frozen():
 @pytest.mark.parametrize("spec", ["d4z2", "q2", "d4t2y1"])
 def test_parse_unknown_letter_lists_valid_letters(spec):
     bad = next(ch for ch in spec if ch.isalpha() and ch not in "rdctpex")
-    with pytest.raises(ValueError, match=rf"unknown axis letter '{bad}' in layout '{spec}'; valid letters: {LETTERS_HELP}"):
+    with pytest.raises(
+        ValueError, match=rf"unknown axis letter '{bad}' in layout '{spec}'; valid letters: {LETTERS_HELP}"
+    ):
         ParallelDims.parse(spec)
 
 
@@ -111,7 +113,14 @@ def test_parse_non_string_is_type_error(spec, type_name):
 
 @pytest.mark.parametrize(
     ("spec", "field", "value"),
-    [("t0", "tp", 0), ("c-1", "cp", -1), ("p0", "pp", 0), ("e0", "ep", 0), ("x0", "etp", 0), ("r-3", "dp_replicate", -3)],
+    [
+        ("t0", "tp", 0),
+        ("c-1", "cp", -1),
+        ("p0", "pp", 0),
+        ("e0", "ep", 0),
+        ("x0", "etp", 0),
+        ("r-3", "dp_replicate", -3),
+    ],
 )
 def test_parse_zero_or_negative_sizes(spec, field, value):
     with pytest.raises(ValueError, match=rf"{field}={value} is invalid; sizes must be >= 1"):
@@ -312,7 +321,20 @@ def test_unresolved_dims_still_report_given_sizes():
 def test_size_unknown_axis_lists_valid_axes(axis):
     with pytest.raises(ValueError, match=rf"unknown axis '{axis}'; valid axes: \[") as info:
         ParallelDims.parse("d4").size(axis)
-    for name in ("cp", "dp", "dp_cp", "dp_replicate", "dp_shard", "efsdp", "ep", "etp", "fsdp", "pp", "tp", "world_size"):
+    for name in (
+        "cp",
+        "dp",
+        "dp_cp",
+        "dp_replicate",
+        "dp_shard",
+        "efsdp",
+        "ep",
+        "etp",
+        "fsdp",
+        "pp",
+        "tp",
+        "world_size",
+    ):
         assert f"'{name}'" in str(info.value)
 
 

@@ -99,8 +99,22 @@ _PAIRS = [[0, 1], [2, 3]]  # inner axis
 _STRIDED = [[0, 2], [1, 3]]  # outer axis
 WORLD4 = {
     "d4": {a: _ALL4 for a in ("dp_shard", "dp", "fsdp", "dp_cp", "efsdp")},
-    "r2d2": {"dp_replicate": _STRIDED, "dp_shard": _PAIRS, "dp": _ALL4, "fsdp": _PAIRS, "dp_cp": _ALL4, "efsdp": _PAIRS},
-    "d2t2": {"dp_shard": _STRIDED, "tp": _PAIRS, "dp": _STRIDED, "fsdp": _STRIDED, "dp_cp": _STRIDED, "efsdp": _STRIDED},
+    "r2d2": {
+        "dp_replicate": _STRIDED,
+        "dp_shard": _PAIRS,
+        "dp": _ALL4,
+        "fsdp": _PAIRS,
+        "dp_cp": _ALL4,
+        "efsdp": _PAIRS,
+    },
+    "d2t2": {
+        "dp_shard": _STRIDED,
+        "tp": _PAIRS,
+        "dp": _STRIDED,
+        "fsdp": _STRIDED,
+        "dp_cp": _STRIDED,
+        "efsdp": _STRIDED,
+    },
     "d2c2": {"dp_shard": _STRIDED, "cp": _PAIRS, "dp": _STRIDED, "fsdp": _ALL4, "dp_cp": _ALL4, "efsdp": _ALL4},
     "c2t2": {"cp": _STRIDED, "tp": _PAIRS, "fsdp": _STRIDED, "dp_cp": _STRIDED, "efsdp": _STRIDED},
     "p2d2": {"pp": _STRIDED, "dp_shard": _PAIRS, "dp": _PAIRS, "fsdp": _PAIRS, "dp_cp": _PAIRS, "efsdp": _PAIRS},
@@ -116,7 +130,14 @@ WORLD4 = {
         **{"ep": _PAIRS, "efsdp": _STRIDED},
     },
     # etp == tp: experts borrow dp_shard only, so ep runs along dp_shard and efsdp has size 1
-    "d2t2e2x2": {"dp_shard": _STRIDED, "tp": _PAIRS, "dp": _STRIDED, "fsdp": _STRIDED, "dp_cp": _STRIDED, "ep": _STRIDED},
+    "d2t2e2x2": {
+        "dp_shard": _STRIDED,
+        "tp": _PAIRS,
+        "dp": _STRIDED,
+        "fsdp": _STRIDED,
+        "dp_cp": _STRIDED,
+        "ep": _STRIDED,
+    },
     "d2c2e4": {"dp_shard": _STRIDED, "cp": _PAIRS, "dp": _STRIDED, "fsdp": _ALL4, "dp_cp": _ALL4, "ep": _ALL4},
 }
 

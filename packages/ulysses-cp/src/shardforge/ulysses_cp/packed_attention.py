@@ -10,7 +10,7 @@ no module is patched: a model opts in with ``config._attn_implementation = "shar
 function falls back to HF's SDPA path, so one model serves training and generation.
 
 Back-ends: on CUDA with fp16/bf16, `torch.nn.attention.varlen.varlen_attn` (flash varlen);
-elsewhere, causal SDPA run on each sequence's block of the packed tensor (block-diagonal),
+elsewhere, causal SDPA per sequence (block-diagonal; equal-length sequences share one call),
 which computes sum(L_i^2) scores instead of T^2 and never builds a [T, T] mask.
 """
 
@@ -148,26 +148,27 @@ def _blockwise_sdpa(
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    q_HTD, k_HTD, v_HTD = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     bounds = cu_seqlens.tolist()
-    outputs = []
+    by_length: dict[int, list[int]] = {}
     for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
-            continue
-        length = end - start
+        if end > start:
+            by_length.setdefault(end - start, []).append(start)
+    out = q.new_empty(q.shape)
+    # Sequences of equal length run as one batched SDPA call: packed batches of short
+    # sequences would otherwise pay per-call overhead once per sequence and layer.
+    for length, starts in by_length.items():
+        index_NL = torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)
+        flat = index_NL.reshape(-1)
+        q_NHLD = q[flat].view(len(starts), length, *q.shape[1:]).transpose(1, 2)
+        k_NHLD = k[flat].view(len(starts), length, *k.shape[1:]).transpose(1, 2)
+        v_NHLD = v[flat].view(len(starts), length, *v.shape[1:]).transpose(1, 2)
         mask = None
         if sliding_window is not None and length > sliding_window:
             idx = torch.arange(length, device=q.device)
             diff = idx[:, None] - idx[None, :]
             mask = (diff >= 0) & (diff < sliding_window)
-        outputs.append(
-            F.scaled_dot_product_attention(
-                q_HTD[:, start:end],
-                k_HTD[:, start:end],
-                v_HTD[:, start:end],
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-            )
+        o_NHLD = F.scaled_dot_product_attention(
+            q_NHLD, k_NHLD, v_NHLD, attn_mask=mask, is_causal=mask is None, scale=scale
         )
-    return torch.cat(outputs, dim=1).transpose(0, 1)
+        out = out.index_copy(0, flat, o_NHLD.transpose(1, 2).reshape(-1, *q.shape[1:]))
+    return out

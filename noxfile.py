@@ -1,0 +1,140 @@
+"""Every developer and CI entry point. Each session installs with constraints.txt.
+
+    nox -s tests        all unit + integration tests, one venv, editable installs (CI runs this)
+    nox -s demo         the end-to-end CPU demo (tiny Qwen3, FSDP on 2 ranks)
+    nox -s integration  only the multi-rank integration suite
+    nox -s isolation    build each wheel, install it alone in a fresh venv, import it, run its tests
+    nox -s lint         ruff check + format check
+    nox -s typecheck    mypy on the packages' sources
+    nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG + RESULTS.md)
+    nox -s docs         check the markdown docs (links and referenced files)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests"]
+
+ROOT = Path(__file__).parent
+PYTHON = "3.11"
+CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+# Dependency order: mesh first, algorithms last.
+PACKAGES = (
+    "mesh",
+    "fsdp-wrap",
+    "ulysses-cp",
+    "tensor-parallel",
+    "moe-ep",
+    "pipeline",
+    "checkpoint-dcp",
+    "weight-sync",
+    "algorithms",
+)
+TEST_TOOLS = ("pytest", "cloudpickle")
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+def _install_torch(session: nox.Session) -> None:
+    # First and on its own, so the pinned local CPU wheel wins over any registry build.
+    session.install(*CONSTRAINTS, "torch==2.13.0")
+
+
+def _install_workspace(session: nox.Session, *extra: str) -> None:
+    _install_torch(session)
+    session.install(*CONSTRAINTS, "hatchling", *TEST_TOOLS, *extra)
+    editable: list[str] = []
+    for name in PACKAGES:
+        editable += ["-e", f"packages/{name}"]
+    session.install(*CONSTRAINTS, "--no-build-isolation", *editable)
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    args = session.posargs or ["-q", "-ra", *paths]
+    session.run("python", "-m", "pytest", *args, env=THREAD_ENV)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """All package unit tests and the integration suite in one venv."""
+    _install_workspace(session)
+    _pytest(session, "packages", "integration_tests")
+
+
+@nox.session(python=PYTHON)
+def integration(session: nox.Session) -> None:
+    """Only the multi-rank integration suite."""
+    _install_workspace(session)
+    _pytest(session, "integration_tests")
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """Tiny Qwen3 + char tokenizer + addition SFT with FSDP on 2 CPU ranks; prints accuracy before/after."""
+    _install_workspace(session)
+    out = session.posargs[0] if session.posargs else "outputs/demo"
+    session.run("shardforge", "demo", "--out", out, "--nproc-per-node", "2", env=THREAD_ENV)
+
+
+@nox.session(python=PYTHON)
+def isolation(session: nox.Session) -> None:
+    """Each wheel alone in a fresh venv with only its declared deps: install, import, run its tests."""
+    _install_torch(session)
+    session.install(*CONSTRAINTS, "build", "hatchling")
+    dist = ROOT / "dist" / "isolation"
+    session.run("rm", "-rf", str(dist), external=True)
+    for name in PACKAGES:
+        session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), f"packages/{name}")
+    for name in PACKAGES:
+        venv = Path(session.create_tmp()) / f"iso-{name}"
+        session.run("rm", "-rf", str(venv), external=True)
+        session.run("python", "-m", "venv", str(venv))
+        py = str(venv / "bin" / "python")
+        pip = (py, "-m", "pip", "install", "-q", *CONSTRAINTS, "--find-links", str(dist))
+        session.run(*pip, "torch==2.13.0", external=True)
+        session.run(*pip, f"shardforge-{name}[test]", "cloudpickle", external=True)
+        module = "shardforge." + name.replace("-", "_")
+        session.run(py, "-c", f"import {module}; print({module}.__name__, 'imports alone')", external=True)
+        # Run the package's own tests from outside the repo's sources (only the wheel is importable).
+        session.run(
+            py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
+            "--rootdir", f"packages/{name}", "-c", os.devnull, f"packages/{name}/tests",
+            external=True, env=THREAD_ENV,
+        )  # fmt: skip
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check and format check."""
+    session.install(*CONSTRAINTS, "ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy over every package's src/."""
+    _install_workspace(session, "mypy", "types-PyYAML")
+    sources = sorted(glob.glob("packages/*/src"))
+    session.run("mypy", *[f"{s}/shardforge" for s in sources])
+
+
+@nox.session(python=PYTHON)
+def benchmarks(session: nox.Session) -> None:
+    """Run every benchmarks/bench_*.py; each writes JSON + PNG and a row in benchmarks/RESULTS.md."""
+    _install_workspace(session)
+    scripts = session.posargs or sorted(glob.glob("benchmarks/bench_*.py"))
+    for script in scripts:
+        session.run("python", script, env=THREAD_ENV)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Check that every relative link and referenced path in the markdown docs exists."""
+    session.run("python", "docs/check_docs.py")

@@ -1,0 +1,104 @@
+"""The `shardforge` command line.
+
+    shardforge train sft --config examples/sft_tiny.yaml [--nproc-per-node N] key=value ...
+    shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600]
+
+``key=value`` overrides use dotted paths into the config (``engine.optimizer.lr=1e-3``).
+With ``--nproc-per-node N > 1`` outside torchrun, the command relaunches itself through
+``torch.distributed.run``; under torchrun it runs as one rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from typing import Any
+
+__all__ = ["main"]
+
+TRAINERS = ("sft",)
+PLANNED_TRAINERS = ("rm", "ppo", "grpo")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardforge", description="Distributed LLM training on HF models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model", description="Train with a YAML config plus overrides.")
+    train.add_argument("algorithm", help=f"one of {list(TRAINERS)} (planned: {list(PLANNED_TRAINERS)})")
+    train.add_argument("--config", required=True, help="YAML config file")
+    train.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
+    train.epilog = "Any further key=value arguments override config entries, e.g. engine.optimizer.lr=1e-3"
+    demo = sub.add_parser("demo", help="run the end-to-end CPU demo")
+    demo.add_argument("--out", default="outputs/demo", help="output directory")
+    demo.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
+    demo.add_argument("--steps", type=int, default=600, help="SFT steps")
+    return parser
+
+
+def _relaunch(nproc: int) -> int:
+    """Re-run this exact command under torchrun with ``nproc`` ranks."""
+    args = [a for a in sys.argv[1:]]
+    cleaned: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg == "--nproc-per-node":
+            skip = True
+            continue
+        if arg.startswith("--nproc-per-node="):
+            continue
+        cleaned.append(arg)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "shardforge.algorithms.cli", *cleaned,
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.call(command, env=env)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from shardforge.algorithms.config_io import apply_overrides, build_config, load_yaml
+
+    if args.algorithm not in TRAINERS:
+        if args.algorithm in PLANNED_TRAINERS:
+            raise SystemExit(f"`train {args.algorithm}` is planned but not available yet; available: {list(TRAINERS)}")
+        raise SystemExit(f"unknown algorithm {args.algorithm!r}; available: {list(TRAINERS)}")
+    if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+        return _relaunch(args.nproc_per_node)
+    data = apply_overrides(load_yaml(args.config), args.overrides)
+    from shardforge.algorithms.sft import SFTConfig, run_sft
+
+    config: Any = build_config(SFTConfig, data)
+    summary = run_sft(config)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[shardforge] done: {summary}", flush=True)
+    from shardforge.mesh import destroy_distributed
+
+    destroy_distributed()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    bad = [a for a in extra if "=" not in a or a.startswith("-")]
+    if bad or (extra and args.command != "train"):
+        parser.error(f"unrecognized arguments: {' '.join(bad or extra)} (overrides look like key=value)")
+    args.overrides = extra
+    if args.command == "train":
+        return _train(args)
+    if args.command == "demo":
+        from shardforge.algorithms.demo import run_demo
+
+        run_demo(args.out, nproc=args.nproc_per_node, steps=args.steps)
+        return 0
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Build nested frozen config dataclasses from YAML/dicts and ``a.b.c=value`` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+__all__ = ["apply_overrides", "build_config", "load_yaml", "config_to_dict"]
+
+T = TypeVar("T")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; a clear error if the file is missing or not a mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r} must contain a mapping at the top level")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``["engine.optimizer.lr=1e-3", "steps=10"]`` to a nested dict (values parsed as YAML)."""
+    result = _deep_copy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key=value (e.g. engine.optimizer.lr=1e-3)")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = result
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"override {item!r}: {part!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def build_config(cls: type[T], data: dict[str, Any], *, where: str = "") -> T:
+    """Instantiate dataclass ``cls`` from ``data``, recursing into nested dataclasses.
+
+    Unknown keys raise `ValueError` listing the valid ones; values are coerced to the
+    annotated scalar types (int, float, bool, str, tuples).
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"config section {where or cls.__name__!r} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {unknown} in {where or cls.__name__}; valid keys: {sorted(fields)}"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, f"{where}.{name}" if where else name)
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ValueError(f"missing required config key(s) {missing} in {where or cls.__name__}")
+    return cls(**kwargs)
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A YAML-friendly dict of a (nested) config dataclass."""
+    out = dataclasses.asdict(config)
+    return _plain(out)  # type: ignore[no-any-return]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, where)
+            except (TypeError, ValueError) as exc:
+                errors.append(str(exc))
+        raise ValueError(f"{where}: {value!r} does not match {hint}: {'; '.join(errors)}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ValueError(f"{where}: {value!r} is not one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return build_config(hint, value, where=where)  # type: ignore[arg-type]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(args[0], v, where) for v in value)
+        if len(args) != len(value):
+            raise ValueError(f"{where}: expected {len(args)} values, got {value!r}")
+        return tuple(_coerce(a, v, where) for a, v in zip(args, value))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{where}: expected true/false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}

@@ -1,0 +1,161 @@
+"""SFT data: JSONL rows -> token ids + loss masks, and a deterministic global batch sampler.
+
+Accepted rows (one JSON object per line):
+
+    {"prompt": "...", "completion": "..."}          loss on the completion (+ EOS)
+    {"messages": [{"role": ..., "content": ...}]}   loss on assistant turns (chat template)
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardforge.algorithms.batch import PackedBatch, pack_sequences
+
+__all__ = ["GlobalBatchSampler", "SFTExample", "load_sft_examples", "tokenize_sft_row"]
+
+
+@dataclass(frozen=True, slots=True)
+class SFTExample:
+    """One tokenised example: ids and a per-token target mask."""
+
+    input_ids: list[int]
+    loss_mask: list[float]
+
+
+def load_sft_examples(path: str | Path, tokenizer: Any, *, max_seq_len: int | None = None) -> list[SFTExample]:
+    """Read and tokenise a JSONL file with HF `datasets`; validate every row first."""
+    import datasets
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
+    datasets.disable_progress_bars()
+    rows = datasets.load_dataset("json", data_files=str(path), split="train")
+    examples = []
+    truncated = 0
+    for index, row in enumerate(rows):
+        example = tokenize_sft_row(row, tokenizer, where=f"row {index} of {path.name}")
+        if max_seq_len is not None and len(example.input_ids) > max_seq_len:
+            truncated += 1
+            example = SFTExample(example.input_ids[:max_seq_len], example.loss_mask[:max_seq_len])
+        examples.append(example)
+    if not examples:
+        raise ValueError(f"dataset file {str(path)!r} has no rows")
+    if truncated:
+        warnings.warn(f"{truncated} of {len(examples)} examples in {path.name} truncated to {max_seq_len} tokens",
+                      stacklevel=2)
+    return examples
+
+
+def tokenize_sft_row(row: dict[str, Any], tokenizer: Any, *, where: str = "row") -> SFTExample:
+    """Tokenise one prompt/completion or chat row; a `ValueError` names a malformed row."""
+    present = {k for k, v in row.items() if v is not None}
+    if {"prompt", "completion"} <= present:
+        prompt, completion = row["prompt"], row["completion"]
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise ValueError(f"{where}: 'prompt' and 'completion' must be strings")
+        prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        prompt_ids = prefix + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            completion_ids = completion_ids + [tokenizer.eos_token_id]
+        if not completion_ids:
+            raise ValueError(f"{where}: the completion is empty, so there is nothing to train on")
+        ids = prompt_ids + completion_ids
+        mask = [0.0] * len(prompt_ids) + [1.0] * len(completion_ids)
+        return SFTExample(ids, mask)
+    if "messages" in present:
+        return _tokenize_chat(row["messages"], tokenizer, where)
+    raise ValueError(
+        f"{where} has fields {sorted(present)}; expected 'prompt' + 'completion' (strings) or 'messages' "
+        "(a list of {'role', 'content'})"
+    )
+
+
+def _tokenize_chat(messages: Any, tokenizer: Any, where: str) -> SFTExample:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not {"role", "content"} <= set(message):
+            raise ValueError(f"{where}: message {i} must have 'role' and 'content', got {message!r}")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"{where}: chat rows need a tokenizer with a chat_template; use prompt/completion rows")
+    ids: list[int] = []
+    mask: list[float] = []
+    for i, message in enumerate(messages):
+        # Tokenise growing prefixes; the new tokens of an assistant turn are targets.
+        if message["role"] == "assistant":
+            before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=True)
+            after = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True)
+            before, after = _ids(before), _ids(after)
+            if after[: len(before)] != before:
+                raise ValueError(f"{where}: the chat template is not prefix-stable; cannot locate assistant tokens")
+            ids.extend(before[len(ids) :])
+            mask.extend([0.0] * (len(before) - len(mask)))
+            ids.extend(after[len(before) :])
+            mask.extend([1.0] * (len(after) - len(before)))
+    if not any(mask):
+        raise ValueError(f"{where}: no assistant message, so there is nothing to train on")
+    return SFTExample(ids, mask)
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, dict) or hasattr(value, "keys"):
+        value = value["input_ids"]
+    return list(value)
+
+
+class GlobalBatchSampler:
+    """Deterministic global batches over an infinite stream of shuffled epochs.
+
+    Global batch ``k`` is items ``[k*B, (k+1)*B)`` of the concatenated per-epoch
+    permutations; data-parallel rank ``r`` of ``n`` takes every n-th of them. The position
+    is just the step, so a resumed run (with any data-parallel size) continues exactly.
+    """
+
+    def __init__(self, num_examples: int, global_batch_size: int, *, seed: int = 0, shuffle: bool = True) -> None:
+        if num_examples < 1:
+            raise ValueError("the dataset is empty")
+        if global_batch_size < 1:
+            raise ValueError(f"global batch size must be >= 1, got {global_batch_size}")
+        self.num_examples = num_examples
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self._epochs: dict[int, list[int]] = {}
+
+    def _epoch(self, epoch: int) -> list[int]:
+        if epoch not in self._epochs:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed + epoch)
+                self._epochs[epoch] = torch.randperm(self.num_examples, generator=gen).tolist()
+            else:
+                self._epochs[epoch] = list(range(self.num_examples))
+            if len(self._epochs) > 2:
+                self._epochs.pop(min(self._epochs))
+        return self._epochs[epoch]
+
+    def global_batch(self, step: int) -> list[int]:
+        start = step * self.global_batch_size
+        return [self._epoch(i // self.num_examples)[i % self.num_examples]
+                for i in range(start, start + self.global_batch_size)]
+
+    def local_batch(self, step: int, dp_rank: int, dp_size: int) -> list[int]:
+        if self.global_batch_size < dp_size:
+            raise ValueError(
+                f"global batch size {self.global_batch_size} is smaller than the data-parallel size {dp_size}; "
+                f"use a batch size >= {dp_size}"
+            )
+        return self.global_batch(step)[dp_rank::dp_size]
+
+
+def pack_examples(examples: list[SFTExample], indices: list[int]) -> PackedBatch:
+    """Pack the examples at ``indices`` into one `PackedBatch`."""
+    chosen = [examples[i] for i in indices]
+    return pack_sequences([e.input_ids for e in chosen], [e.loss_mask for e in chosen])

@@ -1,0 +1,156 @@
+"""Supervised fine-tuning: JSONL -> packed batches -> `TrainEngine`, with eval and metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from shardforge.algorithms.config import EngineConfig
+from shardforge.algorithms.config_io import config_to_dict
+from shardforge.algorithms.data import GlobalBatchSampler, SFTExample, load_sft_examples, pack_examples
+from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.metrics import MetricsLogger
+
+__all__ = ["SFTConfig", "run_sft"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SFTConfig:
+    """Everything `shardforge train sft` needs; YAML keys mirror these fields."""
+
+    model: str
+    """HF model directory to start from (config.json + safetensors)."""
+    train_file: str
+    """JSONL with prompt/completion or messages rows."""
+    output_dir: str
+    """Where metrics, TensorBoard logs and the exported model go."""
+    tokenizer: str | None = None
+    """Tokenizer directory; None = the model directory."""
+    eval_file: str | None = None
+    """Optional held-out JSONL for periodic eval loss."""
+    layout: str = "d-1"
+    """Parallel layout, e.g. 'd2' (FSDP 2), 'r2d2' (HSDP); d-1 = all ranks FSDP."""
+    steps: int = 100
+    """Optimizer steps."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step, across all data-parallel ranks."""
+    max_seq_len: int | None = None
+    """Truncate longer examples; None = keep (they must fit the micro-batch budget)."""
+    eval_every: int = 0
+    """Run eval every this many steps (0 = only at the end, when eval_file is set)."""
+    eval_batch_size: int = 64
+    """Sequences per eval batch."""
+    log_every: int = 1
+    """Write train metrics every this many steps."""
+    seed: int = 0
+    """Data-order seed."""
+    export_hf_at_end: bool = True
+    """Write an HF model directory to output_dir/hf after the last step."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Engine settings (optimizer, schedule, dtype, micro-batch budget, ...)."""
+
+
+def _check_lengths(examples: list[SFTExample], budget: int, name: str) -> None:
+    longest = max(len(e.input_ids) for e in examples)
+    if longest > budget:
+        count = sum(len(e.input_ids) > budget for e in examples)
+        raise ValueError(
+            f"{count} example(s) in {name} are longer than engine.max_tokens_per_microbatch={budget} "
+            f"(longest: {longest} tokens); raise engine.max_tokens_per_microbatch to >= {longest} or set "
+            f"max_seq_len to truncate"
+        )
+
+
+def run_sft(config: SFTConfig) -> dict[str, Any]:
+    """Train; return a summary (final train/eval loss, steps, output paths). Call on every rank."""
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = config.tokenizer or config.model
+    if not Path(tokenizer_dir).is_dir():
+        raise FileNotFoundError(f"tokenizer directory {tokenizer_dir!r} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    # Data problems are found before any process group exists.
+    train = load_sft_examples(config.train_file, tokenizer, max_seq_len=config.max_seq_len)
+    evaluation = load_sft_examples(config.eval_file, tokenizer, max_seq_len=config.max_seq_len) if config.eval_file else None
+    budget = config.engine.max_tokens_per_microbatch
+    _check_lengths(train, budget, config.train_file)
+    if evaluation is not None:
+        _check_lengths(evaluation, budget, str(config.eval_file))
+    engine_config = config.engine
+    if engine_config.scheduler.kind != "constant" and engine_config.scheduler.total_steps <= 1:
+        engine_config = dataclasses.replace(
+            engine_config, scheduler=dataclasses.replace(engine_config.scheduler, total_steps=config.steps)
+        )
+    engine = TrainEngine(config.model, config.layout, engine_config)
+    out = Path(config.output_dir)
+    if engine.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2))
+    metrics = MetricsLogger(out, enabled=engine.is_main)
+    sampler = GlobalBatchSampler(len(train), config.global_batch_size, seed=config.seed)
+    summary: dict[str, Any] = {"steps": config.steps, "output_dir": str(out), "layout": engine.dims.to_string()}
+    bar = _progress(config.steps, enabled=engine.is_main and config.progress)
+    try:
+        for step in range(config.steps):
+            indices = sampler.local_batch(step, engine.dp_rank, engine.dp_size)
+            stats = engine.train_batch(pack_examples(train, indices))
+            if not math.isfinite(stats["loss"]):
+                raise FloatingPointError(f"loss became {stats['loss']} at step {step + 1}; lower the learning rate")
+            stats["tokens_per_s"] = stats["tokens"] / max(stats["step_time_s"], 1e-9)
+            if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+                metrics.log(step + 1, stats)
+            summary["train_loss"] = stats["loss"]
+            if bar is not None:
+                bar.set_postfix(loss=f"{stats['loss']:.4f}", tok_s=f"{stats['tokens_per_s']:.0f}")
+                bar.update(1)
+            last = step + 1 == config.steps
+            if evaluation is not None and ((config.eval_every and (step + 1) % config.eval_every == 0) or last):
+                summary["eval_loss"] = _evaluate(engine, evaluation, config, metrics, step + 1)
+    finally:
+        if bar is not None:
+            bar.close()
+        metrics.close()
+    if config.export_hf_at_end:
+        hf_dir = out / "hf"
+        engine.export_hf(hf_dir, tokenizer=tokenizer)
+        summary["hf_dir"] = str(hf_dir)
+    if engine.is_main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if dist.is_initialized():
+        dist.barrier()
+    return summary
+
+
+def _evaluate(
+    engine: TrainEngine, examples: list[SFTExample], config: SFTConfig, metrics: MetricsLogger, step: int
+) -> float:
+    loss_sum, weight_sum = 0.0, 0.0
+    for start in range(0, len(examples), config.eval_batch_size):
+        chunk = list(range(start, min(start + config.eval_batch_size, len(examples))))
+        mine = chunk[engine.dp_rank :: engine.dp_size]
+        batch = pack_examples(examples, mine or chunk[:1])
+        if not mine:
+            # A rank with no share still runs (collectives must match) with zero weight.
+            batch.loss_mask.zero_()
+        stats = engine.eval_batch(batch)
+        loss_sum += stats["loss"] * stats["loss_weight"]
+        weight_sum += stats["loss_weight"]
+    loss = loss_sum / max(weight_sum, 1e-12)
+    metrics.log(step, {"loss": loss}, split="eval")
+    return loss
+
+
+def _progress(total: int, *, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="sft", unit="step", dynamic_ncols=True, mininterval=2.0)

@@ -1,0 +1,9 @@
+"""shardforge.tensor_parallel: Tensor parallelism + sequence parallelism for HF dense models, vocab-parallel losses.
+
+Not implemented yet; this package only reserves its name and dependencies.
+Planned: see the package README.
+"""
+
+__version__ = "0.1.0"
+
+__all__: list[str] = []
