@@ -1,13 +1,13 @@
 """Every developer and CI entry point. Each session installs with constraints.txt.
 
-    nox -s tests        all unit + integration tests, one venv, editable installs (CI runs this)
-    nox -s demo         the end-to-end CPU demo (tiny Qwen3, FSDP on 2 ranks)
-    nox -s integration  only the multi-rank integration suite
-    nox -s isolation    build each wheel, install it alone in a fresh venv, import it, run its tests
-    nox -s lint         ruff check + format check
-    nox -s typecheck    mypy on the packages' sources
-    nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG + RESULTS.md)
-    nox -s docs         check the markdown docs (links and referenced files)
+nox -s tests        all unit + integration tests, one venv, editable installs (CI runs this)
+nox -s demo         the end-to-end CPU demo (tiny Qwen3, FSDP on 2 ranks)
+nox -s integration  only the multi-rank integration suite
+nox -s isolation    build each wheel, install it alone in a fresh venv, import it, run its tests
+nox -s lint         ruff check + format check
+nox -s typecheck    mypy on the packages' sources
+nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG + RESULTS.md)
+nox -s docs         check the markdown docs (links and referenced files)
 """
 
 from __future__ import annotations

@@ -32,7 +32,11 @@ def check(md: Path) -> list[str]:
 
 
 def main() -> int:
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "packages").glob("*/README.md"))]
+    files = [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").rglob("*.md")),
+        *sorted((ROOT / "packages").glob("*/README.md")),
+    ]
     problems = [p for md in files for p in check(md)]
     for problem in problems:
         print(problem)

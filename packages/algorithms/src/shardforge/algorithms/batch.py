@@ -57,9 +57,7 @@ class PackedBatch:
         """A new packed batch with the sequences at ``indices`` (in that order)."""
         bounds = self.cu_seqlens.tolist()
         spans = [(bounds[i], bounds[i + 1]) for i in indices]
-        token_index = (
-            torch.cat([torch.arange(a, b) for a, b in spans]) if spans else torch.zeros(0, dtype=torch.long)
-        )
+        token_index = torch.cat([torch.arange(a, b) for a, b in spans]) if spans else torch.zeros(0, dtype=torch.long)
         lengths = torch.tensor([b - a for a, b in spans], dtype=torch.int32)
         cu = torch.zeros(len(spans) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(lengths, 0)

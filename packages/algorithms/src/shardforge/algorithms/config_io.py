@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-__all__ = ["apply_overrides", "build_config", "load_yaml", "config_to_dict"]
+__all__ = ["apply_overrides", "build_config", "config_to_dict", "load_yaml"]
 
 T = TypeVar("T")
 
@@ -57,9 +57,7 @@ def build_config(cls: type[T], data: dict[str, Any], *, where: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(
-            f"unknown config key(s) {unknown} in {where or cls.__name__}; valid keys: {sorted(fields)}"
-        )
+        raise ValueError(f"unknown config key(s) {unknown} in {where or cls.__name__}; valid keys: {sorted(fields)}")
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         kwargs[name] = _coerce(hints[name], value, f"{where}.{name}" if where else name)
@@ -125,6 +123,12 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             raise ValueError(f"{where}: expected an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str):
+            # PyYAML (YAML 1.1) reads "1e-3" (no dot) as a string; accept what float() parses.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where}: expected a number, got {value!r}")
         return float(value)

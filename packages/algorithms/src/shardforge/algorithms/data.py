@@ -48,8 +48,9 @@ def load_sft_examples(path: str | Path, tokenizer: Any, *, max_seq_len: int | No
     if not examples:
         raise ValueError(f"dataset file {str(path)!r} has no rows")
     if truncated:
-        warnings.warn(f"{truncated} of {len(examples)} examples in {path.name} truncated to {max_seq_len} tokens",
-                      stacklevel=2)
+        warnings.warn(
+            f"{truncated} of {len(examples)} examples in {path.name} truncated to {max_seq_len} tokens", stacklevel=2
+        )
     return examples
 
 
@@ -64,7 +65,7 @@ def tokenize_sft_row(row: dict[str, Any], tokenizer: Any, *, where: str = "row")
         prompt_ids = prefix + tokenizer(prompt, add_special_tokens=False)["input_ids"]
         completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
         if tokenizer.eos_token_id is not None:
-            completion_ids = completion_ids + [tokenizer.eos_token_id]
+            completion_ids = [*completion_ids, tokenizer.eos_token_id]
         if not completion_ids:
             raise ValueError(f"{where}: the completion is empty, so there is nothing to train on")
         ids = prompt_ids + completion_ids
@@ -94,7 +95,7 @@ def _tokenize_chat(messages: Any, tokenizer: Any, where: str) -> SFTExample:
             before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=True)
             after = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True)
             before, after = _ids(before), _ids(after)
-            if after[: len(before)] != before:
+            if after[: len(before)] != before or before[: len(ids)] != ids:
                 raise ValueError(f"{where}: the chat template is not prefix-stable; cannot locate assistant tokens")
             ids.extend(before[len(ids) :])
             mask.extend([0.0] * (len(before) - len(mask)))
@@ -138,13 +139,15 @@ class GlobalBatchSampler:
             else:
                 self._epochs[epoch] = list(range(self.num_examples))
             if len(self._epochs) > 2:
-                self._epochs.pop(min(self._epochs))
+                self._epochs.pop(min(e for e in self._epochs if e != epoch))  # never the one just made
         return self._epochs[epoch]
 
     def global_batch(self, step: int) -> list[int]:
         start = step * self.global_batch_size
-        return [self._epoch(i // self.num_examples)[i % self.num_examples]
-                for i in range(start, start + self.global_batch_size)]
+        return [
+            self._epoch(i // self.num_examples)[i % self.num_examples]
+            for i in range(start, start + self.global_batch_size)
+        ]
 
     def local_batch(self, step: int, dp_rank: int, dp_size: int) -> list[int]:
         if self.global_batch_size < dp_size:

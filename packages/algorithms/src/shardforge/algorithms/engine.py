@@ -111,9 +111,7 @@ class TrainEngine:
         return model
 
     def _ac_config(self) -> ActivationCheckpointConfig:
-        return ActivationCheckpointConfig(
-            mode=self.config.activation_checkpointing, every=self.config.checkpoint_every
-        )
+        return ActivationCheckpointConfig(mode=self.config.activation_checkpointing, every=self.config.checkpoint_every)
 
     def _fsdp_config(self) -> FSDPConfig:
         return FSDPConfig(
@@ -195,8 +193,10 @@ class TrainEngine:
         start = time.perf_counter()
         self.model.train()
         microbatches = self._microbatches(batch)
-        local_weight = sum((loss_weight_fn(mb).detach().double() for _, mb in microbatches if mb is not None),
-                           torch.zeros((), dtype=torch.float64))
+        local_weight = sum(
+            (loss_weight_fn(mb).detach().double() for _, mb in microbatches if mb is not None),
+            torch.zeros((), dtype=torch.float64),
+        )
         global_weight = float(self._all_reduce_sum(local_weight, self.dp_group))
         if global_weight <= 0:
             raise ValueError(
@@ -283,9 +283,7 @@ class TrainEngine:
 
         if not dist.is_initialized():
             return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-        state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if dist.get_rank() == 0 else {}
 
     def export_hf(self, out_dir: str | os.PathLike[str], tokenizer: Any = None) -> None:

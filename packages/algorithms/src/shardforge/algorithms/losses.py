@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from shardforge.algorithms.batch import PackedBatch
 
-__all__ = ["sequence_start_mask", "target_logprobs", "sft_loss", "token_count"]
+__all__ = ["sequence_start_mask", "sft_loss", "target_logprobs", "token_count"]
 
 
 def sequence_start_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:

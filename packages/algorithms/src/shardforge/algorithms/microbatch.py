@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from shardforge.algorithms.batch import PackedBatch
 
-__all__ = ["ffd_bins", "split_microbatches", "agree_max"]
+__all__ = ["agree_max", "ffd_bins", "split_microbatches"]
 
 
 def ffd_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from torch import nn
 
 from shardforge.mesh import ParallelDims, divisors
 
-__all__ = ["load_hf_config", "validate_layout", "is_model_dir"]
+__all__ = ["is_model_dir", "load_hf_config", "validate_layout"]
 
 _PLANNED = {
     "tp": "tensor parallelism (package shardforge-tensor-parallel)",
@@ -31,7 +32,8 @@ def load_hf_config(source: Any) -> Any:
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(source, PretrainedConfig):
-        return source
+        # A copy: the engine sets attention/use_cache on its config; the caller's stays as it was.
+        return copy.deepcopy(source)
     if not is_model_dir(source):
         raise TypeError(f"model must be an HF model directory or a PretrainedConfig, got {type(source).__name__}")
     path = Path(source)

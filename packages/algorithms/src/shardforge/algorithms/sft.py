@@ -79,7 +79,9 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     # Data problems are found before any process group exists.
     train = load_sft_examples(config.train_file, tokenizer, max_seq_len=config.max_seq_len)
-    evaluation = load_sft_examples(config.eval_file, tokenizer, max_seq_len=config.max_seq_len) if config.eval_file else None
+    evaluation = (
+        load_sft_examples(config.eval_file, tokenizer, max_seq_len=config.max_seq_len) if config.eval_file else None
+    )
     budget = config.engine.max_tokens_per_microbatch
     _check_lengths(train, budget, config.train_file)
     if evaluation is not None:

@@ -3,7 +3,8 @@
 Only rank 0 ever holds the full model (loaded from disk); every other rank allocates
 just its shards. Values travel tensor by tensor through `set_model_state_dict` with
 ``broadcast_from_rank0``; non-persistent buffers (e.g. rotary ``inv_freq``, which are not
-in any state dict) are broadcast separately.
+in any state dict) are broadcast separately, together with rank 0's input checks, so a bad
+call raises on every rank rather than hanging the ranks that did nothing wrong.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ def load_full_state_dict(
             needed for non-persistent buffers after meta init; None elsewhere.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0 and full_state_dict is None:
-        raise ValueError("rank 0 must pass the full state dict to load (other ranks pass None)")
+    # Validate and share rank 0's inputs before anything is loaded: a bad call then raises the
+    # same ValueError on every rank instead of leaving the others blocked in a collective.
+    buffer_values = _share_buffers(model, full_state_dict, buffers if rank == 0 else None, rank)
     tied = _tied_pairs(model)
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         model.to_empty(device=device)
@@ -45,7 +47,9 @@ def load_full_state_dict(
         )
     else:
         model.load_state_dict(state, strict=True)
-    _load_buffers(model, buffers if rank == 0 else None)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(buffer_values[name].to(device=buf.device, dtype=buf.dtype))
 
 
 def _tied_pairs(model: nn.Module) -> list[tuple[str, str]]:
@@ -71,26 +75,34 @@ def _retie(model: nn.Module, pairs: list[tuple[str, str]]) -> None:
         setattr(parent, attr, owner_param)
 
 
-def _load_buffers(model: nn.Module, buffers: dict[str, torch.Tensor] | None) -> None:
+def _share_buffers(
+    model: nn.Module,
+    full_state_dict: dict[str, torch.Tensor] | None,
+    buffers: dict[str, torch.Tensor] | None,
+    rank: int,
+) -> dict[str, torch.Tensor]:
+    """Rank 0's buffer values for every rank, or the same ValueError on every rank (one collective)."""
     names = [name for name, _ in model.named_buffers()]
-    if not names:
-        return
     payload: list[object] = [None]
-    rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        if buffers is None:
-            raise ValueError(
+        if full_state_dict is None:
+            payload = ["rank 0 must pass the full state dict to load (other ranks pass None)"]
+        elif names and buffers is None:
+            payload = [
                 f"model has buffers {names[:5]}... but rank 0 passed buffers=None; pass "
                 "dict(reference_model.named_buffers())"
-            )
-        missing = [n for n in names if n not in buffers]
-        if missing:
-            raise ValueError(f"reference buffers are missing {missing}; the reference model differs from the model")
-        payload = [{n: buffers[n].detach().cpu() for n in names}]
+            ]
+        else:
+            source = buffers or {}
+            missing = [n for n in names if n not in source]
+            if missing:
+                payload = [f"reference buffers are missing {missing}; the reference model differs from the model"]
+            else:
+                payload = [{n: source[n].detach().cpu() for n in names}]
     if dist.is_initialized():
         dist.broadcast_object_list(payload, src=0)
+    if isinstance(payload[0], str):
+        raise ValueError(payload[0])
     values = payload[0]
     assert isinstance(values, dict)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            buf.copy_(values[name].to(device=buf.device, dtype=buf.dtype))
+    return values

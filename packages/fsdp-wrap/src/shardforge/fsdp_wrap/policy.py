@@ -50,6 +50,7 @@ def tied_embedding(model: nn.Module) -> bool:
 
 def warn_tied(what: str) -> None:
     warnings.warn(
-        f"{what} is tied to the input embedding; it stays in the root FSDP unit so the tie is kept",
+        f"the input embedding and lm_head share one weight (tied); {what} stays in the root FSDP unit "
+        "so the tie is kept",
         stacklevel=3,
     )

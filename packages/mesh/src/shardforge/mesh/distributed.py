@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["default_device_type", "init_distributed", "destroy_distributed", "current_device"]
+__all__ = ["current_device", "default_device_type", "destroy_distributed", "init_distributed"]
 
 
 def default_device_type() -> str:

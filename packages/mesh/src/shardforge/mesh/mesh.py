@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardforge.mesh.dims import ParallelDims
 from shardforge.mesh.distributed import default_device_type
 
-__all__ = ["ParallelMesh", "build_mesh", "DENSE_AXES", "DERIVED_AXES"]
+__all__ = ["DENSE_AXES", "DERIVED_AXES", "ParallelMesh", "build_mesh"]
 
 DENSE_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DERIVED_AXES: dict[str, tuple[str, ...]] = {

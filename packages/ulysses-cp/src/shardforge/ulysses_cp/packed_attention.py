@@ -16,13 +16,20 @@ which computes sum(L_i^2) scores instead of T^2 and never builds a [T, T] mask.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PACKED_ATTENTION", "packed_attention_forward", "packed_sdpa", "packed_model_kwargs", "register_packed_attention"]
+__all__ = [
+    "PACKED_ATTENTION",
+    "packed_attention_forward",
+    "packed_model_kwargs",
+    "packed_sdpa",
+    "register_packed_attention",
+]
 
 PACKED_ATTENTION = "shardforge_packed"
 
@@ -150,7 +157,7 @@ def _blockwise_sdpa(
         v = v.repeat_interleave(groups, dim=1)
     bounds = cu_seqlens.tolist()
     by_length: dict[int, list[int]] = {}
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         if end > start:
             by_length.setdefault(end - start, []).append(start)
     out = q.new_empty(q.shape)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from shardforge.mesh.dims import ParallelDims
 from shardforge.mesh.mesh import ParallelMesh, build_mesh
 
-__all__ = ["fake_process_group", "fake_mesh"]
+__all__ = ["fake_mesh", "fake_process_group"]
 
 
 @contextlib.contextmanager
