@@ -48,7 +48,7 @@ def _install_torch(session: nox.Session) -> None:
 
 def _install_workspace(session: nox.Session, *extra: str) -> None:
     _install_torch(session)
-    session.install(*CONSTRAINTS, "hatchling", *TEST_TOOLS, *extra)
+    session.install(*CONSTRAINTS, "hatchling", "editables", *TEST_TOOLS, *extra)
     editable: list[str] = []
     for name in PACKAGES:
         editable += ["-e", f"packages/{name}"]
@@ -121,8 +121,9 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy over every package's src/."""
     _install_workspace(session, "mypy", "types-PyYAML")
-    sources = sorted(glob.glob("packages/*/src"))
-    session.run("mypy", *[f"{s}/shardforge" for s in sources])
+    mypy_path = os.pathsep.join(sorted(glob.glob("packages/*/src")))
+    modules = [arg for name in PACKAGES for arg in ("-p", "shardforge." + name.replace("-", "_"))]
+    session.run("mypy", *modules, env={"MYPYPATH": mypy_path})
 
 
 @nox.session(python=PYTHON)

@@ -110,7 +110,11 @@ def upsert_result_row(
 
     Creates the file with its header when missing.
     """
-    row = "| " + " | ".join(_cell(v) for v in (benchmark, metric, ours, baseline, ratio, target, machine, date or today())) + " |"
+    row = (
+        "| "
+        + " | ".join(_cell(v) for v in (benchmark, metric, ours, baseline, ratio, target, machine, date or today()))
+        + " |"
+    )
     text = path.read_text() if path.exists() else RESULTS_HEADER
     lines = text.rstrip("\n").split("\n")
     for i, line in enumerate(lines):

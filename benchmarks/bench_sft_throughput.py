@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common  # noqa: E402
+import _common
 
 NAME = "sft_throughput"
 TARGET = 1.3
@@ -39,6 +39,7 @@ WORLD = 2
 GLOBAL_BATCH = 32
 WARMUP = 2
 TIMED = 8
+ROUND = 2
 LONG_FRACTION = 0.5
 LONG_LENGTHS = (8, 256)
 SEED = 0
@@ -103,90 +104,119 @@ def make_batches() -> tuple[list[list[tuple[list[int], list[float]]]], dict[str,
 
 
 # ---------------------------------------------------------------------- ours
-def run_ours(batches: list[list[tuple[list[int], list[float]]]]) -> dict[str, Any]:
-    """On each rank of the pool: packed FSDP training with `TrainEngine` (one thread per rank)."""
+def _worker_state() -> dict[str, Any]:
+    """Per-process cache that survives between `RankPool.run` calls (the engine lives here)."""
+    import types
+
+    module = sys.modules.get("_sft_throughput_state")
+    if module is None:
+        module = types.ModuleType("_sft_throughput_state")
+        module.state = {}  # type: ignore[attr-defined]
+        sys.modules[module.__name__] = module
+    return module.state  # type: ignore[attr-defined,no-any-return]
+
+
+def ours_setup() -> int:
+    """On each rank of the pool: build the `TrainEngine` ("d2", one thread per rank)."""
     import torch
-    import torch.distributed as dist
     from transformers import Qwen3Config
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
+    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
 
     torch.set_num_threads(1)
     config = EngineConfig(optimizer=OptimizerConfig(lr=LR, max_grad_norm=MAX_GRAD_NORM), seed=SEED)
-    engine = TrainEngine(Qwen3Config(**MODEL), f"d{WORLD}", config)
+    _worker_state()["engine"] = TrainEngine(Qwen3Config(**MODEL), f"d{WORLD}", config)
+    return torch.get_num_threads()
+
+
+def ours_steps(batches: list[list[tuple[list[int], list[float]]]]) -> dict[str, Any]:
+    """On each rank: one `train_batch` per global batch on this rank's strided share; timed."""
+    import torch.distributed as dist
+
+    from shardforge.algorithms import pack_sequences
+
+    engine = _worker_state()["engine"]
     losses, step_times, tokens = [], [], 0.0
-    start = 0.0
-    for step, batch in enumerate(batches):
-        if step == WARMUP:
-            dist.barrier()
-            start = time.perf_counter()
+    dist.barrier()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for batch in batches:
         mine = batch[engine.dp_rank :: engine.dp_size]
         stats = engine.train_batch(pack_sequences([ids for ids, _ in mine], [mask for _, mask in mine]))
         losses.append(stats["loss"])
         step_times.append(stats["step_time_s"])
-        if step >= WARMUP:
-            tokens += stats["tokens"]  # real tokens of the global batch (summed over ranks)
+        tokens += stats["tokens"]  # real tokens of the global batch (summed over ranks)
     dist.barrier()
-    elapsed = time.perf_counter() - start
     return {
-        "rank": dist.get_rank(),
-        "threads": torch.get_num_threads(),
-        "timed_seconds": elapsed,
-        "timed_tokens": tokens,
+        "seconds": time.perf_counter() - start,
+        "cpu_seconds": time.process_time() - cpu_start,
+        "tokens": tokens,
         "losses": losses,
         "step_times_s": step_times,
     }
 
 
 # ---------------------------------------------------------------------- baseline
-def run_baseline(batches: list[list[tuple[list[int], list[float]]]]) -> dict[str, Any]:
+class Baseline:
     """Single process, 2 threads: HF model + padded batches + attention_mask + AdamW."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
 
-    torch.set_num_threads(WORLD)
-    torch.manual_seed(SEED)  # the engine initialises from the config with the same seed
-    model = AutoModelForCausalLM.from_config(Qwen3Config(**MODEL), attn_implementation="sdpa")
-    model.config.use_cache = False
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    pad_id = 0
-    losses, step_times, tokens, padded_tokens = [], [], 0, 0
-    start = 0.0
-    for step, batch in enumerate(batches):
-        if step == WARMUP:
-            start = time.perf_counter()
-        t0 = time.perf_counter()
+    def __init__(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, Qwen3Config
+
+        torch.set_num_threads(WORLD)
+        torch.manual_seed(SEED)  # the engine initialises from the config with the same seed
+        self.model = AutoModelForCausalLM.from_config(Qwen3Config(**MODEL), attn_implementation="sdpa")
+        self.model.config.use_cache = False
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        )
+        self.pad_id = 0
+
+    def collate(self, batch: list[tuple[list[int], list[float]]]) -> dict[str, Any]:
+        """Right-pad to the longest sequence; labels -100 on padding, prompts and first tokens."""
+        import torch
+
         width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
         for row, (ids, mask) in enumerate(batch):
             n = len(ids)
-            input_ids[row, :n] = torch.tensor(ids)
+            ids_t = torch.tensor(ids)
+            input_ids[row, :n] = ids_t
             attention_mask[row, :n] = 1
             target = torch.tensor(mask) > 0
             target[0] = False  # the first token is never a target (as in pack_sequences)
-            labels[row, :n] = torch.where(target, torch.tensor(ids), torch.tensor(-100))
-        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(out.loss))
-        step_times.append(time.perf_counter() - t0)
-        if step >= WARMUP:
-            tokens += int(attention_mask.sum())
-            padded_tokens += attention_mask.numel()
-    elapsed = time.perf_counter() - start
-    return {
-        "threads": torch.get_num_threads(),
-        "timed_seconds": elapsed,
-        "timed_tokens": tokens,
-        "timed_padded_tokens": padded_tokens,
-        "losses": losses,
-        "step_times_s": step_times,
-    }
+            labels[row, :n] = torch.where(target, ids_t, torch.full_like(ids_t, -100))
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+    def steps(self, batches: list[list[tuple[list[int], list[float]]]]) -> dict[str, Any]:
+        import torch
+
+        torch.set_num_threads(WORLD)
+        self.model.train()
+        losses, step_times, tokens, padded = [], [], 0, 0
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for batch in batches:
+            t0 = time.perf_counter()
+            inputs = self.collate(batch)
+            out = self.model(**inputs, use_cache=False)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            losses.append(float(out.loss.detach()))
+            step_times.append(time.perf_counter() - t0)
+            tokens += int(inputs["attention_mask"].sum())
+            padded += inputs["attention_mask"].numel()
+        return {
+            "seconds": time.perf_counter() - start,
+            "cpu_seconds": time.process_time() - cpu_start,
+            "tokens": tokens,
+            "padded_tokens": padded,
+            "losses": losses,
+            "step_times_s": step_times,
+        }
 
 
 # ---------------------------------------------------------------------- report
@@ -202,17 +232,37 @@ def plot(result: dict[str, Any], png: Path) -> None:
     ax0.set_ylabel("real (non-pad) tokens / s")
     met = "met" if result["met"] else "MISSED"
     ax0.set_title(f"SFT throughput: {result['ratio']:.2f}x (target >= {TARGET:.1f}x, {met})")
-    steps = list(range(1, len(ours["losses"]) + 1))
+    steps = list(range(WARMUP + 1, WARMUP + len(ours["losses"]) + 1))
     ax1.plot(steps, ours["losses"], "o-", label="packed FSDP (TrainEngine d2)")
     ax1.plot(steps, base["losses"], "x--", label="padded baseline")
-    ax1.axvspan(0.5, WARMUP + 0.5, color="#eeeeee", label="warmup (not timed)")
-    ax1.set_xlabel("optimizer step")
+    ax1.set_xlabel(f"optimizer step (timed steps; {WARMUP} warmup steps before)")
     ax1.set_ylabel("loss (nats / target token)")
     ax1.set_title("same data, same init: losses should match")
     ax1.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
+
+
+def _load_average() -> float | None:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {"seconds": 0.0, "cpu_seconds": 0.0, "tokens": 0, "losses": [], "step_times_s": []}
+    for part in parts:
+        for key in ("seconds", "cpu_seconds", "tokens"):
+            merged[key] += part[key]
+        merged["losses"] += part["losses"]
+        merged["step_times_s"] += part["step_times_s"]
+    merged["tokens_per_s"] = merged["tokens"] / merged["seconds"]
+    # CPU-seconds used per wall second, per core of the WORLD cores: < 1 means the side got less
+    # than the whole machine (other processes competing) or idled in waits.
+    merged["cpu_utilisation"] = merged["cpu_seconds"] / (merged["seconds"] * WORLD)
+    return merged
 
 
 def main() -> int:
@@ -227,24 +277,46 @@ def main() -> int:
         f"wastes {1 - data['padding_efficiency_baseline']:.0%} of the baseline's tokens",
         flush=True,
     )
+    load_before = _load_average()
     pool = get_rank_pool(WORLD)
-    per_rank = pool.run(run_ours, batches, timeout_s=600)
-    pool.close()  # no idle workers next to the baseline
-    seconds = max(r["timed_seconds"] for r in per_rank)
-    ours = {
-        "tokens_per_s": per_rank[0]["timed_tokens"] / seconds,
-        "timed_seconds": seconds,
-        "timed_tokens": per_rank[0]["timed_tokens"],
-        "losses": per_rank[0]["losses"],
-        "step_times_s": per_rank[0]["step_times_s"],
-        "per_rank": per_rank,
-    }
-    print(f"[{NAME}] ours: {ours['tokens_per_s']:,.0f} tokens/s ({seconds:.1f} s timed)", flush=True)
-    base = run_baseline(batches)
-    base["tokens_per_s"] = base["timed_tokens"] / base["timed_seconds"]
-    print(f"[{NAME}] baseline: {base['tokens_per_s']:,.0f} tokens/s ({base['timed_seconds']:.1f} s timed)", flush=True)
-    if base["timed_tokens"] != ours["timed_tokens"]:
-        raise RuntimeError(f"token counts differ: ours {ours['timed_tokens']} vs baseline {base['timed_tokens']}")
+    rank_threads = pool.run(ours_setup, timeout_s=600)
+    baseline = Baseline()
+    # Warmup, then timed rounds that alternate which side goes first, so both see the same
+    # machine conditions (other processes on a shared box come and go).
+    pool.run(ours_steps, batches[:WARMUP], timeout_s=600)
+    warm_base = baseline.steps(batches[:WARMUP])
+    ours_parts: list[dict[str, Any]] = []
+    base_parts: list[dict[str, Any]] = []
+    for index, first in enumerate(range(WARMUP, WARMUP + TIMED, ROUND)):
+        chunk = batches[first : first + ROUND]
+        if index % 2 == 0:
+            per_rank = pool.run(ours_steps, chunk, timeout_s=600)
+            base_parts.append(baseline.steps(chunk))
+        else:
+            base_parts.append(baseline.steps(chunk))
+            per_rank = pool.run(ours_steps, chunk, timeout_s=600)
+        ours_parts.append(
+            {
+                "seconds": max(r["seconds"] for r in per_rank),
+                "cpu_seconds": sum(r["cpu_seconds"] for r in per_rank),
+                "tokens": per_rank[0]["tokens"],
+                "losses": per_rank[0]["losses"],
+                "step_times_s": per_rank[0]["step_times_s"],
+            }
+        )
+        print(
+            f"[{NAME}] round {index + 1}: ours {ours_parts[-1]['tokens'] / ours_parts[-1]['seconds']:,.0f} tok/s, "
+            f"baseline {base_parts[-1]['tokens'] / base_parts[-1]['seconds']:,.0f} tok/s",
+            flush=True,
+        )
+    pool.close()
+    load_after = _load_average()
+    ours, base = _merge(ours_parts), _merge(base_parts)
+    ours["threads_per_rank"], base["threads"] = rank_threads, WORLD
+    base["warmup_seconds"] = warm_base["seconds"]
+    base["padding_efficiency"] = ours["tokens"] / sum(p["padded_tokens"] for p in base_parts)
+    if base["tokens"] != ours["tokens"]:
+        raise RuntimeError(f"token counts differ: ours {ours['tokens']} vs baseline {base['tokens']}")
     ratio = ours["tokens_per_s"] / base["tokens_per_s"]
     max_loss_gap = max(abs(a - b) for a, b in zip(ours["losses"], base["losses"]))
     result = {
@@ -257,13 +329,22 @@ def main() -> int:
         "global_batch_sequences": GLOBAL_BATCH,
         "warmup_steps": WARMUP,
         "timed_steps": TIMED,
+        "steps_per_round": ROUND,
         "data": data,
-        "max_abs_loss_gap": max_loss_gap,
+        "max_abs_loss_gap_timed_steps": max_loss_gap,
+        "load_average_before_after": [load_before, load_after],
         "ours": ours,
         "baseline": base,
         "machine": info,
         "date": _common.today(),
     }
+    print(
+        f"[{NAME}] ours: {ours['tokens_per_s']:,.0f} tokens/s ({ours['seconds']:.1f} s timed, "
+        f"CPU utilisation {ours['cpu_utilisation']:.0%}); baseline: {base['tokens_per_s']:,.0f} tokens/s "
+        f"({base['seconds']:.1f} s timed, CPU utilisation {base['cpu_utilisation']:.0%}); "
+        f"load average {load_before} -> {load_after}",
+        flush=True,
+    )
     png = _common.png_path(NAME)
     plot(result, png)
     result["seconds"] = time.perf_counter() - started
@@ -279,7 +360,7 @@ def main() -> int:
     )
     print(
         f"[{NAME}] ratio {ratio:.2f}x (target >= {TARGET:.1f}x: {'met' if result['met'] else 'MISSED'}); "
-        f"max |loss gap| over steps {max_loss_gap:.2e}",
+        f"max |loss gap| over timed steps {max_loss_gap:.2e}",
         flush=True,
     )
     print(f"[{NAME}] wrote {json_path}, {png} and its row in {_common.RESULTS_MD}", flush=True)

@@ -159,7 +159,9 @@ def test_unknown_nested_key_names_the_section():
 
 
 def test_missing_required_keys_raise():
-    with pytest.raises(ValueError, match=r"missing required config key\(s\) \['train_file', 'output_dir'\] in SFTConfig"):
+    with pytest.raises(
+        ValueError, match=r"missing required config key\(s\) \['train_file', 'output_dir'\] in SFTConfig"
+    ):
         build_config(SFTConfig, {"model": "m"})
 
 
@@ -185,7 +187,9 @@ def test_type_errors_name_the_key(data, pattern):
 
 
 def test_literal_values_are_validated():
-    with pytest.raises(ValueError, match=r"engine.scheduler.kind: 'exp' is not one of \['constant', 'linear', 'cosine'\]"):
+    with pytest.raises(
+        ValueError, match=r"engine.scheduler.kind: 'exp' is not one of \['constant', 'linear', 'cosine'\]"
+    ):
         build_config(SFTConfig, {**REQUIRED, "engine": {"scheduler": {"kind": "exp"}}})
     with pytest.raises(ValueError, match=r"activation_checkpointing: 'some' is not one of"):
         build_config(EngineConfig, {"activation_checkpointing": "some"})

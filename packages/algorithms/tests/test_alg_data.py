@@ -93,9 +93,9 @@ def test_chat_assistant_tokens_are_the_only_targets(tokenizer):
     example = tokenize_sft_row({"messages": messages}, tokenizer)
     parts = [
         (ids("*0 ") + ids("?1+1="), 0.0),
-        (ids("2") + [EOS], 1.0),
+        ([*ids("2"), EOS], 1.0),
         (ids("?20+2="), 0.0),
-        (ids("22") + [EOS], 1.0),
+        ([*ids("22"), EOS], 1.0),
     ]
     assert example.input_ids == [t for toks, _ in parts for t in toks]
     assert example.loss_mask == [m for toks, m in parts for _ in toks]
@@ -160,7 +160,9 @@ def test_load_sft_examples_missing_file(tmp_path, tokenizer):
 def test_load_sft_examples_names_the_bad_row(tmp_path, tokenizer):
     rows = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2="}]
     path = _write_jsonl(tmp_path / "bad.jsonl", rows)
-    with pytest.raises(ValueError, match=r"row 1 of bad.jsonl has fields \['prompt'\]; expected 'prompt' \+ 'completion'"):
+    with pytest.raises(
+        ValueError, match=r"row 1 of bad.jsonl has fields \['prompt'\]; expected 'prompt' \+ 'completion'"
+    ):
         load_sft_examples(path, tokenizer)
 
 
@@ -225,6 +227,15 @@ def test_resuming_at_step_k_yields_the_same_batches():
     assert [resumed.global_batch(step) for step in range(7, 12)] == run[7:]
     # Resuming with another data-parallel size reads the same global batches.
     assert [resumed.local_batch(step, 1, 2) for step in range(7, 12)] == [b[1::2] for b in run[7:]]
+
+
+def test_sampler_answers_earlier_steps_after_later_ones():
+    sampler = GlobalBatchSampler(4, 3, seed=2)
+    late = sampler.global_batch(10)  # epochs 7 and 8 cached
+    early = sampler.global_batch(0)  # epoch 0 must not be evicted as soon as it is made
+    fresh = GlobalBatchSampler(4, 3, seed=2)
+    assert early == fresh.global_batch(0)
+    assert late == fresh.global_batch(10)
 
 
 def test_global_batch_smaller_than_dp_size_raises():

@@ -284,7 +284,7 @@ class TrainEngine:
         if not dist.is_initialized():
             return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if dist.get_rank() == 0 else {}
+        return dict(state) if dist.get_rank() == 0 else {}  # type: ignore[arg-type]
 
     def export_hf(self, out_dir: str | os.PathLike[str], tokenizer: Any = None) -> None:
         """Write an HF model directory (safetensors + config [+ tokenizer]) from rank 0.

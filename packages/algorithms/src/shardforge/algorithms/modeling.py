@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from shardforge.mesh import ParallelDims, divisors
 
@@ -83,7 +82,7 @@ def validate_layout(dims: ParallelDims, hf_config: Any) -> None:
 
 def materialize_reference(
     source: Any, hf_config: Any, *, dtype: torch.dtype, attn_implementation: str, seed: int
-) -> nn.Module:
+) -> Any:
     """The full model on CPU (rank 0 only): from disk, or initialised from the config with ``seed``."""
     from transformers import AutoModelForCausalLM
 

@@ -14,7 +14,8 @@ __all__ = ["build_optimizer", "build_scheduler", "lr_factor"]
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
     """AdamW over trainable params; matrices decay, vectors (biases, norms) do not."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for param in model.parameters():
         if not param.requires_grad:
             continue

@@ -9,6 +9,8 @@ call raises on every rank rather than hanging the ranks that did nothing wrong.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,8 +41,7 @@ def load_full_state_dict(
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         model.to_empty(device=device)
         _retie(model, tied)
-    state = full_state_dict if rank == 0 else {}
-    assert state is not None
+    state: dict[str, Any] = dict(full_state_dict) if rank == 0 and full_state_dict is not None else {}
     if dist.is_initialized():
         set_model_state_dict(
             model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)

@@ -1,0 +1,148 @@
+"""The `shardforge` CLI: argument errors, and a full tiny single-process SFT run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shardforge.algorithms.cli import main
+from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+from shardforge.algorithms.metrics import read_metrics
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft_assets")
+    tokenizer = build_char_tokenizer(root / "tokenizer")
+    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2)
+    train, evaluation = make_addition_data(root / "data", max_operand=9, num_eval=10)
+    return {"root": root, "model": root / "model", "train": train, "eval": evaluation}
+
+
+def write_config(path, **entries):
+    base = {"global_batch_size": 8, "progress": False, "engine": {"max_tokens_per_microbatch": 64}}
+    base.update(entries)
+    path.write_text(yaml.safe_dump(base))
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------ argument errors
+def test_unknown_algorithm_exits(tmp_path):
+    with pytest.raises(SystemExit, match=r"unknown algorithm 'dpo'; available: \['sft'\]"):
+        main(["train", "dpo", "--config", write_config(tmp_path / "c.yaml")])
+
+
+@pytest.mark.parametrize("algorithm", ["rm", "ppo", "grpo"])
+def test_planned_algorithms_say_so(tmp_path, algorithm):
+    with pytest.raises(SystemExit, match=rf"`train {algorithm}` is planned but not available yet"):
+        main(["train", algorithm, "--config", write_config(tmp_path / "c.yaml")])
+
+
+@pytest.mark.parametrize("bad", ["steps", "--steps=3"])
+def test_bad_override_exits_with_usage_error(tmp_path, capsys, bad):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "sft", "--config", write_config(tmp_path / "c.yaml"), bad])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {bad}" in err and "overrides look like key=value" in err
+
+
+def test_missing_config_flag_exits(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "sft"])
+    assert info.value.code == 2
+    assert "--config" in capsys.readouterr().err
+
+
+def test_overrides_are_not_accepted_by_demo(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "steps=3"])
+    assert "unrecognized arguments: steps=3" in capsys.readouterr().err
+
+
+def test_missing_config_file_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"config file .* does not exist"):
+        main(["train", "sft", "--config", str(tmp_path / "none.yaml")])
+
+
+def test_unknown_config_key_raises(tmp_path):
+    config = write_config(tmp_path / "c.yaml")
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['stepz'\]"):
+        main(["train", "sft", "--config", config, "stepz=3", "model=m", "train_file=t", "output_dir=o"])
+
+
+# ------------------------------------------------------------------------------------------ full run
+def test_tiny_sft_run_end_to_end(tmp_path, assets, capsys):
+    out = tmp_path / "run"
+    config = write_config(
+        tmp_path / "sft.yaml",
+        model=str(assets["model"]),
+        train_file=str(assets["train"]),
+        eval_file=str(assets["eval"]),
+        output_dir=str(out),
+    )
+    code = main(["train", "sft", "--config", config, "steps=3", "engine.optimizer.lr=1e-3", "eval_batch_size=16"])
+    assert code == 0
+    assert "[shardforge] done:" in capsys.readouterr().out
+
+    train = read_metrics(out / "metrics.jsonl", "train")
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for record in train:
+        assert record["lr"] == pytest.approx(1e-3)  # the 1e-3 override arrived as a float
+        assert record["loss"] > 0 and record["loss_weight"] > 0 and record["tokens"] > 0
+        assert record["tokens_per_s"] > 0 and record["skipped"] == 0.0
+    evaluation = read_metrics(out / "metrics.jsonl", "eval")
+    assert [r["step"] for r in evaluation] == [3]  # eval_every=0: only at the end
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3
+    assert summary["train_loss"] == pytest.approx(train[-1]["loss"])
+    assert summary["eval_loss"] == pytest.approx(evaluation[0]["loss"])
+    assert summary["layout"] == "r1d1c1t1p1e1x1"
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["steps"] == 3 and saved["engine"]["optimizer"]["lr"] == 1e-3
+    assert any((out / "tensorboard").iterdir())
+
+    hf = out / "hf"
+    assert summary["hf_dir"] == str(hf)
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    assert tokenizer("1+1=", add_special_tokens=False)["input_ids"] == [5, 14, 5, 17]
+    start = AutoModelForCausalLM.from_pretrained(assets["model"])
+    name = "model.embed_tokens.weight"
+    assert not torch.equal(model.get_parameter(name), start.get_parameter(name)), "the export holds trained weights"
+
+
+def test_row_missing_fields_fails_before_training(tmp_path, assets):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2="}\n')
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "sft.yaml", model=str(assets["model"]), train_file=str(data), output_dir=str(out))
+    with pytest.raises(
+        ValueError, match=r"row 1 of bad.jsonl has fields \['prompt'\]; expected 'prompt' \+ 'completion'"
+    ):
+        main(["train", "sft", "--config", config, "steps=3"])
+    assert not out.exists()
+
+
+def test_sequence_longer_than_budget_names_the_setting(tmp_path, assets):
+    out = tmp_path / "run"
+    config = write_config(
+        tmp_path / "sft.yaml", model=str(assets["model"]), train_file=str(assets["train"]), output_dir=str(out)
+    )
+    with pytest.raises(ValueError) as info:
+        main(["train", "sft", "--config", config, "engine.max_tokens_per_microbatch=4"])
+    message = str(info.value)
+    assert "longer than engine.max_tokens_per_microbatch=4" in message
+    assert "raise engine.max_tokens_per_microbatch to >= " in message and "max_seq_len" in message
+    assert not out.exists()

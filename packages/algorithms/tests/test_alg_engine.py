@@ -1,0 +1,283 @@
+"""`TrainEngine` in one process (world size 1, no process group) against a plain HF model."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
+from shardforge.algorithms.modeling import validate_layout
+from shardforge.mesh import ParallelDims
+
+VOCAB = 64
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def tiny_config(**overrides) -> Qwen3Config:
+    kwargs = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+    }
+    kwargs.update(overrides)
+    return Qwen3Config(**kwargs)
+
+
+def plain_model(cfg: Qwen3Config) -> torch.nn.Module:
+    """The same weights the engine makes: EngineConfig.seed=0, then `from_config`."""
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).eval()
+
+
+def make_data(lengths: list[int], seed: int = 0) -> tuple[list[list[int]], list[list[float]]]:
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    masks = [[float(t % 3 != 1) for t in range(n)] for n in lengths]  # some targets masked out
+    return seqs, masks
+
+
+def reference_logprobs(model: torch.nn.Module, seqs: list[list[int]]) -> torch.Tensor:
+    """Target log-probs per token, one unpacked forward per sequence (0 at starts)."""
+    out = []
+    with torch.no_grad():
+        for seq in seqs:
+            ids = torch.tensor([seq])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            picked = logp[:-1].gather(1, ids[0, 1:, None])[:, 0]
+            out.append(torch.cat([torch.zeros(1), picked]))
+    return torch.cat(out)
+
+
+def reference_loss(model, seqs, masks) -> float:
+    """Mean NLL over target tokens (the first token of a sequence is never a target)."""
+    logprobs = reference_logprobs(model, seqs)
+    mask = torch.cat([torch.tensor([0.0, *m[1:]]) for m in masks])
+    return float(-(logprobs * mask).sum() / mask.sum())
+
+
+def engine(cfg=None, **kwargs) -> TrainEngine:
+    config = EngineConfig(**{"optimizer": OptimizerConfig(lr=1e-3), **kwargs})
+    return TrainEngine(cfg if cfg is not None else tiny_config(), "d-1", config)
+
+
+LENGTHS = [3, 12, 5, 10, 4]  # budget 16 -> FFD bins [[0], [1, 4], [2, 3]]: sequence order changes
+
+
+# ------------------------------------------------------------------------------------------ construction
+def test_engine_from_config_matches_seeded_plain_model_and_leaves_config_alone():
+    cfg = tiny_config()
+    eng = engine(cfg)
+    assert not dist.is_initialized() and eng.mesh is None
+    assert (eng.dims.world_size, eng.dp_size, eng.dp_rank, eng.is_main) == (1, 1, 0, True)
+    ref = plain_model(cfg)
+    ref_params = dict(ref.named_parameters())
+    for name, param in eng.model.named_parameters():
+        assert torch.equal(param.detach(), ref_params[name].detach()), name
+    # The engine sets packed attention and use_cache=False on its own copy only.
+    assert cfg.use_cache is True
+    assert cfg._attn_implementation != "shardforge_packed"
+
+
+def test_engine_from_model_dir_loads_the_weights(tmp_path):
+    cfg = tiny_config()
+    torch.manual_seed(123)  # not the engine's seed: the weights must come from disk
+    saved = AutoModelForCausalLM.from_config(cfg)
+    saved.save_pretrained(tmp_path / "model")
+    eng = TrainEngine(str(tmp_path / "model"), ParallelDims(dp_shard=1, tp=1), EngineConfig())
+    for name, param in saved.named_parameters():
+        assert torch.equal(eng.model.get_parameter(name).detach(), param.detach()), name
+
+
+# ------------------------------------------------------------------------------------------ train / eval / forward
+def test_train_batch_loss_equals_plain_hf_mean_nll():
+    cfg = tiny_config()
+    seqs, masks = make_data(LENGTHS)
+    expected = reference_loss(plain_model(cfg), seqs, masks)
+    eng = engine(cfg)
+    stats = eng.train_batch(pack_sequences(seqs, masks))
+    # Packed blockwise SDPA vs one plain SDPA forward per sequence, float32.
+    assert stats["loss"] == pytest.approx(expected, rel=1e-5)
+    targets = sum(sum(m[1:]) for m in masks)
+    assert stats["loss_weight"] == targets
+    assert stats["tokens"] == sum(LENGTHS)
+    assert stats["lr"] == pytest.approx(1e-3)
+    assert stats["skipped"] == 0.0 and stats["grad_norm"] > 0
+    assert eng.step == 1
+
+
+def test_one_step_is_independent_of_micro_batching():
+    cfg = tiny_config()
+    seqs, masks = make_data(LENGTHS, seed=1)
+    small = engine(cfg, max_tokens_per_microbatch=16)
+    big = engine(cfg, max_tokens_per_microbatch=4096)
+    initial = {n: p.detach().clone() for n, p in big.model.named_parameters()}
+    s_small = small.train_batch(pack_sequences(seqs, masks))
+    s_big = big.train_batch(pack_sequences(seqs, masks))
+    assert (s_small["microbatches"], s_big["microbatches"]) == (3.0, 1.0)
+    # Only the float32 summation order differs between the two.
+    assert s_small["loss"] == pytest.approx(s_big["loss"], rel=1e-6)
+    assert s_small["grad_norm"] == pytest.approx(s_big["grad_norm"], rel=1e-5)
+    moved = 0.0
+    for name, p_big in big.model.named_parameters():
+        p_small = small.model.get_parameter(name)
+        # Gradients agree to ~2e-8 (float32 summation order). Adam's first step is about
+        # lr * g / (|g| + eps), which turns that into up to ~3e-6 for entries with |g| near
+        # eps=1e-8; 1e-5 is 1% of the lr = 1e-3 step every weight takes.
+        torch.testing.assert_close(p_small.detach(), p_big.detach(), rtol=0, atol=1e-5, msg=name)
+        moved = max(moved, float((p_big.detach() - initial[name]).abs().max()))
+    assert moved > 5e-4, "the step must actually change the weights"
+
+
+def test_forward_returns_logprobs_in_original_token_order():
+    cfg = tiny_config()
+    seqs, masks = make_data(LENGTHS, seed=2)
+    expected = reference_logprobs(plain_model(cfg), seqs)
+    eng = engine(cfg, max_tokens_per_microbatch=16)
+    batch = pack_sequences(seqs, masks)
+    assert [i for i, _ in eng._microbatches(batch)] == [[0], [1, 4], [2, 3]]
+    got = eng.forward(batch)
+    assert got.shape == (sum(LENGTHS),)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_eval_batch_matches_and_does_not_update():
+    cfg = tiny_config()
+    seqs, masks = make_data(LENGTHS, seed=3)
+    expected = reference_loss(plain_model(cfg), seqs, masks)
+    eng = engine(cfg, max_tokens_per_microbatch=16)
+    before = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
+    stats = eng.eval_batch(pack_sequences(seqs, masks))
+    assert stats["loss"] == pytest.approx(expected, rel=1e-5)
+    assert stats["loss_weight"] == sum(sum(m[1:]) for m in masks)
+    assert all(torch.equal(p, before[n]) for n, p in eng.model.named_parameters())
+    assert eng.step == 0
+
+
+def test_training_reduces_the_loss_on_a_repeated_batch():
+    seqs, masks = make_data([6, 7], seed=4)
+    eng = engine(optimizer=OptimizerConfig(lr=1e-2))
+    batch = pack_sequences(seqs, masks)
+    losses = [eng.train_batch(batch)["loss"] for _ in range(5)]
+    assert losses[-1] < losses[0] - 0.1
+
+
+def test_zero_weight_batch_raises():
+    eng = engine()
+    batch = pack_sequences([[1, 2, 3], [4, 5]], [[0, 0, 0], [0, 0]])
+    with pytest.raises(ValueError, match="zero loss weight"):
+        eng.train_batch(batch)
+    assert eng.step == 0
+
+
+# ------------------------------------------------------------------------------------------ input errors
+def test_missing_model_dir(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist; pass a directory written by `save_pretrained`"):
+        TrainEngine(str(tmp_path / "nope"))
+
+
+def test_model_dir_without_config_json(tmp_path):
+    (tmp_path / "weights.bin").write_text("x")
+    with pytest.raises(FileNotFoundError, match=r"has no config.json \(found: \['weights.bin'\]\)"):
+        TrainEngine(str(tmp_path))
+
+
+def test_model_of_wrong_type():
+    with pytest.raises(TypeError, match="HF model directory or a PretrainedConfig, got int"):
+        TrainEngine(5)
+
+
+def test_layout_of_wrong_world_size_raises_before_anything_runs():
+    with pytest.raises(ValueError, match="world_size=1"):
+        TrainEngine(tiny_config(), "d2")
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("layout", "pattern"),
+    [
+        ("t2", r"tp=2: tensor parallelism"),
+        ("c2", r"cp=2: Ulysses context parallelism"),
+        ("p2", r"pp=2: pipeline parallelism"),
+    ],
+)
+def test_unprovided_parallelism_raises_before_any_process_group(monkeypatch, layout, pattern):
+    # The engine reads the world size from WORLD_SIZE when no process group exists yet, and
+    # validates the layout before init_distributed, so nothing starts here.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=rf"does not provide yet \({pattern}") as info:
+        TrainEngine(tiny_config(), layout)
+    assert "use FSDP/HSDP layouts (letters r and d)" in str(info.value)
+    assert not dist.is_initialized()
+
+
+def test_expert_parallel_on_a_dense_model_raises(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="ep=2 but Qwen3Config has no experts; use ep=1"):
+        TrainEngine(tiny_config(), "d2e2")
+
+
+def test_trivial_parallel_dims_object_is_fine():
+    eng = TrainEngine(tiny_config(), ParallelDims(dp_shard=1, tp=1))
+    assert eng.dims == ParallelDims(dp_shard=1)
+
+
+@pytest.mark.parametrize(
+    ("dims", "pattern"),
+    [
+        (ParallelDims(dp_shard=1, tp=3), r"tp=3 must divide num_attention_heads=4; valid tp: \[1, 2, 4\]"),
+        (ParallelDims(dp_shard=1, tp=4), r"tp=4 must divide num_key_value_heads=2; valid tp: \[1, 2\]"),
+        (ParallelDims(dp_shard=1, cp=3), r"cp=3 must divide num_attention_heads=4"),
+        (ParallelDims(dp_shard=1, pp=3), r"pp=3 needs at least one decoder layer per stage .* 2 layers"),
+        (ParallelDims(dp_shard=4, ep=2), r"ep=2 but Qwen3Config has no experts"),
+        (ParallelDims(dp_shard=1, tp=2), r"does not provide yet \(tp=2"),
+        (ParallelDims(dp_shard=1, pp=2), r"does not provide yet \(pp=2"),
+    ],
+)
+def test_validate_layout_against_the_model(dims, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        validate_layout(dims, tiny_config())
+
+
+def test_validate_layout_expert_divisibility():
+    moe = SimpleNamespace(num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2, num_experts=6)
+    with pytest.raises(ValueError, match=r"ep=4 must divide num_experts=6; valid ep: \[1, 2, 3, 6\]"):
+        validate_layout(ParallelDims(dp_shard=4, ep=4), moe)
+    with pytest.raises(ValueError, match=r"does not provide yet \(ep=2: expert parallelism"):
+        validate_layout(ParallelDims(dp_shard=2, ep=2), moe)
+    validate_layout(ParallelDims(dp_shard=8, dp_replicate=2), moe)  # FSDP/HSDP only: fine
+
+
+# ------------------------------------------------------------------------------------------ export
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_hf_round_trips(tmp_path, tied):
+    eng = engine(tiny_config(tie_word_embeddings=tied), optimizer=OptimizerConfig(lr=1e-2))
+    seqs, masks = make_data([5, 6], seed=5)
+    eng.train_batch(pack_sequences(seqs, masks))  # export the trained weights, not the initial ones
+    eng.export_hf(tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert loaded.config.tie_word_embeddings is tied
+    ids = torch.tensor([seqs[0] + seqs[1]])
+    eng.model.eval()
+    with torch.no_grad():
+        expected = eng.model(input_ids=ids).logits
+        got = loaded(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    untrained = plain_model(tiny_config(tie_word_embeddings=tied))
+    with torch.no_grad():
+        assert not torch.allclose(untrained(input_ids=ids).logits, got, atol=1e-3)
