@@ -125,13 +125,15 @@ def _mixed_placements(norm_type: float, max_norm: float) -> dict[str, Any]:
     return {"norm": norm, "total": total, "grads": full, "no_grad": no_grad.grad}
 
 
-def _pipeline_stages(norm_type: float) -> torch.Tensor:
+def _pipeline_stages(norm_type: float, bad: float | None) -> torch.Tensor:
     from torch.distributed.device_mesh import init_device_mesh
 
     pp_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("pp",))
     rank = dist.get_rank()
     param = torch.nn.Parameter(torch.zeros(3))  # each stage owns different parameters
     param.grad = torch.tensor([3.0, -4.0, 0.0]) if rank == 0 else torch.tensor([0.0, 12.0, -1.0])
+    if bad is not None and rank == 1:
+        param.grad[2] = bad
     return total_grad_norm([param], norm_type=norm_type, pp_mesh=pp_mesh)
 
 
@@ -211,8 +213,15 @@ def test_pipeline_stages_are_combined(norm_type: float, expected: float) -> None
     # Stage 0 has |g| = 5 (3-4-5), stage 1 has |g| = sqrt(145): together sqrt(25 + 145) = 13.04...
     if norm_type == 2.0:
         expected = math.sqrt(3.0**2 + 4.0**2 + 12.0**2 + 1.0**2)
-    for total in get_rank_pool(2).run(_pipeline_stages, norm_type):
+    for total in get_rank_pool(2).run(_pipeline_stages, norm_type, None):
         torch.testing.assert_close(total, torch.tensor(expected), **NORM_TOL)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, INF], ids=["l2", "inf"])
+@pytest.mark.parametrize("bad", [math.nan, INF], ids=["nan", "inf"])
+def test_pipeline_stage_non_finite_reaches_every_stage(norm_type: float, bad: float) -> None:
+    for total in get_rank_pool(2).run(_pipeline_stages, norm_type, bad):
+        assert not torch.isfinite(total), total
 
 
 @pytest.mark.parametrize("norm_type", [2.0, INF, 1.0], ids=["l2", "inf", "l1"])

@@ -1,9 +1,19 @@
-"""shardforge.checkpoint_dcp: Resumable, reshardable, crash-safe checkpoints with torch.distributed.checkpoint, and HF import/export.
+"""shardforge.checkpoint_dcp: resumable, reshardable, crash-safe checkpoints with
+torch.distributed.checkpoint, and streaming HF safetensors import/export."""
 
-Not implemented yet; this package only reserves its name and dependencies.
-Planned: see the package README.
-"""
+from shardforge.checkpoint_dcp.checkpointer import COMMIT_MARKER, AsyncMode, Checkpointer
+from shardforge.checkpoint_dcp.state import TrainState, capture_rng_state, restore_rng_state
+from shardforge.checkpoint_dcp.validate import check_compatible, checkpoint_tensor_shapes
 
 __version__ = "0.1.0"
 
-__all__: list[str] = []
+__all__ = [
+    "COMMIT_MARKER",
+    "AsyncMode",
+    "Checkpointer",
+    "TrainState",
+    "capture_rng_state",
+    "check_compatible",
+    "checkpoint_tensor_shapes",
+    "restore_rng_state",
+]

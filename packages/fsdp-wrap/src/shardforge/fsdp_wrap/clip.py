@@ -36,6 +36,12 @@ def total_grad_norm(
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=None)
         if isinstance(norm, DTensor):
+            if math.isinf(norm_type):
+                # The inf-norm is still Partial(max) here, and a max all-reduce may drop NaN (gloo
+                # does): a NaN on one rank would vanish. Make it inf, which survives the max.
+                local = norm.to_local()
+                local = local.masked_fill(local.isnan(), math.inf)
+                norm = DTensor.from_local(local, norm.device_mesh, norm.placements)
             norm = norm.full_tensor()
         partials.append(norm.float())
     if not partials:
@@ -47,6 +53,8 @@ def total_grad_norm(
         total = torch.stack([p**norm_type for p in partials]).sum()
     if pp_mesh is not None and pp_mesh.size() > 1:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        if math.isinf(norm_type):
+            total = total.masked_fill(total.isnan(), math.inf)  # see above: max may drop NaN
         dist.all_reduce(total, op=op, group=pp_mesh.get_group())
     if not math.isinf(norm_type):
         total = total ** (1.0 / norm_type)

@@ -18,7 +18,8 @@ def resolve_layer_classes(model: nn.Module, classes: tuple[str, ...] | None) -> 
         if not names:
             raise ValueError(
                 f"{type(model).__name__} has no `_no_split_modules`; pass the decoder-layer class names "
-                "explicitly, e.g. FSDPConfig(wrap_classes=('LlamaDecoderLayer',))"
+                "explicitly, e.g. FSDPConfig(wrap_classes=('LlamaDecoderLayer',)) or "
+                "ActivationCheckpointConfig(layer_classes=('LlamaDecoderLayer',))"
             )
     present = {type(m).__name__ for m in model.modules()}
     missing = [n for n in names if n not in present]

@@ -109,9 +109,12 @@ def packed_sdpa(
     num_heads, num_kv_heads = q_THD.shape[1], k_THD.shape[1]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of key/value heads ({num_kv_heads})")
-    total = int(cu_seqlens[-1].item())
-    if total != q_THD.shape[0]:
-        raise ValueError(f"cu_seqlens[-1]={total} must equal the packed length T={q_THD.shape[0]}")
+    bounds = cu_seqlens.tolist()  # one host sync, as for cu_seqlens[-1] alone
+    if bounds[-1] != q_THD.shape[0]:
+        raise ValueError(f"cu_seqlens[-1]={bounds[-1]} must equal the packed length T={q_THD.shape[0]}")
+    if bounds[0] != 0 or any(end < start for start, end in itertools.pairwise(bounds)):
+        # Positions outside [cu[0], cu[-1]) or inside a negative-length span would never be written.
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {bounds}")
     if _use_varlen_kernel(q_THD):
         return _varlen_flash(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, scale, sliding_window)
     return _blockwise_sdpa(q_THD, k_THD, v_THD, cu_seqlens, scale, sliding_window)
