@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 
 from shardforge.checkpoint_dcp.validate import check_compatible
 
-__all__ = ["AsyncMode", "Checkpointer", "COMMIT_MARKER"]
+__all__ = ["COMMIT_MARKER", "AsyncMode", "Checkpointer"]
 
 AsyncMode = Literal["off", "async", "async_pinned"]
 COMMIT_MARKER = "COMMITTED"
@@ -67,7 +67,9 @@ class Checkpointer:
             (background write, staging into pinned memory when CUDA is present).
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3, async_mode: AsyncMode = "off") -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, keep_last: int | None = 3, async_mode: AsyncMode = "off"
+    ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last} must be >= 1 (or None to keep everything)")
         if async_mode not in ("off", "async", "async_pinned"):
@@ -203,8 +205,7 @@ class Checkpointer:
         path = self.path(step)
         if not (path / COMMIT_MARKER).is_file():
             raise FileNotFoundError(
-                f"no committed checkpoint for step {step} under {self.root} "
-                f"(committed steps: {self.committed_steps()})"
+                f"no committed checkpoint for step {step} under {self.root} (committed steps: {self.committed_steps()})"
             )
         check_compatible(dict(state), path)
         dcp.load(dict(state), storage_reader=dcp.FileSystemReader(str(path)))
