@@ -27,6 +27,7 @@ from shardforge.algorithms.losses import sft_loss, target_logprobs, token_count
 from shardforge.algorithms.microbatch import split_microbatches
 from shardforge.algorithms.modeling import load_hf_config, materialize_reference, validate_layout
 from shardforge.algorithms.optim import build_optimizer, build_scheduler
+from shardforge.checkpoint_dcp import Checkpointer, TrainState, export_hf
 from shardforge.fsdp_wrap import (
     ActivationCheckpointConfig,
     FSDPConfig,
@@ -286,25 +287,36 @@ class TrainEngine:
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return dict(state) if dist.get_rank() == 0 else {}  # type: ignore[arg-type]
 
-    def export_hf(self, out_dir: str | os.PathLike[str], tokenizer: Any = None) -> None:
-        """Write an HF model directory (safetensors + config [+ tokenizer]) from rank 0.
+    def export_hf(self, out_dir: str | os.PathLike[str], tokenizer: Any = None, *, dtype: str | None = None) -> None:
+        """Write an HF model directory (sharded safetensors + index + config [+ tokenizer]).
 
-        Gathers the full state dict on rank 0; a streaming exporter belongs to checkpoint-dcp.
+        Streams one parameter at a time to rank 0 (see `shardforge.checkpoint_dcp.export_hf`).
         """
-        state = self.full_state_dict()
-        if self.is_main:
-            from transformers import AutoModelForCausalLM
+        export_hf(
+            self.model,
+            out_dir,
+            replace_attn(self.hf_config),
+            tokenizer,
+            dtype=parse_dtype(dtype) if dtype else None,
+        )
 
-            config = replace_attn(self.hf_config)
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config, dtype=self.param_dtype)
-            model.load_state_dict(state, assign=True, strict=True)
-            model.tie_weights()
-            model.save_pretrained(out_dir)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(out_dir)
-        if dist.is_initialized():
-            dist.barrier()
+    # ------------------------------------------------------------------ checkpoints
+    def train_state(self, data_state: dict[str, Any] | None = None) -> TrainState:
+        """A `TrainState` over this engine's model, optimizer, scheduler and step."""
+        return TrainState(self.model, self.optimizer, self.scheduler, step=self.step, data_state=data_state)
+
+    def save(self, checkpointer: Checkpointer, data_state: dict[str, Any] | None = None) -> None:
+        """Save the engine at its current step through ``checkpointer``. Collective."""
+        checkpointer.save(self.step, {"train": self.train_state(data_state)})
+
+    def load(self, checkpointer: Checkpointer, step: int | str = "latest") -> dict[str, Any] | None:
+        """Load a checkpoint (any layout); return its data state, or None if there is none."""
+        state = self.train_state()
+        loaded = checkpointer.load({"train": state}, step=step)  # type: ignore[arg-type]
+        if loaded is None:
+            return None
+        self.step = state.step
+        return state.data_state
 
 
 def replace_attn(hf_config: Any) -> Any:

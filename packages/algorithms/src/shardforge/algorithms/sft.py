@@ -7,7 +7,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 
@@ -16,6 +16,7 @@ from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.data import GlobalBatchSampler, SFTExample, load_sft_examples, pack_examples
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.metrics import MetricsLogger
+from shardforge.checkpoint_dcp import Checkpointer
 
 __all__ = ["SFTConfig", "run_sft"]
 
@@ -52,6 +53,14 @@ class SFTConfig:
     """Data-order seed."""
     export_hf_at_end: bool = True
     """Write an HF model directory to output_dir/hf after the last step."""
+    save_every: int = 0
+    """Save a DCP checkpoint to output_dir/checkpoints every this many steps (0 = never)."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: continue from the newest committed checkpoint in output_dir/checkpoints, if any."""
+    keep_last: int = 2
+    """Committed checkpoints to keep."""
+    async_checkpoint: Literal["off", "async", "async_pinned"] = "off"
+    """Write checkpoints in the background (committed before the next save and at the end)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -96,12 +105,27 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
     if engine.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2))
-    metrics = MetricsLogger(out, enabled=engine.is_main)
     sampler = GlobalBatchSampler(len(train), config.global_batch_size, seed=config.seed)
+    data_state = {"seed": config.seed, "global_batch_size": config.global_batch_size, "num_examples": len(train)}
+    checkpointer = None
+    if config.save_every > 0 or config.resume == "auto":
+        checkpointer = Checkpointer(out / "checkpoints", keep_last=config.keep_last, async_mode=config.async_checkpoint)
+    start = 0
+    if checkpointer is not None and config.resume == "auto":
+        saved = engine.load(checkpointer)
+        if saved is not None:
+            _check_data_state(saved, data_state)
+            start = engine.step
+            if engine.is_main:
+                _truncate_metrics(out / "metrics.jsonl", start)
+                print(f"[shardforge] resumed from {checkpointer.path(start)} at step {start}", flush=True)
+    metrics = MetricsLogger(out, enabled=engine.is_main)
     summary: dict[str, Any] = {"steps": config.steps, "output_dir": str(out), "layout": engine.dims.to_string()}
-    bar = _progress(config.steps, enabled=engine.is_main and config.progress)
+    if start:
+        summary["resumed_from"] = start
+    bar = _progress(config.steps, enabled=engine.is_main and config.progress, initial=start)
     try:
-        for step in range(config.steps):
+        for step in range(start, config.steps):
             indices = sampler.local_batch(step, engine.dp_rank, engine.dp_size)
             stats = engine.train_batch(pack_examples(train, indices))
             if not math.isfinite(stats["loss"]):
@@ -114,12 +138,16 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{stats['loss']:.4f}", tok_s=f"{stats['tokens_per_s']:.0f}")
                 bar.update(1)
             last = step + 1 == config.steps
+            if checkpointer is not None and config.save_every > 0 and ((step + 1) % config.save_every == 0 or last):
+                engine.save(checkpointer, data_state)
             if evaluation is not None and ((config.eval_every and (step + 1) % config.eval_every == 0) or last):
                 summary["eval_loss"] = _evaluate(engine, evaluation, config, metrics, step + 1)
     finally:
         if bar is not None:
             bar.close()
         metrics.close()
+    if checkpointer is not None:
+        checkpointer.close()
     if config.export_hf_at_end:
         hf_dir = out / "hf"
         engine.export_hf(hf_dir, tokenizer=tokenizer)
@@ -150,9 +178,27 @@ def _evaluate(
     return loss
 
 
-def _progress(total: int, *, enabled: bool) -> Any:
+def _progress(total: int, *, enabled: bool, initial: int = 0) -> Any:
     if not enabled:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="sft", unit="step", dynamic_ncols=True, mininterval=2.0)
+    return tqdm(total=total, initial=initial, desc="sft", unit="step", dynamic_ncols=True, mininterval=2.0)
+
+
+def _check_data_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    changed = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
+    if changed:
+        details = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in changed.items())
+        raise ValueError(
+            f"cannot resume: the data order differs from the checkpoint ({details}); restore those settings "
+            "or start a fresh run (resume=never or a new output_dir)"
+        )
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric records past the resumed step (they belong to the interrupted run)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))

@@ -24,7 +24,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal
@@ -132,10 +132,14 @@ class Checkpointer:
         self._barrier()
         writer = dcp.FileSystemWriter(str(tmp), thread_count=2)
         if self.async_mode == "off":
-            dcp.save(dict(state), storage_writer=writer)
+            dcp.save(dict(state), storage_writer=writer, no_dist=not dist.is_initialized())
             self._commit(step, tmp, final)
         else:
-            kwargs: dict[str, Any] = {"storage_writer": writer, "process_group": self._async_group}
+            kwargs: dict[str, Any] = {
+                "storage_writer": writer,
+                "process_group": self._async_group,
+                "no_dist": not dist.is_initialized(),
+            }
             if self.async_mode == "async_pinned":
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -208,7 +212,12 @@ class Checkpointer:
                 f"no committed checkpoint for step {step} under {self.root} (committed steps: {self.committed_steps()})"
             )
         check_compatible(dict(state), path)
-        dcp.load(dict(state), storage_reader=dcp.FileSystemReader(str(path)))
+        loaded = dict(state)
+        dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(path)))
+        if isinstance(state, MutableMapping):
+            # DCP loads tensors and Stateful values in place but replaces other values
+            # (ints, strings, other objects) in the dict it is given: copy them back.
+            state.update(loaded)
         return step
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ exactly, and a run resumed with a different one keeps its freshly seeded generat
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 import warnings
@@ -105,8 +106,10 @@ class TrainState(Stateful):
             "optimizer": optim_sd,
             "schedulers": [s.state_dict() for s in self.schedulers if s is not None],
             "step": self.step,
-            "data": dict(self.data_state),
-            "rng": rng,
+            # Opaque blobs: DCP only loads keys present in the loading side's template, and
+            # the data dict's keys or the number of ranks may differ between runs.
+            "data": json.dumps(self.data_state, sort_keys=True),
+            "rng": pickle.dumps(rng),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -126,8 +129,8 @@ class TrainState(Stateful):
         for scheduler, value in zip(schedulers, saved):
             scheduler.load_state_dict(value)
         self.step = int(state_dict["step"])
-        self.data_state = dict(state_dict.get("data", {}))
-        rng = state_dict.get("rng", [])
+        self.data_state = json.loads(state_dict["data"])
+        rng = pickle.loads(state_dict["rng"])
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         if len(rng) == world:

@@ -70,7 +70,7 @@ def packed_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """HF attention-interface function. query [1, H, T, D]; key/value [1, Hkv, T, D] -> [1, T, H, D]."""
     cu_seqlens = kwargs.get("cu_seq_lens_q")
-    if True:
+    if cu_seqlens is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(  # type: ignore[no-any-return]
