@@ -103,7 +103,9 @@ def test_resume_under_another_layout(assets: dict[str, str], tmp_path: Path) -> 
     assert summary["resumed_from"] == 3
     a, b = _train_records(straight), _train_records(resharded)
     # Different reduction orders across layouts: float32 noise only (see test_sft_layouts).
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]), rtol=1e-5, atol=1e-6
+    )
     wa, wb = _hf_weights(straight / "hf"), _hf_weights(resharded / "hf")
     for key, value in wa.items():
         torch.testing.assert_close(wb[key], value, rtol=1e-4, atol=2e-6)

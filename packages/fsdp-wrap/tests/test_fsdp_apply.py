@@ -130,7 +130,11 @@ def test_tied_embeddings_stay_in_root_with_clear_warning() -> None:
 @pytest.mark.parametrize(
     ("make_model", "config", "match"),
     [
-        (lambda: torch.nn.Sequential(torch.nn.Linear(4, 4)), None, r"Sequential has no `_no_split_modules`.*wrap_classes"),
+        (
+            lambda: torch.nn.Sequential(torch.nn.Linear(4, 4)),
+            None,
+            r"Sequential has no `_no_split_modules`.*wrap_classes",
+        ),
         (meta_model, FSDPConfig(wrap_classes=("NoSuchLayer",)), r"NoSuchLayer.*Qwen3DecoderLayer"),
     ],
     ids=["no-split-modules", "unknown-class"],

@@ -112,7 +112,11 @@ def _fsdp_with_checkpointing(
         (ActivationCheckpointConfig(mode="selective", every=2), 2, [2, 1, 2]),
         (ActivationCheckpointConfig(mode="selective", every=1), 3, [2, 2, 2]),
         (ActivationCheckpointConfig(mode="selective", every=5), 1, [2, 1, 1]),
-        (ActivationCheckpointConfig(mode="full", layer_classes=("Qwen3DecoderLayer", "LlamaDecoderLayer")), 3, [2, 2, 2]),
+        (
+            ActivationCheckpointConfig(mode="full", layer_classes=("Qwen3DecoderLayer", "LlamaDecoderLayer")),
+            3,
+            [2, 2, 2],
+        ),
     ],
     ids=["none", "full", "selective2", "selective1", "selective5", "explicit-classes"],
 )
@@ -182,10 +186,14 @@ def test_selective_every_is_ignored_for_full_mode() -> None:
 
 def test_model_without_no_split_modules_raises_helpful_error() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"Sequential has no `_no_split_modules`.*ActivationCheckpointConfig\(layer_classes="):
+    with pytest.raises(
+        ValueError, match=r"Sequential has no `_no_split_modules`.*ActivationCheckpointConfig\(layer_classes="
+    ):
         apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="full"))
     # Naming the classes explicitly works for any model.
-    assert apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="full", layer_classes=("Linear",))) == 2
+    assert (
+        apply_activation_checkpointing(model, ActivationCheckpointConfig(mode="full", layer_classes=("Linear",))) == 2
+    )
 
     hf = build_model()
     hf._no_split_modules = None

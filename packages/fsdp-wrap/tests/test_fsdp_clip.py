@@ -153,7 +153,13 @@ def _inputs(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
 # ---------------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize(
     ("layout", "world", "norm_type", "clips"),
-    [("fsdp", 2, 2.0, True), ("fsdp", 2, INF, True), ("fsdp", 2, 2.0, False), ("hsdp", 4, 2.0, True), ("hsdp", 4, INF, True)],
+    [
+        ("fsdp", 2, 2.0, True),
+        ("fsdp", 2, INF, True),
+        ("fsdp", 2, 2.0, False),
+        ("hsdp", 4, 2.0, True),
+        ("hsdp", 4, INF, True),
+    ],
     ids=["fsdp2-l2", "fsdp2-inf", "fsdp2-l2-noclip", "hsdp2x2-l2", "hsdp2x2-inf"],
 )
 def test_clip_on_sharded_grads_matches_torch_unsharded(layout: str, world: int, norm_type: float, clips: bool) -> None:
@@ -178,7 +184,9 @@ def test_clip_on_sharded_grads_matches_torch_unsharded(layout: str, world: int, 
 
 
 @pytest.mark.parametrize(
-    ("bad", "norm_type"), [(math.nan, 2.0), (INF, 2.0), (math.nan, INF), (INF, INF)], ids=["nan-l2", "inf-l2", "nan-inf", "inf-inf"]
+    ("bad", "norm_type"),
+    [(math.nan, 2.0), (INF, 2.0), (math.nan, INF), (INF, INF)],
+    ids=["nan-l2", "inf-l2", "nan-inf", "inf-inf"],
 )
 def test_non_finite_grad_returns_non_finite_norm_and_leaves_grads(bad: float, norm_type: float) -> None:
     model, input_ids = _reference(2)
@@ -208,11 +216,10 @@ def test_replicated_dtensor_counted_once(norm_type: float) -> None:
         assert r["no_grad"] is None
 
 
-@pytest.mark.parametrize(("norm_type", "expected"), [(2.0, 13.0), (INF, 12.0)], ids=["l2", "inf"])
+# Stage 0 holds g = (3, -4, 0), stage 1 holds g = (0, 12, -1): the L2 norm over both stages is
+# sqrt(9 + 16 + 144 + 1), the inf-norm is 12. Either stage alone would give 5 or sqrt(145).
+@pytest.mark.parametrize(("norm_type", "expected"), [(2.0, math.sqrt(170.0)), (INF, 12.0)], ids=["l2", "inf"])
 def test_pipeline_stages_are_combined(norm_type: float, expected: float) -> None:
-    # Stage 0 has |g| = 5 (3-4-5), stage 1 has |g| = sqrt(145): together sqrt(25 + 145) = 13.04...
-    if norm_type == 2.0:
-        expected = math.sqrt(3.0**2 + 4.0**2 + 12.0**2 + 1.0**2)
     for total in get_rank_pool(2).run(_pipeline_stages, norm_type, None):
         torch.testing.assert_close(total, torch.tensor(expected), **NORM_TOL)
 

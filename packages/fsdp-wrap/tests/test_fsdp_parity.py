@@ -180,7 +180,9 @@ def test_no_reshard_after_forward_keeps_params_gathered_and_matches(layout: str,
         assert r["gathered_after_forward"] == {"layer0": True, "embed": True}
 
 
-@pytest.mark.parametrize(("layout", "world"), [("fsdp", 2), ("fsdp", 4), ("hsdp", 4)], ids=["fsdp2", "fsdp4", "hsdp2x2"])
+@pytest.mark.parametrize(
+    ("layout", "world"), [("fsdp", 2), ("fsdp", 4), ("hsdp", 4)], ids=["fsdp2", "fsdp4", "hsdp2x2"]
+)
 def test_tied_embeddings_stay_tied_and_match(layout: str, world: int) -> None:
     results = _run_and_compare("qwen3", layout, world, tie=True)
     for r in results:

@@ -74,7 +74,12 @@ def packed_batch(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch
 
 
 def manual_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float | None = None, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: list[int],
+    scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal (optionally sliding-window) attention per sequence and head, written out."""
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]

@@ -104,10 +104,11 @@ class TrainState(Stateful):
         return {
             "model": model_sd,
             "optimizer": optim_sd,
-            "schedulers": [s.state_dict() for s in self.schedulers if s is not None],
+            "schedulers": pickle.dumps([s.state_dict() for s in self.schedulers if s is not None]),
             "step": self.step,
             # Opaque blobs: DCP only loads keys present in the loading side's template, and
-            # the data dict's keys or the number of ranks may differ between runs.
+            # the number of schedulers, the data dict's keys or the number of ranks may
+            # differ between runs.
             "data": json.dumps(self.data_state, sort_keys=True),
             "rng": pickle.dumps(rng),
         }
@@ -123,8 +124,8 @@ class TrainState(Stateful):
         else:
             set_state_dict(self.model, [], model_state_dict=state_dict["model"], optim_state_dict={})
         schedulers = [s for s in self.schedulers if s is not None]
-        saved = state_dict.get("schedulers", [])
-        if len(saved) != len(schedulers):
+        saved = pickle.loads(state_dict["schedulers"])
+        if schedulers and len(saved) != len(schedulers):  # none given (inference): schedule not needed
             raise ValueError(f"checkpoint has {len(saved)} LR scheduler state(s) but {len(schedulers)} were given")
         for scheduler, value in zip(schedulers, saved):
             scheduler.load_state_dict(value)
