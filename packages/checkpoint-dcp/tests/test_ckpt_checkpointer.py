@@ -216,9 +216,8 @@ def test_async_matches_sync(tmp_path: Path, mode: str) -> None:
     source = _state(4.0)
     ckpt.save(4, source)
     assert ckpt.last_save_blocking_s > 0.0
-    # Committed only by wait(): right after save() the final directory cannot exist yet.
-    assert not ckpt.path(4).exists()
-    assert ckpt.latest_step() is None
+    # The final directory never appears without its marker, whenever the commit happens.
+    assert not ckpt.path(4).exists() or (ckpt.path(4) / COMMIT_MARKER).is_file()
     # The state was staged: training may mutate it right away without corrupting the save.
     for tensor in source.values():
         tensor.add_(100)
@@ -235,7 +234,7 @@ def test_async_next_save_and_load_commit_pending(tmp_path: Path) -> None:
     ckpt = Checkpointer(tmp_path, keep_last=None, async_mode="async")
     ckpt.save(1, _state(1.0))
     ckpt.save(2, _state(2.0))  # waits for and commits step 1 first
-    assert ckpt.committed_steps() == [1]
+    assert 1 in ckpt.committed_steps()
     got = _empty()
     assert ckpt.load(got) == 2  # load commits the pending step 2 before choosing "latest"
     _assert_equal(got, _state(2.0))
@@ -260,3 +259,32 @@ def test_async_keep_last_applies_on_commit(tmp_path: Path) -> None:
     ckpt.close()
     assert ckpt.committed_steps() == [3, 4]
     assert _names(tmp_path) == ["step_00000003", "step_00000004"]
+
+
+def test_async_save_returns_only_after_staging_completes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With CUDA, "async_pinned" stages in a background thread and DCP returns before the
+    # copy is done (AsyncSaveResponse.staging_completion). save() must wait for it, or the
+    # next optimizer step would race with the copy. Simulated here with a slow staging future.
+    import threading
+    from concurrent.futures import Future
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    real_async_save = dcp.async_save
+    staging: Future[None] = Future()
+
+    def slow_staging_async_save(*args: object, **kwargs: object) -> AsyncSaveResponse:
+        upload = real_async_save(*args, **kwargs)  # type: ignore[arg-type]
+        threading.Timer(0.5, staging.set_result, args=(None,)).start()
+        return AsyncSaveResponse(staging_completion=staging, upload_completion=upload)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dcp, "async_save", slow_staging_async_save)
+    ckpt = Checkpointer(tmp_path, async_mode="async_pinned")
+    ckpt.save(1, _state(1.0))
+    assert staging.done()
+    assert ckpt.last_save_blocking_s >= 0.4
+    ckpt.close()
+    got = _empty()
+    assert ckpt.load(got) == 1
+    _assert_equal(got, _state(1.0))

@@ -307,6 +307,7 @@ def test_reshard_fsdp4_to_hsdp_2x2(saved_fsdp4: tuple[Path, dict[str, Any]]) -> 
         assert got["rng_warnings"] == []
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_convert_sharded_checkpoint_offline(saved_fsdp4: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

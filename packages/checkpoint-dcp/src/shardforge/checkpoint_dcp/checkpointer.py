@@ -158,6 +158,11 @@ class Checkpointer:
                 )
             response = dcp.async_save(dict(state), **kwargs)
             self._pending = (step, response)
+            staged = getattr(response, "staging_completion", None)
+            if staged is not None:
+                # Async staging (CUDA) copies in a background thread: training must not
+                # mutate the state (optimizer step) before the copy is complete.
+                staged.result()
         self.last_save_blocking_s = time.perf_counter() - started
 
     def wait(self) -> None:
