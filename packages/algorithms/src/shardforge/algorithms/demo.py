@@ -38,7 +38,7 @@ def build_char_tokenizer(out_dir: str | Path) -> Any:
     return tokenizer
 
 
-def build_tiny_qwen3(out_dir: str | Path, tokenizer: Any, *, hidden: int = 128, layers: int = 4, seed: int = 0) -> int:
+def build_tiny_qwen3(out_dir: str | Path, tokenizer: Any, *, hidden: int = 256, layers: int = 4, seed: int = 0) -> int:
     """Save a randomly initialised small Qwen3 with `save_pretrained`; return its parameter count."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config

@@ -135,6 +135,8 @@ def export_hf(
     for name, value in state.items():
         if name not in keep:
             continue
+        if not isinstance(value, torch.Tensor):
+            continue
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if writer is not None:
             tensor = full.detach().to("cpu")

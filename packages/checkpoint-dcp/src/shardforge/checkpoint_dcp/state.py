@@ -82,7 +82,7 @@ class TrainState(Stateful):
     ) -> None:
         self.model = model
         self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
-        self.schedulers = list(schedulers) if isinstance(schedulers, (list, tuple)) else [schedulers]
+        self.schedulers: list[Any] = list(schedulers) if isinstance(schedulers, (list, tuple)) else [schedulers]
         self.step = step
         self.data_state: dict[str, Any] = dict(data_state or {})
         self.rng_restored = False
