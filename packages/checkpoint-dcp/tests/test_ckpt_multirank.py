@@ -307,6 +307,17 @@ def test_reshard_fsdp4_to_hsdp_2x2(saved_fsdp4: tuple[Path, dict[str, Any]]) -> 
         assert got["rng_warnings"] == []
 
 
+def test_reshard_fsdp2_to_hsdp_2x2(tmp_path: Path) -> None:
+    # The layout pair the issue names: 2 FSDP shards -> 2 replicas x 2 shards (4 ranks).
+    [saved, _] = get_rank_pool(2).run(_save_trained, str(tmp_path), "fsdp")
+    assert saved["world"] == 2
+    results = get_rank_pool(4).run(_load_resharded, str(tmp_path), "hsdp")
+    for got in results:
+        _check_resharded(got, saved)
+        assert got["placements"] == {"(Replicate(), Shard(dim=0))"}
+        assert not got["rng_restored"]
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_convert_sharded_checkpoint_offline(saved_fsdp4: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     from safetensors.torch import load_file
