@@ -98,7 +98,7 @@ def isolation(session: nox.Session) -> None:
         py = str(venv / "bin" / "python")
         pip = (py, "-m", "pip", "install", "-q", *CONSTRAINTS, "--find-links", str(dist))
         session.run(*pip, "torch==2.13.0", external=True)
-        session.run(*pip, f"shardforge-{name}[test]", "cloudpickle", external=True)
+        session.run(*pip, f"shardforge-{name}[test]", "pytest", "cloudpickle", external=True)
         module = "shardforge." + name.replace("-", "_")
         session.run(py, "-c", f"import {module}; print({module}.__name__, 'imports alone')", external=True)
         # Run the package's own tests from outside the repo's sources (only the wheel is importable).
