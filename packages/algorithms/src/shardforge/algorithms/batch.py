@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PackedBatch", "pack_sequences"]
+__all__ = ["PackedBatch", "pack_sequences", "pad_to_multiple"]
 
 
 @dataclass(kw_only=True)
@@ -109,3 +109,28 @@ def pack_sequences(
     cu = torch.zeros(len(sequences) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     return PackedBatch(input_ids=torch.cat(ids), position_ids=torch.cat(pos), cu_seqlens=cu, loss_mask=torch.cat(masks))
+
+
+def pad_to_multiple(batch: PackedBatch, multiple: int) -> PackedBatch:
+    """Append one padding sequence (token 0, zero loss mask) so T is a multiple of ``multiple``.
+
+    The padding is its own sequence in ``cu_seqlens``, so packed attention never mixes it
+    with real tokens; callers trim per-token outputs back to the original T.
+    """
+    pad = (-batch.num_tokens) % multiple
+    if pad == 0:
+        return batch
+    extras = {}
+    for key, value in batch.extras.items():
+        if value.shape[0] == batch.num_tokens:
+            value = torch.cat([value, value.new_zeros((pad, *value.shape[1:]))])
+        elif value.shape[0] == batch.num_sequences:
+            value = torch.cat([value, value.new_zeros((1, *value.shape[1:]))])
+        extras[key] = value
+    return PackedBatch(
+        input_ids=torch.cat([batch.input_ids, batch.input_ids.new_zeros(pad)]),
+        position_ids=torch.cat([batch.position_ids, torch.arange(pad, dtype=batch.position_ids.dtype)]),
+        cu_seqlens=torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:] + pad]),
+        loss_mask=torch.cat([batch.loss_mask, batch.loss_mask.new_zeros(pad)]),
+        extras=extras,
+    )

@@ -77,6 +77,8 @@ class EngineConfig:
     """Recompute decoder-layer activations in backward."""
     checkpoint_every: int = 2
     """For selective activation checkpointing: every k-th layer."""
+    sequence_parallel: bool = True
+    """With tp > 1: shard activations on the sequence dim between blocks (Megatron SP)."""
     reshard_after_forward: bool = True
     """FSDP: free gathered params after forward."""
     cpu_offload: bool = False

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from shardforge.algorithms.batch import PackedBatch
+from shardforge.algorithms.batch import PackedBatch, pad_to_multiple
 from shardforge.algorithms.config import EngineConfig, parse_dtype
-from shardforge.algorithms.losses import sft_loss, target_logprobs, token_count
+from shardforge.algorithms.losses import sequence_start_mask, sft_loss, target_logprobs, token_count
 from shardforge.algorithms.microbatch import split_microbatches
 from shardforge.algorithms.modeling import load_hf_config, materialize_reference, validate_layout
 from shardforge.algorithms.optim import build_optimizer, build_scheduler
@@ -38,6 +39,7 @@ from shardforge.fsdp_wrap import (
     total_grad_norm,
 )
 from shardforge.mesh import ParallelDims, ParallelMesh, build_mesh, current_device, init_distributed
+from shardforge.tensor_parallel import apply_tensor_parallel, vocab_parallel_logprobs
 from shardforge.ulysses_cp import packed_model_kwargs, register_packed_attention
 
 __all__ = ["LossFn", "LossWeightFn", "TrainEngine"]
@@ -103,8 +105,12 @@ class TrainEngine:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.param_dtype, attn_implementation=attn)
         model.config.use_cache = False
+        if self.dims.tp > 1:
+            apply_tensor_parallel(model, self.mesh.get("tp"), sequence_parallel=self.config.sequence_parallel)
         apply_activation_checkpointing(model, self._ac_config())
-        apply_fsdp(model, self._fsdp_mesh(), self._fsdp_config())
+        fsdp_mesh = self._fsdp_mesh()
+        if fsdp_mesh is not None:
+            apply_fsdp(model, fsdp_mesh, self._fsdp_config())
         full = reference.state_dict() if reference is not None else None
         buffers = dict(reference.named_buffers()) if reference is not None else None
         load_full_state_dict(model, full, device=self.device, buffers=buffers)
@@ -122,15 +128,17 @@ class TrainEngine:
             cpu_offload=self.config.cpu_offload,
         )
 
-    def _fsdp_mesh(self) -> Any:
+    def _fsdp_mesh(self) -> Any | None:
         assert self.mesh is not None
         if self.mesh.has("dp_replicate") and self.mesh.has("fsdp"):
             return self.mesh.get(("dp_replicate", "fsdp"))
         if self.mesh.has("fsdp"):
             return self.mesh.get("fsdp")
-        # Replicate-only layouts (r>1, d=1) shard over the replicas: numerically the same as
-        # DDP, with less memory.
-        return self.mesh.get("dp_replicate")
+        if self.mesh.has("dp_replicate"):
+            # Replicate-only layouts (r>1, d=1) shard over the replicas: numerically the same
+            # as DDP, with less memory.
+            return self.mesh.get("dp_replicate")
+        return None  # no data-parallel axis (e.g. pure TP): nothing to shard
 
     # ------------------------------------------------------------------ groups
     @property
@@ -164,15 +172,29 @@ class TrainEngine:
         return split_microbatches(batch, self.config.max_tokens_per_microbatch, group=group)
 
     # ------------------------------------------------------------------ compute
+    @property
+    def _token_multiple(self) -> int:
+        """Packed lengths must be a multiple of this (sequence parallelism splits the sequence)."""
+        return self.dims.tp if self.dims.tp > 1 and self.config.sequence_parallel else 1
+
     def _logprobs(self, mb: PackedBatch) -> torch.Tensor:
-        mb = mb.to(self.device)
+        num_tokens = mb.num_tokens
+        padded = pad_to_multiple(mb, self._token_multiple).to(self.device)
         out = self.model(
-            input_ids=mb.input_ids[None],
-            position_ids=mb.position_ids[None],
+            input_ids=padded.input_ids[None],
+            position_ids=padded.position_ids[None],
             use_cache=False,
-            **packed_model_kwargs(mb.cu_seqlens),
+            **packed_model_kwargs(padded.cu_seqlens),
         )
-        return target_logprobs(out.logits[0], mb.input_ids, mb.cu_seqlens)
+        logits = out.logits[0]
+        if isinstance(logits, DTensor):
+            # Vocab-sharded logits (tensor parallel): never gathered to full vocab.
+            shifted = vocab_parallel_logprobs(logits, torch.roll(padded.input_ids, -1))
+            logprobs = torch.cat([shifted.new_zeros(1), shifted[:-1]])
+            logprobs = logprobs.masked_fill(sequence_start_mask(padded.cu_seqlens, padded.num_tokens), 0.0)
+        else:
+            logprobs = target_logprobs(logits, padded.input_ids, padded.cu_seqlens)
+        return logprobs[:num_tokens]
 
     def _dummy(self) -> PackedBatch:
         # Ranks with fewer sequences than the agreed micro-batch count still run forward and

@@ -15,7 +15,6 @@ from shardforge.mesh import ParallelDims, divisors
 __all__ = ["is_model_dir", "load_hf_config", "validate_layout"]
 
 _PLANNED = {
-    "tp": "tensor parallelism (package shardforge-tensor-parallel)",
     "cp": "Ulysses context parallelism (package shardforge-ulysses-cp, cp > 1)",
     "pp": "pipeline parallelism (package shardforge-pipeline)",
     "ep": "expert parallelism (package shardforge-moe-ep)",
@@ -52,12 +51,11 @@ def load_hf_config(source: Any) -> Any:
 def validate_layout(dims: ParallelDims, hf_config: Any) -> None:
     """Check ``dims`` against the model's shape before any collective; raise `ValueError`."""
     heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
-    kv_heads = int(getattr(hf_config, "num_key_value_heads", heads) or heads)
     layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
     if dims.tp > 1:
-        for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-            if value % dims.tp != 0:
-                raise ValueError(f"tp={dims.tp} must divide {name}={value}; valid tp: {divisors(value)}")
+        from shardforge.tensor_parallel import validate_tp
+
+        validate_tp(hf_config, dims.tp)
     if dims.cp > 1 and heads % dims.cp != 0:
         raise ValueError(f"cp={dims.cp} must divide num_attention_heads={heads}; valid cp: {divisors(heads)}")
     if dims.pp > 1 and layers < dims.pp:
@@ -71,12 +69,12 @@ def validate_layout(dims: ParallelDims, hf_config: Any) -> None:
             raise ValueError(f"ep={dims.ep} but {type(hf_config).__name__} has no experts; use ep=1")
         if experts % dims.ep != 0:
             raise ValueError(f"ep={dims.ep} must divide num_experts={experts}; valid ep: {divisors(experts)}")
-    unsupported = [axis for axis in ("tp", "cp", "pp", "ep") if dims.size(axis) > 1]
+    unsupported = [axis for axis in ("cp", "pp", "ep") if dims.size(axis) > 1]
     if unsupported:
         what = "; ".join(f"{a}={dims.size(a)}: {_PLANNED[a]}" for a in unsupported)
         raise ValueError(
             f"layout {dims.to_string()} uses parallelism the engine does not provide yet ({what}); "
-            "use FSDP/HSDP layouts (letters r and d), e.g. 'd4' or 'r2d2'"
+            "use FSDP/HSDP/TP layouts (letters r, d and t), e.g. 'd4', 'r2d2' or 'd2t2'"
         )
 
 

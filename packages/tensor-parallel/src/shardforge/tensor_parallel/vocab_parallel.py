@@ -102,7 +102,9 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torc
     tensor), ``targets`` [...] global vocab ids -> float32 [...], replicated on the TP ranks."""
     local, group, start = _local_and_group(logits)
     if targets.shape != local.shape[:-1]:
-        raise ValueError(f"targets shape {tuple(targets.shape)} must equal logits shape without vocab {tuple(local.shape[:-1])}")
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal logits shape without vocab {tuple(local.shape[:-1])}"
+        )
     return _LogProbs.apply(local, targets.to(local.device), group, start)  # type: ignore[no-any-return]
 
 
