@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["validate_tp", "valid_tp_sizes"]
+__all__ = ["valid_tp_sizes", "validate_tp"]
 
 
 def _divisors(n: int) -> list[int]:
