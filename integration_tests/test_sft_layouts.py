@@ -1,5 +1,5 @@
-"""End-to-end SFT parity: the real trainer (`run_sft`) under world 1, FSDP 2, FSDP 4 and
-HSDP 2x2 produces the same loss curve and the same final weights.
+"""End-to-end SFT parity: the real trainer (`run_sft`) under world 1, FSDP 2, FSDP 4,
+HSDP 2x2 and FSDP 2 x TP 2 produces the same loss curve and the same final weights.
 
 The model, tokenizer and data are built locally and saved with `save_pretrained`, so the
 real loading paths run. World 1 runs in this process without a process group; the others
@@ -95,8 +95,8 @@ def reference(assets: dict[str, str], tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.mark.parametrize(
     ("world", "layout"),
-    [(2, "d2"), (4, "d4"), (4, "r2d2")],
-    ids=["fsdp2", "fsdp4", "hsdp2x2"],
+    [(2, "d2"), (4, "d4"), (4, "r2d2"), (4, "d2t2")],
+    ids=["fsdp2", "fsdp4", "hsdp2x2", "fsdp2xtp2"],
 )
 def test_sft_matches_world1(world: int, layout: str, assets: dict[str, str], reference: str, tmp_path: Path) -> None:
     out = str(tmp_path / layout)
@@ -113,8 +113,11 @@ def test_sft_matches_world1(world: int, layout: str, assets: dict[str, str], ref
     ref_weights, weights = _weights(reference), _weights(out)
     assert set(weights) == set(ref_weights)
     for name, value in ref_weights.items():
-        # Same reasoning: Adam's normalised update makes ~1e-7 gradient noise visible at ~lr * 1e-4.
-        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
+        # Adam normalises each update by sqrt(v): for the rare weight whose gradient is ~eps
+        # (1e-8), 1e-7-level summation noise changes its step by a visible fraction of lr.
+        # Bound: 1% of one step (lr = 5e-3). A wrong reduction or a missing rank moves
+        # weights by whole steps, far above this.
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=5e-5, msg=lambda m, n=name: f"{n}: {m}")
     # The loss actually moved: the test would not pass on a no-op trainer.
     assert ref_train[-1] < ref_train[0]
 
