@@ -1,5 +1,5 @@
 """End-to-end SFT parity: the real trainer (`run_sft`) under world 1, FSDP 2, FSDP 4,
-HSDP 2x2 and FSDP 2 x TP 2 produces the same loss curve and the same final weights.
+HSDP 2x2, FSDP 2 x TP 2 and FSDP 2 x CP 2 (Ulysses) produces the same loss curve and the same final weights.
 
 The model, tokenizer and data are built locally and saved with `save_pretrained`, so the
 real loading paths run. World 1 runs in this process without a process group; the others
@@ -95,8 +95,8 @@ def reference(assets: dict[str, str], tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.mark.parametrize(
     ("world", "layout"),
-    [(2, "d2"), (4, "d4"), (4, "r2d2"), (4, "d2t2")],
-    ids=["fsdp2", "fsdp4", "hsdp2x2", "fsdp2xtp2"],
+    [(2, "d2"), (4, "d4"), (4, "r2d2"), (4, "d2t2"), (4, "d2c2")],
+    ids=["fsdp2", "fsdp4", "hsdp2x2", "fsdp2xtp2", "fsdp2xcp2"],
 )
 def test_sft_matches_world1(world: int, layout: str, assets: dict[str, str], reference: str, tmp_path: Path) -> None:
     out = str(tmp_path / layout)

@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardforge.algorithms.batch import PackedBatch, pad_to_multiple
 from shardforge.algorithms.config import EngineConfig, parse_dtype
-from shardforge.algorithms.losses import sequence_start_mask, sft_loss, target_logprobs, token_count
+from shardforge.algorithms.losses import sequence_start_mask, sft_loss, token_count
 from shardforge.algorithms.microbatch import split_microbatches
 from shardforge.algorithms.modeling import load_hf_config, materialize_reference, validate_layout
 from shardforge.algorithms.optim import build_optimizer, build_scheduler
@@ -40,7 +41,7 @@ from shardforge.fsdp_wrap import (
 )
 from shardforge.mesh import ParallelDims, ParallelMesh, build_mesh, current_device, init_distributed
 from shardforge.tensor_parallel import apply_tensor_parallel, vocab_parallel_logprobs
-from shardforge.ulysses_cp import packed_model_kwargs, register_packed_attention
+from shardforge.ulysses_cp import gather_sequence, packed_model_kwargs, register_packed_attention, slice_for_rank
 
 __all__ = ["LossFn", "LossWeightFn", "TrainEngine"]
 
@@ -174,26 +175,44 @@ class TrainEngine:
     # ------------------------------------------------------------------ compute
     @property
     def _token_multiple(self) -> int:
-        """Packed lengths must be a multiple of this (sequence parallelism splits the sequence)."""
-        return self.dims.tp if self.dims.tp > 1 and self.config.sequence_parallel else 1
+        """Packed lengths must be a multiple of this: cp splits the sequence, and so does
+        tensor-parallel sequence parallelism within each CP chunk."""
+        sp = self.dims.tp if self.dims.tp > 1 and self.config.sequence_parallel else 1
+        return self.dims.cp * sp
+
+    @property
+    def _cp_group(self) -> dist.ProcessGroup | None:
+        if self.mesh is None or not self.mesh.has("cp"):
+            return None
+        return self.mesh.get("cp").get_group()
 
     def _logprobs(self, mb: PackedBatch) -> torch.Tensor:
         num_tokens = mb.num_tokens
         padded = pad_to_multiple(mb, self._token_multiple).to(self.device)
+        # Next-token targets come from the full sequence, before any CP slicing.
+        targets = torch.roll(padded.input_ids, -1)
+        input_ids, position_ids = padded.input_ids, padded.position_ids
+        cp_group = self._cp_group
+        if cp_group is not None:
+            rank, cp = self.mesh.local_rank("cp"), self.dims.cp  # type: ignore[union-attr]
+            input_ids, position_ids, targets = (slice_for_rank(x, rank, cp) for x in (input_ids, position_ids, targets))
         out = self.model(
-            input_ids=padded.input_ids[None],
-            position_ids=padded.position_ids[None],
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
             use_cache=False,
-            **packed_model_kwargs(padded.cu_seqlens),
+            **packed_model_kwargs(padded.cu_seqlens, cp_group=cp_group),
         )
         logits = out.logits[0]
         if isinstance(logits, DTensor):
             # Vocab-sharded logits (tensor parallel): never gathered to full vocab.
-            shifted = vocab_parallel_logprobs(logits, torch.roll(padded.input_ids, -1))
-            logprobs = torch.cat([shifted.new_zeros(1), shifted[:-1]])
-            logprobs = logprobs.masked_fill(sequence_start_mask(padded.cu_seqlens, padded.num_tokens), 0.0)
+            next_logprobs = vocab_parallel_logprobs(logits, targets)
         else:
-            logprobs = target_logprobs(logits, padded.input_ids, padded.cu_seqlens)
+            next_logprobs = -F.cross_entropy(logits.float(), targets, reduction="none")
+        # Gather CP chunks back to the whole sequence (autograd: each rank keeps its chunk's grad).
+        next_logprobs = gather_sequence(next_logprobs, cp_group)
+        # Position t predicted token t+1; re-align so logprobs[t] scores token t.
+        logprobs = torch.cat([next_logprobs.new_zeros(1), next_logprobs[:-1]])
+        logprobs = logprobs.masked_fill(sequence_start_mask(padded.cu_seqlens, padded.num_tokens), 0.0)
         return logprobs[:num_tokens]
 
     def _dummy(self) -> PackedBatch:
@@ -231,7 +250,7 @@ class TrainEngine:
         loss_sum = torch.zeros((), dtype=torch.float64)
         for _, mb in microbatches:
             real = mb is not None
-            mb = mb if mb is not None else self._dummy()
+            mb = (mb if mb is not None else self._dummy()).to(self.device)
             logprobs = self._logprobs(mb)
             loss = loss_fn(logprobs, mb)
             if not real:

@@ -15,7 +15,6 @@ from shardforge.mesh import ParallelDims, divisors
 __all__ = ["is_model_dir", "load_hf_config", "validate_layout"]
 
 _PLANNED = {
-    "cp": "Ulysses context parallelism (package shardforge-ulysses-cp, cp > 1)",
     "pp": "pipeline parallelism (package shardforge-pipeline)",
     "ep": "expert parallelism (package shardforge-moe-ep)",
 }
@@ -56,8 +55,11 @@ def validate_layout(dims: ParallelDims, hf_config: Any) -> None:
         from shardforge.tensor_parallel import validate_tp
 
         validate_tp(hf_config, dims.tp)
-    if dims.cp > 1 and heads % dims.cp != 0:
-        raise ValueError(f"cp={dims.cp} must divide num_attention_heads={heads}; valid cp: {divisors(heads)}")
+    if dims.cp > 1:
+        from shardforge.ulysses_cp import validate_cp
+
+        kv_heads = int(getattr(hf_config, "num_key_value_heads", heads) or heads)
+        validate_cp(heads, kv_heads, dims.cp, tp=dims.tp)
     if dims.pp > 1 and layers < dims.pp:
         raise ValueError(
             f"pp={dims.pp} needs at least one decoder layer per stage but the model has {layers} layers; "
@@ -69,12 +71,12 @@ def validate_layout(dims: ParallelDims, hf_config: Any) -> None:
             raise ValueError(f"ep={dims.ep} but {type(hf_config).__name__} has no experts; use ep=1")
         if experts % dims.ep != 0:
             raise ValueError(f"ep={dims.ep} must divide num_experts={experts}; valid ep: {divisors(experts)}")
-    unsupported = [axis for axis in ("cp", "pp", "ep") if dims.size(axis) > 1]
+    unsupported = [axis for axis in ("pp", "ep") if dims.size(axis) > 1]
     if unsupported:
         what = "; ".join(f"{a}={dims.size(a)}: {_PLANNED[a]}" for a in unsupported)
         raise ValueError(
             f"layout {dims.to_string()} uses parallelism the engine does not provide yet ({what}); "
-            "use FSDP/HSDP/TP layouts (letters r, d and t), e.g. 'd4', 'r2d2' or 'd2t2'"
+            "use FSDP/HSDP/TP/CP layouts (letters r, d, t and c), e.g. 'd4', 'r2d2', 'd2t2' or 'd2c2'"
         )
 
 

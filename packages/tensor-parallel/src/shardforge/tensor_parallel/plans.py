@@ -39,7 +39,9 @@ def _layer_attention(prefix: str, *, sp: bool, qk_norm: bool) -> TPPlan:
         f"{prefix}.self_attn": PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": seq},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            use_local_output=True,
+            # Keep the gathered input a DTensor: q/k/v then share one input, so backward
+            # does one reduce-scatter of its gradient instead of an all-reduce per projection.
+            use_local_output=False,
         ),
         f"{prefix}.self_attn.q_proj": ColwiseParallel(),
         f"{prefix}.self_attn.k_proj": ColwiseParallel(),
@@ -59,7 +61,7 @@ def _dense_mlp(prefix: str, *, sp: bool) -> TPPlan:
     seq = Shard(1) if sp else Replicate()
     return {
         f"{prefix}.mlp": PrepareModuleInput(
-            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False
         ),
         f"{prefix}.mlp.gate_proj": ColwiseParallel(),
         f"{prefix}.mlp.up_proj": ColwiseParallel(),

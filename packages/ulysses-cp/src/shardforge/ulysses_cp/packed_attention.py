@@ -20,10 +20,14 @@ import itertools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardforge.ulysses_cp.all_to_all import head_to_seq, seq_to_head
+
 __all__ = [
+    "CP_GROUP_KWARG",
     "PACKED_ATTENTION",
     "packed_attention_forward",
     "packed_model_kwargs",
@@ -49,12 +53,30 @@ def register_packed_attention(name: str = PACKED_ATTENTION) -> str:
     return name
 
 
-def packed_model_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int | None = None) -> dict[str, Any]:
-    """The extra forward kwargs that route a packed batch to `packed_attention_forward`."""
+CP_GROUP_KWARG = "shardforge_cp_group"
+"""Forward kwarg carrying the context-parallel process group (None or size 1 = no CP)."""
+
+
+def packed_model_kwargs(
+    cu_seqlens: torch.Tensor, max_seqlen: int | None = None, *, cp_group: dist.ProcessGroup | None = None
+) -> dict[str, Any]:
+    """The extra forward kwargs that route a packed batch to `packed_attention_forward`.
+
+    With ``cp_group`` (Ulysses context parallelism) ``cu_seqlens`` describes the *global*
+    packed sequence while each rank feeds its contiguous 1/cp slice of the tokens.
+    """
     cu = cu_seqlens.to(torch.int32)
     if max_seqlen is None:
         max_seqlen = int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_seqlen, "max_length_k": max_seqlen}
+    kwargs: dict[str, Any] = {
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max_seqlen,
+        "max_length_k": max_seqlen,
+    }
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        kwargs[CP_GROUP_KWARG] = cp_group
+    return kwargs
 
 
 def packed_attention_forward(
@@ -83,6 +105,9 @@ def packed_attention_forward(
     if dropout:
         raise ValueError("packed attention does not implement attention dropout; set attention_dropout=0.0")
     max_seqlen = kwargs.get("max_length_q")
+    cp_group = kwargs.get(CP_GROUP_KWARG)
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        return _ulysses_attention(query, key, value, cu_seqlens, cp_group, max_seqlen, scaling, sliding_window)
     out_THD = packed_sdpa(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
@@ -93,6 +118,39 @@ def packed_attention_forward(
         sliding_window=sliding_window,
     )
     return out_THD.unsqueeze(0), None
+
+
+def _ulysses_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    group: dist.ProcessGroup,
+    max_seqlen: int | None,
+    scale: float | None,
+    sliding_window: int | None,
+) -> tuple[torch.Tensor, None]:
+    """Sequence-sharded q/k/v -> all-to-all to head shards -> packed attention -> back."""
+    cp = dist.get_world_size(group)
+    q_SHD, k_SHD, v_SHD = (x[0].transpose(0, 1) for x in (query, key, value))
+    kv_heads = k_SHD.shape[1]
+    if kv_heads % cp != 0:
+        if cp % kv_heads != 0:
+            raise ValueError(f"key/value heads on this rank ({kv_heads}) must divide or be divisible by cp={cp}")
+        # Fewer kv heads than CP ranks: give every rank one copy of the kv head its query
+        # heads read (query head block r maps to kv head r // (cp / kv_heads)).
+        k_SHD = k_SHD.repeat_interleave(cp // kv_heads, dim=1)
+        v_SHD = v_SHD.repeat_interleave(cp // kv_heads, dim=1)
+    out_THD = packed_sdpa(
+        seq_to_head(q_SHD, group),
+        seq_to_head(k_SHD, group),
+        seq_to_head(v_SHD, group),
+        cu_seqlens,
+        max_seqlen=max_seqlen,
+        scale=scale,
+        sliding_window=sliding_window,
+    )
+    return head_to_seq(out_THD, group).unsqueeze(0), None
 
 
 def packed_sdpa(
