@@ -255,7 +255,9 @@ def test_qwen3_qk_norm_grads_match(sequence_parallel: bool) -> None:
     assert len(names) == 4  # 2 layers x (q_norm, k_norm)
     for rank, res in enumerate(results):
         for name in names:
-            torch.testing.assert_close(res["grads"][name], ref[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                res["grads"][name], ref[name], **GRAD_TOL, msg=lambda m, n=name, r=rank: f"rank {r}, {n}: {m}"
+            )
 
 
 def test_qwen3_qk_norm_left_plain_gives_partial_grads() -> None:
