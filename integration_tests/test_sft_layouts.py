@@ -95,8 +95,8 @@ def reference(assets: dict[str, str], tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.mark.parametrize(
     ("world", "layout"),
-    [(2, "d2"), (4, "d4"), (4, "r2d2"), (4, "d2t2"), (4, "d2c2")],
-    ids=["fsdp2", "fsdp4", "hsdp2x2", "fsdp2xtp2", "fsdp2xcp2"],
+    [(2, "d2"), (4, "d4"), (4, "r2d2"), (4, "d2t2"), (4, "d2c2"), (4, "c2t2"), (2, "c2")],
+    ids=["fsdp2", "fsdp4", "hsdp2x2", "fsdp2xtp2", "fsdp2xcp2", "cp2xtp2", "cp2"],
 )
 def test_sft_matches_world1(world: int, layout: str, assets: dict[str, str], reference: str, tmp_path: Path) -> None:
     out = str(tmp_path / layout)
