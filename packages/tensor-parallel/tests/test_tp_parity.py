@@ -155,6 +155,8 @@ def _qk_norm_placements(sequence_parallel: bool) -> dict[str, str]:
 
 
 def _apply_error(family: str, **kwargs: Any) -> str:
+    from torch.distributed.tensor import DTensor
+
     from shardforge.tensor_parallel import apply_tensor_parallel
 
     model = build_model(family) if family != "gpt2" else _gpt2()
@@ -162,7 +164,7 @@ def _apply_error(family: str, **kwargs: Any) -> str:
         apply_tensor_parallel(model, _tp_mesh(), **kwargs)
     except ValueError as err:
         # Nothing was sharded: the error came before parallelize_module (and its collectives).
-        sharded = [n for n, p in model.named_parameters() if type(p.data).__name__ == "DTensor"]
+        sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
         return f"{err} || sharded={sharded}"
     return "no error"
 
@@ -186,6 +188,7 @@ def _two_d_mesh_error() -> str:
 
 
 def _invalid_heads_error() -> str:
+    from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
     from shardforge.tensor_parallel import apply_tensor_parallel
@@ -195,9 +198,26 @@ def _invalid_heads_error() -> str:
     try:
         apply_tensor_parallel(model, _tp_mesh())
     except ValueError as err:
-        sharded = [n for n, p in model.named_parameters() if type(p.data).__name__ == "DTensor"]
+        sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
         return f"{err} || sharded={sharded}"
     return "no error"
+
+
+def _meta_apply() -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from shardforge.tensor_parallel import apply_tensor_parallel
+
+    # How the engine uses it: shard the meta-device skeleton, load weights afterwards.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3", tie=True), attn_implementation="sdpa")
+    apply_tensor_parallel(model, _tp_mesh())
+    return {
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "placements": {n: repr(getattr(p, "placements", None)) for n, p in model.named_parameters()},
+        "devices": {str(p.device) for p in model.parameters()},
+        "local_q": tuple(model.model.layers[0].self_attn.q_proj.weight.to_local().shape),
+    }
 
 
 def _mlp_only_plan() -> dict[str, Any]:
@@ -319,3 +339,16 @@ def test_indivisible_heads_fail_before_sharding() -> None:
     assert "num_key_value_heads=2" in message, message
     assert "valid tp for this model: [1, 2]" in message, message
     assert "sharded=[]" in message, message
+
+
+def test_meta_device_model_is_sharded_without_materialising() -> None:
+    res = get_rank_pool(2).run(_meta_apply)[0]
+    assert res["tied"]
+    assert res["devices"] == {"meta"}
+    assert res["local_q"] == (16, 32)  # 4 heads x head_dim 8 = 32 rows, half per rank
+    placements = res["placements"]
+    assert placements["model.embed_tokens.weight"] == "(Shard(dim=0),)"
+    assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=1),)"
+    assert placements["model.layers.0.mlp.gate_proj.weight"] == "(Shard(dim=0),)"
+    assert placements["model.norm.weight"] == "(Replicate(),)"
+    assert "None" not in placements.values(), "every parameter of a built-in plan is a DTensor"

@@ -167,6 +167,8 @@ def test_unknown_family_error_without_a_model_config() -> None:
     message = str(err.value)
     assert "model_type='gpt2'" in message and "plan=" in message
     assert str(supported_families()) in message
+    # The suggested call is balanced Python (a regression printed "...}})").
+    assert message.endswith("plan={'model.layers.*.self_attn.q_proj': ColwiseParallel(), ...})"), message
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "nosp"])

@@ -163,4 +163,3 @@ def test_indivisible_shapes_raise(cp: int) -> None:
     for messages in get_rank_pool(WORLD).run(_errors_rank, cp):
         assert messages[0] == f"heads on this rank ({cp + 1}) must be divisible by cp={cp} for the Ulysses exchange"
         assert messages[1] == f"sequence length {cp + 1} must be divisible by cp={cp}"
-

@@ -140,6 +140,6 @@ def plan_for_model(model: nn.Module, *, sequence_parallel: bool = True) -> TPPla
         raise ValueError(
             f"no tensor-parallel plan for model_type={model_type!r} ({type(model).__name__}); supported: "
             f"{supported_families()}. Pass your own plan: apply_tensor_parallel(model, tp_mesh, plan={{"
-            "'model.layers.*.self_attn.q_proj': ColwiseParallel(), ...}})"
+            "'model.layers.*.self_attn.q_proj': ColwiseParallel(), ...})"
         )
     return PLAN_BUILDERS[model_type](sequence_parallel)

@@ -35,8 +35,9 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
+        local = local.contiguous()  # NCCL needs contiguous receive buffers; empty_like copies strides
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, local.contiguous(), group=group)
+        dist.all_gather(parts, local, group=group)
         return torch.cat(parts, dim=dim)
 
     @staticmethod
