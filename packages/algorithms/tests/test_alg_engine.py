@@ -211,8 +211,6 @@ def test_layout_of_wrong_world_size_raises_before_anything_runs():
 @pytest.mark.parametrize(
     ("layout", "pattern"),
     [
-        ("t2", r"tp=2: tensor parallelism"),
-        ("c2", r"cp=2: Ulysses context parallelism"),
         ("p2", r"pp=2: pipeline parallelism"),
     ],
 )
@@ -222,7 +220,7 @@ def test_unprovided_parallelism_raises_before_any_process_group(monkeypatch, lay
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=rf"does not provide yet \({pattern}") as info:
         TrainEngine(tiny_config(), layout)
-    assert "use FSDP/HSDP layouts (letters r and d)" in str(info.value)
+    assert "use FSDP/HSDP/TP/CP layouts (letters r, d, t and c)" in str(info.value)
     assert not dist.is_initialized()
 
 
@@ -240,12 +238,13 @@ def test_trivial_parallel_dims_object_is_fine():
 @pytest.mark.parametrize(
     ("dims", "pattern"),
     [
-        (ParallelDims(dp_shard=1, tp=3), r"tp=3 must divide num_attention_heads=4; valid tp: \[1, 2, 4\]"),
-        (ParallelDims(dp_shard=1, tp=4), r"tp=4 must divide num_key_value_heads=2; valid tp: \[1, 2\]"),
-        (ParallelDims(dp_shard=1, cp=3), r"cp=3 must divide num_attention_heads=4"),
+        # tiny_config: 4 heads, 2 kv heads, intermediate 64, vocab 64 -> tp in {1, 2}.
+        (ParallelDims(dp_shard=1, tp=3), r"tp=3 must divide num_attention_heads=4 .*valid tp for this model: \[1, 2\]"),
+        (ParallelDims(dp_shard=1, tp=4), r"tp=4 must divide num_key_value_heads=2 .*valid tp for this model: \[1, 2\]"),
+        (ParallelDims(dp_shard=1, cp=3), r"cp=3 does not fit 4 query / 2 key-value heads.*valid cp: \[1, 2, 4\]"),
+        (ParallelDims(dp_shard=1, tp=2, cp=4), r"cp=4 does not fit 2 query / 1 key-value heads per TP rank"),
         (ParallelDims(dp_shard=1, pp=3), r"pp=3 needs at least one decoder layer per stage .* 2 layers"),
         (ParallelDims(dp_shard=4, ep=2), r"ep=2 but Qwen3Config has no experts"),
-        (ParallelDims(dp_shard=1, tp=2), r"does not provide yet \(tp=2"),
         (ParallelDims(dp_shard=1, pp=2), r"does not provide yet \(pp=2"),
     ],
 )
