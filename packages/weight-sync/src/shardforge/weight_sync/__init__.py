@@ -1,9 +1,30 @@
-"""shardforge.weight_sync: Push trained weights from sharded trainers into inference engines.
+"""shardforge.weight_sync: push trained weights from sharded trainers into inference engines.
 
-Not implemented yet; this package only reserves its name and dependencies.
-Planned: see the package README.
+Implemented: bucketed gathering (`WeightPublisher`), the disk transport with atomic
+version directories, and a verifying `WeightReceiver`. Planned: the collective
+(process-group) transport and the vLLM adapter.
 """
+
+from shardforge.weight_sync.buckets import Bucket, canonical_parameters, iter_buckets
+from shardforge.weight_sync.disk import DiskTransport, DiskWeightSource, WeightVersionError
+from shardforge.weight_sync.manifest import Manifest, TensorInfo, tensor_checksum
+from shardforge.weight_sync.publisher import PublishStats, WeightPublisher, WeightTransport
+from shardforge.weight_sync.receiver import WeightReceiver
 
 __version__ = "0.1.0"
 
-__all__: list[str] = []
+__all__ = [
+    "Bucket",
+    "DiskTransport",
+    "DiskWeightSource",
+    "Manifest",
+    "PublishStats",
+    "TensorInfo",
+    "WeightPublisher",
+    "WeightReceiver",
+    "WeightTransport",
+    "WeightVersionError",
+    "canonical_parameters",
+    "iter_buckets",
+    "tensor_checksum",
+]

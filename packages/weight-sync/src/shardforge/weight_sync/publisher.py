@@ -1,0 +1,127 @@
+"""`WeightPublisher`: gather a sharded model bucket by bucket and push it through a transport.
+
+The gather of bucket k+1 (collectives on all trainer ranks) overlaps with the transfer of
+bucket k (a background thread on the sending rank); a queue of one bucket bounds the
+sender's extra memory to two buckets.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardforge.weight_sync.buckets import Bucket, iter_buckets
+from shardforge.weight_sync.manifest import Manifest, TensorInfo, tensor_checksum
+
+__all__ = ["PublishStats", "WeightPublisher", "WeightTransport"]
+
+
+class WeightTransport(Protocol):
+    """How buckets leave the sending rank (disk, a process group, an inference engine)."""
+
+    def begin(self, version: int) -> None: ...
+    def send(self, bucket: Bucket) -> None: ...
+    def commit(self, manifest: Manifest) -> None: ...
+    def abort(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class PublishStats:
+    version: int
+    bytes: int
+    buckets: int
+    seconds: float
+    max_bucket_bytes: int
+
+
+class WeightPublisher:
+    """Publish ``model``'s weights as numbered versions. Construct on every trainer rank.
+
+    Args:
+        transport: used on ``src_rank`` only (other ranks may pass None).
+        bucket_bytes: target size of one bucket.
+        dtype: cast floating-point tensors (e.g. fp32 master -> bf16 serving).
+        checksums: record sha256 per tensor in the manifest (receivers verify them).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        transport: WeightTransport | None,
+        *,
+        bucket_bytes: int = 256 * 1024**2,
+        dtype: torch.dtype | None = None,
+        src_rank: int = 0,
+        checksums: bool = True,
+    ) -> None:
+        self.model = model
+        self.transport = transport
+        self.bucket_bytes = bucket_bytes
+        self.dtype = dtype
+        self.src_rank = src_rank
+        self.checksums = checksums
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.is_sender = rank == src_rank
+        if self.is_sender and transport is None:
+            raise ValueError(f"rank {rank} is the sending rank (src_rank={src_rank}) and needs a transport")
+
+    def publish(self, version: int) -> PublishStats | None:
+        """Publish one version (collective over the trainer ranks); stats on the sender."""
+        start = time.perf_counter()
+        buckets = iter_buckets(self.model, self.bucket_bytes, keep=self.is_sender, dtype=self.dtype)
+        if not self.is_sender:
+            for _ in buckets:
+                pass
+            return None
+        transport = self.transport
+        assert transport is not None
+        transport.begin(version)
+        manifest = Manifest(version=version)
+        pending: queue.Queue[Bucket | None] = queue.Queue(maxsize=1)
+        failure: list[BaseException] = []
+
+        def writer() -> None:
+            while True:
+                item = pending.get()
+                if item is None:
+                    return
+                if failure:
+                    continue  # drain after an error
+                try:
+                    transport.send(item)
+                except BaseException as exc:
+                    failure.append(exc)
+
+        thread = threading.Thread(target=writer, name="weight-sync-writer", daemon=True)
+        thread.start()
+        total = max_bucket = count = 0
+        try:
+            for bucket in buckets:
+                assert bucket is not None
+                for name, tensor in zip(bucket.names, bucket.tensors):
+                    checksum = tensor_checksum(tensor) if self.checksums else ""
+                    manifest.tensors.append(
+                        TensorInfo(name, tuple(tensor.shape), str(tensor.dtype), bucket.index, checksum)
+                    )
+                total += bucket.nbytes
+                max_bucket = max(max_bucket, bucket.nbytes)
+                count += 1
+                pending.put(bucket)  # blocks while the previous bucket is still being sent
+                if failure:
+                    break
+        finally:
+            pending.put(None)
+            thread.join()
+        if failure:
+            transport.abort()
+            raise RuntimeError(f"publishing version {version} failed; the previous version stays live") from failure[0]
+        manifest.num_buckets = count
+        transport.commit(manifest)
+        return PublishStats(version, total, count, time.perf_counter() - start, max_bucket)

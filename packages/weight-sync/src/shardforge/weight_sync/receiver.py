@@ -1,0 +1,64 @@
+"""`WeightReceiver`: stage a whole version, verify it, then switch the model to it at once."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from shardforge.weight_sync.disk import WeightVersionError
+from shardforge.weight_sync.manifest import Manifest
+
+__all__ = ["WeightReceiver"]
+
+
+class WeightReceiver:
+    """Holds a serving model and its weight version.
+
+    `apply` reads every tensor of a version into a staging area first; only when the
+    whole version arrived and matches the manifest (names, shapes, dtypes) and the model
+    (every name exists, shapes agree) does it copy the weights in, under a lock. Any
+    failure leaves the model serving the previous version.
+    """
+
+    def __init__(self, model: nn.Module, *, version: int = 0) -> None:
+        self.model = model
+        self.version = version
+        self.lock = threading.Lock()
+
+    def apply(self, manifest: Manifest, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if manifest.version <= self.version:
+            kind = "duplicate" if manifest.version == self.version else "stale"
+            raise WeightVersionError(
+                f"{kind} version {manifest.version}: this receiver already serves version {self.version}"
+            )
+        expected = {t.name: t for t in manifest.tensors}
+        staged: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors:
+            info = expected.get(name)
+            if info is None:
+                raise WeightVersionError(f"version {manifest.version}: unexpected tensor {name}")
+            if tuple(tensor.shape) != tuple(info.shape) or str(tensor.dtype) != info.dtype:
+                raise WeightVersionError(
+                    f"version {manifest.version}: {name} arrived as {tuple(tensor.shape)} {tensor.dtype}, "
+                    f"manifest says {info.shape} {info.dtype}"
+                )
+            staged[name] = tensor
+        missing = sorted(set(expected) - set(staged))
+        if missing:
+            raise WeightVersionError(
+                f"version {manifest.version} is incomplete: missing {missing[:10]} ({len(missing)})"
+            )
+        state = self.model.state_dict()
+        unknown = sorted(set(staged) - set(state))
+        if unknown:
+            raise WeightVersionError(f"version {manifest.version} has tensors the model lacks: {unknown[:10]}")
+        wrong = [n for n, t in staged.items() if tuple(state[n].shape) != tuple(t.shape)]
+        if wrong:
+            raise WeightVersionError(f"version {manifest.version}: shape mismatch for {wrong[:10]}")
+        with self.lock, torch.no_grad():
+            for name, tensor in staged.items():
+                state[name].copy_(tensor.to(device=state[name].device, dtype=state[name].dtype))
+            self.version = manifest.version
