@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
@@ -13,8 +14,9 @@ __all__ = ["Manifest", "TensorInfo", "tensor_checksum"]
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
-    """sha256 of the tensor's bytes (CPU, contiguous)."""
-    data = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+    """sha256 of the tensor's bytes (CPU, contiguous). Needs no numpy."""
+    flat = tensor.detach().to("cpu").contiguous()
+    data = ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()) if flat.numel() else b""
     return hashlib.sha256(data).hexdigest()
 
 
