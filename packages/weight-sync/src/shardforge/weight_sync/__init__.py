@@ -1,11 +1,13 @@
 """shardforge.weight_sync: push trained weights from sharded trainers into inference engines.
 
 Implemented: bucketed gathering (`WeightPublisher`), the disk transport with atomic
-version directories, and a verifying `WeightReceiver`. Planned: the collective
-(process-group) transport and the vLLM adapter.
+version directories, the collective transport (a standalone gloo group between the
+sending rank and inference workers), and a verifying `WeightReceiver`. Planned: the vLLM
+adapter.
 """
 
 from shardforge.weight_sync.buckets import Bucket, canonical_parameters, iter_buckets
+from shardforge.weight_sync.collective import CollectiveReceiver, CollectiveTransport
 from shardforge.weight_sync.disk import DiskTransport, DiskWeightSource, WeightVersionError
 from shardforge.weight_sync.manifest import Manifest, TensorInfo, tensor_checksum
 from shardforge.weight_sync.publisher import PublishStats, WeightPublisher, WeightTransport
@@ -15,6 +17,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Bucket",
+    "CollectiveReceiver",
+    "CollectiveTransport",
     "DiskTransport",
     "DiskWeightSource",
     "Manifest",
