@@ -44,6 +44,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_fsync_file = _fsync_dir  # the same O_RDONLY open + fsync works for regular files
+
+
 def committed_versions(root: Path) -> list[int]:
     if not root.is_dir():
         return []
@@ -85,10 +88,12 @@ class DiskTransport:
         assert self._tmp is not None, "begin() first"
         path = self._tmp / f"bucket_{bucket.index:05d}.safetensors"
         save_file({n: t.contiguous() for n, t in zip(bucket.names, bucket.tensors)}, str(path))
+        _fsync_file(path)  # durable before the COMMITTED marker can be
 
     def commit(self, manifest: Manifest) -> None:
         assert self._tmp is not None and self._version == manifest.version, "begin() first"
         (self._tmp / "manifest.json").write_text(manifest.to_json())
+        _fsync_file(self._tmp / "manifest.json")
         with (self._tmp / COMMIT_MARKER).open("w") as handle:
             handle.write(str(manifest.version))
             handle.flush()
@@ -139,7 +144,12 @@ class DiskWeightSource:
         path = self.root / _name(manifest.version)
         infos = {t.name: t for t in manifest.tensors}
         for index in range(manifest.num_buckets):
-            for name, tensor in load_file(str(path / f"bucket_{index:05d}.safetensors")).items():
+            bucket_file = path / f"bucket_{index:05d}.safetensors"
+            try:
+                loaded = load_file(str(bucket_file))
+            except Exception as exc:  # missing, truncated or garbled file
+                raise WeightVersionError(f"version {manifest.version}: cannot read {bucket_file}: {exc}") from exc
+            for name, tensor in loaded.items():
                 info = infos.get(name)
                 if info is None:
                     raise WeightVersionError(f"version {manifest.version}: {name} is not in the manifest")

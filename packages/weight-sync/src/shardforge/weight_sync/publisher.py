@@ -1,8 +1,9 @@
 """`WeightPublisher`: gather a sharded model bucket by bucket and push it through a transport.
 
 The gather of bucket k+1 (collectives on all trainer ranks) overlaps with the transfer of
-bucket k (a background thread on the sending rank); a queue of one bucket bounds the
-sender's extra memory to two buckets.
+bucket k (a background thread on the sending rank). The sender hands bucket k+1 over only
+once bucket k has been sent, so its extra memory is at most two buckets: the one in
+transfer and the one being gathered.
 """
 
 from __future__ import annotations
@@ -90,21 +91,26 @@ class WeightPublisher:
         def writer() -> None:
             while True:
                 item = pending.get()
-                if item is None:
-                    return
-                if failure:
-                    continue  # drain after an error
                 try:
-                    transport.send(item)
+                    if item is None:
+                        return
+                    if not failure:  # after an error, drain without sending
+                        transport.send(item)
                 except BaseException as exc:
                     failure.append(exc)
+                finally:
+                    item = None  # drop the sent bucket before reporting it done
+                    pending.task_done()
 
         thread = threading.Thread(target=writer, name="weight-sync-writer", daemon=True)
         thread.start()
         total = max_bucket = count = 0
+        raised = True
         try:
             for bucket in buckets:
                 assert bucket is not None
+                if failure:
+                    continue  # keep joining the gathers: the other ranks are still in them
                 for name, tensor in zip(bucket.names, bucket.tensors):
                     checksum = tensor_checksum(tensor) if self.checksums else ""
                     manifest.tensors.append(
@@ -113,14 +119,15 @@ class WeightPublisher:
                 total += bucket.nbytes
                 max_bucket = max(max_bucket, bucket.nbytes)
                 count += 1
-                pending.put(bucket)  # blocks while the previous bucket is still being sent
-                if failure:
-                    break
+                pending.join()  # wait until the previous bucket is sent: at most two buckets alive
+                pending.put(bucket)
+            raised = False
         finally:
             pending.put(None)
             thread.join()
+            if raised or failure:
+                transport.abort()
         if failure:
-            transport.abort()
             raise RuntimeError(f"publishing version {version} failed; the previous version stays live") from failure[0]
         manifest.num_buckets = count
         transport.commit(manifest)
