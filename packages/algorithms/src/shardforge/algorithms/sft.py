@@ -117,8 +117,11 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
             _check_data_state(saved, data_state)
             start = engine.step
             if engine.is_main:
-                _truncate_metrics(out / "metrics.jsonl", start)
                 print(f"[shardforge] resumed from {checkpointer.path(start)} at step {start}", flush=True)
+    if engine.is_main:
+        # Records past the starting step belong to an earlier (interrupted or finished) run in
+        # the same output_dir; a fresh start (step 0) begins a new metrics file.
+        _truncate_metrics(out / "metrics.jsonl", start)
     metrics = MetricsLogger(out, enabled=engine.is_main)
     summary: dict[str, Any] = {"steps": config.steps, "output_dir": str(out), "layout": engine.dims.to_string()}
     if start:
