@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardforge.weight_sync.disk import WeightVersionError
-from shardforge.weight_sync.manifest import Manifest
+from shardforge.weight_sync.manifest import Manifest, tensor_checksum
 
 __all__ = ["WeightReceiver"]
 
@@ -23,9 +23,11 @@ class WeightReceiver:
     failure leaves the model serving the previous version.
     """
 
-    def __init__(self, model: nn.Module, *, version: int = 0) -> None:
+    def __init__(self, model: nn.Module, *, version: int = 0, verify_checksums: bool = True) -> None:
         self.model = model
         self.version = version
+        self.verify_checksums = verify_checksums
+        """Check each tensor against the manifest's sha256 (when the manifest has one)."""
         self.lock = threading.Lock()
 
     def apply(self, manifest: Manifest, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -45,6 +47,8 @@ class WeightReceiver:
                     f"version {manifest.version}: {name} arrived as {tuple(tensor.shape)} {tensor.dtype}, "
                     f"manifest says {info.shape} {info.dtype}"
                 )
+            if self.verify_checksums and info.checksum and tensor_checksum(tensor) != info.checksum:
+                raise WeightVersionError(f"version {manifest.version}: checksum mismatch for {name}")
             staged[name] = tensor
         missing = sorted(set(expected) - set(staged))
         if missing:
