@@ -161,12 +161,13 @@ class TrainEngine:
     def is_main(self) -> bool:
         return not dist.is_initialized() or dist.get_rank() == 0
 
-    def _all_reduce_sum(self, value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        value = value.detach().to(torch.float64).reshape(1).clone()
+    def _all_reduce_sum(self, *values: torch.Tensor | float, group: dist.ProcessGroup | None) -> list[float]:
+        """Sum scalars over ``group`` in one collective (float64); identity without a group."""
+        packed = torch.tensor([float(v) for v in values], dtype=torch.float64)
         if group is not None:
-            value = value.to(self.device)
-            dist.all_reduce(value, group=group)
-        return value[0].cpu()
+            packed = packed.to(self.device)
+            dist.all_reduce(packed, group=group)
+        return packed.cpu().tolist()  # type: ignore[no-any-return]
 
     def _microbatches(self, batch: PackedBatch) -> list[tuple[list[int], PackedBatch | None]]:
         group = dist.group.WORLD if dist.is_initialized() else None
@@ -239,7 +240,7 @@ class TrainEngine:
             (loss_weight_fn(mb).detach().double() for _, mb in microbatches if mb is not None),
             torch.zeros((), dtype=torch.float64),
         )
-        global_weight = float(self._all_reduce_sum(local_weight, self.dp_group))
+        [global_weight] = self._all_reduce_sum(local_weight, group=self.dp_group)
         if global_weight <= 0:
             raise ValueError(
                 "the global batch has zero loss weight (no target tokens on any rank); check loss_mask "
@@ -267,8 +268,8 @@ class TrainEngine:
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.step += 1
-        total_loss = float(self._all_reduce_sum(loss_sum, self.dp_group)) / global_weight
-        num_tokens = float(self._all_reduce_sum(torch.tensor(float(batch.num_tokens)), self.dp_group))
+        loss_total, num_tokens = self._all_reduce_sum(loss_sum, batch.num_tokens, group=self.dp_group)
+        total_loss = loss_total / global_weight
         return {
             "loss": total_loss,
             "grad_norm": float(grad_norm),
@@ -314,8 +315,7 @@ class TrainEngine:
                 continue
             loss_sum += loss_fn(logprobs, mb.to(self.device)).double().cpu()
             weight += loss_weight_fn(mb).double()
-        total = float(self._all_reduce_sum(loss_sum, self.dp_group))
-        weight_total = float(self._all_reduce_sum(weight, self.dp_group))
+        total, weight_total = self._all_reduce_sum(loss_sum, weight, group=self.dp_group)
         return {"loss": total / max(weight_total, 1e-12), "loss_weight": weight_total}
 
     # ------------------------------------------------------------------ export

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardforge.mesh import ParallelDims, divisors
 
@@ -90,7 +89,3 @@ def materialize_reference(
         return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0

@@ -7,10 +7,6 @@ from typing import Any
 __all__ = ["valid_tp_sizes", "validate_tp"]
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def _dims(config: Any) -> dict[str, int]:
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
     dims = {

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from shardforge.mesh.distributed import _free_port
+
 __all__ = ["RankFailure", "RankPool", "get_rank_pool", "run_on_ranks"]
 
 
@@ -282,11 +284,3 @@ def _importable_by_name(module: ModuleType) -> bool:
         if file in (candidate + ".py", os.path.join(candidate, "__init__.py")):
             return True
     return False
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
