@@ -102,7 +102,7 @@ def test_canonical_parameters_names_ties_and_buffers() -> None:
 def test_bucket_sizes_order_and_cast(bucket_bytes: int, dtype: Any) -> None:
     model = _tiny()
     reference = {n: t.detach().clone() for n, t in canonical_parameters(model)}
-    buckets = list(iter_buckets(model, bucket_bytes, keep=True, dtype=dtype))
+    buckets = list(iter_buckets(model, bucket_bytes, dtype=dtype))
     assert all(isinstance(b, Bucket) for b in buckets)
     check_buckets(buckets, reference, EXPECTED_NAMES, bucket_bytes, dtype)  # type: ignore[arg-type]
     step = next(t for b in buckets for n, t in zip(b.names, b.tensors) if n == "step")
@@ -118,7 +118,7 @@ def test_bucket_sizes_order_and_cast(bucket_bytes: int, dtype: Any) -> None:
 def test_oversized_tensor_gets_its_own_bucket() -> None:
     model = _tiny()
     big = model.embed.weight.numel() * 4  # 264 bytes, larger than the limit below
-    buckets = list(iter_buckets(model, 200, keep=True))
+    buckets = list(iter_buckets(model, 200))
     (alone,) = [b for b in buckets if "embed.weight" in b.names]
     assert alone.names == ["embed.weight"] and alone.nbytes == big > 200
     assert all(b.nbytes <= 200 for b in buckets if b is not alone)
@@ -126,7 +126,7 @@ def test_oversized_tensor_gets_its_own_bucket() -> None:
 
 def test_buckets_are_copies_not_views() -> None:
     model = _tiny()
-    (bucket,) = list(iter_buckets(model, 10**9, keep=True))
+    (bucket,) = list(iter_buckets(model, 10**9))
     before = bucket.tensors[0].clone()
     with torch.no_grad():
         model.embed.weight.add_(1.0)
@@ -135,15 +135,15 @@ def test_buckets_are_copies_not_views() -> None:
 
 def test_not_keeping_yields_none_per_bucket() -> None:
     model = _tiny()
-    kept = list(iter_buckets(model, 100, keep=True))
-    dropped = list(iter_buckets(model, 100, keep=False))
+    kept = list(iter_buckets(model, 100))
+    dropped = list(iter_buckets(model, 100, src_rank=1))
     assert len(dropped) == len(kept) > 1
     assert all(item is None for item in dropped)
 
 
 def test_bucket_bytes_must_be_positive() -> None:
     with pytest.raises(ValueError, match="bucket_bytes"):
-        list(iter_buckets(_tiny(), 0, keep=True))
+        list(iter_buckets(_tiny(), 0))
 
 
 # ----------------------------------------------------------------------------- multi-rank
@@ -188,7 +188,7 @@ def rank_fsdp_buckets(tie: bool, keep_rank: int, bucket_bytes: int, dtype: Any) 
     fully_shard(model, mesh=mesh)
     assert all(isinstance(p, DTensor) for p in model.parameters())
     assert [n for n, _ in canonical_parameters(model)] == order, "sharding keeps the canonical names"
-    items = list(iter_buckets(model, bucket_bytes, keep=dist.get_rank() == keep_rank, dtype=dtype))
+    items = list(iter_buckets(model, bucket_bytes, src_rank=keep_rank, dtype=dtype))
     return {"items": items, "reference": reference, "order": order}
 
 
@@ -249,7 +249,7 @@ def rank_2d_buckets(keep_rank: int, bucket_bytes: int, dtype: Any) -> dict[str, 
     fully_shard(model, mesh=dp_mesh)
     up = model.blocks[0].up.weight
     assert isinstance(up, DTensor) and up.device_mesh.ndim == 2, "a 2-D (fsdp, tp) DTensor"
-    items = list(iter_buckets(model, bucket_bytes, keep=dist.get_rank() == keep_rank, dtype=dtype))
+    items = list(iter_buckets(model, bucket_bytes, src_rank=keep_rank, dtype=dtype))
     return {"items": items, "reference": reference, "order": order}
 
 
@@ -262,3 +262,42 @@ def test_2d_fsdp_tp_buckets_equal_unsharded(keep_rank: int, dtype: Any) -> None:
         if rank != keep_rank:
             assert all(item is None for item in result["items"])
     check_buckets(kept["items"], kept["reference"], kept["order"], 160, dtype)
+
+
+def rank_hsdp_buckets(keep_rank: int, bucket_bytes: int, dtype: Any) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from shardforge.mesh import ParallelDims, build_mesh
+
+    torch.manual_seed(0)
+    model = TPNet()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    reference = {n: t.detach().clone() for n, t in canonical_parameters(model)}
+    order = [n for n, _ in canonical_parameters(model)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pmesh = build_mesh(ParallelDims(dp_replicate=2, dp_shard=2), device_type="cpu")
+    mesh = pmesh.get(("dp_replicate", "fsdp"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    embed = model.embed.weight
+    assert isinstance(embed, DTensor) and tuple(embed.placements) == (Replicate(), Shard(0))
+    assert embed.to_local().shape[0] in (4, 5), "9 rows over 2 shards: uneven chunks"
+    items = list(iter_buckets(model, bucket_bytes, src_rank=keep_rank, dtype=dtype))
+    return {"items": items, "reference": reference, "order": order}
+
+
+@pytest.mark.parametrize(("keep_rank", "dtype"), [(2, torch.bfloat16), (1, None)])
+def test_hsdp_buckets_equal_unsharded(keep_rank: int, dtype: Any) -> None:
+    """HSDP: only the sender's shard group transfers; the other replica skips the parameters."""
+    results = get_rank_pool(4).run(rank_hsdp_buckets, keep_rank, 200, dtype, timeout_s=120)
+    kept = results[keep_rank]
+    for rank, result in enumerate(results):
+        assert len(result["items"]) == len(kept["items"]) > 2
+        if rank != keep_rank:
+            assert all(item is None for item in result["items"])
+    check_buckets(kept["items"], kept["reference"], kept["order"], 200, dtype)

@@ -105,3 +105,102 @@ def test_collective_publish_reaches_another_process_bit_for_bit(tmp_path: Path) 
         assert not mismatched, f"version {version}: {mismatched}"
     # Versions really differ (the optimizer moved the weights between publishes).
     assert not torch.equal(received[1]["lm_head.weight"], received[VERSIONS]["lm_head.weight"])
+
+
+# ----------------------------------------------------------------------------- a crash
+
+FAULT_RECEIVER = textwrap.dedent(
+    """
+    import sys
+
+    import torch
+    from torch import nn
+
+    from shardforge.weight_sync import CollectiveReceiver, WeightReceiver
+
+    port, out = int(sys.argv[1]), sys.argv[2]
+    torch.manual_seed(99)
+    model = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(6)])
+    worker = CollectiveReceiver(WeightReceiver(model), "127.0.0.1", port, 1, 2, timeout_s=60)
+    snap = lambda: {k: v.clone() for k, v in model.state_dict().items()}
+    log = {"v1": worker.receive_version(), "after_v1": snap()}
+    try:
+        worker.receive_version()  # the sender dies part-way through version 2
+        log["v2_error"] = None
+    except Exception as exc:
+        log["v2_error"] = repr(exc)
+    log["serving_after_crash"] = worker.receiver.version
+    log["after_crash"] = snap()
+    log["v3"] = worker.receive_version()  # reconnects to the restarted sender's new session
+    log["after_v3"] = snap()
+    torch.save(log, out)
+    """
+)
+
+FAULT_SENDER = textwrap.dedent(
+    """
+    import os
+    import sys
+
+    import torch
+    from torch import nn
+
+    from shardforge.weight_sync import CollectiveTransport, WeightPublisher
+
+    port, seed, die_at = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[4])
+    versions, out = [int(v) for v in sys.argv[3].split(",")], sys.argv[5]
+
+    class Dies(CollectiveTransport):
+        sent = 0
+
+        def send(self, bucket):
+            self.sent += 1
+            if self.sent == die_at:
+                os._exit(17)  # killed mid-version: no ABORT message, no cleanup
+            super().send(bucket)
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(6)])
+    transport = Dies("127.0.0.1", port, 1, timeout_s=60)
+    publisher = WeightPublisher(model, transport, bucket_bytes=256)  # one 8x8 fp32 tensor per bucket
+    torch.save(model.state_dict(), out)  # the first version's weights
+    for version in versions:
+        publisher.publish(version)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-1.0)
+    """
+)
+
+
+def test_sender_killed_mid_version_receiver_keeps_previous_then_recovers(tmp_path: Path) -> None:
+    """Fault: the sender process dies after 2 of 6 buckets of version 2. The receiver reports
+    the error, keeps serving version 1 bit for bit, then applies version 3 from a restarted
+    sender (a new session on the same address)."""
+    port = _free_port()
+    out = tmp_path / "receiver.pt"
+    receiver = subprocess.Popen([sys.executable, "-c", FAULT_RECEIVER, str(port), str(out)])
+    try:
+        first = subprocess.run(
+            [sys.executable, "-c", FAULT_SENDER, str(port), "0", "1,2", "9", str(tmp_path / "a.pt")],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert first.returncode == 17, first.stdout + first.stderr
+        v1 = torch.load(tmp_path / "a.pt", weights_only=True)
+        second = subprocess.run(
+            [sys.executable, "-c", FAULT_SENDER, str(port), "7", "3", "0", str(tmp_path / "b.pt")],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert receiver.wait(timeout=120) == 0
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+    log = torch.load(out, weights_only=True)
+    v3 = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert log["v1"] == 1 and log["v2_error"] is not None, log["v2_error"]
+    assert log["serving_after_crash"] == 1
+    assert all(torch.equal(log["after_v1"][k], v1[k]) for k in v1), "version 1 arrived bit for bit"
+    assert all(torch.equal(log["after_crash"][k], v1[k]) for k in v1), "still serving version 1"
+    assert log["v3"] == 3
+    assert all(torch.equal(log["after_v3"][k], v3[k]) for k in v3), "version 3 arrived bit for bit"

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardforge.weight_sync.buckets import Bucket
+from shardforge.weight_sync.buckets import Bucket, aligned
 from shardforge.weight_sync.manifest import Manifest
 from shardforge.weight_sync.receiver import WeightReceiver
 
@@ -36,6 +36,7 @@ __all__ = ["CollectiveReceiver", "CollectiveTransport"]
 
 BEGIN, BUCKET, COMMIT, ABORT = 1, 2, 3, 4
 _SESSION_KEY = "shardforge/weight-sync/session"
+_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -80,7 +81,9 @@ class CollectiveTransport:
     """Sender side; create it on the sending trainer rank only.
 
     Args:
-        host, port: where the sender's TCPStore listens (receivers connect here).
+        host, port: where the sender's TCPStore listens (receivers connect here). ``port=0``
+            lets the OS pick a free port (no race with other processes); read it back from
+            ``transport.port`` and hand it to the receivers.
         num_receivers: inference workers that will join.
         timeout_s: a receiver that stops responding makes a collective fail after this.
     """
@@ -97,6 +100,7 @@ class CollectiveTransport:
             timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
         )
+        self.port: int = self.store.port
         self.session = uuid.uuid4().hex
         self.store.set(_SESSION_KEY, self.session)
         self._channel = _Channel(_make_group(self.store, self.session, 0, self.world_size, timeout_s))
@@ -105,26 +109,29 @@ class CollectiveTransport:
         self._channel.header(BEGIN, version, 0)
 
     def send(self, bucket: Bucket) -> None:
-        offsets, parts, offset = [], [], 0
-        for tensor in bucket.tensors:
-            raw = (
-                tensor.contiguous().view(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
-            )
-            offsets.append(offset)
-            parts.append(raw)
-            offset += raw.numel()
+        if bucket.flat is not None:  # built by iter_buckets: the tensors already live in one buffer
+            payload, offsets = bucket.flat, list(bucket.offsets)
+        else:
+            offsets, end = [], 0
+            for tensor in bucket.tensors:
+                offsets.append(end)
+                end = aligned(end + tensor.numel() * tensor.element_size())
+            payload = torch.empty(end, dtype=torch.uint8)
+            for tensor, offset in zip(bucket.tensors, offsets):
+                raw = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8) if tensor.numel() else _EMPTY
+                payload[offset : offset + raw.numel()].copy_(raw)
         meta = {
             "names": bucket.names,
             "shapes": [list(t.shape) for t in bucket.tensors],
             "dtypes": [str(t.dtype) for t in bucket.tensors],
             "offsets": offsets,
-            "nbytes": offset,
+            "nbytes": payload.numel(),
         }
         encoded = json.dumps(meta).encode()
         self._channel.header(BUCKET, bucket.index, len(encoded))
         self._channel.send_bytes(encoded)
-        if offset:
-            self._channel.broadcast(torch.cat(parts))
+        if payload.numel():
+            self._channel.broadcast(payload)
 
     def commit(self, manifest: Manifest) -> None:
         encoded = manifest.to_json().encode()
@@ -202,12 +209,9 @@ class CollectiveReceiver:
                         for dim in shape:
                             count *= dim
                         size = count * torch.empty((), dtype=torch_dtype).element_size()
-                        raw = (
-                            payload[offset : offset + size]
-                            if payload is not None
-                            else torch.empty(0, dtype=torch.uint8)
-                        )
-                        staged.append((name, raw.clone().view(torch_dtype).reshape(shape)))
+                        raw = payload[offset : offset + size] if payload is not None and size else _EMPTY
+                        # A view into this bucket's payload (freshly allocated per bucket): no copy.
+                        staged.append((name, raw.view(torch_dtype).reshape(shape)))
                     if on_bucket is not None:
                         on_bucket(a)
                 elif op == COMMIT:

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from shardforge.weight_sync.buckets import Bucket
-from shardforge.weight_sync.manifest import Manifest, tensor_checksum
+from shardforge.weight_sync.safetensors_io import write_safetensors
+from shardforge.weight_sync.manifest import Manifest, checksum_matches
 
 __all__ = ["DiskTransport", "DiskWeightSource", "WeightVersionError"]
 
@@ -83,12 +84,9 @@ class DiskTransport:
         self._tmp.mkdir()
 
     def send(self, bucket: Bucket) -> None:
-        from safetensors.torch import save_file
-
         assert self._tmp is not None, "begin() first"
         path = self._tmp / f"bucket_{bucket.index:05d}.safetensors"
-        save_file({n: t.contiguous() for n, t in zip(bucket.names, bucket.tensors)}, str(path))
-        _fsync_file(path)  # durable before the COMMITTED marker can be
+        write_safetensors(path, bucket.names, bucket.tensors)  # fsynced: durable before COMMITTED
 
     def commit(self, manifest: Manifest) -> None:
         assert self._tmp is not None and self._version == manifest.version, "begin() first"
@@ -153,6 +151,6 @@ class DiskWeightSource:
                 info = infos.get(name)
                 if info is None:
                     raise WeightVersionError(f"version {manifest.version}: {name} is not in the manifest")
-                if info.checksum and tensor_checksum(tensor) != info.checksum:
+                if info.checksum and not checksum_matches(tensor, info.checksum):
                     raise WeightVersionError(f"version {manifest.version}: checksum mismatch for {name}")
                 yield name, tensor

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardforge.weight_sync.buckets import Bucket, iter_buckets
-from shardforge.weight_sync.manifest import Manifest, TensorInfo, tensor_checksum
+from shardforge.weight_sync.manifest import CHECKSUM_ALGORITHMS, Manifest, TensorInfo, tensor_checksum
 
 __all__ = ["PublishStats", "WeightPublisher", "WeightTransport"]
 
@@ -49,7 +49,12 @@ class WeightPublisher:
         transport: used on ``src_rank`` only (other ranks may pass None).
         bucket_bytes: target size of one bucket.
         dtype: cast floating-point tensors (e.g. fp32 master -> bf16 serving).
-        checksums: record sha256 per tensor in the manifest (receivers verify them).
+        checksums: record a checksum per tensor in the manifest (receivers verify them):
+            ``"crc32"`` (default, fast), ``"sha256"``, or False/None for none. Computed on
+            the transfer thread, overlapped with the next gather.
+        reuse_buffers: gather into two flat buffers reused in turn (saves the page faults of a
+            fresh buffer per bucket). Transports must not keep references to a bucket after
+            ``send`` returns (all of ours copy or write it); pass False for one that does.
     """
 
     def __init__(
@@ -60,14 +65,20 @@ class WeightPublisher:
         bucket_bytes: int = 256 * 1024**2,
         dtype: torch.dtype | None = None,
         src_rank: int = 0,
-        checksums: bool = True,
+        checksums: bool | str | None = "crc32",
+        reuse_buffers: bool = True,
     ) -> None:
         self.model = model
         self.transport = transport
         self.bucket_bytes = bucket_bytes
         self.dtype = dtype
         self.src_rank = src_rank
-        self.checksums = checksums
+        if checksums is True:
+            checksums = "crc32"
+        if checksums and checksums not in CHECKSUM_ALGORITHMS:
+            raise ValueError(f"checksums={checksums!r}; valid: {CHECKSUM_ALGORITHMS} or False")
+        self.checksums: str | None = checksums or None
+        self.reuse_buffers = reuse_buffers
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_sender = rank == src_rank
         if self.is_sender and transport is None:
@@ -76,7 +87,13 @@ class WeightPublisher:
     def publish(self, version: int) -> PublishStats | None:
         """Publish one version (collective over the trainer ranks); stats on the sender."""
         start = time.perf_counter()
-        buckets = iter_buckets(self.model, self.bucket_bytes, keep=self.is_sender, dtype=self.dtype)
+        buckets = iter_buckets(
+            self.model,
+            self.bucket_bytes,
+            src_rank=self.src_rank,
+            dtype=self.dtype,
+            ring=2 if self.reuse_buffers else 0,
+        )
         if not self.is_sender:
             for _ in buckets:
                 pass
@@ -96,6 +113,7 @@ class WeightPublisher:
                         return
                     if not failure:  # after an error, drain without sending
                         transport.send(item)
+                        manifest.tensors.extend(self._describe(item))
                 except BaseException as exc:
                     failure.append(exc)
                 finally:
@@ -111,11 +129,6 @@ class WeightPublisher:
                 assert bucket is not None
                 if failure:
                     continue  # keep joining the gathers: the other ranks are still in them
-                for name, tensor in zip(bucket.names, bucket.tensors):
-                    checksum = tensor_checksum(tensor) if self.checksums else ""
-                    manifest.tensors.append(
-                        TensorInfo(name, tuple(tensor.shape), str(tensor.dtype), bucket.index, checksum)
-                    )
                 total += bucket.nbytes
                 max_bucket = max(max_bucket, bucket.nbytes)
                 count += 1
@@ -132,3 +145,10 @@ class WeightPublisher:
         manifest.num_buckets = count
         transport.commit(manifest)
         return PublishStats(version, total, count, time.perf_counter() - start, max_bucket)
+
+    def _describe(self, bucket: Bucket) -> list[TensorInfo]:
+        infos = []
+        for name, tensor in zip(bucket.names, bucket.tensors):
+            checksum = tensor_checksum(tensor, self.checksums) if self.checksums else ""
+            infos.append(TensorInfo(name, tuple(tensor.shape), str(tensor.dtype), bucket.index, checksum))
+        return infos

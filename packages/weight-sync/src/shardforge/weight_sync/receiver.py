@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardforge.weight_sync.disk import WeightVersionError
-from shardforge.weight_sync.manifest import Manifest, tensor_checksum
+from shardforge.weight_sync.manifest import Manifest, checksum_matches
 
 __all__ = ["WeightReceiver"]
 
@@ -47,7 +47,7 @@ class WeightReceiver:
                     f"version {manifest.version}: {name} arrived as {tuple(tensor.shape)} {tensor.dtype}, "
                     f"manifest says {info.shape} {info.dtype}"
                 )
-            if self.verify_checksums and info.checksum and tensor_checksum(tensor) != info.checksum:
+            if self.verify_checksums and info.checksum and not checksum_matches(tensor, info.checksum):
                 raise WeightVersionError(f"version {manifest.version}: checksum mismatch for {name}")
             staged[name] = tensor
         missing = sorted(set(expected) - set(staged))
