@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardforge.mesh.testing import get_rank_pool

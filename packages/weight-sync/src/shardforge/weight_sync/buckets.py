@@ -129,7 +129,7 @@ class _Gather:
     def __init__(self, src_rank: int) -> None:
         self.src_rank = src_rank
         self.rank = dist.get_rank()
-        self.works: list[dist.Work] = []
+        self.works: list[dist.Work | None] = []
         self.keep_alive: list[torch.Tensor] = []
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device staging, CPU target)
 
@@ -166,7 +166,8 @@ class _Gather:
 
     def wait(self) -> None:
         for work in self.works:
-            work.wait()
+            if work is not None:
+                work.wait()
         for staging, target in self.copies:
             target.copy_(staging)
         self.works.clear()
@@ -232,7 +233,7 @@ def iter_buckets(
         for i in fallback:  # after the point-to-point phase, in the same order on every rank
             value = entries[i].value
             assert isinstance(value, DTensor)
-            full = value.to(entries[i].dtype).full_tensor()
+            full = value.to(entries[i].dtype).full_tensor()  # type: ignore[attr-defined]
             if keep:
                 views[i].copy_(full)
             del full

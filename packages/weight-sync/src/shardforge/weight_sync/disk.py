@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from shardforge.weight_sync.buckets import Bucket
-from shardforge.weight_sync.safetensors_io import write_safetensors
 from shardforge.weight_sync.manifest import Manifest, checksum_matches
+from shardforge.weight_sync.safetensors_io import write_safetensors
 
 __all__ = ["DiskTransport", "DiskWeightSource", "WeightVersionError"]
 
