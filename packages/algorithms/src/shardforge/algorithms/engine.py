@@ -42,6 +42,7 @@ from shardforge.fsdp_wrap import (
 from shardforge.mesh import ParallelDims, ParallelMesh, build_mesh, current_device, init_distributed
 from shardforge.tensor_parallel import apply_tensor_parallel, vocab_parallel_logprobs
 from shardforge.ulysses_cp import gather_sequence, packed_model_kwargs, register_packed_attention, slice_for_rank
+from shardforge.weight_sync import PublishStats, WeightPublisher, WeightTransport
 
 __all__ = ["LossFn", "LossWeightFn", "TrainEngine"]
 
@@ -340,6 +341,30 @@ class TrainEngine:
             tokenizer,
             dtype=parse_dtype(dtype) if dtype else None,
         )
+
+    def publish_weights(
+        self,
+        transport: WeightTransport | None,
+        version: int | None = None,
+        *,
+        bucket_bytes: int = 256 * 1024**2,
+        dtype: str | torch.dtype | None = None,
+        src_rank: int = 0,
+    ) -> PublishStats | None:
+        """Push the current weights to inference engines through ``transport`` (weight-sync).
+
+        Collective over all ranks; ``transport`` is needed on ``src_rank`` only (None elsewhere).
+        Tensors are gathered bucket by bucket in HF naming, cast to ``dtype`` (e.g. "bf16") before
+        they move. ``version`` defaults to the engine's step. Returns stats on ``src_rank``.
+        """
+        publisher = WeightPublisher(
+            self.model,
+            transport,
+            bucket_bytes=bucket_bytes,
+            dtype=parse_dtype(dtype) if dtype is not None else None,
+            src_rank=src_rank,
+        )
+        return publisher.publish(self.step if version is None else version)
 
     # ------------------------------------------------------------------ checkpoints
     def train_state(self, data_state: dict[str, Any] | None = None) -> TrainState:
