@@ -1,9 +1,32 @@
-"""shardforge.moe_ep: Expert parallelism for HF fused-expert MoE blocks.
+"""shardforge.moe_ep: expert parallelism for HF fused-expert MoE blocks.
 
-Not implemented yet; this package only reserves its name and dependencies.
-Planned: see the package README.
+- `apply_expert_parallel`: experts split on dim 0 over ``ep`` (DTensors, global names),
+  all-to-all token dispatch/combine, grouped matmul, the EP / expert-TP strategy table.
+- `expert_modules`: the experts modules, for expert FSDP over ``efsdp``.
+- `RouterRecorder`: the global load-balancing loss and router statistics.
+- `validate_expert_parallel`: layout checks before any collective.
 """
+
+from shardforge.moe_ep.apply import apply_expert_parallel, expert_modules, validate_expert_parallel
+from shardforge.moe_ep.experts import ParallelExperts
+from shardforge.moe_ep.families import MOE_FAMILIES, MoEFamily, find_moe_blocks, supported_moe_families
+from shardforge.moe_ep.grouped import expert_mlp, grouped_linear, grouped_mm_available
+from shardforge.moe_ep.router import AuxLoss, RouterRecorder
 
 __version__ = "0.1.0"
 
-__all__: list[str] = []
+__all__ = [
+    "MOE_FAMILIES",
+    "AuxLoss",
+    "MoEFamily",
+    "ParallelExperts",
+    "RouterRecorder",
+    "apply_expert_parallel",
+    "expert_mlp",
+    "expert_modules",
+    "find_moe_blocks",
+    "grouped_linear",
+    "grouped_mm_available",
+    "supported_moe_families",
+    "validate_expert_parallel",
+]
