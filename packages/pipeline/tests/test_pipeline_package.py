@@ -1,6 +1,8 @@
-"""Packaging checks for the planned (not yet implemented) package."""
+"""Packaging checks: version, public surface, and the dependency boundary."""
 
 import importlib.metadata
+import subprocess
+import sys
 
 import shardforge.pipeline as pkg
 
@@ -9,13 +11,20 @@ def test_version_matches_distribution() -> None:
     assert pkg.__version__ == importlib.metadata.version("shardforge-pipeline")
 
 
-def test_public_surface_is_empty_until_implemented() -> None:
-    # The package must not pretend to offer an API it does not have yet.
-    assert pkg.__all__ == []
-    assert not [n for n in dir(pkg) if not n.startswith("_")]
+def test_public_surface_is_all() -> None:
+    public = sorted(
+        n for n in dir(pkg) if not n.startswith("_") and n not in {"layout", "microbatch", "schedule", "stage"}
+    )
+    assert public == sorted(pkg.__all__)
+    for name in pkg.__all__:
+        assert getattr(pkg, name) is not None
 
 
-def test_mesh_dependency_imports() -> None:
-    from shardforge.mesh import ParallelDims
-
-    assert ParallelDims.parse("d2").dp_shard == 2
+def test_does_not_import_other_feature_packages() -> None:
+    # A fresh interpreter: the pytest process may already hold sibling packages.
+    code = (
+        "import sys, shardforge.pipeline; "
+        "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('shardforge.')}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['mesh', 'pipeline']" or out.strip() == "['pipeline']", out
