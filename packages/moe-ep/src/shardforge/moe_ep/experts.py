@@ -134,7 +134,7 @@ class ParallelExperts(nn.Module):
         else:
             out_rows = self._dispatch_compute_combine(rows_NH, counts_E, gate_up, down)
         # Undo the sort: row j of the sorted order belongs to (token, k) = order[j].
-        out_TKH = torch.empty_like(out_rows).index_copy(0, order, out_rows).view(num_tokens, top_k, -1)
+        out_TKH = torch.empty_like(out_rows).index_copy(0, order, out_rows).view(num_tokens, top_k, out_rows.shape[-1])
         return (out_TKH * weights_TK.unsqueeze(-1)).sum(dim=1)
 
     def _dispatch_compute_combine(
