@@ -1,6 +1,6 @@
 """The `shardforge` command line.
 
-    shardforge train sft --config examples/sft_tiny.yaml [--nproc-per-node N] key=value ...
+    shardforge train sft|grpo --config examples/sft_tiny.yaml [--nproc-per-node N] key=value ...
     shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600]
 
 ``key=value`` overrides use dotted paths into the config (``engine.optimizer.lr=1e-3``).
@@ -18,8 +18,8 @@ from typing import Any
 
 __all__ = ["main"]
 
-TRAINERS = ("sft",)
-PLANNED_TRAINERS = ("rm", "ppo", "grpo")
+TRAINERS = ("sft", "grpo")
+PLANNED_TRAINERS = ("rm", "ppo")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,10 +71,15 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
         return _relaunch(args.nproc_per_node)
     data = apply_overrides(load_yaml(args.config), args.overrides)
-    from shardforge.algorithms.sft import SFTConfig, run_sft
+    summary: Any
+    if args.algorithm == "grpo":
+        from shardforge.algorithms.grpo import GRPOConfig, run_grpo
 
-    config: Any = build_config(SFTConfig, data)
-    summary = run_sft(config)
+        summary = run_grpo(build_config(GRPOConfig, data))
+    else:
+        from shardforge.algorithms.sft import SFTConfig, run_sft
+
+        summary = run_sft(build_config(SFTConfig, data))
     if os.environ.get("RANK", "0") == "0":
         print(f"[shardforge] done: {summary}", flush=True)
     from shardforge.mesh import destroy_distributed

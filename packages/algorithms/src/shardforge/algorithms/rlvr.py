@@ -1,0 +1,110 @@
+"""RLVR workflow pieces: prompt data, rollouts -> rewards -> advantages -> a packed batch.
+
+Rows are the SFT prompt/completion JSONL: ``{"prompt": "12+7=", "completion": "19"}``; the
+completion is the reference answer the reward function checks.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from shardforge.algorithms.batch import PackedBatch, pack_sequences
+from shardforge.algorithms.rl import dr_grpo_advantages, grpo_advantages, rloo_advantages
+from shardforge.algorithms.rl.loss_fns import ADVANTAGES, OLD_LOGPROBS
+from shardforge.algorithms.rollout.types import Rollout
+
+__all__ = [
+    "BEHAVIOUR_LOGPROBS",
+    "AdvantageEstimator",
+    "PromptSet",
+    "group_advantages",
+    "load_prompts",
+    "rollouts_to_batch",
+]
+
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
+BEHAVIOUR_LOGPROBS = "behaviour_logprobs"
+"""[T] log-probs recorded by the rollout engine (kept next to the recomputed old log-probs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSet:
+    """Tokenised prompts with their reference answers."""
+
+    texts: list[str]
+    references: list[str]
+    ids: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+def load_prompts(path: str | Path, tokenizer: Any, *, max_prompt_len: int | None = None) -> PromptSet:
+    """Read prompt/completion JSONL; prompts longer than ``max_prompt_len`` tokens are skipped
+    (with a warning naming how many)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
+    texts, refs, ids = [], [], []
+    skipped = 0
+    prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row.get("prompt"), str) or not isinstance(row.get("completion"), str):
+            raise ValueError(f"line {number} of {path.name}: need string 'prompt' and 'completion' (the reference)")
+        tokens = prefix + tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        if max_prompt_len is not None and len(tokens) > max_prompt_len:
+            skipped += 1
+            continue
+        texts.append(row["prompt"])
+        refs.append(row["completion"])
+        ids.append(tokens)
+    if skipped:
+        warnings.warn(f"skipped {skipped} prompt(s) of {path.name} longer than {max_prompt_len} tokens", stacklevel=2)
+    if not texts:
+        raise ValueError(f"prompt file {str(path)!r} has no usable rows")
+    return PromptSet(texts, refs, ids)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, estimator: AdvantageEstimator) -> torch.Tensor:
+    """[N] per-sequence advantages of consecutive groups of ``group_size`` samples."""
+    if estimator == "grpo":
+        return grpo_advantages(rewards, group_size)
+    if estimator == "dr_grpo":
+        return dr_grpo_advantages(rewards, group_size)
+    if estimator == "rloo":
+        return rloo_advantages(rewards, group_size)
+    raise ValueError(f"unknown advantage estimator {estimator!r}; valid: grpo, dr_grpo, rloo")
+
+
+def rollouts_to_batch(rollouts: Sequence[Rollout], advantages: torch.Tensor) -> PackedBatch:
+    """Pack prompt + response per rollout; targets are the response tokens.
+
+    Extras (target-aligned [T]): ``advantages`` (the sequence's advantage on each response
+    token), ``old_logprobs`` and ``behaviour_logprobs`` (both the rollout engine's log-probs;
+    a trainer may overwrite ``old_logprobs`` with recomputed ones).
+    """
+    if len(rollouts) != advantages.numel():
+        raise ValueError(f"{len(rollouts)} rollouts but {advantages.numel()} advantages")
+    sequences = [r.prompt_ids + r.response_ids for r in rollouts]
+    masks = [[0.0] * len(r.prompt_ids) + [1.0] * len(r.response_ids) for r in rollouts]
+    batch = pack_sequences(sequences, masks)
+    adv = torch.zeros(batch.num_tokens)
+    behaviour = torch.zeros(batch.num_tokens)
+    bounds = batch.cu_seqlens.tolist()
+    for i, rollout in enumerate(rollouts):
+        start = bounds[i] + len(rollout.prompt_ids)
+        end = start + len(rollout.response_ids)
+        adv[start:end] = float(advantages[i])
+        behaviour[start:end] = torch.tensor(rollout.logprobs, dtype=torch.float32)
+    batch.extras = {ADVANTAGES: adv, OLD_LOGPROBS: behaviour.clone(), BEHAVIOUR_LOGPROBS: behaviour}
+    return batch

@@ -1,0 +1,145 @@
+"""The embedded rollout engine: HF ``generate`` on a local copy of the policy.
+
+It runs inside each trainer process (or any side process): it loads the initial HF model
+directory, samples responses with their behaviour log-probs, and refreshes its weights from
+versions that the trainer publishes with weight-sync (`DiskTransport` -> `DiskWeightSource`
+-> `WeightReceiver`: verified, all-or-nothing, monotonic versions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shardforge.algorithms.config import parse_dtype
+from shardforge.algorithms.rollout.types import Rollout, SamplingParams
+from shardforge.weight_sync import DiskWeightSource, WeightReceiver, WeightVersionError
+
+__all__ = ["HFRolloutEngine"]
+
+
+class HFRolloutEngine:
+    """Sample with ``transformers`` ``generate``; weights follow a weight-sync disk root.
+
+    Args:
+        model_dir: HF model directory with the initial weights (version 0).
+        tokenizer: the tokenizer (pad/eos ids and decoding).
+        weights_root: where the trainer publishes versions (`DiskTransport` root); None = never
+            refreshed.
+        dtype: dtype of the rollout model ("float32", "bf16", ...).
+        batch_size: rows per ``generate`` call (prompts x samples are chunked).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        tokenizer: Any,
+        *,
+        weights_root: str | os.PathLike[str] | None = None,
+        dtype: str = "float32",
+        device: str | torch.device = "cpu",
+        batch_size: int = 256,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if not Path(model_dir).is_dir():
+            raise FileNotFoundError(f"rollout model directory {str(model_dir)!r} does not exist")
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=parse_dtype(dtype)).to(self.device)
+        self.model.eval()
+        self.model.config.use_cache = True
+        self.receiver = WeightReceiver(self.model)
+        self.source = DiskWeightSource(weights_root) if weights_root is not None else None
+        self.batch_size = batch_size
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_id = tokenizer.eos_token_id
+        if self.pad_id is None:
+            raise ValueError("the tokenizer has neither a pad nor an EOS token; generation needs one to pad prompts")
+
+    @property
+    def version(self) -> int:
+        return self.receiver.version
+
+    def update_weights(self, version: int | None = None) -> int:
+        """Apply ``version`` (None = newest committed) if it is newer than the serving one."""
+        if self.source is None:
+            raise RuntimeError("this rollout engine has no weights_root to update from")
+        target = self.source.latest() if version is None else version
+        if target is None:
+            raise WeightVersionError(f"no committed weight version under {self.source.root}")
+        if target != self.receiver.version:
+            manifest = self.source.manifest(target)
+            self.receiver.apply(manifest, self.source.tensors(manifest))
+        return self.receiver.version
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
+        """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together)."""
+        if len(prompts) == 0:
+            raise ValueError("generate() needs at least one prompt")
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty")
+        rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+        out: list[Rollout] = []
+        seed_ctx = torch.random.fork_rng(devices=[]) if params.seed is not None else contextlib.nullcontext()
+        with seed_ctx:
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            for start in range(0, len(rows), self.batch_size):
+                out += self._generate_chunk(rows[start : start + self.batch_size], params)
+        return out
+
+    def _generate_chunk(self, rows: list[tuple[int, list[int]]], params: SamplingParams) -> list[Rollout]:
+        width = max(len(p) for _, p in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, (_, ids) in enumerate(rows):  # left padding: every prompt ends at the same column
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention[row, width - len(ids) :] = 1
+        greedy = params.temperature == 0
+        sampling: dict[str, Any] = (
+            {"do_sample": False}
+            if greedy
+            else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+        )
+        result = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention.to(self.device),
+            max_new_tokens=params.max_new_tokens,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **sampling,
+        )
+        new_tokens = result.sequences[:, width:].cpu()
+        # Raw logits of every step [B, steps, V] -> log-probs of the sampling distribution.
+        logits = torch.stack(result.logits, dim=1).float().cpu()
+        scale = 1.0 if greedy else params.temperature
+        logprobs = F.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens[..., None])[..., 0]
+        rollouts = []
+        for row, (prompt_index, prompt) in enumerate(rows):
+            tokens = new_tokens[row].tolist()
+            finished = self.eos_id is not None and self.eos_id in tokens
+            length = tokens.index(self.eos_id) + 1 if finished else len(tokens)
+            response = tokens[:length]
+            rollouts.append(
+                Rollout(
+                    prompt_index=prompt_index,
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    logprobs=logprobs[row, :length].tolist(),
+                    finished=finished,
+                    version=self.version,
+                    text=self.tokenizer.decode(response, skip_special_tokens=True),
+                )
+            )
+        return rollouts

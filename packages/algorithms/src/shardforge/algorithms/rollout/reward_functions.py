@@ -1,0 +1,84 @@
+"""Verifiable reward functions: the built-in exact-match math reward and user functions by path.
+
+A reward function is ``fn(prompt: str, response: str, reference: str) -> float``. It is
+called once per rollout; an exception or a non-finite value stops the step with an error
+that names the prompt and response (a silent NaN would poison the advantages).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Sequence
+
+import torch
+
+from shardforge.algorithms.rollout.types import Rollout
+
+__all__ = ["RewardFn", "exact_match_reward", "load_reward_fn", "score_rollouts"]
+
+RewardFn = Callable[[str, str, str], float]
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def exact_match_reward(prompt: str, response: str, reference: str) -> float:
+    """1.0 when the response's answer equals the reference, else 0.0.
+
+    The answer is the whole stripped response; if that is not an exact match, numeric answers
+    are compared as numbers (so "42" and "42.0" agree) — but only when the response is a
+    single number, so "4 or 42" never scores.
+    """
+    answer, expected = response.strip(), reference.strip()
+    if answer == expected:
+        return 1.0
+    if _NUMBER.fullmatch(answer) and _NUMBER.fullmatch(expected):
+        return 1.0 if float(answer) == float(expected) else 0.0
+    return 0.0
+
+
+def load_reward_fn(spec: str | RewardFn) -> RewardFn:
+    """``"exact_match"`` (built in), ``"package.module:function"`` or a callable."""
+    if callable(spec):
+        return spec
+    if spec in ("exact_match", "exact-match"):
+        return exact_match_reward
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        module_name, _, attr = spec.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"reward function {spec!r}: use 'exact_match' or 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r}: {module_name!r} has no callable {attr!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+def score_rollouts(
+    rollouts: Sequence[Rollout],
+    prompts: Sequence[str],
+    references: Sequence[str],
+    reward_fn: RewardFn,
+) -> torch.Tensor:
+    """[len(rollouts)] float32 rewards; raises with the offending prompt/response on failure."""
+    rewards = []
+    for rollout in rollouts:
+        prompt, reference = prompts[rollout.prompt_index], references[rollout.prompt_index]
+        try:
+            value = float(reward_fn(prompt, rollout.text, reference))
+        except Exception as exc:
+            raise RuntimeError(
+                f"the reward function raised on prompt {prompt!r}, response {rollout.text!r}: {exc!r}"
+            ) from exc
+        if not math.isfinite(value):
+            raise ValueError(
+                f"the reward function returned {value} for prompt {prompt!r}, response {rollout.text!r}; "
+                "rewards must be finite numbers"
+            )
+        rewards.append(value)
+    return torch.tensor(rewards, dtype=torch.float32)

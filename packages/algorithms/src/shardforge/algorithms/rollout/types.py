@@ -1,0 +1,71 @@
+"""Rollout data types and the protocol every rollout engine implements."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = ["Rollout", "RolloutEngine", "SamplingParams"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """How responses are sampled."""
+
+    n: int = 1
+    """Samples per prompt (the GRPO group size)."""
+    max_new_tokens: int = 16
+    """Generation budget per response."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off). Behaviour log-probs are those of the full softmax at
+    ``temperature``; keep top_p = 1 for unbiased PPO ratios."""
+    seed: int | None = None
+    """Seed of this generation call (None = the engine's running generator)."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n={self.n} must be >= 1 (samples per prompt)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rollout:
+    """One sampled response to one prompt."""
+
+    prompt_index: int
+    """Index of the prompt in the generate call."""
+    prompt_ids: list[int]
+    response_ids: list[int]
+    """Generated tokens, including the EOS token when generation stopped on it."""
+    logprobs: list[float]
+    """Behaviour log-prob of every response token under the sampling distribution."""
+    finished: bool
+    """True if generation ended with EOS (False: truncated at max_new_tokens)."""
+    version: int
+    """Weight version that generated it."""
+    text: str = ""
+    """Decoded response (without special tokens)."""
+    extras: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    """Generates responses with some weight version; refreshed after every optimiser step."""
+
+    @property
+    def version(self) -> int: ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
+        """``len(prompts) * params.n`` rollouts, grouped by prompt (prompt 0's n samples first)."""
+        ...
+
+    def update_weights(self, version: int | None = None) -> int:
+        """Switch to ``version`` (None = the newest published one); return the serving version."""
+        ...
