@@ -147,6 +147,17 @@ def test_grpo_dr_grpo_and_rloo_match_reference() -> None:
     assert got_grpo[4:8].tolist() == [0.0] * 4 and got_rloo[4:8].tolist() == [0.0] * 4
 
 
+def test_zero_std_groups_get_exactly_zero_even_when_the_mean_rounds() -> None:
+    # float32 mean of three 0.9s is not 0.9: without the explicit rule, (r - mean) / (std + eps)
+    # would turn rounding noise into a sizeable advantage.
+    rewards = torch.tensor([0.9, 0.9, 0.9, 0.0, 1.0, 1.0])
+    assert float((rewards[:3] - rewards[:3].mean()).abs().max()) > 0  # the premise of this test
+    for fn in (grpo_advantages, dr_grpo_advantages, rloo_advantages):
+        got = fn(rewards, 3)
+        assert got[:3].tolist() == [0.0, 0.0, 0.0], fn.__name__
+        assert (got[3:] != 0).all(), fn.__name__
+
+
 def test_group_size_one_and_bad_groups() -> None:
     rewards = torch.tensor([1.0, 2.0, 3.0])
     assert grpo_advantages(rewards, 1).tolist() == [0.0, 0.0, 0.0]  # a lone sample has no baseline

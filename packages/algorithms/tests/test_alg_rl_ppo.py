@@ -430,7 +430,7 @@ def test_loss_fn_handles_engine_placeholder_and_missing_extras() -> None:
     loss_fn = PPOActorLossFn()
     placeholder = pack_sequences([[0]])
     lp = torch.zeros(1, requires_grad=True)
-    assert float(loss_fn(lp, placeholder)) == 0.0 and float(loss_fn.loss_weight(placeholder)) == 0.0
+    assert float(loss_fn(lp, placeholder).detach()) == 0.0 and float(loss_fn.loss_weight(placeholder)) == 0.0
     batch = pack_sequences([[1, 2, 3]])
     with pytest.raises(KeyError, match="no extra 'old_logprobs'"):
         loss_fn(torch.zeros(3), batch)
