@@ -79,10 +79,21 @@ class EngineConfig:
     """For selective activation checkpointing: every k-th layer."""
     sequence_parallel: bool = True
     """With tp > 1: shard activations on the sequence dim between blocks (Megatron SP)."""
+    moe_aux_loss_weight: float | None = None
+    """MoE models: weight of the global load-balancing loss; None = the HF config's router_aux_loss_coef."""
     reshard_after_forward: bool = True
     """FSDP: free gathered params after forward."""
     cpu_offload: bool = False
     """FSDP: keep params/grads/optimizer state on CPU."""
+    pp_schedule: str = "1F1B"
+    """With pp > 1: GPipe, 1F1B, Interleaved1F1B or ZBVZeroBubble (torch.distributed.pipelining)."""
+    pp_stages_per_rank: int | None = None
+    """With pp > 1: (virtual) stages per rank; None = 1, or 2 for Interleaved1F1B / ZBVZeroBubble."""
+    pp_layers_per_stage: int | tuple[int, ...] | None = None
+    """With pp > 1: decoder layers per stage (one count, or one per stage); None = balanced."""
+    pp_num_microbatches: int | None = None
+    """With pp > 1: at least this many micro-batches per step (None = pp x stages per rank); each is
+    padded to max_tokens_per_microbatch tokens (pipelining needs one static shape)."""
     seed: int = 0
     """Seed for weights initialised from a config (not from a checkpoint)."""
     dist_timeout_s: float = 600.0

@@ -23,11 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardforge.algorithms import pipeline_support
 from shardforge.algorithms.batch import PackedBatch, pad_to_multiple
 from shardforge.algorithms.config import EngineConfig, parse_dtype
 from shardforge.algorithms.losses import sequence_start_mask, sft_loss, token_count
 from shardforge.algorithms.microbatch import split_microbatches
 from shardforge.algorithms.modeling import load_hf_config, materialize_reference, validate_layout
+from shardforge.algorithms.moe_support import apply_moe, aux_term, moe_stats, moe_training, recording, shard_experts
 from shardforge.algorithms.optim import build_optimizer, build_scheduler
 from shardforge.checkpoint_dcp import Checkpointer, TrainState, export_hf
 from shardforge.fsdp_wrap import (
@@ -75,6 +77,8 @@ class TrainEngine:
         # Everything that can be wrong with the inputs is checked before the first collective.
         self.dims = dims.resolve(world)
         validate_layout(self.dims, self.hf_config)
+        if self.dims.pp > 1:
+            pipeline_support.validate_pipeline(self.dims, self.hf_config, self.config)
         self.param_dtype = parse_dtype(self.config.param_dtype)
         compute = self.config.compute_dtype
         self.compute_dtype = parse_dtype(compute) if compute else None
@@ -83,7 +87,9 @@ class TrainEngine:
             init_distributed(timeout_s=self.config.dist_timeout_s)
             self.mesh = build_mesh(self.dims)
         self.device = current_device()
+        self.pipeline: pipeline_support.EnginePipeline | None = None  # set when pp > 1
         self.model = self._build_model(model)
+        self.moe = moe_training(self)  # router recording + load-balancing loss (MoE models only)
         self.optimizer = build_optimizer(self.model, self.config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, self.config.scheduler)
         self.step = 0
@@ -102,6 +108,7 @@ class TrainEngine:
             reference.config.use_cache = False
         if self.mesh is None or self.dims.world_size == 1:
             assert reference is not None
+            apply_moe(reference, self.dims, None)
             apply_activation_checkpointing(reference, self._ac_config())
             return reference.to(self.device)
         with torch.device("meta"):
@@ -109,7 +116,11 @@ class TrainEngine:
         model.config.use_cache = False
         if self.dims.tp > 1:
             apply_tensor_parallel(model, self.mesh.get("tp"), sequence_parallel=self.config.sequence_parallel)
+        efsdp_mesh = apply_moe(model, self.dims, self.mesh)  # EP / expert TP (MoE models only)
+        if self.dims.pp > 1:  # split into this rank's stages, then AC and FSDP per stage
+            return pipeline_support.build_pipeline_model(self, model, reference)
         apply_activation_checkpointing(model, self._ac_config())
+        shard_experts(model, efsdp_mesh, self.dims, self._fsdp_config())  # experts over efsdp, first
         fsdp_mesh = self._fsdp_mesh()
         if fsdp_mesh is not None:
             apply_fsdp(model, fsdp_mesh, self._fsdp_config())
@@ -234,6 +245,8 @@ class TrainEngine:
         loss_weight_fn: LossWeightFn = token_count,
     ) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch; return global stats."""
+        if self.pipeline is not None:
+            return pipeline_support.pp_train_batch(self, batch, loss_fn, loss_weight_fn)
         start = time.perf_counter()
         self.model.train()
         microbatches = self._microbatches(batch)
@@ -253,11 +266,12 @@ class TrainEngine:
         for _, mb in microbatches:
             real = mb is not None
             mb = (mb if mb is not None else self._dummy()).to(self.device)
-            logprobs = self._logprobs(mb)
+            with recording(self.moe, mb.num_tokens, real):
+                logprobs = self._logprobs(mb)
             loss = loss_fn(logprobs, mb)
             if not real:
                 loss = loss * 0.0
-            (loss * grad_scale).backward()
+            (loss * grad_scale + aux_term(self.moe, len(microbatches))).backward()
             loss_sum += loss.detach().double().cpu()
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.config.optimizer.max_grad_norm
@@ -280,11 +294,14 @@ class TrainEngine:
             "microbatches": float(len(microbatches)),
             "skipped": float(not finite),
             "step_time_s": time.perf_counter() - start,
+            **moe_stats(self.moe),
         }
 
     @torch.no_grad()
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """[T] target log-probs of this rank's batch (token order of ``batch``)."""
+        if self.pipeline is not None:
+            return pipeline_support.pp_forward(self, batch)
         self.model.eval()
         out = torch.zeros(batch.num_tokens, dtype=torch.float32)
         bounds = batch.cu_seqlens.tolist()
@@ -307,6 +324,8 @@ class TrainEngine:
         loss_weight_fn: LossWeightFn = token_count,
     ) -> dict[str, float]:
         """Global loss of a batch without updating anything."""
+        if self.pipeline is not None:
+            return pipeline_support.pp_eval_batch(self, batch, loss_fn, loss_weight_fn)
         self.model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64)
         weight = torch.zeros((), dtype=torch.float64)
@@ -326,6 +345,8 @@ class TrainEngine:
 
         if not dist.is_initialized():
             return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        if self.pipeline is not None:
+            return pipeline_support.pp_full_state_dict(self)
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return dict(state) if dist.get_rank() == 0 else {}  # type: ignore[arg-type]
 
@@ -334,6 +355,9 @@ class TrainEngine:
 
         Streams one parameter at a time to rank 0 (see `shardforge.checkpoint_dcp.export_hf`).
         """
+        if self.pipeline is not None:
+            out_dtype = parse_dtype(dtype) if dtype else None
+            return pipeline_support.pp_export_hf(self, out_dir, replace_attn(self.hf_config), tokenizer, out_dtype)
         export_hf(
             self.model,
             out_dir,

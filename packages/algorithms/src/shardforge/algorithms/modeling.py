@@ -9,14 +9,9 @@ from typing import Any
 
 import torch
 
-from shardforge.mesh import ParallelDims, divisors
+from shardforge.mesh import ParallelDims
 
 __all__ = ["is_model_dir", "load_hf_config", "validate_layout"]
-
-_PLANNED = {
-    "pp": "pipeline parallelism (package shardforge-pipeline)",
-    "ep": "expert parallelism (package shardforge-moe-ep)",
-}
 
 
 def is_model_dir(source: object) -> bool:
@@ -64,19 +59,9 @@ def validate_layout(dims: ParallelDims, hf_config: Any) -> None:
             f"pp={dims.pp} needs at least one decoder layer per stage but the model has {layers} layers; "
             f"valid pp: 1..{layers}"
         )
-    if dims.ep > 1:
-        experts = int(getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0) or 0)
-        if experts == 0:
-            raise ValueError(f"ep={dims.ep} but {type(hf_config).__name__} has no experts; use ep=1")
-        if experts % dims.ep != 0:
-            raise ValueError(f"ep={dims.ep} must divide num_experts={experts}; valid ep: {divisors(experts)}")
-    unsupported = [axis for axis in ("pp", "ep") if dims.size(axis) > 1]
-    if unsupported:
-        what = "; ".join(f"{a}={dims.size(a)}: {_PLANNED[a]}" for a in unsupported)
-        raise ValueError(
-            f"layout {dims.to_string()} uses parallelism the engine does not provide yet ({what}); "
-            "use FSDP/HSDP/TP/CP layouts (letters r, d, t and c), e.g. 'd4', 'r2d2', 'd2t2' or 'd2c2'"
-        )
+    from shardforge.algorithms.moe_support import validate_moe_layout
+
+    validate_moe_layout(dims, hf_config)
 
 
 def materialize_reference(

@@ -25,6 +25,7 @@ def load_full_state_dict(
     *,
     device: torch.device | str,
     buffers: dict[str, torch.Tensor] | None = None,
+    strict: bool = True,
 ) -> None:
     """Materialise a (possibly meta, possibly sharded) ``model`` on ``device`` and load weights.
 
@@ -32,6 +33,9 @@ def load_full_state_dict(
         full_state_dict: the full (unsharded) state dict on rank 0; ignored (pass None) elsewhere.
         buffers: on rank 0, all buffers of the reference model (``dict(ref.named_buffers())``),
             needed for non-persistent buffers after meta init; None elsewhere.
+        strict: every entry of the full state dict must belong to ``model`` (and vice versa).
+            Pass False when ``model`` holds part of the full model (e.g. pipeline stages):
+            every entry is still broadcast, and each rank keeps the ones its model has.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     # Validate and share rank 0's inputs before anything is loaded: a bad call then raises the
@@ -44,10 +48,10 @@ def load_full_state_dict(
     state: dict[str, Any] = dict(full_state_dict) if rank == 0 and full_state_dict is not None else {}
     if dist.is_initialized():
         set_model_state_dict(
-            model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+            model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
         )
     else:
-        model.load_state_dict(state, strict=True)
+        model.load_state_dict(state, strict=strict)
     with torch.no_grad():
         for name, buf in model.named_buffers():
             buf.copy_(buffer_values[name].to(device=buf.device, dtype=buf.dtype))
