@@ -1,0 +1,125 @@
+"""GRPO/PPO actor steps on the same rollouts give the same losses, statistics and updates under
+world 1, FSDP 2 and FSDP 2 x TP 2.
+
+The rollouts are fixed data (random prompts/responses, rewards -> GRPO advantages, behaviour
+log-probs = the initial policy's log-probs minus noise so the ratios start away from 1 and
+some tokens clip). Each data-parallel rank trains on its share of the groups; the engine's
+global normalisation makes the result independent of the split.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shardforge.mesh.testing import get_rank_pool
+
+STEPS = 2
+GROUPS, GROUP_SIZE = 6, 4
+# fp32 on CPU; sharded runs sum in a different order (FSDP reduce-scatter, TP partial matmuls).
+# Adam divides by sqrt(v) + eps: for gradient entries near eps a rounding-level difference in
+# the gradient becomes a visible difference in the update (with eps=1e-8 and lr=2e-2 one
+# up_proj entry differed by 1.4e-4 while its gradients agreed to 1e-6 relative). eps=1e-6 keeps
+# that amplification small; the gradient norm is compared directly as well.
+LOSS_TOL = 1e-5
+WEIGHT_TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3
+
+    root = tmp_path_factory.mktemp("rl_layouts")
+    tokenizer = build_char_tokenizer(root / "tokenizer")
+    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2, seed=21)
+    return str(root / "model")
+
+
+def _rollouts() -> tuple[list[Any], torch.Tensor]:
+    from shardforge.algorithms.rollout import Rollout
+
+    gen = torch.Generator().manual_seed(0)
+    rollouts = []
+    for g in range(GROUPS):
+        prompt = [1, *torch.randint(4, 20, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen).tolist()]
+        for _ in range(GROUP_SIZE):
+            n = int(torch.randint(1, 6, (1,), generator=gen))
+            response = torch.randint(4, 20, (n,), generator=gen).tolist()
+            rollouts.append(Rollout(prompt_index=g, prompt_ids=prompt, response_ids=response, logprobs=[0.0] * n,
+                                    finished=False, version=0))  # fmt: skip
+    rewards = torch.randint(0, 2, (len(rollouts),), generator=gen).float()
+    return rollouts, rewards
+
+
+def _batch(old_logprobs: torch.Tensor | None) -> Any:
+    from shardforge.algorithms.rl.loss_fns import OLD_LOGPROBS
+    from shardforge.algorithms.rlvr import group_advantages, rollouts_to_batch
+
+    rollouts, rewards = _rollouts()
+    batch = rollouts_to_batch(rollouts, group_advantages(rewards, GROUP_SIZE, "grpo"))
+    if old_logprobs is not None:
+        batch.extras[OLD_LOGPROBS] = old_logprobs
+    return batch
+
+
+def _actor() -> Any:
+    from shardforge.algorithms.rl import PPOActorConfig, PPOActorLossFn
+
+    return PPOActorLossFn(PPOActorConfig(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0))
+
+
+def _train(model_dir: str, layout: str, old_logprobs: torch.Tensor) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.algorithms.rl import all_reduce_stats, summarize_stats
+
+    engine = TrainEngine(
+        model_dir, layout, EngineConfig(max_tokens_per_microbatch=24, optimizer=OptimizerConfig(lr=1e-2, eps=1e-6))
+    )
+    batch = _batch(old_logprobs)
+    groups = list(range(GROUPS))[engine.dp_rank :: engine.dp_size]
+    mine = batch.select([g * GROUP_SIZE + k for g in groups for k in range(GROUP_SIZE)])
+    actor = _actor()
+    history = []
+    for _ in range(STEPS):
+        stats = engine.train_batch(mine, actor, actor.loss_weight)
+        actor_stats = summarize_stats(all_reduce_stats(actor.pop_stats(), engine.dp_group))
+        history.append({"loss": stats["loss"], "grad_norm": stats["grad_norm"], **actor_stats})
+    full = engine.full_state_dict()
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    return {"history": history, "weights": full} if main else {}
+
+
+def test_grpo_steps_match_across_layouts(model_dir: str) -> None:
+    from shardforge.algorithms import TrainEngine
+
+    reference_engine = TrainEngine(model_dir, "d1")
+    batch = _batch(None)
+    noise = torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(1)) * 0.3
+    old = (reference_engine.forward(batch) - noise.abs()) * batch.loss_mask  # ratios > 1: some clip high
+    del reference_engine
+    single = _train(model_dir, "d1", old)
+    assert single["history"][0]["clip_frac"] > 0, "the data exercises clipping"
+    for world, layout in ((2, "d2"), (4, "d2t2")):
+        sharded = get_rank_pool(world).run(_train, model_dir, layout, old, timeout_s=300)[0]
+        for step, (a, b) in enumerate(zip(single["history"], sharded["history"])):
+            assert abs(a["loss"] - b["loss"]) <= LOSS_TOL, (layout, step, a["loss"], b["loss"])
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (layout, step, a, b)
+            for key in ("clip_frac", "approx_kl", "ratio", "num_tokens"):
+                assert abs(a[key] - b[key]) <= 1e-5, (layout, step, key, a[key], b[key])
+        assert sharded["weights"].keys() == single["weights"].keys()
+        diffs = {k: float((single["weights"][k] - v).abs().max()) for k, v in sharded["weights"].items()}
+        worst = max(diffs, key=diffs.__getitem__)
+        assert diffs[worst] <= WEIGHT_TOL, (layout, worst, diffs[worst], sorted(diffs.values())[-5:])
+    moved = max(float((single["weights"][k] - v).abs().max()) for k, v in _initial(model_dir).items())
+    assert moved > 1e-3, "the steps changed the weights"
+
+
+def _initial(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(next(Path(model_dir).glob("*.safetensors"))))
