@@ -1,0 +1,225 @@
+"""MoE models in the engine: expert parallelism, expert FSDP, load-balancing loss, router stats.
+
+The engine calls, in its fixed order (TP -> CP attention -> EP -> PP -> AC -> FSDP):
+
+- `validate_moe_layout` before any collective;
+- `apply_moe` after tensor parallelism: experts become `ParallelExperts` (EP over ``ep``,
+  expert TP, or replicated with the grouped matmul) per the moe-ep strategy table;
+- `shard_experts` right before FSDP: each experts module is its own FSDP unit over
+  ``efsdp`` (so the decoder-layer units, sharded over ``fsdp``, skip expert params);
+- `MoETraining` around each training micro-batch: records router logits and adds the
+  global load-balancing loss (weight ``EngineConfig.moe_aux_loss_weight``).
+
+Gradient scaling: the engine multiplies each rank's loss by dp_cp / global weight and FSDP
+averages dense gradients over the dp_cp ranks. An expert shard's gradient already sums the
+tokens of its whole EP group (all-to-all), so its FSDP unit divides by dp_cp (not by the
+efsdp size it reduces over): the update equals the one-process update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from shardforge.fsdp_wrap import FSDPConfig
+from shardforge.mesh import ParallelDims, ParallelMesh
+from shardforge.moe_ep import (
+    MOE_FAMILIES,
+    RouterRecorder,
+    apply_expert_parallel,
+    expert_modules,
+    validate_expert_parallel,
+)
+
+__all__ = [
+    "MoETraining",
+    "apply_moe",
+    "aux_term",
+    "is_moe",
+    "moe_stats",
+    "moe_training",
+    "recording",
+    "shard_experts",
+    "validate_moe_layout",
+]
+
+
+def is_moe(hf_config: Any) -> bool:
+    """Whether the model is a sparse MoE family that moe-ep supports."""
+    return getattr(hf_config, "model_type", None) in MOE_FAMILIES
+
+
+def validate_moe_layout(dims: ParallelDims, hf_config: Any) -> None:
+    """EP/ETP checks (before any collective); dense models only need ep == 1."""
+    if not is_moe(hf_config):
+        if dims.ep > 1:
+            raise ValueError(
+                f"ep={dims.ep} needs a sparse MoE model ({sorted(MOE_FAMILIES)}), got "
+                f"model_type={getattr(hf_config, 'model_type', None)!r}; use ep=1"
+            )
+        return
+    if dims.ep > 1:
+        validate_expert_parallel(dims, hf_config)
+    if dims.ep > 1 and dims.dp_replicate > 1:
+        raise ValueError(
+            f"ep={dims.ep} with dp_replicate={dims.dp_replicate} (HSDP) is not supported yet: expert "
+            "parameters would need HSDP over (dp_replicate, efsdp); use dp_shard instead of dp_replicate"
+        )
+    if dims.ep > 1 and dims.pp > 1:
+        raise ValueError(f"ep={dims.ep} with pp={dims.pp} is not supported yet; use pp=1 with expert parallelism")
+    if dims.ep > 1 and dims.tp > 1 and dims.etp == dims.tp:
+        raise ValueError(
+            f"ep={dims.ep} with etp=tp={dims.tp} (EP + expert TP) is not implemented yet; use etp=1 "
+            "(EP borrowing the TP ranks) or ep=1 (expert TP)"
+        )
+
+
+def _expert_meshes(mesh: ParallelMesh, dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh]:
+    """(ep mesh, efsdp mesh) from the same split of the expert pool."""
+    if mesh.has("efsdp") and dims.efsdp > 1:
+        return mesh.get("ep"), mesh.get("efsdp")
+    # efsdp == 1: still give experts their own (one-rank) FSDP unit, so the decoder-layer
+    # units over ``fsdp`` do not try to shard the EP-sharded expert DTensors again.
+    split = mesh.get("ep")._unflatten(0, (1, dims.ep), ("moe_efsdp", "moe_ep"))
+    return split["moe_ep"], split["moe_efsdp"]
+
+
+def apply_moe(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None) -> DeviceMesh | None:
+    """Install `ParallelExperts` per the strategy table; return the efsdp mesh experts shard over
+    (None when experts stay ordinary parameters of the decoder-layer FSDP units). No-op for dense models."""
+    if not is_moe(getattr(model, "config", None)):
+        return None
+    if mesh is None or (dims.ep == 1 and dims.tp == 1):
+        apply_expert_parallel(model, None)  # replicated experts, grouped matmul
+        return None
+    if dims.ep == 1:
+        # Experts stay replicated over tp (the TP plan gives the MoE block the full sequence).
+        # Not expert TP: its gate_up_proj shard is a _StridedShard DTensor, which torch 2.13's
+        # full-state-dict broadcast and DCP place as a contiguous shard (wrong values on load).
+        apply_expert_parallel(model, None)
+        return None
+    tp_mesh = mesh.get("tp") if dims.tp > 1 else None
+    ep_mesh, efsdp_mesh = _expert_meshes(mesh, dims)
+    apply_expert_parallel(model, ep_mesh, tp_mesh=tp_mesh, etp=dims.etp)
+    return efsdp_mesh
+
+
+def shard_experts(model: nn.Module, efsdp_mesh: DeviceMesh | None, dims: ParallelDims, config: FSDPConfig) -> None:
+    """One FSDP unit per experts module over ``efsdp`` (call before the decoder layers are wrapped;
+    no-op when `apply_moe` returned no mesh)."""
+    if efsdp_mesh is None:
+        return
+    for experts in expert_modules(model):
+        fully_shard(
+            experts,
+            mesh=efsdp_mesh,
+            reshard_after_forward=config.reshard_after_forward,
+            mp_policy=MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype),
+            offload_policy=CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
+        )
+        experts.set_gradient_divide_factor(float(dims.dp_cp))  # type: ignore[operator]
+        if efsdp_mesh.size() > 1 and dist.get_backend(efsdp_mesh.get_group()) == "gloo":
+            # A divide factor other than the group size is NCCL's PREMUL_SUM, which gloo lacks:
+            # sum, then divide. (On a one-rank mesh FSDP divides in its local copy already.)
+            experts.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+
+
+class MoETraining:
+    """Router recording + global load-balancing loss for the engine's training micro-batches.
+
+    Args:
+        model: the (sharded) MoE model.
+        weight: multiplier of the aux loss in the training objective.
+        group: ranks holding different tokens (dp x cp), None on one rank.
+        dp_cp: the number of ranks FSDP averages dense gradients over.
+        cp_rank, cp: this rank's context-parallel coordinate and size (the MoE blocks see
+            this rank's chunk of each padded sequence).
+    """
+
+    def __init__(
+        self, model: nn.Module, *, weight: float, group: dist.ProcessGroup | None, dp_cp: int, cp_rank: int, cp: int
+    ) -> None:
+        self.recorder = RouterRecorder(model)
+        self.weight = weight
+        self.group = group
+        self.dp_cp = dp_cp
+        self.cp_rank, self.cp = cp_rank, cp
+        self._num_tokens = 0
+        self._real = True
+        self._aux: list[float] = []
+        self._counts: torch.Tensor | None = None
+
+    @contextmanager
+    def record(self, num_tokens: int, *, real: bool) -> Iterator[None]:
+        """Record the routers during one micro-batch forward (``real=False``: a dummy, all masked)."""
+        self._num_tokens, self._real = num_tokens, real
+        with self.recorder.record():
+            yield
+
+    def aux_term(self, num_microbatches: int) -> torch.Tensor:
+        """This rank's share of ``weight * aux / num_microbatches``, scaled for FSDP averaging.
+
+        Collective over the dp x cp group (every rank calls it once per micro-batch).
+        """
+        # Rows past the micro-batch's tokens are padding (to a multiple of cp x tp); a dummy
+        # micro-batch is all padding. This rank's routers saw chunk ``cp_rank`` of the sequence.
+        rows = self.recorder.recorded_rows
+        position = torch.arange(self.cp_rank * rows, (self.cp_rank + 1) * rows)
+        mask = (position < self._num_tokens).float() if self._real else torch.zeros(rows)
+        aux = self.recorder.aux_loss(self.group, token_mask=mask)
+        self._aux.append(aux.value)
+        counts = aux.tokens_per_expert
+        self._counts = counts if self._counts is None else self._counts + counts
+        return aux.local * (self.weight * self.dp_cp / num_microbatches)
+
+    def pop_stats(self) -> dict[str, float]:
+        """Router statistics of the last step (mean aux over micro-batches; counts summed)."""
+        if not self._aux or self._counts is None:
+            return {}
+        from shardforge.moe_ep import AuxLoss
+
+        summary = AuxLoss(
+            local=torch.zeros(()),
+            value=sum(self._aux) / len(self._aux),
+            tokens_per_expert=self._counts,
+            num_tokens=0,
+        )
+        self._aux, self._counts = [], None
+        return summary.stats()
+
+
+def moe_training(engine: Any) -> MoETraining | None:
+    """The engine's `MoETraining` (None for dense models and pipeline-parallel engines)."""
+    if not is_moe(engine.hf_config) or getattr(engine, "pipeline", None) is not None:
+        return None
+    weight = engine.config.moe_aux_loss_weight
+    if weight is None:
+        weight = float(getattr(engine.hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+    mesh = engine.mesh
+    group = mesh.get("dp_cp").get_group() if mesh is not None and mesh.has("dp_cp") else None
+    cp_rank = mesh.local_rank("cp") if mesh is not None else 0
+    return MoETraining(
+        engine.model, weight=weight, group=group, dp_cp=engine.dims.dp_cp, cp_rank=cp_rank, cp=engine.dims.cp
+    )
+
+
+def recording(moe: MoETraining | None, num_tokens: int, real: bool) -> Any:
+    """``moe.record(...)`` or a no-op context for dense models."""
+    return moe.record(num_tokens, real=real) if moe is not None else nullcontext()
+
+
+def aux_term(moe: MoETraining | None, num_microbatches: int) -> torch.Tensor | float:
+    """`MoETraining.aux_term`, or 0.0 for dense models."""
+    return moe.aux_term(num_microbatches) if moe is not None else 0.0
+
+
+def moe_stats(moe: MoETraining | None) -> dict[str, float]:
+    """`MoETraining.pop_stats`, or nothing for dense models."""
+    return moe.pop_stats() if moe is not None else {}
