@@ -23,14 +23,15 @@ _GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(torch.nn.functional, "
 
 def grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the fused grouped matmul kernel handles these inputs on their device."""
-    if _GROUPED_MM is None:
+    if _GROUPED_MM is None or weight.dtype != x.dtype:
         return False
+    # The kernels (forward and backward) need rows aligned to 16 bytes.
+    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], weight.shape[-2]))
     if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype
+        return x.dtype in (torch.float32, torch.bfloat16) and aligned
     if x.device.type == "cuda":
-        # The CUDA kernel needs bf16, sm80+ and 16-byte aligned rows.
-        aligned = x.shape[-1] % 8 == 0 and weight.shape[-1] % 8 == 0
-        return x.dtype == torch.bfloat16 and weight.dtype == x.dtype and aligned and _sm80()
+        # The CUDA kernel needs bf16 and sm80+.
+        return x.dtype == torch.bfloat16 and aligned and _sm80()
     return False
 
 

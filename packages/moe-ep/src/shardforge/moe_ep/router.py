@@ -107,8 +107,16 @@ class RouterRecorder:
         for handle in self._handles:
             handle.remove()
 
-    def aux_loss(self, group: dist.ProcessGroup | None = None) -> AuxLoss:
+    @property
+    def recorded_rows(self) -> int:
+        """Tokens each MoE layer routed in the last `record` block (0 if nothing was recorded)."""
+        return int(self._logits[0].shape[0]) if self._logits else 0
+
+    def aux_loss(self, group: dist.ProcessGroup | None = None, *, token_mask: torch.Tensor | None = None) -> AuxLoss:
         """The load-balancing loss of the last `record` block, global over ``group``.
+
+        ``token_mask`` [T] overrides the mask given to `record` (useful when the number of
+        rows the routers saw is only known after the forward, e.g. after padding).
 
         Collective over ``group`` (one all-reduce); every rank of the group must call it,
         including ranks whose forward held only padding (``token_mask`` all zero).
@@ -120,7 +128,7 @@ class RouterRecorder:
             )
         E, K = self.num_experts, self.top_k
         device = self._logits[0].device
-        mask = self._mask
+        mask = token_mask if token_mask is not None else self._mask
         counts = []
         prob_sum = torch.zeros(E, dtype=torch.float32, device=device)
         for logits in self._logits:
