@@ -8,7 +8,8 @@ apart) through `Pipeline.step`. The loss is token-weighted: each micro-batch ret
 micro-batches is the global mean whatever M is. The reference runs the unsplit HF model
 micro-batch by micro-batch in the pytest process with the same loss.
 
-Compared: the total loss (on the last stage's rank) and the gradient of every parameter
+Compared: the total loss (on the last stage's rank), forward-only outputs (``Pipeline.forward``,
+the per-token log-probs RL needs) and the gradient of every parameter
 under its global name (each rank reports the parameters it owns; together they must cover
 the whole model exactly once).
 
@@ -116,11 +117,12 @@ def _next_token_logprobs(logits: torch.Tensor, kwargs: dict[str, Any]) -> torch.
 
 
 @functools.cache
-def reference(family: str = "qwen3") -> tuple[float, dict[str, torch.Tensor]]:
+def reference(family: str = "qwen3") -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
     model = build_model(family)
     data = make_data()
     total_weight = data["weights"].sum()
     loss_total = 0.0
+    logps = []
     for i in range(NUM_MICROBATCHES):
         logits = model(
             input_ids=data["input_ids"][i : i + 1],
@@ -131,7 +133,9 @@ def reference(family: str = "qwen3") -> tuple[float, dict[str, torch.Tensor]]:
         loss = -(logp * data["weights"][i]).sum() / total_weight
         loss.backward()
         loss_total += float(loss.detach())
-    return loss_total, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        logps.append(logp.detach())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss_total, grads, torch.stack(logps)
 
 
 def _pp_rank(schedule: str, stages_per_rank: int, family: str) -> dict[str, Any]:
@@ -161,8 +165,11 @@ def _pp_rank(schedule: str, stages_per_rank: int, family: str) -> dict[str, Any]
 
     kwargs = {k: data[k] for k in ("position_ids", "attention_mask", "labels")}
     losses = pipe.step(data["input_ids"], loss_fn=loss_fn, **kwargs)
+    # Forward only (e.g. RL log-probs): the last stage's outputs of every micro-batch.
+    logp = pipe.forward(data["input_ids"], **kwargs)
     merged = merge_stages(stages)
     return {
+        "logp": logp,
         "loss": float(sum(float(x) for x in losses)) if losses else None,
         "grads": {n: p.grad.detach().clone() for n, p in merged.named_parameters() if p.grad is not None},
         "params": sorted(n for n, _ in merged.named_parameters()),
@@ -170,10 +177,12 @@ def _pp_rank(schedule: str, stages_per_rank: int, family: str) -> dict[str, Any]
 
 
 def _check(results: list[dict[str, Any]], family: str = "qwen3") -> None:
-    ref_loss, ref_grads = reference(family)
+    ref_loss, ref_grads, ref_logp = reference(family)
     losses = [r["loss"] for r in results if r["loss"] is not None]
     assert len(losses) == 1, f"exactly one rank holds the last stage, got losses {losses}"
     assert losses[0] == pytest.approx(ref_loss, rel=1e-6)
+    [logp] = [r["logp"] for r in results if r["logp"] is not None]
+    torch.testing.assert_close(logp.reshape(ref_logp.shape), ref_logp, **TOL)
     owned = [n for r in results for n in r["params"]]
     assert sorted(owned) == sorted(ref_grads), "stages must cover every parameter exactly once under its global name"
     grads = {n: g for r in results for n, g in r["grads"].items()}

@@ -151,7 +151,10 @@ class Pipeline:
             ]
             loss = self._call_loss if train else None
             first = torch_stages[0] if not self.spec.multi_stage else torch_stages
-            self._schedules[key] = self.spec.cls(first, num_microbatches, loss_fn=loss, scale_grads=False)
+            cls = self.spec.cls
+            if not train and self.spec.style == "v":
+                cls = _forward_only_v_schedule()
+            self._schedules[key] = cls(first, num_microbatches, loss_fn=loss, scale_grads=False)
         return self._schedules[key]
 
     def _call_loss(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -202,3 +205,44 @@ def _attr(module: nn.Module, name: str) -> int:
     if not isinstance(value, int):
         raise TypeError(f"pipeline stage {type(module).__name__} needs an int attribute {name!r} (see DecoderStage)")
     return value
+
+
+def _forward_only_v_schedule() -> type:
+    """A forward-only schedule for V-placed stages (rank r runs stages r and 2 pp - 1 - r).
+
+    torch's ZB-V runtime (2.13) still executes its backward actions when run without a loss
+    and fails, and its schedule validation insists on backward actions, so inference uses
+    this one: every rank runs all micro-batches of its first stage, then all of its second
+    (GPipe order); torch's lowering adds the sends/receives. It builds on torch's private
+    schedule IR (`_PipelineScheduleRuntime`, `_Action`, `_add_send_recv`).
+    """
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+    from torch.distributed.pipelining.schedules import (
+        _Action,
+        _add_send_recv,
+        _add_unshard_reshard,
+        _ComputationType,
+        _PipelineScheduleRuntime,
+    )
+
+    class ForwardOnlyV(_PipelineScheduleRuntime):  # type: ignore[misc]
+        def __init__(self, stages: list[Any], n_microbatches: int, **kwargs: Any) -> None:
+            super().__init__(stages=stages, n_microbatches=n_microbatches, **kwargs)
+            pp, num_stages = stages[0].group_size, stages[0].num_stages
+            mapping = generate_stage_to_rank_mapping(pp, num_stages, style="v")
+            self.stage_index_to_group_rank = mapping
+            for stage in self._stages:
+                stage.stage_index_to_group_rank = mapping
+            order: dict[int, list[Any]] = {}
+            for rank in range(pp):
+                ids = sorted(s for s, r in mapping.items() if r == rank)
+                actions: list[Any] = [
+                    _Action(s, _ComputationType.FORWARD, mb) for s in ids for mb in range(n_microbatches)
+                ]
+                order[rank] = _add_unshard_reshard(actions)
+            self.pipeline_order = order
+            self.pipeline_order_with_comms = _add_send_recv(
+                order, stage_to_rank=lambda s: mapping[s], num_stages=num_stages
+            )
+
+    return ForwardOnlyV
