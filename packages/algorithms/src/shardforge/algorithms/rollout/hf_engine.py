@@ -52,7 +52,8 @@ class HFRolloutEngine:
             raise FileNotFoundError(f"rollout model directory {str(model_dir)!r} does not exist")
         self.tokenizer = tokenizer
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=parse_dtype(dtype)).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=parse_dtype(dtype))
+        self.model = model.to(self.device)  # type: ignore[arg-type]
         self.model.eval()
         self.model.config.use_cache = True
         self.receiver = WeightReceiver(self.model)
