@@ -68,7 +68,7 @@ def _batch(old_logprobs: torch.Tensor | None) -> Any:
 def _actor() -> Any:
     from shardforge.algorithms.rl import PPOActorConfig, PPOActorLossFn
 
-    return PPOActorLossFn(PPOActorConfig(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0))
+    return PPOActorLossFn(PPOActorConfig(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0, entropy_coef=0.01))
 
 
 def _train(model_dir: str, layout: str, old_logprobs: torch.Tensor) -> dict[str, Any]:
@@ -104,12 +104,13 @@ def test_grpo_steps_match_across_layouts(model_dir: str) -> None:
     del reference_engine
     single = _train(model_dir, "d1", old)
     assert single["history"][0]["clip_frac"] > 0, "the data exercises clipping"
+    assert single["history"][0]["entropy"] > 0.1, "the engine passed the per-token entropy"
     for world, layout in ((2, "d2"), (4, "d2t2")):
         sharded = get_rank_pool(world).run(_train, model_dir, layout, old, timeout_s=300)[0]
         for step, (a, b) in enumerate(zip(single["history"], sharded["history"])):
             assert abs(a["loss"] - b["loss"]) <= LOSS_TOL, (layout, step, a["loss"], b["loss"])
             assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (layout, step, a, b)
-            for key in ("clip_frac", "approx_kl", "ratio", "num_tokens"):
+            for key in ("clip_frac", "approx_kl", "ratio", "entropy", "num_tokens"):
                 assert abs(a[key] - b[key]) <= 1e-5, (layout, step, key, a[key], b[key])
         assert sharded["weights"].keys() == single["weights"].keys()
         diffs = {k: float((single["weights"][k] - v).abs().max()) for k, v in sharded["weights"].items()}

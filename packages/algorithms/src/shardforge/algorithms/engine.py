@@ -42,14 +42,16 @@ from shardforge.fsdp_wrap import (
     total_grad_norm,
 )
 from shardforge.mesh import ParallelDims, ParallelMesh, build_mesh, current_device, init_distributed
-from shardforge.tensor_parallel import apply_tensor_parallel, vocab_parallel_logprobs
+from shardforge.tensor_parallel import apply_tensor_parallel, vocab_parallel_entropy, vocab_parallel_logprobs
 from shardforge.ulysses_cp import gather_sequence, packed_model_kwargs, register_packed_attention, slice_for_rank
 from shardforge.weight_sync import PublishStats, WeightPublisher, WeightTransport
 
 __all__ = ["LossFn", "LossWeightFn", "TrainEngine"]
 
 LossFn = Callable[[torch.Tensor, PackedBatch], torch.Tensor]
-"""(target log-probs [T], micro-batch) -> summed loss (0-dim)."""
+"""(target log-probs [T], micro-batch) -> summed loss (0-dim). A loss function with a true
+``wants_entropy`` attribute is called as ``loss_fn(logprobs, mb, entropy=[T] entropies)``
+(differentiable; vocab-parallel under TP, gathered under CP)."""
 LossWeightFn = Callable[[PackedBatch], torch.Tensor]
 """micro-batch -> its weight in the global normalisation (e.g. number of target tokens)."""
 
@@ -200,6 +202,11 @@ class TrainEngine:
         return self.mesh.get("cp").get_group()
 
     def _logprobs(self, mb: PackedBatch) -> torch.Tensor:
+        return self._logprobs_entropy(mb, entropy=False)[0]
+
+    def _logprobs_entropy(self, mb: PackedBatch, *, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[T] target log-probs and, if asked, [T] entropy of the distribution each target was
+        drawn from (same alignment: entry t belongs to token t; 0 at sequence starts)."""
         num_tokens = mb.num_tokens
         padded = pad_to_multiple(mb, self._token_multiple).to(self.device)
         # Next-token targets come from the full sequence, before any CP slicing.
@@ -221,12 +228,24 @@ class TrainEngine:
             next_logprobs = vocab_parallel_logprobs(logits, targets)
         else:
             next_logprobs = -F.cross_entropy(logits.float(), targets, reduction="none")
-        # Gather CP chunks back to the whole sequence (autograd: each rank keeps its chunk's grad).
-        next_logprobs = gather_sequence(next_logprobs, cp_group)
-        # Position t predicted token t+1; re-align so logprobs[t] scores token t.
-        logprobs = torch.cat([next_logprobs.new_zeros(1), next_logprobs[:-1]])
-        logprobs = logprobs.masked_fill(sequence_start_mask(padded.cu_seqlens, padded.num_tokens), 0.0)
-        return logprobs[:num_tokens]
+        starts = sequence_start_mask(padded.cu_seqlens, padded.num_tokens)
+
+        def realign(per_position: torch.Tensor) -> torch.Tensor:
+            # Gather CP chunks back to the whole sequence (autograd: each rank keeps its chunk's grad).
+            whole = gather_sequence(per_position, cp_group)
+            # Position t predicted token t+1; re-align so entry t belongs to token t.
+            shifted = torch.cat([whole.new_zeros(1), whole[:-1]]).masked_fill(starts, 0.0)
+            return shifted[:num_tokens]
+
+        entropies = None
+        if entropy:
+            if isinstance(logits, DTensor):
+                entropies = vocab_parallel_entropy(logits)
+            else:
+                log_p = F.log_softmax(logits.float(), dim=-1)
+                entropies = -(log_p.exp() * log_p).sum(-1)
+            entropies = realign(entropies)
+        return realign(next_logprobs), entropies
 
     def _dummy(self) -> PackedBatch:
         # Ranks with fewer sequences than the agreed micro-batch count still run forward and
@@ -245,7 +264,12 @@ class TrainEngine:
         loss_weight_fn: LossWeightFn = token_count,
     ) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch; return global stats."""
+        wants_entropy = bool(getattr(loss_fn, "wants_entropy", False))
         if self.pipeline is not None:
+            if wants_entropy:
+                raise NotImplementedError(
+                    "entropy-aware losses (loss_fn.wants_entropy) are not supported with pp > 1 yet"
+                )
             return pipeline_support.pp_train_batch(self, batch, loss_fn, loss_weight_fn)
         start = time.perf_counter()
         self.model.train()
@@ -267,8 +291,8 @@ class TrainEngine:
             real = mb is not None
             mb = (mb if mb is not None else self._dummy()).to(self.device)
             with recording(self.moe, mb.num_tokens, real):
-                logprobs = self._logprobs(mb)
-            loss = loss_fn(logprobs, mb)
+                logprobs, entropy = self._logprobs_entropy(mb, entropy=wants_entropy)
+            loss = loss_fn(logprobs, mb, entropy=entropy) if wants_entropy else loss_fn(logprobs, mb)  # type: ignore[call-arg]
             if not real:
                 loss = loss * 0.0
             (loss * grad_scale + aux_term(self.moe, len(microbatches))).backward()

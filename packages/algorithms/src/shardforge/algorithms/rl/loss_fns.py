@@ -71,13 +71,11 @@ class PPOActorLossFn(_StatsSink):
     def __init__(self, config: PPOActorConfig | None = None) -> None:
         super().__init__()
         self.config = config or PPOActorConfig()
-        if self.config.entropy_coef > 0:
-            raise ValueError(
-                "PPOActorLossFn cannot apply an entropy bonus: the engine's loss_fn receives log-probs only; "
-                "call ppo_actor_loss with the entropy tensor directly"
-            )
 
-    def __call__(self, logprobs: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
+    wants_entropy = True
+    """The engine passes the per-token entropy (for the bonus and the ``entropy`` statistic)."""
+
+    def __call__(self, logprobs: torch.Tensor, mb: PackedBatch, entropy: torch.Tensor | None = None) -> torch.Tensor:
         if not bool((mb.loss_mask != 0).any()) and OLD_LOGPROBS not in mb.extras:
             return (logprobs * 0.0).sum()  # placeholder micro-batch
         out = ppo_actor_loss(
@@ -89,6 +87,7 @@ class PPOActorLossFn(_StatsSink):
             config=self.config,
             proximal_logprobs=_extra(mb, PROXIMAL_LOGPROBS, required=False),
             ref_logprobs=_extra(mb, REF_LOGPROBS, required=False),
+            entropy=entropy,
         )
         self._stats.append(out.stats)
         return out.loss_sum
