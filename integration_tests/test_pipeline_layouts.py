@@ -29,7 +29,9 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"model": str(root / "model"), "train": str(train), "eval": str(evaluation)}
 
 
-def _config(assets: dict[str, str], out: Path, layout: str, steps: int = STEPS, **engine: Any) -> Any:
+def _config(
+    assets: dict[str, str], out: Path, layout: str, steps: int = STEPS, sft: dict[str, Any] | None = None, **engine: Any
+) -> Any:
     from shardforge.algorithms.config_io import build_config
     from shardforge.algorithms.sft import SFTConfig
 
@@ -51,6 +53,7 @@ def _config(assets: dict[str, str], out: Path, layout: str, steps: int = STEPS, 
             "scheduler": {"kind": "cosine", "warmup_steps": 2},
             **engine,
         },
+        **(sft or {}),
     }
     return build_config(SFTConfig, data)
 
@@ -154,7 +157,9 @@ def _values_after_load(model_dir: str, checkpoint_root: str, layout: str, engine
     trainer = TrainEngine(model_dir, layout, EngineConfig(**engine))
     assert trainer.load(Checkpointer(checkpoint_root)) is not None
     options = StateDictOptions(full_state_dict=True)
-    values: dict[str, Any] = {k: v.detach().cpu() for k, v in get_model_state_dict(trainer.model, options=options).items()}
+    values: dict[str, Any] = {
+        k: v.detach().cpu() for k, v in get_model_state_dict(trainer.model, options=options).items()
+    }
     optim = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=options)
     for name, state in optim["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
@@ -164,7 +169,7 @@ def _values_after_load(model_dir: str, checkpoint_root: str, layout: str, engine
 
 def test_pp2_checkpoint_loads_identically_under_pp1(assets: dict[str, str], tmp_path: Path) -> None:
     out = tmp_path / "run"
-    get_rank_pool(4).run(_run, _config(assets, out, "p2d2", 2, save_every=2, export_hf_at_end=False))
+    get_rank_pool(4).run(_run, _config(assets, out, "p2d2", 2, sft={"save_every": 2, "export_hf_at_end": False}))
     root = str(out / "checkpoints")
     merged: dict[str, torch.Tensor] = {}
     for per_rank in get_rank_pool(4).run(_values_after_load, assets["model"], root, "p2d2", {}):

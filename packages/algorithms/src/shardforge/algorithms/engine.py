@@ -425,6 +425,8 @@ class TrainEngine:
 
     def load(self, checkpointer: Checkpointer, step: int | str = "latest") -> dict[str, Any] | None:
         """Load a checkpoint (any layout); return its data state, or None if there is none."""
+        if self.pipeline is not None:
+            return pipeline_support.pp_load(self, checkpointer, step)
         state = self.train_state()
         loaded = checkpointer.load({"train": state}, step=step)  # type: ignore[arg-type]
         if loaded is None:

@@ -55,6 +55,7 @@ from shardforge.ulysses_cp import packed_model_kwargs
 if TYPE_CHECKING:
     from shardforge.algorithms.config import EngineConfig
     from shardforge.algorithms.engine import LossFn, LossWeightFn, TrainEngine
+    from shardforge.checkpoint_dcp import Checkpointer
 
 __all__ = [
     "EnginePipeline",
@@ -63,6 +64,7 @@ __all__ = [
     "pp_export_hf",
     "pp_forward",
     "pp_full_state_dict",
+    "pp_load",
     "pp_train_batch",
     "stages_per_rank",
     "validate_pipeline",
@@ -411,3 +413,42 @@ def pp_export_hf(engine: TrainEngine, out_dir: str | os.PathLike[str], config: A
         for _ in tensors():
             pass
     dist.barrier()
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def pp_load(engine: TrainEngine, checkpointer: Checkpointer, step: int | str = "latest") -> dict[str, Any] | None:
+    """`TrainEngine.load` under PP: each rank reads its stages' entries of a checkpoint of any layout.
+
+    `Checkpointer.load` checks the checkpoint against the rank's model, which under PP holds
+    only some stages; here the checkpoint is checked against the *whole* model's names and
+    global shapes (the same check on every rank), then DCP reads what each rank holds.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from shardforge.checkpoint_dcp import COMMIT_MARKER, checkpoint_tensor_shapes
+
+    assert engine.pipeline is not None
+    checkpointer.wait()
+    if step == "latest":
+        latest = checkpointer.latest_step()
+        if latest is None:
+            return None
+        step = latest
+    path = checkpointer.path(int(step))
+    if not (path / COMMIT_MARKER).is_file():
+        raise FileNotFoundError(f"no committed checkpoint for step {step} under {path.parent}")
+    prefix = "train.model."
+    saved = {k[len(prefix) :]: s for k, s in checkpoint_tensor_shapes(path).items() if k.startswith(prefix)}
+    expected = {k: shape for k, (shape, _) in engine.pipeline.tensor_meta.items()}
+    if saved != expected:
+        missing = sorted(set(expected) - set(saved))[:10]
+        unexpected = sorted(set(saved) - set(expected))[:10]
+        shapes = sorted(k for k in set(saved) & set(expected) if saved[k] != expected[k])[:10]
+        raise ValueError(
+            f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}, "
+            f"shape mismatch {shapes}; load a checkpoint saved from the same model architecture (layout may differ)"
+        )
+    state = engine.train_state()
+    dcp.load({"train": state}, storage_reader=dcp.FileSystemReader(str(path)))
+    engine.step = state.step
+    return state.data_state
