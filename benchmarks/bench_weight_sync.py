@@ -193,14 +193,17 @@ def _install_bucket_tracker() -> tuple[_LiveBytes, Callable[[], None]]:
     original = buckets_module.Bucket
     tracker = _LiveBytes()
 
-    class _TrackingList(list):  # type: ignore[type-arg]
-        def append(self, tensor: Any) -> None:
-            tracker.track(tensor)
-            super().append(tensor)
+    tracked: weakref.WeakSet[Any] = weakref.WeakSet()
 
     class _TrackedBucket(original):  # type: ignore[misc, valid-type]
-        def __init__(self, index: int, names: list[str] | None = None, tensors: list[Any] | None = None) -> None:
-            super().__init__(index, list(names or []), _TrackingList(tensors or []))
+        """Counts each distinct flat buffer (the storage a bucket's tensors are views of) once."""
+
+        def __init__(self, index: int, names: Any = None, tensors: Any = None, flat: Any = None, offsets: Any = None):
+            super().__init__(index, list(names or []), list(tensors or []), flat, list(offsets or []))
+            base = flat._base if flat is not None and flat._base is not None else flat
+            if base is not None and base not in tracked:
+                tracked.add(base)
+                tracker.track(base)
 
     buckets_module.Bucket = _TrackedBucket  # type: ignore[misc]
 
@@ -412,7 +415,7 @@ def _disk_section(model: Any, runner: _Runner, root: Path, nbytes: int, ref: lis
                 os.fsync(handle.fileno())
 
     def gather_only() -> None:  # diagnostic: the publisher's gathering alone, no transport
-        for _ in iter_buckets(model, BUCKET_BYTES, keep=rank == 0, dtype=torch.bfloat16):
+        for _ in iter_buckets(model, BUCKET_BYTES, src_rank=0, dtype=torch.bfloat16, ring=2):
             pass
 
     def gather_cast_first() -> None:  # diagnostic: cast the local shard to bf16, then gather
@@ -482,7 +485,8 @@ def _start_receiver(script: str) -> tuple[Any, Any, float]:
     env = {k: v for k, v in os.environ.items() if k not in hidden}
     process = subprocess.Popen([sys.executable, script, "--receiver", str(port)], env=env)
     try:
-        transport = CollectiveTransport(HOST, port, 1, timeout_s=600)  # blocks until the receiver joins
+        transport = CollectiveTransport(HOST, port, 1, timeout_s=600)
+        transport.connect()  # blocks until the receiver joins
     except BaseException:
         process.kill()
         process.wait()
@@ -757,7 +761,7 @@ def _plot(payload: dict[str, Any]) -> Path:
     disk, coll = payload["disk"]["summary"], payload["collective"]["summary"]
     labels = {
         "raw_write_fsync": "raw write\n+fsync", "ours_checksums_off": "publish\n(no cksum)",
-        "ours_checksums_on": "publish\n(sha256)", "naive_save_per_param": "torch.save\nper param",
+        "ours_checksums_on": "publish\n(crc32)", "naive_save_per_param": "torch.save\nper param",
         "naive_gather_all_one_save": "gather all,\n1 torch.save",
         "diag_gather_only": "diag: gather\nonly",
         "diag_gather_cast_first": "diag: cast,\nthen gather",
@@ -968,7 +972,7 @@ def main() -> int:
         benchmark="weight_sync_sender_memory",
         metric=(
             f"peak extra RSS on the sending rank during publish, in buckets of {BUCKET_BYTES // MiB} MiB, "
-            "disk / disk+sha256 / collective [live Bucket tensors]"
+            "disk / disk+crc32 / collective [live Bucket tensors]"
         ),
         ours=(
             " / ".join(f"{mh[k]['peak_extra_rss_buckets']:.2f}" for k in ("disk", "disk_checksums", "collective"))
@@ -983,7 +987,7 @@ def main() -> int:
     )
     print(
         f"[{NAME}] {r0['parameters'] / 1e6:.0f}M params, {gb:.2f} GB/version bf16\n"
-        f"  disk: publish {disk['ours_checksums_off']['best_GBps']:.2f} GB/s (sha256 {disk['ours_checksums_on']['best_GBps']:.2f}),"
+        f"  disk: publish {disk['ours_checksums_off']['best_GBps']:.2f} GB/s (crc32 {disk['ours_checksums_on']['best_GBps']:.2f}),"
         f" raw write+fsync {raw_disk:.2f}, memcpy {disk['memcpy']['best_GBps']:.2f},"
         f" torch.save/param {disk['naive_save_per_param']['best_GBps']:.2f},"
         f" gather-all+save {disk['naive_gather_all_one_save']['best_GBps']:.2f}"
@@ -994,7 +998,7 @@ def main() -> int:
         f" one broadcast {coll['raw_broadcast']['best_GBps']:.2f}, per-param {coll['naive_broadcast_per_param']['best_GBps']:.2f};"
         f" ratio {ratios['collective_vs_raw']:.2f}, speedup {ratios['collective_speedup_vs_per_param']:.2f}x\n"
         f"  publish / gather alone: disk {ratios['disk_vs_gather_only']:.2f}, collective"
-        f" {ratios['collective_vs_gather_only']:.2f}; disk read-back + sha256 verify"
+        f" {ratios['collective_vs_gather_only']:.2f}; disk read-back + crc32 verify"
         f" {r0['disk']['readback']['read_verify_GBps']:.2f} GB/s\n"
         + "".join(
             f"  sender memory, {key}: peak extra RSS {m['peak_extra_rss_buckets']:.2f} buckets"

@@ -204,3 +204,63 @@ def test_sender_killed_mid_version_receiver_keeps_previous_then_recovers(tmp_pat
     assert all(torch.equal(log["after_crash"][k], v1[k]) for k in v1), "still serving version 1"
     assert log["v3"] == 3
     assert all(torch.equal(log["after_v3"][k], v3[k]) for k in v3), "version 3 arrived bit for bit"
+
+
+def test_refused_version_keeps_the_connection_and_the_previous_weights() -> None:
+    """A version whose checksum does not verify is refused after it fully arrived; the receiver
+    keeps serving the previous version on the same connection and takes the next one.
+    Sender and receiver run as two threads of this process (two standalone gloo groups)."""
+    import dataclasses
+    import threading
+
+    from torch import nn
+
+    from shardforge.weight_sync import (
+        CollectiveReceiver,
+        CollectiveTransport,
+        WeightPublisher,
+        WeightReceiver,
+        WeightVersionError,
+    )
+
+    class Corrupting(CollectiveTransport):
+        def commit(self, manifest: Any) -> None:
+            if manifest.version == 2:  # claim a wrong checksum for the first tensor
+                bad = dataclasses.replace(manifest.tensors[0], checksum="crc32:00000000")
+                manifest = dataclasses.replace(manifest, tensors=[bad, *manifest.tensors[1:]])
+            super().commit(manifest)
+
+    torch.manual_seed(0)
+    trainer = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    serving = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    transport = Corrupting("127.0.0.1", 0, 1, timeout_s=60)
+    outcomes: list[Any] = []
+
+    def receive() -> None:
+        worker = CollectiveReceiver(WeightReceiver(serving), "127.0.0.1", transport.port, 1, 2, timeout_s=60)
+        for _ in range(3):
+            try:
+                outcomes.append(worker.receive_version())
+            except WeightVersionError as exc:
+                outcomes.append(exc)
+            outcomes.append({k: v.clone() for k, v in serving.state_dict().items()})
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    publisher = WeightPublisher(trainer, transport, bucket_bytes=64)
+    sent = []
+    for version in (1, 2, 3):
+        sent.append({k: v.clone() for k, v in trainer.state_dict().items()})
+        publisher.publish(version)
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(1.0)
+    thread.join(timeout=60)
+    transport.close()
+    assert not thread.is_alive()
+    v1, refused, v3 = outcomes[0], outcomes[2], outcomes[4]
+    assert v1 == 1 and v3 == 3
+    assert isinstance(refused, WeightVersionError) and "checksum mismatch" in str(refused)
+    assert all(torch.equal(outcomes[1][k], sent[0][k]) for k in sent[0])
+    assert all(torch.equal(outcomes[3][k], sent[0][k]) for k in sent[0]), "still serving version 1"
+    assert all(torch.equal(outcomes[5][k], sent[2][k]) for k in sent[2])

@@ -54,6 +54,14 @@ def _make_group(store: dist.Store, session: str, rank: int, world_size: int, tim
     return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
 
+class _Refused(Exception):
+    """The receiver rejected a fully received version (wraps its error)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _Channel:
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -103,7 +111,22 @@ class CollectiveTransport:
         self.port: int = self.store.port
         self.session = uuid.uuid4().hex
         self.store.set(_SESSION_KEY, self.session)
-        self._channel = _Channel(_make_group(self.store, self.session, 0, self.world_size, timeout_s))
+        self.timeout_s = timeout_s
+        self._group: _Channel | None = None
+
+    @property
+    def _channel(self) -> _Channel:
+        """The weight group, created at first use: building it waits for every receiver, and
+        receivers need ``self.port`` (known right after construction) to connect."""
+        if self._group is None:
+            if self.store is None:
+                raise RuntimeError("this CollectiveTransport is closed; create a new one")
+            self._group = _Channel(_make_group(self.store, self.session, 0, self.world_size, self.timeout_s))
+        return self._group
+
+    def connect(self) -> None:
+        """Wait until every receiver has joined (otherwise the first ``begin`` does)."""
+        self._channel  # noqa: B018
 
     def begin(self, version: int) -> None:
         self._channel.header(BEGIN, version, 0)
@@ -137,6 +160,17 @@ class CollectiveTransport:
         encoded = manifest.to_json().encode()
         self._channel.header(COMMIT, manifest.version, len(encoded))
         self._channel.send_bytes(encoded)
+
+    def close(self) -> None:
+        """Leave the group and stop the TCPStore (its port is free again). Idempotent."""
+        self._group = None
+        self.store = None  # type: ignore[assignment]
+
+    def __enter__(self) -> CollectiveTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def abort(self) -> None:
         try:
@@ -218,13 +252,21 @@ class CollectiveReceiver:
                     manifest = Manifest.from_json(channel.recv_bytes(b).decode())
                     if manifest.version != version:
                         raise RuntimeError(f"COMMIT for version {manifest.version} inside version {version}")
-                    self.receiver.apply(manifest, staged)
+                    try:
+                        self.receiver.apply(manifest, staged)
+                    except Exception as exc:  # the whole version arrived: the channel is fine
+                        raise _Refused(exc) from exc
                     self.last_error = None
                     return self.receiver.version
                 elif op == ABORT:
                     raise RuntimeError(f"the sender aborted version {version}")
                 else:
                     raise RuntimeError(f"unexpected message op {op} from the sender")
+        except _Refused as refused:
+            # Verification failed after the whole version arrived: keep the connection (the
+            # sender goes on with its next version) and report the receiver's own error.
+            self.last_error = refused.error
+            raise refused.error from None
         except BaseException as exc:
             self.last_error = exc
             if not isinstance(exc, RuntimeError) or "aborted" not in str(exc):

@@ -225,6 +225,7 @@ class VLLMWeightSync(TrainerWeightTransferEngine[ShardforgeTrainerInitInfo]):
         thread = threading.Thread(target=init_workers, name="vllm-weight-sync-init", daemon=True)
         thread.start()
         transport = CollectiveTransport(info.host, info.port, info.num_workers, timeout_s=info.timeout_s)
+        transport.connect()  # the group forms once every worker has joined
         thread.join(info.timeout_s)
         if errors or thread.is_alive():
             raise RuntimeError("vLLM workers failed to join the weight-sync group") from (errors[0] if errors else None)
