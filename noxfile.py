@@ -86,6 +86,14 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def demo_rl(session: nox.Session) -> None:
+    """Short SFT, then GRPO on exact-match rewards, FSDP on 2 CPU ranks; prints accuracy SFT -> GRPO."""
+    _install_workspace(session)
+    out = session.posargs[0] if session.posargs else "outputs/demo_rl"
+    session.run("shardforge", "demo-rl", "--out", out, "--nproc-per-node", "2", env=THREAD_ENV)
+
+
+@nox.session(python=PYTHON)
 def isolation(session: nox.Session) -> None:
     """Each wheel alone in a fresh venv with only its declared deps: install, import, run its tests."""
     _install_torch(session)

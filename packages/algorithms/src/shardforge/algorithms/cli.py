@@ -2,6 +2,7 @@
 
     shardforge train sft|grpo --config examples/sft_tiny.yaml [--nproc-per-node N] key=value ...
     shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600]
+    shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 350] [--grpo-steps N]
 
 ``key=value`` overrides use dotted paths into the config (``engine.optimizer.lr=1e-3``).
 With ``--nproc-per-node N > 1`` outside torchrun, the command relaunches itself through
@@ -34,6 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="outputs/demo", help="output directory")
     demo.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
     demo.add_argument("--steps", type=int, default=600, help="SFT steps")
+    demo_rl = sub.add_parser("demo-rl", help="run the CPU RL demo: a short SFT, then GRPO")
+    demo_rl.add_argument("--out", default="outputs/demo_rl", help="output directory")
+    demo_rl.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
+    demo_rl.add_argument("--sft-steps", type=int, default=350, help="SFT steps before GRPO")
+    demo_rl.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_grpo.yaml)")
     return parser
 
 
@@ -101,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         from shardforge.algorithms.demo import run_demo
 
         run_demo(args.out, nproc=args.nproc_per_node, steps=args.steps)
+        return 0
+    if args.command == "demo-rl":
+        from shardforge.algorithms.demo_rl import run_rl_demo
+
+        run_rl_demo(args.out, nproc=args.nproc_per_node, sft_steps=args.sft_steps, grpo_steps=args.grpo_steps)
         return 0
     raise AssertionError(args.command)
 
