@@ -81,7 +81,7 @@ def _block_parity(layout: str, route: str) -> dict[str, Any]:
 
     from shardforge.mesh import ParallelDims, build_mesh
     from shardforge.moe_ep import ParallelExperts
-    from shardforge.moe_ep.apply import _expert_tp, _shard
+    from shardforge.moe_ep.apply import _expert_tp, _expert_tp_mesh, _shard
 
     dims = ParallelDims.parse(layout)
     mesh = build_mesh(dims)
@@ -95,10 +95,14 @@ def _block_parity(layout: str, route: str) -> dict[str, Any]:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if expert_tp > 1:
+        # ep > 1: a 2-D (ep, tp) mesh, experts Shard(0) over ep and their intermediate dim over tp.
+        expert_mesh, ep_placement = _expert_tp_mesh(ep_mesh, tp_mesh, expert_tp)
         gate_up = _shard(
-            torch.nn.Parameter(hf.gate_up_proj.detach().clone()), tp_mesh, [_StridedShard(1, split_factor=2)]
+            torch.nn.Parameter(hf.gate_up_proj.detach().clone()),
+            expert_mesh,
+            [*ep_placement, _StridedShard(1, split_factor=2)],
         )
-        down = _shard(torch.nn.Parameter(hf.down_proj.detach().clone()), tp_mesh, [Shard(2)])
+        down = _shard(torch.nn.Parameter(hf.down_proj.detach().clone()), expert_mesh, [*ep_placement, Shard(2)])
     elif ep_mesh is not None:
         gate_up = _shard(torch.nn.Parameter(hf.gate_up_proj.detach().clone()), ep_mesh, [Shard(0)])
         down = _shard(torch.nn.Parameter(hf.down_proj.detach().clone()), ep_mesh, [Shard(0)])
@@ -152,6 +156,7 @@ BLOCK_CASES = [
     pytest.param(2, "d1t2e2", id="ep2-borrow_tp2"),
     pytest.param(4, "d2t2e2", id="ep2-borrow_tp2-dp2"),
     pytest.param(4, "d2t2e4", id="ep4-borrow_tp2"),
+    pytest.param(4, "d2t2e2x2", id="ep2-expert_tp2"),
 ]
 
 
@@ -159,7 +164,7 @@ SKEWED_CASES = [
     pytest.param(world, layout, route, id=f"{case.id}-{route}")
     for case in BLOCK_CASES
     for world, layout in [case.values]
-    if case.id in ("ep2", "ep4", "ep2-borrow_tp2-dp2")
+    if case.id in ("ep2", "ep4", "ep2-borrow_tp2-dp2", "ep2-expert_tp2")
     for route in ("one_rank", "empty_rank")
 ]
 

@@ -16,7 +16,7 @@ def test_version_matches_distribution() -> None:
 def test_public_surface_is_all() -> None:
     public = sorted(n for n in dir(pkg) if not n.startswith("_"))
     # Submodules are importable attributes too; everything else public must be in __all__.
-    modules = {"apply", "comm", "experts", "families", "grouped", "router"}
+    modules = {"apply", "comm", "experts", "families", "grouped", "router", "strided"}
     assert sorted(set(public) - modules) == sorted(pkg.__all__)
     assert "apply_expert_parallel" in pkg.__all__ and "RouterRecorder" in pkg.__all__
 
@@ -41,6 +41,10 @@ def test_validation_errors_list_valid_values() -> None:
     with pytest.raises(ValueError, match="etp=2 must be 1 or equal to tp=4"):
         pkg.validate_expert_parallel(ParallelDims(dp_shard=1, tp=4, etp=2), _config())
     pkg.validate_expert_parallel(ParallelDims(dp_shard=2, tp=2, ep=4), _config())  # borrows tp ranks: fine
+    # EP + expert TP (etp = tp): ep splits only dp_shard x cp, the tp ranks split each expert.
+    with pytest.raises(ValueError, match=r"ep=4 must divide dp_shard\*cp=2.*valid ep: \[1, 2\]"):
+        pkg.validate_expert_parallel(ParallelDims(dp_shard=2, tp=2, ep=4, etp=2), _config())
+    pkg.validate_expert_parallel(ParallelDims(dp_shard=2, tp=2, ep=2, etp=2), _config())
 
 
 def test_unknown_family_error_lists_supported() -> None:

@@ -103,10 +103,15 @@ def _model_parity(family: str, layout: str, fsdp: bool) -> dict[str, Any]:
     from shardforge.moe_ep import RouterRecorder, apply_expert_parallel, expert_modules
 
     mesh = _mesh(layout)
+    dims = mesh.dims
     model = build_model(family)
     reference = copy.deepcopy(model) if dist.get_rank() == 0 else None
-    apply_expert_parallel(model, mesh.get("ep"))
+    # With tp > 1 (EP + expert TP) the dense part stays replicated over tp, so the TP ranks of a
+    # data-parallel rank run the same tokens, as the MoE block expects under tensor parallelism.
+    tp_mesh = mesh.get("tp") if dims.tp > 1 else None
+    apply_expert_parallel(model, mesh.get("ep"), tp_mesh=tp_mesh, etp=dims.etp)
     world = dist.get_world_size()
+    dp_group = mesh.get("dp").get_group()
     if fsdp:
         # Experts shard over efsdp, everything else over fsdp; both average gradients over
         # the whole data-parallel world, so the loss is scaled by the world size.
@@ -118,10 +123,10 @@ def _model_parity(family: str, layout: str, fsdp: bool) -> dict[str, Any]:
             fully_shard(layer, mesh=mesh.get("fsdp"))
         fully_shard(model, mesh=mesh.get("fsdp"))
     recorder = RouterRecorder(model)
-    ids = tokens().chunk(world)[dist.get_rank()]
+    ids = tokens().chunk(dims.dp)[mesh.local_rank("dp")]
     with recorder.record():
         logits = model(input_ids=ids).logits
-    aux = recorder.aux_loss(dist.group.WORLD)
+    aux = recorder.aux_loss(dp_group)
     loss = token_loss(logits, ids) + AUX_WEIGHT * aux.local
     (loss * (world if fsdp else 1)).backward()
     grads = {}
@@ -129,10 +134,10 @@ def _model_parity(family: str, layout: str, fsdp: bool) -> dict[str, Any]:
         grad = p.grad
         if not fsdp and not hasattr(grad, "full_tensor"):
             grad = grad.clone()
-            dist.all_reduce(grad)  # plain (replicated) params: sum the per-rank partial grads
+            dist.all_reduce(grad, group=dp_group)  # plain (replicated) params: sum the per-rank partial grads
         grads[name] = _full(grad)
-    gathered = [torch.empty_like(logits) for _ in range(world)]
-    dist.all_gather(gathered, logits.detach().contiguous())
+    gathered = [torch.empty_like(logits) for _ in range(dims.dp)]
+    dist.all_gather(gathered, logits.detach().contiguous(), group=dp_group)
     out: dict[str, Any] = {
         "logits": torch.cat(gathered),
         "aux": aux.value,
@@ -156,6 +161,7 @@ MODEL_CASES = [
     pytest.param("qwen3_moe", 2, "d2e2", False, id="qwen3_moe-ep2"),
     pytest.param("qwen3_moe", 4, "d4e4", False, id="qwen3_moe-ep4"),
     pytest.param("qwen3_moe", 4, "d4e2", True, id="qwen3_moe-ep2xfsdp2"),
+    pytest.param("qwen3_moe", 4, "d2t2e2x2", False, id="qwen3_moe-ep2xetp2"),
     pytest.param("mixtral", 2, "d2e2", False, id="mixtral-ep2"),
     pytest.param("mixtral", 4, "d4e2", True, id="mixtral-ep2xfsdp2"),
 ]

@@ -12,7 +12,9 @@ Strategy table (``ep`` = size of ``ep_mesh``, ``tp`` = size of ``tp_mesh``):
 
 Expert parameters become DTensors (``Shard(0)`` over ep, the intermediate dim over tp),
 so state-dict keys and global shapes stay the model's own: DCP save/load reshard across
-layouts and HF export works.
+layouts and HF export works. Under expert TP ``gate_up_proj`` is ``_StridedShard(1,
+split_factor=2)`` over tp (each rank holds its slice of the gate rows and of the up rows);
+`shardforge.moe_ep.strided` makes such shards checkpoint correctly.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from shardforge.mesh import ParallelDims, divisors
 from shardforge.moe_ep.experts import ParallelExperts
 from shardforge.moe_ep.families import family_of, find_moe_blocks
+from shardforge.moe_ep.strided import register_checkpoint_hooks
 
 __all__ = ["apply_expert_parallel", "expert_modules", "validate_expert_parallel"]
 
@@ -100,24 +103,22 @@ def apply_expert_parallel(
     if experts_count % ep != 0:
         raise ValueError(f"ep={ep} must divide num_experts={experts_count}; valid ep: {divisors(experts_count)}")
     expert_tp = _expert_tp(ep, tp, etp)
-    if ep > 1 and expert_tp > 1:
-        raise NotImplementedError(
-            "ep > 1 with etp = tp (EP + expert TP) is not implemented yet; use etp=1 (EP borrowing TP ranks)"
-        )
+    expert_mesh, ep_placement = _expert_tp_mesh(ep_mesh, tp_mesh, expert_tp)
     replaced: list[ParallelExperts] = []
     for _, block in find_moe_blocks(model):
         old = getattr(block, family.experts_attr)
         gate_up, down = old.gate_up_proj, old.down_proj
         if expert_tp > 1:
-            assert tp_mesh is not None
+            assert expert_mesh is not None
             inter = down.shape[2]
             if inter % tp != 0:
                 raise ValueError(
                     f"moe intermediate size {inter} must be divisible by tp={tp}; valid: {divisors(inter)}"
                 )
-            # gate_up rows are [gate; up]: each rank takes its slice of both halves.
-            gate_up = _shard(gate_up, tp_mesh, [_StridedShard(1, split_factor=2)])
-            down = _shard(down, tp_mesh, [Shard(2)])
+            # gate_up rows are [gate; up]: each rank takes its slice of both halves (and, with
+            # ep > 1, only its experts: Shard(0) over ep on the first mesh dim).
+            gate_up = _shard(gate_up, expert_mesh, [*ep_placement, _StridedShard(1, split_factor=2)])
+            down = _shard(down, expert_mesh, [*ep_placement, Shard(2)])
         elif ep > 1:
             assert ep_mesh is not None
             gate_up, down = _shard(gate_up, ep_mesh, [Shard(0)]), _shard(down, ep_mesh, [Shard(0)])
@@ -130,9 +131,28 @@ def apply_expert_parallel(
             etp_group=tp_mesh.get_group() if expert_tp > 1 and tp_mesh is not None else None,
             token_group=tp_mesh.get_group() if ep > 1 and tp > 1 and expert_tp == 1 and tp_mesh is not None else None,
         )
+        if expert_tp > 1:
+            register_checkpoint_hooks(new)  # state_dict() entries DCP can save/load (strided shards)
         setattr(block, family.experts_attr, new)
         replaced.append(new)
     return replaced
+
+
+def _expert_tp_mesh(
+    ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None, expert_tp: int
+) -> tuple[DeviceMesh | None, list[Placement]]:
+    """The mesh expert-TP parameters live on, and the placements before the tp one.
+
+    EP + expert TP needs one 2-D ``(ep, tp)`` mesh (ep splits experts, tp their intermediate
+    dim). Both come from the same root mesh over disjoint ranks, so they concatenate; FSDP
+    over ``efsdp`` can then add its own dim to that mesh.
+    """
+    if expert_tp == 1:
+        return None, []
+    assert tp_mesh is not None
+    if ep_mesh is None or ep_mesh.size() == 1:
+        return tp_mesh, []
+    return DeviceMesh._concatenate([ep_mesh, tp_mesh]), [Shard(0)]
 
 
 def _shard(param: nn.Parameter, mesh: DeviceMesh, placements: list[Placement]) -> nn.Parameter:
