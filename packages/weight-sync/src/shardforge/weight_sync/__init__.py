@@ -1,9 +1,10 @@
 """shardforge.weight_sync: push trained weights from sharded trainers into inference engines.
 
-Implemented: bucketed gathering (`WeightPublisher`), the disk transport with atomic
-version directories, the collective transport (a standalone gloo group between the
-sending rank and inference workers), and a verifying `WeightReceiver`. Planned: the vLLM
-adapter.
+Bucketed gathering (`WeightPublisher`, `iter_buckets`), the disk transport with atomic
+version directories, the collective transport (a standalone gloo/NCCL group between the
+sending rank and inference workers), a verifying `WeightReceiver`, and a vLLM adapter
+(`shardforge.weight_sync.vllm`, optional extra ``[vllm]``; importing this package never
+imports vLLM).
 """
 
 from shardforge.weight_sync.buckets import Bucket, canonical_parameters, iter_buckets
