@@ -209,18 +209,19 @@ def test_layout_of_wrong_world_size_raises_before_anything_runs():
 
 
 @pytest.mark.parametrize(
-    ("layout", "pattern"),
+    ("settings", "pattern"),
     [
-        ("p2", r"pp=2: pipeline parallelism"),
+        ({"pp_layers_per_stage": (2, 1)}, r"layers_per_stage=\[2, 1\] must list 2 counts >= 1 that sum to 2"),
+        ({"pp_schedule": "pipedream"}, r"unknown pipeline schedule 'pipedream'"),
+        ({"pp_schedule": "Interleaved1F1B"}, r"cannot split 2 decoder layers into 4 stages"),
     ],
 )
-def test_unprovided_parallelism_raises_before_any_process_group(monkeypatch, layout, pattern):
+def test_bad_pipeline_settings_raise_before_any_process_group(monkeypatch, settings, pattern):
     # The engine reads the world size from WORLD_SIZE when no process group exists yet, and
-    # validates the layout before init_distributed, so nothing starts here.
+    # validates the layout (and pipeline settings) before init_distributed, so nothing starts here.
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=rf"does not provide yet \({pattern}") as info:
-        TrainEngine(tiny_config(), layout)
-    assert "use FSDP/HSDP/TP/CP layouts (letters r, d, t and c)" in str(info.value)
+    with pytest.raises(ValueError, match=pattern):
+        TrainEngine(tiny_config(), "p2", EngineConfig(**settings))
     assert not dist.is_initialized()
 
 
@@ -245,7 +246,6 @@ def test_trivial_parallel_dims_object_is_fine():
         (ParallelDims(dp_shard=1, tp=2, cp=4), r"cp=4 does not fit 2 query / 1 key-value heads per TP rank"),
         (ParallelDims(dp_shard=1, pp=3), r"pp=3 needs at least one decoder layer per stage .* 2 layers"),
         (ParallelDims(dp_shard=4, ep=2), r"ep=2 but Qwen3Config has no experts"),
-        (ParallelDims(dp_shard=1, pp=2), r"does not provide yet \(pp=2"),
     ],
 )
 def test_validate_layout_against_the_model(dims, pattern):
