@@ -1,7 +1,8 @@
 """End-to-end MoE training parity: a tiny Qwen3-MoE trained by the real SFT trainer under expert
-parallelism (EP x FSDP, EP on one-rank efsdp, EP borrowing TP ranks; and TP with experts replicated) produces the same
-loss curve and the same final weights as one process, with the load-balancing loss switched on;
-a DCP checkpoint written under ep2 loads bit-identically under ep1.
+parallelism (EP x FSDP, EP on one-rank efsdp, EP borrowing TP ranks, expert TP, EP + expert TP)
+produces the same loss curve and the same final weights as one process, with the load-balancing
+loss switched on; a DCP checkpoint written under ep2 loads bit-identically under ep1, and one
+written under FSDP2 x expert-TP2 loads bit-identically under world 1 (and the reverse).
 
 One micro-batch per rank (a large token budget): the global load-balancing loss is computed per
 micro-batch over all data-parallel ranks, so with one micro-batch everywhere it covers exactly
@@ -124,8 +125,8 @@ def reference(assets: dict[str, str], tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.mark.parametrize(
     ("world", "layout"),
-    [(4, "d4e2"), (2, "d2e2"), (4, "d2t2e2"), (2, "d1t2")],
-    ids=["ep2xefsdp2", "ep2-efsdp1", "ep2-borrow_tp2xdp2", "tp2-replicated_experts"],
+    [(4, "d4e2"), (2, "d2e2"), (4, "d2t2e2"), (2, "d1t2"), (4, "d2t2e2x2")],
+    ids=["ep2xefsdp2", "ep2-efsdp1", "ep2-borrow_tp2xdp2", "expert_tp2", "ep2xexpert_tp2"],
 )
 def test_moe_sft_matches_world1(
     world: int, layout: str, assets: dict[str, str], reference: str, tmp_path: Path
@@ -160,10 +161,11 @@ def _values_after_load(model_dir: str, checkpoint_root: str, layout: str) -> dic
     engine = TrainEngine(model_dir, layout)
     assert engine.load(Checkpointer(checkpoint_root)) is not None
     full = engine.full_state_dict()
+    distributed = dist.is_initialized()  # False: world 1 in the test process
     optim = get_optimizer_state_dict(
-        engine.model, engine.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        engine.model, engine.optimizer, options=StateDictOptions(full_state_dict=distributed, cpu_offload=distributed)
     )
-    if dist.get_rank() != 0:
+    if distributed and dist.get_rank() != 0:
         return {}
     for name, state in optim["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
@@ -181,3 +183,30 @@ def test_ep2_checkpoint_loads_identically_under_ep1(assets: dict[str, str], tmp_
     assert any("experts.down_proj" in k and k.startswith("optim/") for k in saved)
     # Loading only moves bytes between shards: values must be bit-identical.
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+def _run_sft_saving(assets: dict[str, str], out: str, layout: str) -> str:
+    """Two SFT steps under ``layout`` (world 1 in this process), checkpointed at step 2."""
+    from shardforge.algorithms.sft import run_sft
+
+    config = _config(assets, out, layout, steps=2, save_every=2)
+    if layout == "d1":
+        run_sft(config)
+    else:
+        get_rank_pool(4).run(_run_sft_on_rank, config)
+    return str(Path(out) / "checkpoints")
+
+
+@pytest.mark.parametrize("saved_under", ["d2t2", "d1"], ids=["expert_tp2-to-world1", "world1-to-expert_tp2"])
+def test_expert_tp_checkpoint_loads_identically_under_world1(
+    saved_under: str, assets: dict[str, str], tmp_path: Path
+) -> None:
+    # Expert TP stores gate_up_proj as two row ranges per rank (_StridedShard); DCP must write and
+    # read them at their true offsets, for the parameters and for Adam's moments.
+    root = _run_sft_saving(assets, str(tmp_path / "run"), saved_under)
+    sharded = get_rank_pool(4).run(_values_after_load, assets["model"], root, "d2t2")[0]
+    single = _values_after_load(assets["model"], root, "d1")
+    assert set(sharded) == set(single)
+    assert any("experts.gate_up_proj" in k and k.startswith("optim/") for k in single)
+    for name, value in single.items():
+        assert torch.equal(sharded[name], value), name

@@ -4,7 +4,11 @@ The engine calls, in its fixed order (TP -> CP attention -> EP -> PP -> AC -> FS
 
 - `validate_moe_layout` before any collective;
 - `apply_moe` after tensor parallelism: experts become `ParallelExperts` (EP over ``ep``,
-  expert TP, or replicated with the grouped matmul) per the moe-ep strategy table;
+  expert TP, EP + expert TP, or replicated with the grouped matmul) per the moe-ep strategy table;
+- `reload_expert_tp` right after the generic full-state-dict load, and
+  `register_moe_checkpoint_hooks` on the optimizer: expert-TP shards (``_StridedShard``) are
+  loaded from rank 0 row range by row range and checkpointed chunk by chunk (torch 2.13's
+  broadcast load and DCP describe such a shard by one offset, i.e. wrongly);
 - `shard_experts` right before FSDP: each experts module is its own FSDP unit over
   ``efsdp`` (so the decoder-layer units, sharded over ``fsdp``, skip expert params);
 - `MoETraining` around each training micro-batch: records router logits and adds the
@@ -34,9 +38,12 @@ from shardforge.moe_ep import (
     MOE_FAMILIES,
     RouterRecorder,
     apply_expert_parallel,
+    broadcast_full_tensors_,
     expert_modules,
+    register_optimizer_checkpoint_hooks,
     validate_expert_parallel,
 )
+from shardforge.moe_ep.strided import has_strided_shard
 
 __all__ = [
     "MoETraining",
@@ -46,6 +53,8 @@ __all__ = [
     "moe_stats",
     "moe_training",
     "recording",
+    "register_moe_checkpoint_hooks",
+    "reload_expert_tp",
     "shard_experts",
     "validate_moe_layout",
 ]
@@ -65,7 +74,7 @@ def validate_moe_layout(dims: ParallelDims, hf_config: Any) -> None:
                 f"model_type={getattr(hf_config, 'model_type', None)!r}; use ep=1"
             )
         return
-    if dims.ep > 1:
+    if dims.ep > 1 or (dims.tp > 1 and dims.pp == 1):  # EP and/or expert TP
         validate_expert_parallel(dims, hf_config)
     if dims.ep > 1 and dims.dp_replicate > 1:
         raise ValueError(
@@ -74,11 +83,6 @@ def validate_moe_layout(dims: ParallelDims, hf_config: Any) -> None:
         )
     if dims.ep > 1 and dims.pp > 1:
         raise ValueError(f"ep={dims.ep} with pp={dims.pp} is not supported yet; use pp=1 with expert parallelism")
-    if dims.ep > 1 and dims.tp > 1 and dims.etp == dims.tp:
-        raise ValueError(
-            f"ep={dims.ep} with etp=tp={dims.tp} (EP + expert TP) is not implemented yet; use etp=1 "
-            "(EP borrowing the TP ranks) or ep=1 (expert TP)"
-        )
 
 
 def _expert_meshes(mesh: ParallelMesh, dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh]:
@@ -99,16 +103,39 @@ def apply_moe(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None) -
     if mesh is None or (dims.ep == 1 and dims.tp == 1):
         apply_expert_parallel(model, None)  # replicated experts, grouped matmul
         return None
-    if dims.ep == 1:
-        # Experts stay replicated over tp (the TP plan gives the MoE block the full sequence).
-        # Not expert TP: its gate_up_proj shard is a _StridedShard DTensor, which torch 2.13's
-        # full-state-dict broadcast and DCP place as a contiguous shard (wrong values on load).
+    if dims.ep == 1 and dims.pp > 1:
+        # Pipeline stages load their weights through their own path, which does not re-load
+        # expert-TP (_StridedShard) shards: keep experts replicated over tp there.
         apply_expert_parallel(model, None)
+        return None
+    if dims.ep == 1:
+        # Expert TP: each expert's intermediate dim over tp (the TP plan gives the MoE block the
+        # full sequence); the experts stay in the decoder-layer FSDP units over fsdp.
+        apply_expert_parallel(model, None, tp_mesh=mesh.get("tp"))
         return None
     tp_mesh = mesh.get("tp") if dims.tp > 1 else None
     ep_mesh, efsdp_mesh = _expert_meshes(mesh, dims)
     apply_expert_parallel(model, ep_mesh, tp_mesh=tp_mesh, etp=dims.etp)
     return efsdp_mesh
+
+
+def reload_expert_tp(model: nn.Module, full_state_dict: dict[str, torch.Tensor] | None) -> None:
+    """Re-load expert-TP parameters from rank 0's full state dict (collective; no-op without them).
+
+    Call right after `load_full_state_dict`: torch 2.13's ``set_model_state_dict(...,
+    broadcast_from_rank0=True)`` copies one contiguous block into a ``_StridedShard`` shard,
+    while the rank needs its gate rows and its up rows. Every rank checks the same model, so
+    all join the broadcasts or none does.
+    """
+    if dist.is_initialized() and any(has_strided_shard(p) for p in model.parameters()):
+        broadcast_full_tensors_(model, full_state_dict)
+
+
+def register_moe_checkpoint_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.state_dict()`` list expert-TP states chunk by chunk, as the experts modules
+    already do for their parameters (so DCP saves and loads them exactly). No-op otherwise."""
+    if any(has_strided_shard(p) for p in model.parameters()):
+        register_optimizer_checkpoint_hooks(optimizer)
 
 
 def shard_experts(model: nn.Module, efsdp_mesh: DeviceMesh | None, dims: ParallelDims, config: FSDPConfig) -> None:
