@@ -95,6 +95,13 @@ class EngineConfig:
     """With pp > 1: at least this many micro-batches per step (None = pp x stages per rank); each is
     padded to max_tokens_per_microbatch tokens (pipelining needs one static shape)."""
     seed: int = 0
-    """Seed for weights initialised from a config (not from a checkpoint)."""
+    """Seed for weights initialised from a config (not from a checkpoint), and for a new value head."""
+    head: Literal["lm", "value"] = "lm"
+    """lm: the causal LM (log-probs). value: the decoder with a scalar head (critic / reward model;
+    loss functions get per-position values [T]); see `shardforge.algorithms.value_model`."""
     dist_timeout_s: float = 600.0
     """Collective timeout: a hang becomes an error after this many seconds."""
+
+    def __post_init__(self) -> None:
+        if self.head not in ("lm", "value"):
+            raise ValueError(f"unknown engine head {self.head!r}; valid: ['lm', 'value']")

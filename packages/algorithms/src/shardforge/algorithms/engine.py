@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardforge.algorithms import pipeline_support
+from shardforge.algorithms import pipeline_support, value_model
 from shardforge.algorithms.batch import PackedBatch, pad_to_multiple
 from shardforge.algorithms.config import EngineConfig, parse_dtype
 from shardforge.algorithms.losses import sequence_start_mask, sft_loss, token_count
@@ -40,6 +40,7 @@ from shardforge.algorithms.moe_support import (
     shard_experts,
 )
 from shardforge.algorithms.optim import build_optimizer, build_scheduler
+from shardforge.algorithms.seq_groups import SEQUENCE_GROUP, grouped_microbatches
 from shardforge.checkpoint_dcp import Checkpointer, TrainState, export_hf
 from shardforge.fsdp_wrap import (
     ActivationCheckpointConfig,
@@ -58,7 +59,8 @@ from shardforge.weight_sync import PublishStats, WeightPublisher, WeightTranspor
 __all__ = ["LossFn", "LossWeightFn", "TrainEngine"]
 
 LossFn = Callable[[torch.Tensor, PackedBatch], torch.Tensor]
-"""(target log-probs [T], micro-batch) -> summed loss (0-dim). A loss function with a true
+"""(target log-probs [T], micro-batch) -> summed loss (0-dim); a value-head engine passes
+per-position values [T] instead of log-probs. A loss function with a true
 ``wants_entropy`` attribute is called as ``loss_fn(logprobs, mb, entropy=[T] entropies)``
 (differentiable; vocab-parallel under TP, gathered under CP)."""
 LossWeightFn = Callable[[PackedBatch], torch.Tensor]
@@ -83,9 +85,13 @@ class TrainEngine:
     ) -> None:
         self.config = config or EngineConfig()
         self.hf_config = load_hf_config(model)
+        if self.config.head == "value":  # critic / reward model: scalar head (see value_model)
+            self.hf_config = value_model.value_hf_config(self.hf_config)
         dims = ParallelDims.parse(dims) if isinstance(dims, str) else dims
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         # Everything that can be wrong with the inputs is checked before the first collective.
+        if self.config.head == "value":
+            value_model.check_value_layout(dims.pp)
         self.dims = dims.resolve(world)
         validate_layout(self.dims, self.hf_config)
         if self.dims.pp > 1:
@@ -108,13 +114,12 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ construction
     def _build_model(self, source: Any) -> nn.Module:
-        from transformers import AutoModelForCausalLM
-
         attn = register_packed_attention()
         is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
         reference = None
         if is_rank0:
-            reference = materialize_reference(
+            materialize = value_model.materialize_value_model if self.config.head == "value" else materialize_reference
+            reference = materialize(
                 source, self.hf_config, dtype=self.param_dtype, attn_implementation=attn, seed=self.config.seed
             )
             reference.config.use_cache = False
@@ -124,10 +129,13 @@ class TrainEngine:
             apply_activation_checkpointing(reference, self._ac_config())
             return reference.to(self.device)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.param_dtype, attn_implementation=attn)
+            model_cls = value_model.model_class(self.config.head)
+            model = model_cls.from_config(self.hf_config, dtype=self.param_dtype, attn_implementation=attn)
         model.config.use_cache = False
         if self.dims.tp > 1:
-            apply_tensor_parallel(model, self.mesh.get("tp"), sequence_parallel=self.config.sequence_parallel)
+            sp = self.config.sequence_parallel
+            plan = value_model.value_tp_plan(model, sequence_parallel=sp) if self.config.head == "value" else None
+            apply_tensor_parallel(model, self.mesh.get("tp"), plan=plan, sequence_parallel=sp)
         efsdp_mesh = apply_moe(model, self.dims, self.mesh)  # EP / expert TP (MoE models only)
         if self.dims.pp > 1:  # split into this rank's stages, then AC and FSDP per stage
             return pipeline_support.build_pipeline_model(self, model, reference)
@@ -196,6 +204,8 @@ class TrainEngine:
 
     def _microbatches(self, batch: PackedBatch) -> list[tuple[list[int], PackedBatch | None]]:
         group = dist.group.WORLD if dist.is_initialized() else None
+        if SEQUENCE_GROUP in batch.extras:  # keep groups (e.g. chosen/rejected pairs) in one micro-batch
+            return grouped_microbatches(batch, self.config.max_tokens_per_microbatch, group=group)
         return split_microbatches(batch, self.config.max_tokens_per_microbatch, group=group)
 
     # ------------------------------------------------------------------ compute
@@ -217,7 +227,12 @@ class TrainEngine:
 
     def _logprobs_entropy(self, mb: PackedBatch, *, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[T] target log-probs and, if asked, [T] entropy of the distribution each target was
-        drawn from (same alignment: entry t belongs to token t; 0 at sequence starts)."""
+        drawn from (same alignment: entry t belongs to token t; 0 at sequence starts).
+        Value-head engines return [T] per-position values instead (`value_model.forward_values`)."""
+        if self.config.head == "value":
+            if entropy:
+                raise ValueError("a value-head engine has no token distribution: its loss_fn cannot want entropy")
+            return value_model.forward_values(self, mb), None
         num_tokens = mb.num_tokens
         padded = pad_to_multiple(mb, self._token_multiple).to(self.device)
         # Next-token targets come from the full sequence, before any CP slicing.
@@ -334,7 +349,8 @@ class TrainEngine:
 
     @torch.no_grad()
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """[T] target log-probs of this rank's batch (token order of ``batch``)."""
+        """[T] target log-probs of this rank's batch (token order of ``batch``); value-head engines
+        return [T] per-position values."""
         if self.pipeline is not None:
             return pipeline_support.pp_forward(self, batch)
         self.model.eval()
