@@ -121,8 +121,8 @@ def _critic_batch(engine: Any) -> Any:
 def _critic_steps(lm_dir: str, layout: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardforge.algorithms.ppo_step import ShiftedCriticLossFn
-    from shardforge.algorithms.rl import PPOCriticConfig, all_reduce_stats, summarize_stats
+    from shardforge.algorithms.ppo_step import ShiftedCriticLossFn, dp_reduce_stats
+    from shardforge.algorithms.rl import PPOCriticConfig, summarize_stats
 
     engine = _engine(lm_dir, layout, budget=16)
     batch = _critic_batch(engine)
@@ -131,21 +131,23 @@ def _critic_steps(lm_dir: str, layout: str) -> dict[str, Any]:
     history = []
     for _ in range(2):
         stats = engine.train_batch(mine, critic, critic.loss_weight)
-        extra = summarize_stats(all_reduce_stats(critic.pop_stats(), engine.dp_group))
+        extra = summarize_stats(dp_reduce_stats(critic.pop_stats(), engine))
         history.append({"loss": stats["loss"], "grad_norm": stats["grad_norm"], **extra})
     full = engine.full_state_dict()
     return {"history": history, "weights": full} if not dist.is_initialized() or dist.get_rank() == 0 else {}
 
 
-def test_critic_step_world1_matches_fsdp2(lm_dir: str) -> None:
+def test_critic_step_world1_matches_fsdp2_tp2_cp2(lm_dir: str) -> None:
     single = _critic_steps(lm_dir, "d1")
     # Step 1 starts at old_values (nothing clipped); after it the values moved past +-0.05 for some tokens.
     assert single["history"][0]["value_clip_frac"] == 0 < single["history"][1]["value_clip_frac"]
-    sharded = get_rank_pool(2).run(_critic_steps, lm_dir, "d2", timeout_s=300)[0]
-    for a, b in zip(single["history"], sharded["history"], strict=True):
-        # fp32, different reduction order (FSDP reduce-scatter): rounding-level differences only.
-        for key in ("loss", "grad_norm", "value_clip_frac", "value_loss", "num_tokens"):
-            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
-    assert sharded["weights"].keys() == single["weights"].keys() and "score.weight" in single["weights"]
-    for key, value in sharded["weights"].items():
-        torch.testing.assert_close(value, single["weights"][key], rtol=0, atol=2e-5, msg=key)
+    # FSDP 2; TP 2 (row-parallel head on sequence-parallel hidden states); CP 2 (values gathered).
+    for layout in ("d2", "t2", "c2"):
+        sharded = get_rank_pool(2).run(_critic_steps, lm_dir, layout, timeout_s=300)[0]
+        for a, b in zip(single["history"], sharded["history"], strict=True):
+            # fp32, different reduction order (reduce-scatter, partial matmuls): rounding-level differences only.
+            for key in ("loss", "grad_norm", "value_clip_frac", "value_loss", "num_tokens"):
+                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (layout, key, a[key], b[key])
+        assert sharded["weights"].keys() == single["weights"].keys() and "score.weight" in single["weights"]
+        for key, value in sharded["weights"].items():
+            torch.testing.assert_close(value, single["weights"][key], rtol=0, atol=2e-5, msg=f"{layout} {key}")

@@ -31,7 +31,7 @@ from shardforge.algorithms.rl import (
 from shardforge.algorithms.rl.loss_fns import ADVANTAGES, OLD_LOGPROBS, OLD_VALUES, REF_LOGPROBS, RETURNS
 from shardforge.algorithms.value_model import target_aligned_values
 
-__all__ = ["ShiftedCriticLossFn", "ppo_update", "prepare_ppo_batch"]
+__all__ = ["ShiftedCriticLossFn", "dp_reduce_stats", "ppo_update", "prepare_ppo_batch"]
 
 
 class ShiftedCriticLossFn(PPOCriticLossFn):
@@ -40,6 +40,13 @@ class ShiftedCriticLossFn(PPOCriticLossFn):
 
     def __call__(self, values: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
         return super().__call__(target_aligned_values(values, mb.cu_seqlens), mb)
+
+
+def dp_reduce_stats(stats: dict[str, torch.Tensor], engine: TrainEngine) -> dict[str, torch.Tensor]:
+    """Loss statistics summed over ``engine``'s data-parallel ranks only (TP/CP ranks hold copies)."""
+    if engine.dp_group is None:
+        return {k: v.detach().double().cpu() for k, v in stats.items()}
+    return all_reduce_stats(stats, engine.dp_group)
 
 
 def _global_sums(values: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[float]:
@@ -129,10 +136,10 @@ def ppo_update(
     """One optimizer step of each engine on a prepared batch; return actor (``loss``, ``actor/*``) and
     critic (``critic/loss``, ``critic/value_clip_frac``, ...) statistics."""
     stats = actor.train_batch(batch, actor_fn, actor_fn.loss_weight)
-    actor_stats = summarize_stats(all_reduce_stats(actor_fn.pop_stats(), actor.dp_group))
+    actor_stats = summarize_stats(dp_reduce_stats(actor_fn.pop_stats(), actor))
     stats |= {f"actor/{k}": v for k, v in actor_stats.items()}
     critic_step = critic.train_batch(batch, critic_fn, critic_fn.loss_weight)
-    critic_stats = summarize_stats(all_reduce_stats(critic_fn.pop_stats(), critic.dp_group))
+    critic_stats = summarize_stats(dp_reduce_stats(critic_fn.pop_stats(), critic))
     stats |= {f"critic/{k}": v for k, v in critic_stats.items()}
     stats |= {
         "critic/loss": critic_step["loss"],
