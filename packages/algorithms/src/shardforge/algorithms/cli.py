@@ -1,6 +1,6 @@
 """The `shardforge` command line.
 
-    shardforge train sft|grpo --config examples/sft_tiny.yaml [--nproc-per-node N] key=value ...
+    shardforge train sft|rm|ppo|grpo --config examples/sft_tiny.yaml [--nproc-per-node N] key=value ...
     shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600]
     shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 350] [--grpo-steps N]
 
@@ -19,15 +19,14 @@ from typing import Any
 
 __all__ = ["main"]
 
-TRAINERS = ("sft", "grpo")
-PLANNED_TRAINERS = ("rm", "ppo")
+TRAINERS = ("sft", "rm", "ppo", "grpo")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardforge", description="Distributed LLM training on HF models.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model", description="Train with a YAML config plus overrides.")
-    train.add_argument("algorithm", help=f"one of {list(TRAINERS)} (planned: {list(PLANNED_TRAINERS)})")
+    train.add_argument("algorithm", help=f"one of {list(TRAINERS)}")
     train.add_argument("--config", required=True, help="YAML config file")
     train.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
     train.epilog = "Any further key=value arguments override config entries, e.g. engine.optimizer.lr=1e-3"
@@ -71,8 +70,6 @@ def _train(args: argparse.Namespace) -> int:
     from shardforge.algorithms.config_io import apply_overrides, build_config, load_yaml
 
     if args.algorithm not in TRAINERS:
-        if args.algorithm in PLANNED_TRAINERS:
-            raise SystemExit(f"`train {args.algorithm}` is planned but not available yet; available: {list(TRAINERS)}")
         raise SystemExit(f"unknown algorithm {args.algorithm!r}; available: {list(TRAINERS)}")
     if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
         return _relaunch(args.nproc_per_node)
@@ -82,6 +79,14 @@ def _train(args: argparse.Namespace) -> int:
         from shardforge.algorithms.grpo import GRPOConfig, run_grpo
 
         summary = run_grpo(build_config(GRPOConfig, data))
+    elif args.algorithm == "rm":
+        from shardforge.algorithms.reward_model_trainer import RMConfig, run_rm
+
+        summary = run_rm(build_config(RMConfig, data))
+    elif args.algorithm == "ppo":
+        from shardforge.algorithms.ppo import PPOConfig, run_ppo
+
+        summary = run_ppo(build_config(PPOConfig, data))
     else:
         from shardforge.algorithms.sft import SFTConfig, run_sft
 
