@@ -74,6 +74,8 @@ def test_ppo_runs_end_to_end_and_resumes(assets: dict[str, Any], tmp_path: Path)
     assert records[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6), "the actor starts as the reference"
     assert records[-1]["kl_ref"] != 0.0, "the actor moved away from the reference"
     assert any(r["critic/loss"] > 0 for r in records) and any(r["reward_std"] > 0 for r in records)
+    # update_epochs=2 (default): the second optimizer step of each batch sees moved ratios/values.
+    assert any(r["actor/clip_frac"] > 0 for r in records) and any(r["critic/value_clip_frac"] > 0 for r in records)
     assert [r["rollout_version"] for r in records] == [1.0, 2.0, 3.0, 4.0]
     assert "accuracy_start" in summary and "accuracy_end" in summary
     AutoModelForCausalLM.from_pretrained(summary["hf_dir"])

@@ -58,7 +58,9 @@ class PPOConfig:
     layout: str = "d-1"
     """Parallel layout of the actor, critic and reference engines (no pp for the critic)."""
     steps: int = 20
-    """Optimizer steps (one rollout batch each; actor and critic both step)."""
+    """PPO iterations (one rollout batch each)."""
+    update_epochs: int = 2
+    """Optimizer steps of the actor and of the critic per rollout batch (clipping acts from the second)."""
     prompts_per_step: int = 16
     """Prompts per step across all data-parallel ranks (a multiple of the dp size)."""
     group_size: int = 1
@@ -117,6 +119,8 @@ def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
             f"prompts_per_step={config.prompts_per_step} must be a positive multiple of the data-parallel size "
             f"{dp_size}"
         )
+    if config.update_epochs < 1:
+        raise ValueError(f"update_epochs={config.update_epochs} must be >= 1")
     if config.group_size < 1:
         raise ValueError(f"group_size={config.group_size} must be >= 1")
     if config.kl_coef < 0:
@@ -144,9 +148,10 @@ def run_ppo(config: PPOConfig) -> dict[str, Any]:
     prompts = load_prompts(config.train_file, tokenizer, max_prompt_len=config.max_prompt_len)
     held_out = load_prompts(config.eval_file, tokenizer) if config.eval_file else None
     reward_fn = load_reward_fn(config.reward_fn)
-    actor = TrainEngine(config.model, config.layout, _with_total_steps(config.engine, config.steps))
+    total = config.steps * config.update_epochs
+    actor = TrainEngine(config.model, config.layout, _with_total_steps(config.engine, total))
     _validate(config, prompts, actor.dp_size)
-    critic_config = dataclasses.replace(_with_total_steps(config.critic_engine, config.steps), head="value")
+    critic_config = dataclasses.replace(_with_total_steps(config.critic_engine, total), head="value")
     critic = TrainEngine(config.critic_model or config.model, config.layout, critic_config)
     reference = None
     if config.kl_coef > 0:
@@ -167,7 +172,7 @@ def run_ppo(config: PPOConfig) -> dict[str, Any]:
     if checkpointers is not None and config.resume == "auto" and actor.load(checkpointers[0]) is not None:
         if critic.load(checkpointers[1], step=actor.step) is None:
             raise FileNotFoundError(f"actor checkpoint at step {actor.step} has no matching critic checkpoint")
-        start = actor.step
+        start = actor.step // config.update_epochs
     rollout = HFRolloutEngine(config.model, tokenizer, weights_root=weights_root, dtype=config.rollout_dtype)
     version = _publish(actor, transport, rollout, config.rollout_dtype, None)
     sampler = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=config.seed)
@@ -189,7 +194,7 @@ def run_ppo(config: PPOConfig) -> dict[str, Any]:
                 whiten_advantages=config.whiten_advantages, recompute_logprobs=config.recompute_logprobs,
             )  # fmt: skip
             forwarded = time.perf_counter()
-            stats |= ppo_update(batch, actor, critic, actor_fn, critic_fn)
+            stats |= ppo_update(batch, actor, critic, actor_fn, critic_fn, epochs=config.update_epochs)
             began = time.perf_counter()
             version = _publish(actor, transport, rollout, config.rollout_dtype, version)
             stats |= _global_reward_stats(rewards.double(), lengths, actor)

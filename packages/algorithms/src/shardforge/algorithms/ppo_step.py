@@ -132,13 +132,20 @@ def ppo_update(
     critic: TrainEngine,
     actor_fn: PPOActorLossFn,
     critic_fn: ShiftedCriticLossFn,
+    *,
+    epochs: int = 1,
 ) -> dict[str, float]:
-    """One optimizer step of each engine on a prepared batch; return actor (``loss``, ``actor/*``) and
-    critic (``critic/loss``, ``critic/value_clip_frac``, ...) statistics."""
-    stats = actor.train_batch(batch, actor_fn, actor_fn.loss_weight)
+    """``epochs`` optimizer steps of each engine on a prepared batch (the first starts at ratio 1 and
+    v = v_old, so clipping acts from the second on); return the last step's actor (``loss``,
+    ``grad_norm``) and critic (``critic/loss``, ``critic/grad_norm``) results and the loss statistics
+    (``actor/*``, ``critic/*``: clip fractions, approx KL, value loss, ...) over all epochs."""
+    if epochs < 1:
+        raise ValueError(f"epochs={epochs} must be >= 1")
+    for _ in range(epochs):
+        stats = actor.train_batch(batch, actor_fn, actor_fn.loss_weight)
+        critic_step = critic.train_batch(batch, critic_fn, critic_fn.loss_weight)
     actor_stats = summarize_stats(dp_reduce_stats(actor_fn.pop_stats(), actor))
     stats |= {f"actor/{k}": v for k, v in actor_stats.items()}
-    critic_step = critic.train_batch(batch, critic_fn, critic_fn.loss_weight)
     critic_stats = summarize_stats(dp_reduce_stats(critic_fn.pop_stats(), critic))
     stats |= {f"critic/{k}": v for k, v in critic_stats.items()}
     stats |= {
