@@ -181,3 +181,14 @@ def test_grpo_config_errors(assets: dict[str, Any], tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="skipped .* longer than 5 tokens"):
         prompts = load_prompts(assets["eval"], assets["tokenizer"], max_prompt_len=5)
     assert all(len(p) <= 5 for p in prompts.ids)
+
+
+def test_trainer_log_probs_use_the_rollout_temperature(assets: dict[str, Any], tmp_path: Path) -> None:
+    """At temperature 0.7 the trainer's recomputed log-probs equal the rollout engine's
+    behaviour log-probs (both softmax(logits / 0.7)): the PPO ratio compares one distribution."""
+    from shardforge.algorithms.grpo import run_grpo
+
+    out = tmp_path / "t07"
+    run_grpo(_config(assets, out, temperature=0.7, steps=1, save_every=0, resume="never"))
+    [record] = _train_records(out)
+    assert record["behaviour_kl"] < 1e-4, record["behaviour_kl"]

@@ -47,7 +47,7 @@ def plot_rl(metrics_file: Path, png: Path, note: str) -> None:
         sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
         for i in range(len(rewards))
     ]
-    ax.plot(steps, rewards, alpha=0.3, label="mean reward of the samples (T=1)")
+    ax.plot(steps, rewards, alpha=0.3, label="mean reward of the training samples")
     ax.plot(steps, smooth, label=f"same, {window}-step moving average")
     if evaluation:
         ax.plot(

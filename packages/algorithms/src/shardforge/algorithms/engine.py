@@ -111,6 +111,9 @@ class TrainEngine:
         register_moe_checkpoint_hooks(self.model, self.optimizer)  # expert-TP optimizer states in DCP
         self.scheduler = build_scheduler(self.optimizer, self.config.scheduler)
         self.step = 0
+        self.logprob_temperature = 1.0
+        """Log-probs and entropies are those of softmax(logits / T): RL trainers set T to the
+        rollout temperature so ratios compare the same distribution the samples came from."""
 
     # ------------------------------------------------------------------ construction
     def _build_model(self, source: Any) -> nn.Module:
@@ -249,6 +252,8 @@ class TrainEngine:
             **packed_model_kwargs(padded.cu_seqlens, cp_group=cp_group),
         )
         logits = out.logits[0]
+        if self.logprob_temperature != 1.0:  # the sampling distribution of RL rollouts
+            logits = logits / self.logprob_temperature
         if isinstance(logits, DTensor):
             # Vocab-sharded logits (tensor parallel): never gathered to full vocab.
             next_logprobs = vocab_parallel_logprobs(logits, targets)

@@ -174,6 +174,8 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
         )
     engine = TrainEngine(config.model, config.layout, engine_config)
     _validate(config, prompts, engine.dp_size)
+    if config.temperature > 0:  # train on the distribution the rollouts sample from
+        engine.logprob_temperature = config.temperature
     out = Path(config.output_dir)
     weights_root = out / "weights"
     transport = DiskTransport(weights_root, keep_last=2) if engine.is_main else None

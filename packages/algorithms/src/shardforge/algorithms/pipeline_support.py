@@ -161,7 +161,7 @@ def build_pipeline_model(engine: TrainEngine, model: nn.Module, reference: nn.Mo
         layers,
         stage_ids_for_rank(pp_rank, dims.pp, v, spec.style),
         layer_kwargs_fn=_layer_kwargs,
-        output_fn=_next_token_logprobs,
+        output_fn=lambda logits, kwargs: _next_token_logprobs(logits / engine.logprob_temperature, kwargs),
     )
     fsdp_mesh = engine._fsdp_mesh()
     fsdp_config = dataclasses.replace(engine._fsdp_config(), reshard_after_forward=False)
