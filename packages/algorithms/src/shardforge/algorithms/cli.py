@@ -2,7 +2,7 @@
 
     shardforge train sft|rm|ppo|grpo --config examples/sft_tiny.yaml [--nproc-per-node N] key=value ...
     shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600]
-    shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 350] [--grpo-steps N]
+    shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 450] [--grpo-steps N]
 
 ``key=value`` overrides use dotted paths into the config (``engine.optimizer.lr=1e-3``).
 With ``--nproc-per-node N > 1`` outside torchrun, the command relaunches itself through
@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     demo_rl = sub.add_parser("demo-rl", help="run the CPU RL demo: a short SFT, then GRPO")
     demo_rl.add_argument("--out", default="outputs/demo_rl", help="output directory")
     demo_rl.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
-    demo_rl.add_argument("--sft-steps", type=int, default=350, help="SFT steps before GRPO")
+    demo_rl.add_argument("--sft-steps", type=int, default=450, help="SFT steps before GRPO")
     demo_rl.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_grpo.yaml)")
     return parser
 

@@ -84,12 +84,12 @@ def make_addition_data(
     return paths[0], paths[1]
 
 
-def prepare_demo(out_dir: str | Path, *, seed: int = 0) -> dict[str, Any]:
-    """Tokenizer, model and data under ``out_dir``; return their paths."""
+def prepare_demo(out_dir: str | Path, *, seed: int = 0, num_eval: int = 200) -> dict[str, Any]:
+    """Tokenizer, model and data (``num_eval`` held-out pairs) under ``out_dir``; return their paths."""
     out = Path(out_dir)
     tokenizer = build_char_tokenizer(out / "tokenizer")
     num_params = build_tiny_qwen3(out / "model", tokenizer, seed=seed)
-    train, evaluation = make_addition_data(out / "data", seed=seed)
+    train, evaluation = make_addition_data(out / "data", seed=seed, num_eval=num_eval)
     return {"model": out / "model", "train": train, "eval": evaluation, "num_params": num_params}
 
 

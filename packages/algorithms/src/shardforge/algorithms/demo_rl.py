@@ -66,14 +66,14 @@ def run_rl_demo(
     out_dir: str | Path = "outputs/demo_rl",
     *,
     nproc: int = 2,
-    sft_steps: int = 350,
+    sft_steps: int = 450,
     grpo_steps: int | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Prepare, SFT ``sft_steps``, evaluate, GRPO, evaluate, plot. Returns the numbers."""
     out = Path(out_dir)
     started = time.time()
-    assets = prepare_demo(out, seed=seed)
+    assets = prepare_demo(out, seed=seed, num_eval=500)  # 500 held-out pairs: +-2% standard error
     here = Path(__file__).parent
     sft_dir, grpo_dir = out / "sft", out / "grpo"
     _torchrun(nproc, "sft", here / "demo_sft.yaml", [
