@@ -55,8 +55,8 @@ def _config(assets: dict[str, Any], out: Path, **overrides: Any) -> Any:
 
     data = {
         "model": assets["model"], "train_file": str(assets["train"]), "eval_file": str(assets["eval"]),
-        "output_dir": str(out), "layout": "d1", "steps": 30, "global_batch_size": 16, "progress": False,
-        "eval_every": 15, "eval_batch_size": 24, "export_hf_at_end": False,
+        "output_dir": str(out), "layout": "d1", "steps": 20, "global_batch_size": 8, "progress": False,
+        "eval_every": 10, "eval_batch_size": 24, "export_hf_at_end": False,
         "engine": {"max_tokens_per_microbatch": 512, "optimizer": {"lr": 3e-3}},
     }  # fmt: skip
     return build_config(RMConfig, apply_overrides(data, [f"{k}={v}" for k, v in overrides.items()]))
@@ -97,20 +97,20 @@ def test_rm_learns_the_toy_preference_and_resumes(assets: dict[str, Any], tmp_pa
 
     from shardforge.algorithms.reward_model_trainer import run_rm
 
-    summary = run_rm(_config(assets, tmp_path / "a", save_every=15, export_hf_at_end=True))
+    summary = run_rm(_config(assets, tmp_path / "a", save_every=10, export_hf_at_end=True))
     train, evals = _records(tmp_path / "a", "train"), _records(tmp_path / "a", "eval")
     first, last = sum(r["loss"] for r in train[:5]) / 5, sum(r["loss"] for r in train[-5:]) / 5
     assert last < first - 0.2, (first, last)  # ln 2 = 0.69 at chance
     assert evals[-1]["accuracy"] >= 0.8 and summary["eval_accuracy"] == evals[-1]["accuracy"]
     assert train[-1]["accuracy"] > train[0]["accuracy"]
-    # Resume: a run stopped at step 15 and continued reproduces steps 16..30.
-    run_rm(_config(assets, tmp_path / "b", steps=15, save_every=15))
-    resumed = run_rm(_config(assets, tmp_path / "b", save_every=15))
-    assert resumed["resumed_from"] == 15
+    # Resume: a run stopped at step 10 and continued reproduces steps 11..20.
+    run_rm(_config(assets, tmp_path / "b", steps=10, save_every=10))
+    resumed = run_rm(_config(assets, tmp_path / "b", save_every=10))
+    assert resumed["resumed_from"] == 10
     again = _records(tmp_path / "b", "train")
-    assert [r["step"] for r in again] == list(range(1, 31))
+    assert [r["step"] for r in again] == list(range(1, 21))
     for key in ("loss", "accuracy", "grad_norm"):
-        assert [r[key] for r in again[15:]] == [r[key] for r in train[15:]], key
+        assert [r[key] for r in again[10:]] == [r[key] for r in train[10:]], key
     # The export is an HF reward model: its last-token scores prefer the chosen side like the trainer's.
     model = AutoModelForTokenClassification.from_pretrained(summary["hf_dir"])
     ids = assets["tokenizer"]("<bos>12=37<eos>", add_special_tokens=False)["input_ids"]
