@@ -89,6 +89,8 @@ def test_ppo_runs_end_to_end_and_resumes(assets: dict[str, Any], tmp_path: Path)
     resumed = _train_records(tmp_path / "b")
     for key in ("loss", "critic/loss", "reward_mean", "explained_variance"):
         assert [r[key] for r in resumed[-2:]] == [r[key] for r in records[2:]], key
+    with pytest.raises(ValueError, match=r"cannot resume.*update_epochs: checkpoint 2 vs config 1"):
+        again(_config(assets, tmp_path / "b", steps=5, update_epochs=1))
 
 
 def test_ppo_critic_from_a_value_model_dir_and_errors(assets: dict[str, Any], tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from shardforge.algorithms.ppo_step import ShiftedCriticLossFn, ppo_update, prep
 from shardforge.algorithms.rl import KLEstimator, PPOActorConfig, PPOActorLossFn, PPOCriticConfig
 from shardforge.algorithms.rlvr import PromptSet, load_prompts, rollouts_to_batch
 from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.sft import _check_data_state
 from shardforge.checkpoint_dcp import Checkpointer
 from shardforge.weight_sync import DiskTransport
 
@@ -168,8 +169,15 @@ def run_ppo(config: PPOConfig) -> dict[str, Any]:
             Checkpointer(out / "critic_checkpoints", keep_last=config.keep_last),
         )
     start = 0
-    data_state = {"seed": config.seed, "prompts_per_step": config.prompts_per_step, "num_prompts": len(prompts)}
-    if checkpointers is not None and config.resume == "auto" and actor.load(checkpointers[0]) is not None:
+    data_state = {
+        "seed": config.seed,
+        "prompts_per_step": config.prompts_per_step,
+        "num_prompts": len(prompts),
+        "update_epochs": config.update_epochs,  # engine steps per iteration: the resume point depends on it
+    }
+    saved = actor.load(checkpointers[0]) if checkpointers is not None and config.resume == "auto" else None
+    if saved is not None and checkpointers is not None:
+        _check_data_state(saved, data_state)
         if critic.load(checkpointers[1], step=actor.step) is None:
             raise FileNotFoundError(f"actor checkpoint at step {actor.step} has no matching critic checkpoint")
         start = actor.step // config.update_epochs
