@@ -193,7 +193,7 @@ def _install_bucket_tracker() -> tuple[_LiveBytes, Callable[[], None]]:
     original = buckets_module.Bucket
     tracker = _LiveBytes()
 
-    tracked: weakref.WeakSet[Any] = weakref.WeakSet()
+    tracked: set[int] = set()  # ids of live flat buffers already counted (tensors compare elementwise)
 
     class _TrackedBucket(original):  # type: ignore[misc, valid-type]
         """Counts each distinct flat buffer (the storage a bucket's tensors are views of) once."""
@@ -201,8 +201,9 @@ def _install_bucket_tracker() -> tuple[_LiveBytes, Callable[[], None]]:
         def __init__(self, index: int, names: Any = None, tensors: Any = None, flat: Any = None, offsets: Any = None):
             super().__init__(index, list(names or []), list(tensors or []), flat, list(offsets or []))
             base = flat._base if flat is not None and flat._base is not None else flat
-            if base is not None and base not in tracked:
-                tracked.add(base)
+            if base is not None and id(base) not in tracked:
+                tracked.add(id(base))
+                weakref.finalize(base, tracked.discard, id(base))
                 tracker.track(base)
 
     buckets_module.Bucket = _TrackedBucket  # type: ignore[misc]

@@ -200,18 +200,23 @@ def iter_buckets(
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     keep = rank == src_rank
+    plans = _plan(model, bucket_bytes, dtype)
+    layouts = [_layout(entries) for entries in plans]
+    # Ring buffers are sized for the largest bucket up front: growing one later would keep the
+    # old and the new buffer alive at once.
+    largest = max((total for _, total in layouts), default=0)
     buffers: list[torch.Tensor | None] = [None] * ring
-    for index, entries in enumerate(_plan(model, bucket_bytes, dtype)):
-        offsets, total = _layout(entries)
+    for index, entries in enumerate(plans):
+        offsets, total = layouts[index]
         flat: torch.Tensor | None = None
         views: list[torch.Tensor] = []
         if keep:
-            reuse = buffers[index % ring] if ring else None
-            if reuse is None or reuse.numel() < total:
-                reuse = torch.empty(total, dtype=torch.uint8)
-                if ring:
-                    buffers[index % ring] = reuse
-            flat = reuse[:total]
+            if ring:
+                if buffers[index % ring] is None:
+                    buffers[index % ring] = torch.empty(largest, dtype=torch.uint8)
+                flat = buffers[index % ring][:total]  # type: ignore[index]
+            else:
+                flat = torch.empty(total, dtype=torch.uint8)
             for entry, offset in zip(entries, offsets):
                 raw = flat[offset : offset + entry.nbytes]
                 views.append(raw.view(entry.dtype).view(entry.value.shape))
