@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HEADS",
+    "check_value_layout",
     "forward_values",
     "materialize_value_model",
     "model_class",
