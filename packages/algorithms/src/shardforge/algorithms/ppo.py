@@ -157,6 +157,10 @@ def run_ppo(config: PPOConfig) -> dict[str, Any]:
     reference = None
     if config.kl_coef > 0:
         reference = TrainEngine(config.reference_model or config.model, config.layout, config.engine)
+    if config.temperature > 0:  # log-probs of the distribution the rollouts sample from (as GRPO)
+        for policy in (actor, reference):
+            if policy is not None:
+                policy.logprob_temperature = config.temperature
     out = Path(config.output_dir)
     weights_root = out / "weights"
     transport = DiskTransport(weights_root, keep_last=2) if actor.is_main else None
