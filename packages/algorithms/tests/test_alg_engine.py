@@ -227,7 +227,7 @@ def test_bad_pipeline_settings_raise_before_any_process_group(monkeypatch, setti
 
 def test_expert_parallel_on_a_dense_model_raises(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="ep=2 but Qwen3Config has no experts; use ep=1"):
+    with pytest.raises(ValueError, match=r"ep=2 needs a sparse MoE model .*got model_type='qwen3'; use ep=1"):
         TrainEngine(tiny_config(), "d2e2")
 
 
@@ -245,7 +245,7 @@ def test_trivial_parallel_dims_object_is_fine():
         (ParallelDims(dp_shard=1, cp=3), r"cp=3 does not fit 4 query / 2 key-value heads.*valid cp: \[1, 2, 4\]"),
         (ParallelDims(dp_shard=1, tp=2, cp=4), r"cp=4 does not fit 2 query / 1 key-value heads per TP rank"),
         (ParallelDims(dp_shard=1, pp=3), r"pp=3 needs at least one decoder layer per stage .* 2 layers"),
-        (ParallelDims(dp_shard=4, ep=2), r"ep=2 but Qwen3Config has no experts"),
+        (ParallelDims(dp_shard=4, ep=2), r"ep=2 needs a sparse MoE model .*got model_type='qwen3'"),
     ],
 )
 def test_validate_layout_against_the_model(dims, pattern):
@@ -254,11 +254,12 @@ def test_validate_layout_against_the_model(dims, pattern):
 
 
 def test_validate_layout_expert_divisibility():
-    moe = SimpleNamespace(num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2, num_experts=6)
+    moe = SimpleNamespace(
+        model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2, num_experts=6
+    )
     with pytest.raises(ValueError, match=r"ep=4 must divide num_experts=6; valid ep: \[1, 2, 3, 6\]"):
         validate_layout(ParallelDims(dp_shard=4, ep=4), moe)
-    with pytest.raises(ValueError, match=r"does not provide yet \(ep=2: expert parallelism"):
-        validate_layout(ParallelDims(dp_shard=2, ep=2), moe)
+    validate_layout(ParallelDims(dp_shard=2, ep=2), moe)  # expert parallelism is available
     validate_layout(ParallelDims(dp_shard=8, dp_replicate=2), moe)  # FSDP/HSDP only: fine
 
 
