@@ -434,8 +434,13 @@ def test_loss_fn_handles_engine_placeholder_and_missing_extras() -> None:
     batch = pack_sequences([[1, 2, 3]])
     with pytest.raises(KeyError, match="no extra 'old_logprobs'"):
         loss_fn(torch.zeros(3), batch)
-    with pytest.raises(ValueError, match="entropy bonus"):
-        PPOActorLossFn(PPOActorConfig(entropy_coef=0.1))
+    # The engine passes the per-token entropy to loss functions that ask for it.
+    bonus = PPOActorLossFn(PPOActorConfig(entropy_coef=0.1))
+    assert bonus.wants_entropy
+    batch.extras = {"old_logprobs": torch.zeros(3), "advantages": torch.ones(3)}
+    with pytest.raises(ValueError, match="entropy"):
+        bonus(torch.zeros(3), batch)  # a bonus without the entropy tensor is an error, not a silent 0
+    assert torch.isfinite(bonus(torch.zeros(3), batch, entropy=torch.full((3,), 0.5)))
 
 
 def test_aggregation_weight_counts() -> None:
