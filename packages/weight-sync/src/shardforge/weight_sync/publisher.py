@@ -51,7 +51,7 @@ class WeightPublisher:
         dtype: cast floating-point tensors (e.g. fp32 master -> bf16 serving).
         checksums: record a checksum per tensor in the manifest (receivers verify them):
             ``"crc32"`` (default, fast), ``"sha256"``, or False/None for none. Computed on
-            the transfer thread, overlapped with the next gather.
+            the gathering thread while the previous bucket is being sent.
         reuse_buffers: gather into two flat buffers reused in turn (saves the page faults of a
             fresh buffer per bucket). Transports must not keep references to a bucket after
             ``send`` returns (all of ours copy or write it); pass False for one that does.
@@ -113,7 +113,6 @@ class WeightPublisher:
                         return
                     if not failure:  # after an error, drain without sending
                         transport.send(item)
-                        manifest.tensors.extend(self._describe(item))
                 except BaseException as exc:
                     failure.append(exc)
                 finally:
@@ -129,6 +128,9 @@ class WeightPublisher:
                 assert bucket is not None
                 if failure:
                     continue  # keep joining the gathers: the other ranks are still in them
+                # Hash here, while the transfer thread still sends the previous bucket (its I/O
+                # or collective overlaps this CPU work).
+                manifest.tensors.extend(self._describe(bucket))
                 total += bucket.nbytes
                 max_bucket = max(max_bucket, bucket.nbytes)
                 count += 1

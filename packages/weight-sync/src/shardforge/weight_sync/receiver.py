@@ -14,6 +14,15 @@ from shardforge.weight_sync.manifest import Manifest, checksum_matches
 __all__ = ["WeightReceiver"]
 
 
+def _swappable(target: torch.Tensor, tensor: torch.Tensor) -> bool:
+    return (
+        target.device == tensor.device
+        and target.dtype == tensor.dtype
+        and target.shape == tensor.shape
+        and tensor.is_contiguous()
+    )
+
+
 class WeightReceiver:
     """Holds a serving model and its weight version.
 
@@ -23,11 +32,18 @@ class WeightReceiver:
     failure leaves the model serving the previous version.
     """
 
-    def __init__(self, model: nn.Module, *, version: int = 0, verify_checksums: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, *, version: int = 0, verify_checksums: bool = True, swap_storage: bool = True
+    ) -> None:
         self.model = model
         self.version = version
         self.verify_checksums = verify_checksums
-        """Check each tensor against the manifest's sha256 (when the manifest has one)."""
+        """Check each tensor against the manifest's checksum (when the manifest has one)."""
+        self.swap_storage = swap_storage
+        """Where a staged tensor already has the weight's device, dtype, shape and a dense layout, make it
+        the weight's storage instead of copying it (the staging buffer was freshly received and is not
+        reused). Set False if the source tensors must stay independent of the model (e.g. a caller
+        that reuses them)."""
         self.lock = threading.Lock()
 
     def apply(self, manifest: Manifest, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -55,7 +71,7 @@ class WeightReceiver:
             raise WeightVersionError(
                 f"version {manifest.version} is incomplete: missing {missing[:10]} ({len(missing)})"
             )
-        state = self.model.state_dict()
+        state = self.model.state_dict(keep_vars=True)  # the live parameters/buffers, not detached aliases
         unknown = sorted(set(staged) - set(state))
         if unknown:
             raise WeightVersionError(f"version {manifest.version} has tensors the model lacks: {unknown[:10]}")
@@ -64,5 +80,9 @@ class WeightReceiver:
             raise WeightVersionError(f"version {manifest.version}: shape mismatch for {wrong[:10]}")
         with self.lock, torch.no_grad():
             for name, tensor in staged.items():
-                state[name].copy_(tensor.to(device=state[name].device, dtype=state[name].dtype))
+                target = state[name]
+                if self.swap_storage and _swappable(target, tensor):
+                    target.data = tensor  # O(1): the staged tensor becomes the weight (no second copy)
+                else:
+                    target.copy_(tensor.to(device=target.device, dtype=target.dtype))
             self.version = manifest.version
