@@ -204,10 +204,12 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
     bar = _progress(config.steps, start, engine.is_main and config.progress)
     try:
         for step in range(start, config.steps):
+            step_started = time.perf_counter()
             stats = _grpo_step(step, config, engine, rollout, prompts, sampler, actor, reward_fn)
             began = time.perf_counter()
             next_version = _publish(engine, transport, weights_root, rollout, config, next_version)
             stats["weight_sync_s"] = time.perf_counter() - began
+            stats["step_s"] = time.perf_counter() - step_started  # rollouts + update + publish
             if not math.isfinite(stats["loss"]):
                 raise FloatingPointError(f"GRPO loss became {stats['loss']} at step {step + 1}")
             metrics.log(step + 1, stats)
