@@ -1,5 +1,5 @@
 """PPO with a critic: a few actor + critic steps on the same fixed rollouts give the same actor and
-critic losses, statistics and weights under world 1 and FSDP 2.
+critic losses, statistics and weights under world 1, FSDP 2 and FSDP 2 x TP 2.
 
 Each step runs the whole update: old log-probs (actor forward), values (critic forward, shifted to
 target alignment), KL-in-reward against a forward-only reference engine, GAE, global advantage
@@ -85,21 +85,22 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[s
     return worst, diffs[worst]
 
 
-def test_ppo_actor_critic_steps_match_world1_and_fsdp2(model_dir: str) -> None:
+def test_ppo_actor_critic_steps_match_across_layouts(model_dir: str) -> None:
     single = _train(model_dir, "d1")
     first, second = single["history"]
     assert abs(first["kl_ref"]) <= 1e-7 < abs(second["kl_ref"]), "the actor starts at the reference, then moves"
     # Two optimizer steps per batch: the second acts on moved ratios and values, so both clip.
     assert second["critic/value_clip_frac"] > 0 and second["actor/clip_frac"] > 0, "the data exercises clipping"
-    sharded = get_rank_pool(2).run(_train, model_dir, "d2", timeout_s=300)[0]
     keys = ("loss", "critic/loss", "grad_norm", "critic/grad_norm", "explained_variance", "kl_ref",
             "advantage_std", "actor/clip_frac", "actor/approx_kl", "critic/value_clip_frac", "actor/num_tokens")  # fmt: skip
-    for step, (a, b) in enumerate(zip(single["history"], sharded["history"], strict=True)):
-        for key in keys:
-            assert abs(a[key] - b[key]) <= LOSS_TOL * max(1.0, abs(a[key])), (step, key, a[key], b[key])
-    for name in ("actor", "critic"):
-        worst, diff = _max_diff(single[name], sharded[name])
-        assert diff <= WEIGHT_TOL, (name, worst, diff)
+    for world, layout in ((2, "d2"), (4, "d2t2")):
+        sharded = get_rank_pool(world).run(_train, model_dir, layout, timeout_s=300)[0]
+        for step, (a, b) in enumerate(zip(single["history"], sharded["history"], strict=True)):
+            for key in keys:
+                assert abs(a[key] - b[key]) <= LOSS_TOL * max(1.0, abs(a[key])), (layout, step, key, a[key], b[key])
+        for name in ("actor", "critic"):
+            worst, diff = _max_diff(single[name], sharded[name])
+            assert diff <= WEIGHT_TOL, (layout, name, worst, diff)
     initial = _initial(model_dir)
     moved = max(float((single["actor"][k] - v).abs().max()) for k, v in initial.items())
     assert moved > 1e-3, "the steps changed the actor"
