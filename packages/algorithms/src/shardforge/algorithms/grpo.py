@@ -12,7 +12,6 @@ so the first PPO ratio is exactly 1; the rollout engine's own log-probs are kept
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -40,6 +39,7 @@ from shardforge.algorithms.rlvr import (
     rollouts_to_batch,
 )
 from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.trainer_common import progress_bar, publish_to_rollout, with_total_steps
 from shardforge.checkpoint_dcp import Checkpointer
 from shardforge.weight_sync import DiskTransport
 
@@ -167,11 +167,7 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
     prompts = load_prompts(config.train_file, tokenizer, max_prompt_len=config.max_prompt_len)
     held_out = load_prompts(config.eval_file, tokenizer) if config.eval_file else None
     reward_fn = load_reward_fn(config.reward_fn)
-    engine_config = config.engine
-    if engine_config.scheduler.kind != "constant" and engine_config.scheduler.total_steps <= 1:
-        engine_config = dataclasses.replace(
-            engine_config, scheduler=dataclasses.replace(engine_config.scheduler, total_steps=config.steps)
-        )
+    engine_config = with_total_steps(config.engine, config.steps)
     engine = TrainEngine(config.model, config.layout, engine_config)
     _validate(config, prompts, engine.dp_size)
     if config.temperature > 0:  # train on the distribution the rollouts sample from
@@ -191,7 +187,7 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
     if checkpointer is not None and config.resume == "auto" and engine.load(checkpointer) is not None:
         start = engine.step
     rollout = HFRolloutEngine(config.model, tokenizer, weights_root=weights_root, dtype=config.rollout_dtype)
-    next_version = _publish(engine, transport, weights_root, rollout, config)  # the starting weights
+    next_version = publish_to_rollout(engine, transport, rollout, config.rollout_dtype)  # the starting weights
     sampler = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=config.seed)
     actor = PPOActorLossFn(config.actor)
     metrics = MetricsLogger(out, enabled=engine.is_main)
@@ -201,13 +197,13 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
             rollout, held_out, engine, config.max_new_tokens, config.eval_size
         )
         metrics.log(start, {"accuracy": summary["accuracy_start"]}, split="eval")
-    bar = _progress(config.steps, start, engine.is_main and config.progress)
+    bar = progress_bar(config.steps, start, engine.is_main and config.progress, "grpo")
     try:
         for step in range(start, config.steps):
             step_started = time.perf_counter()
             stats = _grpo_step(step, config, engine, rollout, prompts, sampler, actor, reward_fn)
             began = time.perf_counter()
-            next_version = _publish(engine, transport, weights_root, rollout, config, next_version)
+            next_version = publish_to_rollout(engine, transport, rollout, config.rollout_dtype, next_version)
             stats["weight_sync_s"] = time.perf_counter() - began
             stats["step_s"] = time.perf_counter() - step_started  # rollouts + update + publish
             if not math.isfinite(stats["loss"]):
@@ -285,32 +281,3 @@ def _grpo_step(
         "tokens_per_s": stats["tokens"] / max(time.perf_counter() - started, 1e-9),
     }
     return stats
-
-
-def _publish(
-    engine: TrainEngine,
-    transport: DiskTransport | None,
-    root: Path,
-    rollout: HFRolloutEngine,
-    config: GRPOConfig,
-    version: int | None = None,
-) -> int:
-    """Publish the engine's weights as a new version and switch every rollout engine to it."""
-    if version is None:  # the first publish of this run: continue after any earlier version
-        latest = torch.tensor([float(rollout.source.latest() or 0) if rollout.source else 0.0])
-        if dist.is_initialized():
-            dist.broadcast(latest, src=0)
-        version = int(latest[0]) + 1
-    engine.publish_weights(transport, version, dtype=config.rollout_dtype)
-    if dist.is_initialized():
-        dist.barrier()
-    rollout.update_weights(version)
-    return version + 1
-
-
-def _progress(total: int, initial: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc="grpo", unit="step", dynamic_ncols=True, mininterval=2.0)

@@ -32,6 +32,7 @@ from shardforge.algorithms.rl import KLEstimator, PPOActorConfig, PPOActorLossFn
 from shardforge.algorithms.rlvr import PromptSet, load_prompts, rollouts_to_batch
 from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams, load_reward_fn, score_rollouts
 from shardforge.algorithms.sft import _check_data_state
+from shardforge.algorithms.trainer_common import progress_bar, publish_to_rollout, with_total_steps
 from shardforge.checkpoint_dcp import Checkpointer
 from shardforge.weight_sync import DiskTransport
 
@@ -135,12 +136,6 @@ def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
         )
 
 
-def _with_total_steps(engine: EngineConfig, steps: int) -> EngineConfig:
-    if engine.scheduler.kind != "constant" and engine.scheduler.total_steps <= 1:
-        return dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, total_steps=steps))
-    return engine
-
-
 def run_ppo(config: PPOConfig) -> dict[str, Any]:
     """Train; return a summary (accuracy before/after, final reward). Call on every rank."""
     from transformers import AutoTokenizer
@@ -150,9 +145,9 @@ def run_ppo(config: PPOConfig) -> dict[str, Any]:
     held_out = load_prompts(config.eval_file, tokenizer) if config.eval_file else None
     reward_fn = load_reward_fn(config.reward_fn)
     total = config.steps * config.update_epochs
-    actor = TrainEngine(config.model, config.layout, _with_total_steps(config.engine, total))
+    actor = TrainEngine(config.model, config.layout, with_total_steps(config.engine, total))
     _validate(config, prompts, actor.dp_size)
-    critic_config = dataclasses.replace(_with_total_steps(config.critic_engine, total), head="value")
+    critic_config = dataclasses.replace(with_total_steps(config.critic_engine, total), head="value")
     critic = TrainEngine(config.critic_model or config.model, config.layout, critic_config)
     reference = None
     if config.kl_coef > 0:
@@ -186,7 +181,7 @@ def run_ppo(config: PPOConfig) -> dict[str, Any]:
             raise FileNotFoundError(f"actor checkpoint at step {actor.step} has no matching critic checkpoint")
         start = actor.step // config.update_epochs
     rollout = HFRolloutEngine(config.model, tokenizer, weights_root=weights_root, dtype=config.rollout_dtype)
-    version = _publish(actor, transport, rollout, config.rollout_dtype, None)
+    version = publish_to_rollout(actor, transport, rollout, config.rollout_dtype)
     sampler = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=config.seed)
     actor_fn, critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
     metrics = MetricsLogger(out, enabled=actor.is_main)
@@ -194,7 +189,7 @@ def run_ppo(config: PPOConfig) -> dict[str, Any]:
     if held_out is not None:
         summary["accuracy_start"] = evaluate_accuracy(rollout, held_out, actor, config.max_new_tokens, config.eval_size)
         metrics.log(start, {"accuracy": summary["accuracy_start"]}, split="eval")
-    bar = _progress(config.steps, start, actor.is_main and config.progress)
+    bar = progress_bar(config.steps, start, actor.is_main and config.progress, "ppo")
     try:
         for step in range(start, config.steps):
             started = time.perf_counter()
@@ -208,7 +203,7 @@ def run_ppo(config: PPOConfig) -> dict[str, Any]:
             forwarded = time.perf_counter()
             stats |= ppo_update(batch, actor, critic, actor_fn, critic_fn, epochs=config.update_epochs)
             began = time.perf_counter()
-            version = _publish(actor, transport, rollout, config.rollout_dtype, version)
+            version = publish_to_rollout(actor, transport, rollout, config.rollout_dtype, version)
             stats |= _global_reward_stats(rewards.double(), lengths, actor)
             stats |= {
                 "weight_sync_s": time.perf_counter() - began,
@@ -275,27 +270,3 @@ def _rollout_batch(
     batch = rollouts_to_batch(rollouts, torch.zeros(len(rollouts)))  # advantages come from GAE
     lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float64)
     return batch, rewards, lengths
-
-
-def _publish(
-    engine: TrainEngine, transport: DiskTransport | None, rollout: HFRolloutEngine, dtype: str, version: int | None
-) -> int:
-    """Publish the actor's weights as a new version and switch every rollout engine to it."""
-    if version is None:  # the first publish of this run: continue after any earlier version
-        latest = torch.tensor([float(rollout.source.latest() or 0) if rollout.source else 0.0])
-        if dist.is_initialized():
-            dist.broadcast(latest, src=0)
-        version = int(latest[0]) + 1
-    engine.publish_weights(transport, version, dtype=dtype)
-    if dist.is_initialized():
-        dist.barrier()
-    rollout.update_weights(version)
-    return version + 1
-
-
-def _progress(total: int, initial: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc="ppo", unit="step", dynamic_ncols=True, mininterval=2.0)

@@ -33,6 +33,7 @@ from shardforge.algorithms.rl import bradley_terry_loss, last_token_scores, summ
 from shardforge.algorithms.rl.stats import merge_stats
 from shardforge.algorithms.seq_groups import SEQUENCE_GROUP
 from shardforge.algorithms.sft import _check_data_state, _truncate_metrics
+from shardforge.algorithms.trainer_common import progress_bar, with_total_steps
 from shardforge.checkpoint_dcp import Checkpointer
 
 __all__ = ["IS_CHOSEN", "BradleyTerryLossFn", "PreferencePair", "RMConfig", "load_pairs", "pack_pairs", "run_rm"]
@@ -205,11 +206,7 @@ def run_rm(config: RMConfig) -> dict[str, Any]:
     _check_lengths(train, budget, config.train_file)
     if held_out is not None:
         _check_lengths(held_out, budget, str(config.eval_file))
-    engine_config = dataclasses.replace(config.engine, head="value")
-    if engine_config.scheduler.kind != "constant" and engine_config.scheduler.total_steps <= 1:
-        engine_config = dataclasses.replace(
-            engine_config, scheduler=dataclasses.replace(engine_config.scheduler, total_steps=config.steps)
-        )
+    engine_config = with_total_steps(dataclasses.replace(config.engine, head="value"), config.steps)
     engine = TrainEngine(config.model, config.layout, engine_config)
     if config.global_batch_size < engine.dp_size:
         raise ValueError(f"global_batch_size={config.global_batch_size} pairs < data-parallel size {engine.dp_size}")
@@ -235,7 +232,7 @@ def run_rm(config: RMConfig) -> dict[str, Any]:
     summary: dict[str, Any] = {"steps": config.steps, "output_dir": str(out), "layout": engine.dims.to_string()}
     if start:
         summary["resumed_from"] = start
-    bar = _progress(config.steps, start, engine.is_main and config.progress)
+    bar = progress_bar(config.steps, start, engine.is_main and config.progress, "rm")
     try:
         for step in range(start, config.steps):
             indices = sampler.local_batch(step, engine.dp_rank, engine.dp_size)
@@ -289,11 +286,3 @@ def evaluate_pairs(
         weight_sum += stats["loss_weight"]
     result = _pair_stats(loss_fn, engine)
     return {"loss": loss_sum / max(weight_sum, 1e-12), **result}
-
-
-def _progress(total: int, initial: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc="rm", unit="step", dynamic_ncols=True, mininterval=2.0)

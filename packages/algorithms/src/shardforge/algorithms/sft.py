@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.data import GlobalBatchSampler, SFTExample, load_sft_examples, pack_examples
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.metrics import MetricsLogger
+from shardforge.algorithms.trainer_common import progress_bar, with_total_steps
 from shardforge.checkpoint_dcp import Checkpointer
 
 __all__ = ["SFTConfig", "run_sft"]
@@ -95,11 +95,7 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
     _check_lengths(train, budget, config.train_file)
     if evaluation is not None:
         _check_lengths(evaluation, budget, str(config.eval_file))
-    engine_config = config.engine
-    if engine_config.scheduler.kind != "constant" and engine_config.scheduler.total_steps <= 1:
-        engine_config = dataclasses.replace(
-            engine_config, scheduler=dataclasses.replace(engine_config.scheduler, total_steps=config.steps)
-        )
+    engine_config = with_total_steps(config.engine, config.steps)
     engine = TrainEngine(config.model, config.layout, engine_config)
     out = Path(config.output_dir)
     if engine.is_main:
@@ -126,7 +122,7 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
     summary: dict[str, Any] = {"steps": config.steps, "output_dir": str(out), "layout": engine.dims.to_string()}
     if start:
         summary["resumed_from"] = start
-    bar = _progress(config.steps, enabled=engine.is_main and config.progress, initial=start)
+    bar = progress_bar(config.steps, start, engine.is_main and config.progress, "sft")
     try:
         for step in range(start, config.steps):
             indices = sampler.local_batch(step, engine.dp_rank, engine.dp_size)
@@ -179,14 +175,6 @@ def _evaluate(
     loss = loss_sum / max(weight_sum, 1e-12)
     metrics.log(step, {"loss": loss}, split="eval")
     return loss
-
-
-def _progress(total: int, *, enabled: bool, initial: int = 0) -> Any:
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc="sft", unit="step", dynamic_ncols=True, mininterval=2.0)
 
 
 def _check_data_state(saved: dict[str, Any], current: dict[str, Any]) -> None:

@@ -1,0 +1,54 @@
+"""Small pieces every trainer (SFT, reward model, GRPO, PPO) shares."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardforge.algorithms.config import EngineConfig
+from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.rollout import HFRolloutEngine
+from shardforge.weight_sync import DiskTransport
+
+__all__ = ["progress_bar", "publish_to_rollout", "with_total_steps"]
+
+
+def with_total_steps(engine: EngineConfig, steps: int) -> EngineConfig:
+    """A decaying schedule left at total_steps <= 1 decays over the run's ``steps``."""
+    if engine.scheduler.kind != "constant" and engine.scheduler.total_steps <= 1:
+        return dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, total_steps=steps))
+    return engine
+
+
+def progress_bar(total: int, initial: int, enabled: bool, desc: str) -> Any:
+    """A tqdm bar on the main rank (None elsewhere or when disabled)."""
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)
+
+
+def publish_to_rollout(
+    engine: TrainEngine,
+    transport: DiskTransport | None,
+    rollout: HFRolloutEngine,
+    dtype: str,
+    version: int | None = None,
+) -> int:
+    """Publish ``engine``'s weights as a new version and switch every rank's rollout engine to it;
+    return the next version number. ``version=None`` (a run's first publish) continues after any
+    version already on disk, agreed from rank 0."""
+    if version is None:
+        latest = torch.tensor([float(rollout.source.latest() or 0) if rollout.source else 0.0])
+        if dist.is_initialized():
+            dist.broadcast(latest, src=0)
+        version = int(latest[0]) + 1
+    engine.publish_weights(transport, version, dtype=dtype)
+    if dist.is_initialized():
+        dist.barrier()
+    rollout.update_weights(version)
+    return version + 1
