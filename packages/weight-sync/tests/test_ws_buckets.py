@@ -224,6 +224,17 @@ class TPNet(nn.Module):
         self.register_buffer("scale", torch.full((3,), 0.5))
 
 
+def _seeded_tpnet() -> tuple[TPNet, dict[str, torch.Tensor], list[str]]:
+    """The same randomised TPNet on every rank, its unsharded tensors and canonical order."""
+    torch.manual_seed(0)
+    model = TPNet()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    reference = {n: t.detach().clone() for n, t in canonical_parameters(model)}
+    return model, reference, [n for n, _ in canonical_parameters(model)]
+
+
 def rank_2d_buckets(keep_rank: int, bucket_bytes: int, dtype: Any) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -231,13 +242,7 @@ def rank_2d_buckets(keep_rank: int, bucket_bytes: int, dtype: Any) -> dict[str, 
 
     from shardforge.mesh import ParallelDims, build_mesh
 
-    torch.manual_seed(0)
-    model = TPNet()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p))
-    reference = {n: t.detach().clone() for n, t in canonical_parameters(model)}
-    order = [n for n, _ in canonical_parameters(model)]
+    model, reference, order = _seeded_tpnet()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pmesh = build_mesh(ParallelDims(dp_shard=2, tp=2), device_type="cpu")
@@ -269,13 +274,7 @@ def rank_hsdp_buckets(keep_rank: int, bucket_bytes: int, dtype: Any) -> dict[str
 
     from shardforge.mesh import ParallelDims, build_mesh
 
-    torch.manual_seed(0)
-    model = TPNet()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p))
-    reference = {n: t.detach().clone() for n, t in canonical_parameters(model)}
-    order = [n for n, _ in canonical_parameters(model)]
+    model, reference, order = _seeded_tpnet()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pmesh = build_mesh(ParallelDims(dp_replicate=2, dp_shard=2), device_type="cpu")
