@@ -38,6 +38,8 @@ PACKAGES = (
     "pipeline",
     "checkpoint-dcp",
     "weight-sync",
+    "memory",
+    "lora",
     "algorithms",
 )
 TEST_TOOLS = ("pytest", "cloudpickle")

@@ -1,0 +1,3 @@
+"""LoRA adapters that compose with FSDP2 and tensor parallel."""
+
+__all__: list[str] = []
