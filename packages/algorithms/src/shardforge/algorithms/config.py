@@ -85,6 +85,10 @@ class EngineConfig:
     """FSDP: free gathered params after forward."""
     cpu_offload: bool = False
     """FSDP: keep params/grads/optimizer state on CPU."""
+    offload_when_idle: bool = False
+    """Keep weights and optimizer state in host memory between `forward` / `train_batch` calls and move
+    them to the device for each call (a reference or critic model that the actor's memory needs between
+    uses). A no-op on CPU-only machines. Exclusive with cpu_offload (which never puts them on the device)."""
     pp_schedule: str = "1F1B"
     """With pp > 1: GPipe, 1F1B, Interleaved1F1B or ZBVZeroBubble (torch.distributed.pipelining)."""
     pp_stages_per_rank: int | None = None
@@ -105,3 +109,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.head not in ("lm", "value"):
             raise ValueError(f"unknown engine head {self.head!r}; valid: ['lm', 'value']")
+        if self.offload_when_idle and self.cpu_offload:
+            raise ValueError(
+                "offload_when_idle and cpu_offload are exclusive: cpu_offload already keeps weights, grads and "
+                "optimizer state on the host for the whole run; pick one"
+            )

@@ -39,6 +39,7 @@ from shardforge.algorithms.moe_support import (
     reload_expert_tp,
     shard_experts,
 )
+from shardforge.algorithms.offload import OffloadState, offloaded_between_calls
 from shardforge.algorithms.optim import build_optimizer, build_scheduler
 from shardforge.algorithms.seq_groups import SEQUENCE_GROUP, grouped_microbatches
 from shardforge.checkpoint_dcp import Checkpointer, TrainState, export_hf
@@ -77,6 +78,9 @@ class TrainEngine:
         config: optimizer, schedule, dtype and memory settings.
     """
 
+    offload_state: OffloadState | None = None
+    """Set with ``EngineConfig.offload_when_idle``: weights and optimizer state live on the host between calls."""
+
     def __init__(
         self,
         model: Any,
@@ -110,6 +114,9 @@ class TrainEngine:
         self.optimizer = build_optimizer(self.model, self.config.optimizer)
         register_moe_checkpoint_hooks(self.model, self.optimizer)  # expert-TP optimizer states in DCP
         self.scheduler = build_scheduler(self.optimizer, self.config.scheduler)
+        if self.config.offload_when_idle:  # weights + optimizer state on the host between calls
+            self.offload_state = OffloadState(self.model, self.optimizer, self.device)
+            self.offload_state.offload()
         self.step = 0
         self.logprob_temperature = 1.0
         """Log-probs and entropies are those of softmax(logits / T): RL trainers set T to the
@@ -288,6 +295,7 @@ class TrainEngine:
             loss_mask=torch.zeros(1),
         )
 
+    @offloaded_between_calls
     def train_batch(
         self,
         batch: PackedBatch,
@@ -353,6 +361,7 @@ class TrainEngine:
         }
 
     @torch.no_grad()
+    @offloaded_between_calls
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """[T] target log-probs of this rank's batch (token order of ``batch``); value-head engines
         return [T] per-position values."""
@@ -373,6 +382,7 @@ class TrainEngine:
         return out
 
     @torch.no_grad()
+    @offloaded_between_calls
     def eval_batch(
         self,
         batch: PackedBatch,
@@ -395,6 +405,7 @@ class TrainEngine:
         return {"loss": total / max(weight_total, 1e-12), "loss_weight": weight_total}
 
     # ------------------------------------------------------------------ export
+    @offloaded_between_calls
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) model state dict on rank 0's CPU; an empty dict elsewhere."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -406,6 +417,7 @@ class TrainEngine:
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return dict(state) if dist.get_rank() == 0 else {}  # type: ignore[arg-type]
 
+    @offloaded_between_calls
     def export_hf(self, out_dir: str | os.PathLike[str], tokenizer: Any = None, *, dtype: str | None = None) -> None:
         """Write an HF model directory (sharded safetensors + index + config [+ tokenizer]).
 
@@ -422,6 +434,7 @@ class TrainEngine:
             dtype=parse_dtype(dtype) if dtype else None,
         )
 
+    @offloaded_between_calls
     def publish_weights(
         self,
         transport: WeightTransport | None,
@@ -451,10 +464,12 @@ class TrainEngine:
         """A `TrainState` over this engine's model, optimizer, scheduler and step."""
         return TrainState(self.model, self.optimizer, self.scheduler, step=self.step, data_state=data_state)
 
+    @offloaded_between_calls
     def save(self, checkpointer: Checkpointer, data_state: dict[str, Any] | None = None) -> None:
         """Save the engine at its current step through ``checkpointer``. Collective."""
         checkpointer.save(self.step, {"train": self.train_state(data_state)})
 
+    @offloaded_between_calls
     def load(self, checkpointer: Checkpointer, step: int | str = "latest") -> dict[str, Any] | None:
         """Load a checkpoint (any layout); return its data state, or None if there is none."""
         if self.pipeline is not None:

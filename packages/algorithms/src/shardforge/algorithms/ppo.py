@@ -85,6 +85,10 @@ class PPOConfig:
     """Per-token KL penalty to the reference policy, subtracted from the reward (0 = no reference)."""
     kl_estimator: KLEstimator = "k1"
     """KL estimator of the penalty (k1 = log pi - log pi_ref)."""
+    offload_reference: bool = False
+    """Keep the reference policy's weights in host memory except during its forward (on an accelerator
+    this frees its whole footprint for the actor; a no-op on CPU). The critic's equivalent is
+    ``critic_engine.offload_when_idle``."""
     actor: PPOActorConfig = field(default_factory=PPOActorConfig)
     """Actor PPO loss options."""
     critic: PPOCriticConfig = field(default_factory=PPOCriticConfig)
@@ -151,7 +155,10 @@ def run_ppo(config: PPOConfig) -> dict[str, Any]:
     critic = TrainEngine(config.critic_model or config.model, config.layout, critic_config)
     reference = None
     if config.kl_coef > 0:
-        reference = TrainEngine(config.reference_model or config.model, config.layout, config.engine)
+        ref_config = config.engine
+        if config.offload_reference:  # on the device only for its forward (cpu_offload would keep it on host)
+            ref_config = dataclasses.replace(ref_config, offload_when_idle=True, cpu_offload=False)
+        reference = TrainEngine(config.reference_model or config.model, config.layout, ref_config)
     if config.temperature > 0:  # log-probs of the distribution the rollouts sample from (as GRPO)
         for policy in (actor, reference):
             if policy is not None:
