@@ -33,6 +33,14 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 class OptimizerConfig:
     """AdamW with decoupled weight decay on matrices only."""
 
+    name: Literal["adamw", "anyprecision_adamw"] = "adamw"
+    """adamw: torch AdamW (state in the parameter dtype). anyprecision_adamw: `shardforge.memory.AnyPrecisionAdamW`
+    (moments in ``state_dtype``; with ``kahan_summation`` a compensation buffer makes bf16 parameters
+    (param_dtype="bfloat16") train like fp32 master weights at half the bytes)."""
+    state_dtype: str = "bfloat16"
+    """anyprecision_adamw: dtype of both Adam moments."""
+    kahan_summation: bool = True
+    """anyprecision_adamw: keep a bf16 Kahan compensation buffer per parameter (for bf16 parameters)."""
     lr: float = 1e-4
     """Peak learning rate."""
     weight_decay: float = 0.0
@@ -43,6 +51,11 @@ class OptimizerConfig:
     """AdamW epsilon."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this value (None = no clipping)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "anyprecision_adamw"):
+            raise ValueError(f"unknown optimizer {self.name!r}; valid: ['adamw', 'anyprecision_adamw']")
+        parse_dtype(self.state_dtype)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
