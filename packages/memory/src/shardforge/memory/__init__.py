@@ -1,3 +1,7 @@
 """Memory savers: AnyPrecisionAdamW and a sequence-tiled MLP."""
 
-__all__: list[str] = []
+from shardforge.memory.anyprecision import AnyPrecisionAdamW
+
+__version__ = "0.1.0"
+
+__all__ = ["AnyPrecisionAdamW"]
