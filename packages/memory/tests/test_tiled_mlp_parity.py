@@ -145,6 +145,10 @@ def test_reapply_changes_num_shards_without_double_wrapping() -> None:
     assert apply_tiled_mlp(model, 4) == 2
     assert mlp.forward is forward
     assert mlp._shardforge_tiled_mlp.num_shards == 4
+    # A deep copy of a tiled model runs its own modules, not the original's.
+    copied = copy.deepcopy(model).model.layers[0].mlp
+    assert copied.forward.__self__ is copied
+    assert copied._shardforge_tiled_mlp.original_forward.__self__ is copied
 
 
 def test_moe_blocks_are_skipped_and_dense_layers_tiled() -> None:
