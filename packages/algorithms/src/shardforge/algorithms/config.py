@@ -90,6 +90,10 @@ class EngineConfig:
     """Recompute decoder-layer activations in backward."""
     checkpoint_every: int = 2
     """For selective activation checkpointing: every k-th layer."""
+    tiled_mlp_shards: int = 1
+    """Compute each dense decoder MLP in this many sequence chunks, recomputing each chunk in backward, so
+    the [tokens, intermediate] activation never exists for the whole micro-batch (1 = off). See
+    `shardforge.memory.apply_tiled_mlp`; not with tensor parallel + sequence_parallel."""
     sequence_parallel: bool = True
     """With tp > 1: shard activations on the sequence dim between blocks (Megatron SP)."""
     moe_aux_loss_weight: float | None = None
@@ -122,6 +126,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.head not in ("lm", "value"):
             raise ValueError(f"unknown engine head {self.head!r}; valid: ['lm', 'value']")
+        if isinstance(self.tiled_mlp_shards, bool) or self.tiled_mlp_shards < 1:
+            raise ValueError(f"tiled_mlp_shards={self.tiled_mlp_shards!r} must be an int >= 1 (1 = off)")
         if self.offload_when_idle and self.cpu_offload:
             raise ValueError(
                 "offload_when_idle and cpu_offload are exclusive: cpu_offload already keeps weights, grads and "

@@ -52,6 +52,7 @@ from shardforge.fsdp_wrap import (
     load_full_state_dict,
     total_grad_norm,
 )
+from shardforge.memory import apply_tiled_mlp
 from shardforge.mesh import ParallelDims, ParallelMesh, build_mesh, current_device, init_distributed
 from shardforge.tensor_parallel import apply_tensor_parallel, vocab_parallel_entropy, vocab_parallel_logprobs
 from shardforge.ulysses_cp import gather_sequence, packed_model_kwargs, register_packed_attention, slice_for_rank
@@ -98,6 +99,11 @@ class TrainEngine:
             value_model.check_value_layout(dims.pp)
         self.dims = dims.resolve(world)
         validate_layout(self.dims, self.hf_config)
+        if self.config.tiled_mlp_shards > 1 and self.dims.tp > 1 and self.config.sequence_parallel:
+            raise ValueError(
+                "tiled_mlp_shards > 1 with tensor parallel needs sequence_parallel=False (the tiled MLP splits "
+                "the sequence itself); or set tiled_mlp_shards=1"
+            )
         if self.dims.pp > 1:
             pipeline_support.validate_pipeline(self.dims, self.hf_config, self.config)
         self.param_dtype = parse_dtype(self.config.param_dtype)
@@ -136,6 +142,7 @@ class TrainEngine:
         if self.mesh is None or self.dims.world_size == 1:
             assert reference is not None
             apply_moe(reference, self.dims, None)
+            self._tile_mlps(reference)
             apply_activation_checkpointing(reference, self._ac_config())
             return reference.to(self.device)
         with torch.device("meta"):
@@ -147,6 +154,7 @@ class TrainEngine:
             plan = value_model.value_tp_plan(model, sequence_parallel=sp) if self.config.head == "value" else None
             apply_tensor_parallel(model, self.mesh.get("tp"), plan=plan, sequence_parallel=sp)
         efsdp_mesh = apply_moe(model, self.dims, self.mesh)  # EP / expert TP (MoE models only)
+        self._tile_mlps(model)
         if self.dims.pp > 1:  # split into this rank's stages, then AC and FSDP per stage
             return pipeline_support.build_pipeline_model(self, model, reference)
         apply_activation_checkpointing(model, self._ac_config())
@@ -160,6 +168,10 @@ class TrainEngine:
         reload_expert_tp(model, full)  # expert-TP shards are row ranges the generic load misplaces
         del reference, full, buffers
         return model
+
+    def _tile_mlps(self, model: nn.Module) -> None:
+        if self.config.tiled_mlp_shards > 1:
+            apply_tiled_mlp(model, self.config.tiled_mlp_shards)
 
     def _ac_config(self) -> ActivationCheckpointConfig:
         return ActivationCheckpointConfig(mode=self.config.activation_checkpointing, every=self.config.checkpoint_every)
