@@ -39,8 +39,9 @@ class OptimizerConfig:
     (param_dtype="bfloat16") train like fp32 master weights at half the bytes)."""
     state_dtype: str = "bfloat16"
     """anyprecision_adamw: dtype of both Adam moments."""
-    kahan_summation: bool = True
-    """anyprecision_adamw: keep a bf16 Kahan compensation buffer per parameter (for bf16 parameters)."""
+    kahan_summation: bool | None = None
+    """anyprecision_adamw: keep a bf16 Kahan compensation buffer per parameter; None = only when the
+    parameters are bf16/fp16 (with fp32 parameters it costs 2 bytes per parameter for nothing)."""
     lr: float = 1e-4
     """Peak learning rate."""
     weight_decay: float = 0.0

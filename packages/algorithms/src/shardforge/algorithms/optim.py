@@ -28,6 +28,9 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
     ]
     if config.name == "anyprecision_adamw":
         dtype = parse_dtype(config.state_dtype)
+        kahan = config.kahan_summation
+        if kahan is None:  # compensation only helps weights that round the update away
+            kahan = any(p.dtype in (torch.bfloat16, torch.float16) for p in decay + no_decay)
         return AnyPrecisionAdamW(
             [g for g in groups if g["params"]],
             lr=config.lr,
@@ -36,7 +39,7 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
             momentum_dtype=dtype,
             variance_dtype=dtype,
             compensation_buffer_dtype=torch.bfloat16,
-            use_kahan_summation=config.kahan_summation,
+            use_kahan_summation=kahan,
         )
     # foreach=False: the DTensor foreach path is fine on GPU, but on CPU the plain loop is
     # as fast and keeps the update bit-identical across layouts.
