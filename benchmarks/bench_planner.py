@@ -53,6 +53,13 @@ CASES: list[tuple[str, str, int, dict[str, Any]]] = [
     ("FSDP 2, AC full", "d2", 2, {"activation_checkpointing": "full"}),
     ("FSDP 2, AC every 2nd", "d2", 2, {"activation_checkpointing": "selective", "checkpoint_every": 2}),
     ("FSDP 2, no reshard", "d2", 2, {"reshard_after_forward": False}),
+    ("FSDP 2, tiled MLP x4", "d2", 2, {"tiled_mlp_shards": 4}),
+    (
+        "FSDP 2, AnyPrecisionAdamW, bf16",
+        "d2",
+        2,
+        {"param_dtype": "bfloat16", "optimizer": {"name": "anyprecision_adamw"}},
+    ),
     ("TP 2", "d1t2", 2, {}),
     ("FSDP 4", "d4", 4, {}),
     ("HSDP 2x2", "r2d2", 4, {}),
@@ -61,12 +68,6 @@ CASES: list[tuple[str, str, int, dict[str, Any]]] = [
     ("FSDP 2 x CP 2", "d2c2", 4, {}),
 ]
 SPEED = [("llama3-8b", 64), ("llama3-70b", 1024), ("qwen3-30b-a3b", 256)]
-
-
-def measure_case(layout: str, options: dict[str, Any]) -> list[dict[str, Any]]:
-    from shardforge.algorithms.plan.measure import measure_layout
-
-    return [measure_layout(MODEL, layout, seq_len=SEQ_LEN, micro_batch_tokens=TOKENS, engine_options=options)]
 
 
 def _on_ranks(world: int, layout: str, options: dict[str, Any]) -> list[dict[str, Any]]:

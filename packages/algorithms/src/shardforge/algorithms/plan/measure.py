@@ -190,9 +190,13 @@ def measure_layout(
     from transformers import Qwen3Config
 
     from shardforge.algorithms import EngineConfig, TrainEngine, pack_sequences
+    from shardforge.algorithms.config import OptimizerConfig
 
     torch.set_num_threads(1)
-    config = EngineConfig(max_tokens_per_microbatch=micro_batch_tokens, **(engine_options or {}))
+    options = dict(engine_options or {})
+    if isinstance(options.get("optimizer"), dict):
+        options["optimizer"] = OptimizerConfig(**options["optimizer"])
+    config = EngineConfig(max_tokens_per_microbatch=micro_batch_tokens, **options)
     engine = TrainEngine(Qwen3Config(**model_fields), layout, config)
     rng = random.Random(seed + engine.dp_rank)
     vocab = int(model_fields["vocab_size"])
@@ -231,11 +235,19 @@ def predict_engine_peak(
         "sequence_parallel": "sequence_parallel",
         "reshard_after_forward": "reshard_after_forward",
         "cpu_offload": "cpu_offload",
+        "tiled_mlp_shards": "tiled_mlp_shards",
+        "optimizer": "optimizer",
     }
     unknown = sorted(set(engine) - set(names))
     if unknown:
         raise ValueError(f"engine options {unknown} have no planner equivalent; known: {sorted(names)}")
     fields = {names[k]: v for k, v in engine.items()}
+    if "optimizer" in fields:  # an OptimizerConfig as a dict: only its name matters here
+        optimizer = fields.pop("optimizer")
+        extra = sorted(set(optimizer) - {"name", "lr"})
+        if extra:
+            raise ValueError(f"optimizer options {extra} have no planner equivalent (defaults are assumed)")
+        fields["optimizer"] = optimizer.get("name", "adamw")
     fields.setdefault("param_dtype", "float32")  # EngineConfig's default
     opts = PlanOptions(seq_len=seq_len, micro_batch_tokens=micro_batch_tokens, attention="cpu", **fields)
     dims = ParallelDims.parse(layout).resolve(world_size)

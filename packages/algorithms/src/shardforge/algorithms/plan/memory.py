@@ -151,7 +151,8 @@ def estimate_memory(stats: ModelStats, dims: ParallelDims, opts: PlanOptions) ->
     pb = dtype_bytes(opts.param_dtype)
     a = dtype_bytes(opts.compute_dtype) if (sp.fsdp and opts.compute_dtype) else pb
     if opts.optimizer == "anyprecision_adamw":
-        grad_b, optim_b = pb, 6  # bf16 exp_avg + exp_avg_sq + Kahan compensation
+        # bf16 exp_avg + exp_avg_sq, + a bf16 Kahan compensation buffer for 16-bit params (the engine's default)
+        grad_b, optim_b = pb, 4 + (2 if pb == 2 else 0)
     else:
         grad_b, optim_b = pb, 2 * pb  # torch AdamW: moments like the param
     multiple = dims.cp * (dims.tp if dims.tp > 1 and opts.sequence_parallel else 1)

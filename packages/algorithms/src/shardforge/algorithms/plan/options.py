@@ -71,7 +71,7 @@ class PlanOptions:
     in param_dtype."""
     optimizer: Literal["adamw", "anyprecision_adamw"] = "adamw"
     """adamw: two moments in the param dtype (fp32 params -> fp32 moments). anyprecision_adamw: bf16
-    moments + bf16 Kahan compensation buffer (3 x 2 bytes per trainable param)."""
+    moments (+ a bf16 Kahan compensation buffer when params are 16-bit): 6 bytes per bf16 param, 4 per fp32."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute decoder layers in backward: every layer (full) or every k-th (selective)."""
     checkpoint_every: int = 2
