@@ -17,7 +17,7 @@ import pytest
 from shardforge.algorithms.config_io import apply_overrides, build_config
 from shardforge.algorithms.rollout import HFRolloutEngine
 from shardforge.algorithms.rollout.factory import build_rollout_engine
-from shardforge.algorithms.rollout.vllm_engine import VLLMOptions, _request_seed
+from shardforge.algorithms.rollout.vllm_engine import VLLMOptions, _request_seed, _tokenizer_dir
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,22 @@ def test_factory_says_how_to_install_vllm_when_it_is_missing(
     with pytest.raises(ImportError, match=r"needs vLLM, which is not installed: pip install .*\[vllm\]") as info:
         build_rollout_engine("vllm", model, tokenizer)
     assert "nox -s vllm" in str(info.value) and "docs/packages/algorithms-grpo.md" in str(info.value)
+    # A server started from this interpreter needs vLLM here too.
+    with pytest.raises(ImportError, match="needs vLLM, which is not installed"):
+        build_rollout_engine("vllm", model, tokenizer, vllm=VLLMOptions(mode="server"))
+
+
+def test_server_mode_reports_a_server_that_does_not_start(tiny: tuple[str, Any], tmp_path: Path) -> None:
+    """A server interpreter without vLLM: the engine fails fast with the server's own log."""
+    import sys
+
+    model, tokenizer = tiny
+    options = VLLMOptions(mode="server", server_python=sys.executable, server_startup_timeout_s=120)
+    code = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') is None else 1)"
+    if __import__("subprocess").run([sys.executable, "-c", code]).returncode != 0:
+        pytest.skip("this interpreter has vLLM: the server would start")
+    with pytest.raises(RuntimeError, match=r"the vLLM server exited with code 1; log tail:\n.*No module named 'vllm'"):
+        build_rollout_engine("vllm", model, tokenizer, weights_root=tmp_path / "w", vllm=options)
 
 
 @pytest.mark.parametrize(
@@ -58,6 +74,8 @@ def test_factory_says_how_to_install_vllm_when_it_is_missing(
         ({"max_model_len": 1}, "max_model_len=1 must be >= 2"),
         ({"max_num_seqs": 0}, "max_num_seqs=0 must be >= 1"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be >= 1"),
+        ({"mode": "remote"}, r"vllm.mode='remote' is not one of \['in_process', 'server'\]"),
+        ({"server_startup_timeout_s": 0.0}, "server_startup_timeout_s=0.0 must be > 0"),
     ],
 )
 def test_vllm_options_are_validated(change: dict[str, Any], message: str) -> None:
@@ -103,3 +121,13 @@ def test_request_seeds_are_distinct_and_leave_room_for_the_sample_index() -> Non
     spans = sorted(seeds)
     assert all(b - a >= n for a, b in itertools.pairwise(spans))
     assert _request_seed(3, 5, n) == _request_seed(3, 5, n)
+
+
+def test_vllm_gets_the_tokenizer_directory_the_trainer_loaded(tiny: tuple[str, Any], tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    model, tokenizer = tiny
+    separate = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(str(separate))
+    assert _tokenizer_dir(AutoTokenizer.from_pretrained(str(separate)), model) == str(separate)
+    assert _tokenizer_dir(object(), model) == model  # no directory to point at: the model's

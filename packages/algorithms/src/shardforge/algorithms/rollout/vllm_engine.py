@@ -1,5 +1,6 @@
 """The vLLM rollout engine: an in-process ``vllm.LLM`` serving the policy, refreshed through weight-sync.
 
+`shardforge.algorithms.rollout.vllm_server` has the same engine over HTTP (server mode).
 vLLM is an optional extra (``pip install "shardforge-algorithms[vllm]"``, or ``nox -s vllm``);
 it is imported only when an engine is built, so ``import shardforge.algorithms`` never needs it.
 
@@ -55,6 +56,7 @@ VLLM_MISSING = (
     "or run `nox -s vllm`; see docs/packages/algorithms-grpo.md#vllm-rollout-engine"
 )
 PLACEMENTS = ("rank0", "each_rank")
+MODES = ("in_process", "server")
 # Variables torchrun sets for the trainer; vLLM's own processes must not mistake them for theirs.
 _LAUNCHER_ENV = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -66,8 +68,19 @@ _LAUNCHER_ENV = (
 class VLLMOptions:
     """Settings of the vLLM rollout engine (the ``vllm:`` section of the GRPO/PPO configs)."""
 
+    mode: Literal["in_process", "server"] = "in_process"
+    """in_process: ``vllm.LLM`` inside the trainer process; server: an OpenAI-compatible vLLM server
+    over HTTP (`VLLMServerRolloutEngine`)."""
     placement: Literal["rank0", "each_rank"] = "rank0"
-    """Which trainer ranks own a vLLM instance (see the module docstring)."""
+    """in_process: which trainer ranks own a vLLM instance (see the module docstring). A server
+    is always started by rank 0 and shared."""
+    server_url: str | None = None
+    """server: URL of a running server (started with the flags in `shardforge.algorithms.rollout.vllm_server`);
+    None = rank 0 starts one."""
+    server_python: str | None = None
+    """server: interpreter that starts the server (e.g. another venv's python with vLLM); None = this one."""
+    server_startup_timeout_s: float = 900.0
+    """server: how long to wait for a started server to answer /health."""
     gpu_memory_utilization: float = 0.5
     """GPU only: fraction of GPU memory vLLM may take (the trainer shares the GPU)."""
     kv_cache_space_gib: int = 1
@@ -85,6 +98,10 @@ class VLLMOptions:
     """Share prompt KV blocks between the n samples of a prompt (reset after every weight update)."""
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"vllm.mode={self.mode!r} is not one of {list(MODES)}")
+        if self.server_startup_timeout_s <= 0:
+            raise ValueError(f"vllm.server_startup_timeout_s={self.server_startup_timeout_s} must be > 0")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"vllm.placement={self.placement!r} is not one of {list(PLACEMENTS)}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -154,7 +171,7 @@ class VLLMRolloutEngine:
 
                 self.llm = LLM(
                     model=str(model_dir),
-                    tokenizer=str(model_dir),
+                    tokenizer=_tokenizer_dir(tokenizer, model_dir),
                     dtype=serving_dtype,
                     seed=seed,
                     logprobs_mode="processed_logprobs",  # log-probs of softmax(logits / T): see the docstring
@@ -207,13 +224,17 @@ class VLLMRolloutEngine:
         gathered: list[Any] = [None] * self.world if self.rank == 0 else []
         dist.gather_object(request, gathered if self.rank == 0 else None, dst=0)
         replies: list[Any] = [None] * self.world
+        error: Exception | None = None
         if self.rank == 0:
             try:
                 replies = self._run_deduplicated(gathered)
-            except (ValueError, RuntimeError) as exc:  # every rank raises the same error, none hangs
+            except Exception as exc:  # every rank raises, none waits for rollouts that never come
+                error = exc
                 replies = [f"{type(exc).__name__}: {exc}"] * self.world
         mine: list[Any] = [None]
         dist.scatter_object_list(mine, replies if self.rank == 0 else None, src=0)
+        if error is not None:
+            raise error
         if isinstance(mine[0], str):
             raise RuntimeError(f"vLLM rollout on rank 0 failed: {mine[0]}")
         return mine[0]  # type: ignore[no-any-return]
@@ -290,6 +311,13 @@ class VLLMRolloutEngine:
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+
+
+def _tokenizer_dir(tokenizer: Any, model_dir: str | os.PathLike[str]) -> str:
+    """The tokenizer's own directory when it was loaded from one (GRPO's ``tokenizer`` key), else
+    the model directory. vLLM needs one to start, although responses are decoded here."""
+    path = getattr(tokenizer, "name_or_path", "")
+    return str(path) if path and Path(path).is_dir() else str(model_dir)
 
 
 def _request_seed(seed: int, prompt_index: int, n: int) -> int:

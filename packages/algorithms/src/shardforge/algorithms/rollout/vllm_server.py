@@ -1,0 +1,248 @@
+"""The vLLM rollout engine in server mode: an OpenAI-compatible ``vllm serve`` process over HTTP.
+
+The trainer talks to the server with the standard library only (``urllib``): the server can
+run from another interpreter or venv (``VLLMOptions.server_python``), or already be running
+(``VLLMOptions.server_url``), so the trainer's environment does not need vLLM.
+
+- Sampling: one ``/v1/completions`` request per prompt (token-id prompt, ``n`` samples,
+  ``logprobs=0``, ``return_token_ids``), sent concurrently so vLLM batches them. The server is
+  started with ``--logprobs-mode processed_logprobs`` and ``--generation-config vllm``, so the
+  log-probs are those of ``softmax(logits / T)``, as in the in-process engine, and requests
+  get the same per-prompt seeds (same seed and weights -> the same samples in both modes).
+- Weights: the server runs with ``VLLM_SERVER_DEV_MODE=1`` (vLLM's RL routes) and
+  ``--weight-transfer-config '{"backend": "shardforge"}'``; `update_weights` calls
+  ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` (disk versions of
+  weight-sync, verified before loading) and ``/reset_prefix_cache``.
+- Ranks: global rank 0 starts the server and shares its URL; every rank sends its own
+  requests. `update_weights` is collective: rank 0 switches the server, then all ranks
+  pass a barrier, so no rank samples from the previous version.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from shardforge.algorithms.config import parse_dtype
+from shardforge.algorithms.rollout.types import Rollout, SamplingParams
+from shardforge.algorithms.rollout.vllm_engine import (
+    VLLMOptions,
+    _request_seed,
+    _tokenizer_dir,
+    _vllm_process_env,
+)
+from shardforge.weight_sync import DiskWeightSource, WeightVersionError
+
+__all__ = ["VLLMServerRolloutEngine"]
+
+SERVED_NAME = "policy"
+
+
+class VLLMServerRolloutEngine:
+    """`RolloutEngine` on an OpenAI-compatible vLLM server; weights follow a weight-sync disk root.
+
+    Arguments as for `VLLMRolloutEngine`; ``options.server_url`` connects to a running server
+    (started with the flags above), else rank 0 starts one with ``options.server_python``
+    (default: this interpreter), logging to ``log_file`` (default: a file in the temp directory).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        tokenizer: Any,
+        *,
+        weights_root: str | os.PathLike[str] | None = None,
+        dtype: str = "float32",
+        options: VLLMOptions | None = None,
+        seed: int = 0,
+        log_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if not Path(model_dir).is_dir():
+            raise FileNotFoundError(f"rollout model directory {str(model_dir)!r} does not exist")
+        self.options = options or VLLMOptions(mode="server")
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.weights_root = weights_root
+        self.source = DiskWeightSource(weights_root) if weights_root is not None else None
+        self._version = 0
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.process: subprocess.Popen[bytes] | None = None
+        url = self.options.server_url
+        if self.rank == 0:
+            if url is None:
+                url = self._launch(model_dir, tokenizer, dtype, seed, log_file)
+            self._wait_ready(url)
+            if weights_root is not None:
+                info = {"transport": "disk", "root": str(weights_root)}
+                _post(url, "/init_weight_transfer_engine", {"init_info": info})
+        if dist.is_initialized():
+            shared = [url]
+            dist.broadcast_object_list(shared, src=0)
+            url = shared[0]
+        assert url is not None
+        self.url = url.rstrip("/")
+        self.max_model_len = int(_get(self.url, "/v1/models")["data"][0]["max_model_len"])
+
+    # ------------------------------------------------------------------ server process
+    def _launch(self, model_dir: Any, tokenizer: Any, dtype: str, seed: int, log_file: Any) -> str:
+        port = _free_port()
+        options = self.options
+        command = [
+            options.server_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--tokenizer", _tokenizer_dir(tokenizer, model_dir),
+            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", str(parse_dtype(dtype)).removeprefix("torch."), "--seed", str(seed),
+            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+            "--max-num-seqs", str(options.max_num_seqs),
+            "--gpu-memory-utilization", str(options.gpu_memory_utilization),
+            "--tensor-parallel-size", str(options.tensor_parallel_size),
+            "--weight-transfer-config", json.dumps({"backend": "shardforge"}),
+            "--enable-prefix-caching" if options.enable_prefix_caching else "--no-enable-prefix-caching",
+        ]  # fmt: skip
+        if options.enforce_eager:
+            command.append("--enforce-eager")
+        if options.max_model_len is not None:
+            command += ["--max-model-len", str(options.max_model_len)]
+        default_log = Path(tempfile.gettempdir()) / f"shardforge_vllm_server_{port}.log"
+        self.log_path = Path(log_file) if log_file is not None else default_log
+        with _vllm_process_env(options):
+            env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # mounts the RL and cache routes
+            with self.log_path.open("wb") as log:
+                self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        atexit.register(self.shutdown)
+        return f"http://127.0.0.1:{port}"
+
+    def _wait_ready(self, url: str) -> None:
+        deadline = time.monotonic() + self.options.server_startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the vLLM server exited with code {self.process.returncode}; log tail:\n{tail}")
+            try:
+                with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(
+            f"the vLLM server at {url} was not ready after {self.options.server_startup_timeout_s} s "
+            "(vllm.server_startup_timeout_s)"
+        )
+
+    def shutdown(self) -> None:
+        """Stop the server this engine started (a server given by URL keeps running)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.process = None
+
+    # ------------------------------------------------------------------ protocol
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def update_weights(self, version: int | None = None) -> int:
+        """Switch the server to ``version`` (None = newest committed); collective over all ranks."""
+        if self.source is None:
+            raise RuntimeError("this rollout engine has no weights_root to update from")
+        target = self.source.latest() if version is None else version
+        if target is None:
+            raise WeightVersionError(f"no committed weight version under {self.source.root}")
+        if target != self._version and self.rank == 0:
+            _post(self.url, "/start_weight_update", {})
+            _post(self.url, "/update_weights", {"update_info": {"version": target}})  # verified; stale refused
+            _post(self.url, "/finish_weight_update", {"weight_version": str(target)})
+            _post(self.url, "/reset_prefix_cache", {})  # cached KV blocks hold the old weights' keys/values
+        if dist.is_initialized():
+            dist.barrier()  # nobody samples before rank 0 has switched the server
+        self._version = target
+        return self._version
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
+        """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together)."""
+        if len(prompts) == 0:
+            raise ValueError("generate() needs at least one prompt")
+        bodies = []
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(prompt) + params.max_new_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} > "
+                    f"vLLM's max_model_len={self.max_model_len}; shorten prompts or raise vllm.max_model_len"
+                )
+            bodies.append(
+                {
+                    "model": SERVED_NAME, "prompt": list(prompt), "n": params.n,
+                    "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+                    "top_p": params.top_p, "top_k": 0, "logprobs": 0, "return_token_ids": True,
+                    "stop_token_ids": [self.eos_id] if self.eos_id is not None else [],
+                    "skip_special_tokens": False,
+                    "seed": None if params.seed is None else _request_seed(params.seed, i, params.n),
+                }
+            )  # fmt: skip
+        with ThreadPoolExecutor(max_workers=min(32, len(bodies))) as pool:
+            replies = list(pool.map(lambda body: _post(self.url, "/v1/completions", body), bodies))
+        rollouts = []
+        for prompt_index, (prompt, reply) in enumerate(zip(prompts, replies)):
+            for choice in sorted(reply["choices"], key=lambda c: c["index"]):
+                tokens = [int(t) for t in choice["token_ids"]]
+                logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+                if len(logprobs) != len(tokens):
+                    raise RuntimeError(f"the vLLM server returned {len(logprobs)} log-probs for {len(tokens)} tokens")
+                rollouts.append(
+                    Rollout(
+                        prompt_index=prompt_index,
+                        prompt_ids=list(prompt),
+                        response_ids=tokens,
+                        logprobs=logprobs,
+                        finished=choice["finish_reason"] == "stop",
+                        version=self._version,
+                        text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                    )
+                )
+        return rollouts
+
+
+def _request(url: str, path: str, body: dict[str, Any] | None, timeout: float = 600.0) -> dict[str, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            payload = reply.read()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:2000]
+        raise RuntimeError(f"vLLM server {path} failed with HTTP {exc.code}: {detail}") from exc
+    return json.loads(payload) if payload else {}  # type: ignore[no-any-return]
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    return _request(url, path, body)
+
+
+def _get(url: str, path: str) -> dict[str, Any]:
+    return _request(url, path, None)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
