@@ -213,7 +213,7 @@ def test_bad_configs_raise() -> None:
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=r"match no nn.Linear.*'q_proj'"):
         apply_lora(model, LoRAConfig(target_modules=("query", "value")))
-    with pytest.raises(ValueError, match="not nn.Linear"):
+    with pytest.raises(ValueError, match=r"not nn\.Linear"):
         apply_lora(model, LoRAConfig(target_modules=("mlp",)))
     with pytest.raises(ValueError, match="r=0"):
         LoRAConfig(r=0)

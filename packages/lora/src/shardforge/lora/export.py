@@ -41,8 +41,8 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Adapter parameters only (``<module>.lora_A.weight`` / ``.lora_B.weight``), full tensors on CPU."""
     out: dict[str, torch.Tensor] = {}
     for name, module in lora_modules(model):
-        for key in ("lora_A", "lora_B"):
-            out[f"{name}.{key}.weight"] = _full(module.get_submodule(key).weight).detach().cpu().clone()
+        out[f"{name}.lora_A.weight"] = _full(module.lora_A.weight).detach().cpu().clone()
+        out[f"{name}.lora_B.weight"] = _full(module.lora_B.weight).detach().cpu().clone()
     return out
 
 
@@ -118,7 +118,7 @@ def merged_lora(model: nn.Module) -> Iterator[nn.Module]:
     Works on sharded models (each rank adds its shard of the delta). Use it around anything that reads
     HF-named weights: HF export, weight publishing to inference engines, full state dicts.
     """
-    saved: list[tuple[LoRALinear, torch.Tensor, dict[str, nn.Module]]] = []
+    saved: list[tuple[LoRALinear, torch.Tensor, dict[str, nn.Module | None]]] = []
     try:
         with torch.no_grad():
             for _, module in lora_modules(model):
@@ -137,7 +137,7 @@ def merged_lora(model: nn.Module) -> Iterator[nn.Module]:
                 original = local.clone()
                 local.add_(local_delta.to(device=local.device, dtype=local.dtype))
                 hidden = {k: module._modules.pop(k) for k in ADAPTER_KEYS if k in module._modules}
-                saved.append((module, original, hidden))  # type: ignore[arg-type]
+                saved.append((module, original, hidden))
         yield model
     finally:
         with torch.no_grad():
@@ -160,5 +160,5 @@ def merge_lora(model: nn.Module) -> nn.Module:
         for key in ADAPTER_KEYS:
             module._modules.pop(key, None)
         del module.lora_scaling
-        module.__class__ = nn.Linear
+        module.__class__ = nn.Linear  # type: ignore[assignment]
     return model

@@ -32,6 +32,9 @@ class LoRALinear(nn.Linear):
     adapter outputs together (one collective, as without LoRA).
     """
 
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    lora_dropout: nn.Module
     lora_scaling: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

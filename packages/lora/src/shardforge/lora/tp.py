@@ -67,7 +67,7 @@ class LoRAParallel(ParallelStyle):
 
     torch's Colwise/RowwiseParallel partition every parameter under the module (adapters included, with
     the wrong placement and dotted names it cannot register), so the adapters are detached while the
-    parent style runs. On a module without adapters this is just ``parent_style``.
+    parent style runs. On any other module this is ``parent_style`` that keeps frozen parameters frozen.
     """
 
     def __init__(self, parent_style: ParallelStyle) -> None:
@@ -76,15 +76,22 @@ class LoRAParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.parent_style.src_data_rank = self.src_data_rank
+        # torch's styles re-create parameters with requires_grad=True (e.g. SequenceParallel's replicated
+        # norm weights): keep the frozen base frozen.
+        frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
         if not isinstance(module, LoRALinear) or "lora_A" not in module._modules:
-            return self.parent_style._apply(module, device_mesh)
-        detached: dict[str, Any] = {k: module._modules.pop(k) for k in ADAPTER_KEYS if k in module._modules}
-        try:
             self.parent_style._apply(module, device_mesh)
-        finally:
-            module._modules.update(detached)
-        for key, style in adapter_tp_styles(self.parent_style).items():
-            parallelize_module(module.get_submodule(key), device_mesh, style, src_data_rank=self.src_data_rank)
+        else:
+            detached: dict[str, Any] = {k: module._modules.pop(k) for k in ADAPTER_KEYS if k in module._modules}
+            try:
+                self.parent_style._apply(module, device_mesh)
+            finally:
+                module._modules.update(detached)
+            for key, style in adapter_tp_styles(self.parent_style).items():
+                parallelize_module(module.get_submodule(key), device_mesh, style, src_data_rank=self.src_data_rank)
+        for name, param in module.named_parameters():
+            if name in frozen:
+                param.requires_grad_(False)
         return module
 
     def __repr__(self) -> str:
@@ -92,9 +99,7 @@ class LoRAParallel(ParallelStyle):
 
 
 def lora_tp_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
-    """A copy of a TP plan (module path -> style) in which every Colwise/RowwiseParallel entry also places
-    the adapters of the Linears it matches. Entries for modules without adapters behave as before."""
-    return {
-        path: LoRAParallel(style) if isinstance(style, (ColwiseParallel, RowwiseParallel)) else style
-        for path, style in plan.items()
-    }
+    """A copy of a TP plan (module path -> style) for a model with adapters: every entry becomes a
+    `LoRAParallel`, so Colwise/RowwiseParallel entries also place the adapters of the Linears they match
+    and no entry unfreezes a frozen base parameter. Entries behave as before on everything else."""
+    return {path: style if isinstance(style, LoRAParallel) else LoRAParallel(style) for path, style in plan.items()}
