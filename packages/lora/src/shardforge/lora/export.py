@@ -109,6 +109,16 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         return {k: _full(v).detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
+def _reshard_fsdp(model: nn.Module) -> None:
+    # FSDP2 leaves a unit gathered after forward when reshard_after_forward=False (e.g. the last decoder
+    # layer): its modules then expose temporary unsharded weights. Merge into the sharded ones instead.
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 @contextmanager
 def merged_lora(model: nn.Module) -> Iterator[nn.Module]:
     """Inside the block the model *is* the merged model: base weights hold ``W + scaling * B @ A`` and the
@@ -119,6 +129,7 @@ def merged_lora(model: nn.Module) -> Iterator[nn.Module]:
     HF-named weights: HF export, weight publishing to inference engines, full state dicts.
     """
     saved: list[tuple[LoRALinear, torch.Tensor, dict[str, nn.Module | None]]] = []
+    _reshard_fsdp(model)
     try:
         with torch.no_grad():
             for _, module in lora_modules(model):
