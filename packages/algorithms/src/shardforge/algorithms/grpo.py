@@ -38,7 +38,9 @@ from shardforge.algorithms.rlvr import (
     load_prompts,
     rollouts_to_batch,
 )
-from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
+from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.trainer_common import progress_bar, publish_to_rollout, with_total_steps
 from shardforge.checkpoint_dcp import Checkpointer
 from shardforge.weight_sync import DiskTransport
@@ -84,6 +86,10 @@ class GRPOConfig:
     """Recompute old log-probs with the trainer before the update (else use the rollout's)."""
     rollout_dtype: str = "float32"
     """Dtype of the rollout model and of the published weights."""
+    rollout_engine: RolloutEngineKind = "hf"
+    """'hf' (embedded generate in every trainer process) or 'vllm' (optional extra; see `vllm`)."""
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    """vLLM rollout engine options (rollout_engine=vllm only)."""
     eval_every: int = 0
     """Greedy held-out accuracy every this many steps (0 = at the start and the end only)."""
     eval_size: int | None = None
@@ -140,7 +146,7 @@ def _global_reward_stats(rewards: torch.Tensor, lengths: torch.Tensor, engine: T
 
 
 def evaluate_accuracy(
-    rollout: HFRolloutEngine, prompts: PromptSet, engine: TrainEngine, max_new_tokens: int, limit: int | None
+    rollout: RolloutEngine, prompts: PromptSet, engine: TrainEngine, max_new_tokens: int, limit: int | None
 ) -> float:
     """Greedy exact-match accuracy on held-out prompts, split across data-parallel ranks."""
     from shardforge.algorithms.rollout import exact_match_reward
@@ -186,7 +192,10 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
     data_state = {"seed": config.seed, "prompts_per_step": config.prompts_per_step, "num_prompts": len(prompts)}
     if checkpointer is not None and config.resume == "auto" and engine.load(checkpointer) is not None:
         start = engine.step
-    rollout = HFRolloutEngine(config.model, tokenizer, weights_root=weights_root, dtype=config.rollout_dtype)
+    rollout = build_rollout_engine(
+        config.rollout_engine, config.model, tokenizer, weights_root=weights_root, dtype=config.rollout_dtype,
+        vllm=config.vllm, seed=config.seed,
+    )  # fmt: skip
     next_version = publish_to_rollout(engine, transport, rollout, config.rollout_dtype)  # the starting weights
     sampler = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=config.seed)
     actor = PPOActorLossFn(config.actor)
@@ -240,7 +249,7 @@ def _grpo_step(
     step: int,
     config: GRPOConfig,
     engine: TrainEngine,
-    rollout: HFRolloutEngine,
+    rollout: RolloutEngine,
     prompts: PromptSet,
     sampler: GlobalBatchSampler,
     actor: PPOActorLossFn,

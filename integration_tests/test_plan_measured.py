@@ -1,0 +1,55 @@
+"""The layout planner's predicted per-rank peak vs the measured peak of a real `train_batch`.
+
+Each case runs one warm-up and one measured `TrainEngine.train_batch` (world 1 in this
+process, the others on the shared gloo pool of 2 ranks) and counts live tensor-storage
+bytes on each rank (`shardforge.algorithms.plan.measure`); the planner predicts the same
+run from shapes (`predict_engine_peak`). The issue's bar is predicted/measured within 15%;
+benchmarks/bench_planner.py runs the full table (world 4 layouts, CP, HSDP, ...). Options the
+engine gained with issue 10 are covered too: AnyPrecisionAdamW (bf16 params + Kahan) and tiled MLP.
+
+The model is big enough that fixed overheads do not dominate: activations (~100 MiB)
+and model state (~60 MiB fp32) at 512 tokens per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shardforge.algorithms.plan.measure import measure_layout, predict_engine_peak
+from shardforge.mesh.testing import get_rank_pool
+
+TOLERANCE = 0.15  # the issue's bar; the current model is within ~6% (TP) and ~1% elsewhere
+SEQ_LEN, TOKENS = 256, 512
+MODEL = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+}
+CASES: list[tuple[str, int, dict[str, Any]]] = [
+    ("d1", 1, {}),
+    ("d2", 2, {"compute_dtype": "bf16", "activation_checkpointing": "full"}),
+    ("d2", 2, {"param_dtype": "bfloat16", "optimizer": {"name": "anyprecision_adamw"}, "tiled_mlp_shards": 2}),
+    ("d1t2", 2, {}),
+]
+
+
+@pytest.mark.parametrize(("layout", "world", "options"), CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+def test_predicted_peak_within_15_percent_of_measured(layout: str, world: int, options: dict[str, Any]) -> None:
+    kwargs = {"seq_len": SEQ_LEN, "micro_batch_tokens": TOKENS, "engine_options": options}
+    if world == 1:
+        per_rank = [measure_layout(MODEL, layout, **kwargs)]
+    else:
+        per_rank = get_rank_pool(world).run(measure_layout, MODEL, layout, **kwargs)
+    measured = max(r["peak_bytes"] for r in per_rank)
+    predicted = predict_engine_peak(MODEL, layout, world, **kwargs).total
+    # Sanity: the measurement saw more than the model state (activations were counted).
+    assert measured > 1.5 * per_rank[0]["baseline_bytes"]
+    assert abs(predicted / measured - 1) <= TOLERANCE, (layout, options, predicted / 2**20, measured / 2**20)
