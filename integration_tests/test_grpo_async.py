@@ -219,3 +219,15 @@ def test_restored_batches_from_another_dp_size_are_regenerated() -> None:
     state = {"dp_size": 2, "ranks": [[], []]}
     with pytest.warns(UserWarning, match="made by 2 data-parallel ranks, this run has 1"):
         assert _decode(state, 2, 0, 1) == {}
+
+
+def test_async_config_errors(assets: dict[str, Any], tmp_path: Path) -> None:
+    from shardforge.algorithms.grpo import _validate
+    from shardforge.algorithms.rlvr import PromptSet
+
+    prompts = PromptSet(["1+1="], ["2"], [[1, 5, 6, 5, 7]])
+    with pytest.raises(ValueError, match=r"max_staleness=-1 must be >= 0"):
+        _validate(_config(assets, tmp_path, max_staleness=-1), prompts, 1)
+    with pytest.raises(ValueError, match="async_rollouts needs recompute_logprobs=true"):
+        _validate(_config(assets, tmp_path, recompute_logprobs=False), prompts, 1)
+    _validate(_config(assets, tmp_path, recompute_logprobs=False, async_rollouts=False), prompts, 1)
