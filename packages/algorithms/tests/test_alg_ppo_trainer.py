@@ -84,8 +84,10 @@ def test_ppo_runs_end_to_end_and_resumes(assets: dict[str, Any], tmp_path: Path)
     # Resume: stopping after step 2 and continuing reproduces steps 3 and 4 (actor and critic).
     from shardforge.algorithms.ppo import run_ppo as again
 
-    again(_config(assets, tmp_path / "b", steps=2))
-    again(_config(assets, tmp_path / "b"))
+    # The resumed run also keeps the reference and the critic offloaded between uses: same numbers.
+    offload = {"offload_reference": "true", "critic_engine.offload_when_idle": "true"}
+    again(_config(assets, tmp_path / "b", steps=2, **offload))
+    again(_config(assets, tmp_path / "b", **offload))
     resumed = _train_records(tmp_path / "b")
     for key in ("loss", "critic/loss", "reward_mean", "explained_variance"):
         assert [r[key] for r in resumed[-2:]] == [r[key] for r in records[2:]], key

@@ -100,6 +100,8 @@ def test_config_fields_reach_fully_shard() -> None:
             group = param_group(module)
             assert group.mp_policy.param_dtype == torch.bfloat16 and group.mp_policy.reduce_dtype is None
             assert isinstance(group.offload_policy, CPUOffloadPolicy)
+            # Pinning needs an accelerator: on a CPU-only machine it would raise at the first load.
+            assert group.offload_policy.pin_memory == torch.accelerator.is_available()
 
 
 def test_reshard_after_forward_setting() -> None:

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardforge.algorithms.rollout import HFRolloutEngine, Rollout
+from shardforge.algorithms.rollout import Rollout, RolloutEngine
 
 __all__ = ["AsyncRollouts", "RolloutGenerationError", "SampledBatch", "generation_policy_step"]
 
@@ -94,7 +94,7 @@ class AsyncRollouts:
     def __init__(
         self,
         *,
-        rollout: HFRolloutEngine,
+        rollout: RolloutEngine,
         sample_fn: SampleFn,
         publish_fn: PublishFn,
         max_staleness: int,
@@ -154,7 +154,7 @@ class AsyncRollouts:
         if index < self.num_batches:
             self._pending.append((index, policy_step))
 
-    def evaluate(self, fn: Callable[[HFRolloutEngine], T]) -> T:
+    def evaluate(self, fn: Callable[[RolloutEngine], T]) -> T:
         """Run ``fn(rollout engine)`` in the generator thread with the newest published weights
         (before any batch scheduled after that publish) and wait for it."""
         newest = self.newest_policy_step
@@ -207,7 +207,7 @@ class AsyncRollouts:
             generate_s=time.perf_counter() - started,
         )
 
-    def _run_eval(self, fn: Callable[[HFRolloutEngine], T], policy_step: int) -> T:  # generator thread
+    def _run_eval(self, fn: Callable[[RolloutEngine], T], policy_step: int) -> T:  # generator thread
         self.rollout.update_weights(self._versions[policy_step])
         return fn(self.rollout)
 

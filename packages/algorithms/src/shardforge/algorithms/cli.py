@@ -3,6 +3,7 @@
     shardforge train sft|rm|ppo|grpo --config examples/sft_tiny.yaml [--nproc-per-node N] key=value ...
     shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600]
     shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 450] [--grpo-steps N]
+    shardforge plan llama3-70b --world-size 1024 --seq-len 8192 --memory 80GiB [--ac full] [--json] ...
 
 ``key=value`` overrides use dotted paths into the config (``engine.optimizer.lr=1e-3``).
 With ``--nproc-per-node N > 1`` outside torchrun, the command relaunches itself through
@@ -39,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     demo_rl.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
     demo_rl.add_argument("--sft-steps", type=int, default=450, help="SFT steps before GRPO")
     demo_rl.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_grpo.yaml)")
+    from shardforge.algorithms.plan.report import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 
@@ -118,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
 
         run_rl_demo(args.out, nproc=args.nproc_per_node, sft_steps=args.sft_steps, grpo_steps=args.grpo_steps)
         return 0
+    if args.command == "plan":
+        from shardforge.algorithms.plan.report import run_plan
+
+        return run_plan(args)
     raise AssertionError(args.command)
 
 

@@ -33,6 +33,15 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 class OptimizerConfig:
     """AdamW with decoupled weight decay on matrices only."""
 
+    name: Literal["adamw", "anyprecision_adamw"] = "adamw"
+    """adamw: torch AdamW (state in the parameter dtype). anyprecision_adamw: `shardforge.memory.AnyPrecisionAdamW`
+    (moments in ``state_dtype``; with ``kahan_summation`` a compensation buffer makes bf16 parameters
+    (param_dtype="bfloat16") train like fp32 master weights at half the bytes)."""
+    state_dtype: str = "bfloat16"
+    """anyprecision_adamw: dtype of both Adam moments."""
+    kahan_summation: bool | None = None
+    """anyprecision_adamw: keep a bf16 Kahan compensation buffer per parameter; None = only when the
+    parameters are bf16/fp16 (with fp32 parameters it costs 2 bytes per parameter for nothing)."""
     lr: float = 1e-4
     """Peak learning rate."""
     weight_decay: float = 0.0
@@ -43,6 +52,11 @@ class OptimizerConfig:
     """AdamW epsilon."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this value (None = no clipping)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "anyprecision_adamw"):
+            raise ValueError(f"unknown optimizer {self.name!r}; valid: ['adamw', 'anyprecision_adamw']")
+        parse_dtype(self.state_dtype)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,6 +91,10 @@ class EngineConfig:
     """Recompute decoder-layer activations in backward."""
     checkpoint_every: int = 2
     """For selective activation checkpointing: every k-th layer."""
+    tiled_mlp_shards: int = 1
+    """Compute each dense decoder MLP in this many sequence chunks, recomputing each chunk in backward, so
+    the [tokens, intermediate] activation never exists for the whole micro-batch (1 = off). See
+    `shardforge.memory.apply_tiled_mlp`; not with tensor parallel + sequence_parallel."""
     sequence_parallel: bool = True
     """With tp > 1: shard activations on the sequence dim between blocks (Megatron SP)."""
     moe_aux_loss_weight: float | None = None
@@ -85,6 +103,10 @@ class EngineConfig:
     """FSDP: free gathered params after forward."""
     cpu_offload: bool = False
     """FSDP: keep params/grads/optimizer state on CPU."""
+    offload_when_idle: bool = False
+    """Keep weights and optimizer state in host memory between `forward` / `train_batch` calls and move
+    them to the device for each call (a reference or critic model that the actor's memory needs between
+    uses). A no-op on CPU-only machines. Exclusive with cpu_offload (which never puts them on the device)."""
     pp_schedule: str = "1F1B"
     """With pp > 1: GPipe, 1F1B, Interleaved1F1B or ZBVZeroBubble (torch.distributed.pipelining)."""
     pp_stages_per_rank: int | None = None
@@ -105,3 +127,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.head not in ("lm", "value"):
             raise ValueError(f"unknown engine head {self.head!r}; valid: ['lm', 'value']")
+        if isinstance(self.tiled_mlp_shards, bool) or self.tiled_mlp_shards < 1:
+            raise ValueError(f"tiled_mlp_shards={self.tiled_mlp_shards!r} must be an int >= 1 (1 = off)")
+        if self.offload_when_idle and self.cpu_offload:
+            raise ValueError(
+                "offload_when_idle and cpu_offload are exclusive: cpu_offload already keeps weights, grads and "
+                "optimizer state on the host for the whole run; pick one"
+            )

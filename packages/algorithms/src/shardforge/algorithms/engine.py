@@ -39,6 +39,7 @@ from shardforge.algorithms.moe_support import (
     reload_expert_tp,
     shard_experts,
 )
+from shardforge.algorithms.offload import OffloadState, offloaded_between_calls
 from shardforge.algorithms.optim import build_optimizer, build_scheduler
 from shardforge.algorithms.seq_groups import SEQUENCE_GROUP, grouped_microbatches
 from shardforge.checkpoint_dcp import Checkpointer, TrainState, export_hf
@@ -51,6 +52,7 @@ from shardforge.fsdp_wrap import (
     load_full_state_dict,
     total_grad_norm,
 )
+from shardforge.memory import apply_tiled_mlp
 from shardforge.mesh import ParallelDims, ParallelMesh, build_mesh, current_device, init_distributed
 from shardforge.tensor_parallel import apply_tensor_parallel, vocab_parallel_entropy, vocab_parallel_logprobs
 from shardforge.ulysses_cp import gather_sequence, packed_model_kwargs, register_packed_attention, slice_for_rank
@@ -77,6 +79,9 @@ class TrainEngine:
         config: optimizer, schedule, dtype and memory settings.
     """
 
+    offload_state: OffloadState | None = None
+    """Set with ``EngineConfig.offload_when_idle``: weights and optimizer state live on the host between calls."""
+
     def __init__(
         self,
         model: Any,
@@ -94,6 +99,11 @@ class TrainEngine:
             value_model.check_value_layout(dims.pp)
         self.dims = dims.resolve(world)
         validate_layout(self.dims, self.hf_config)
+        if self.config.tiled_mlp_shards > 1 and self.dims.tp > 1 and self.config.sequence_parallel:
+            raise ValueError(
+                "tiled_mlp_shards > 1 with tensor parallel needs sequence_parallel=False (the tiled MLP splits "
+                "the sequence itself); or set tiled_mlp_shards=1"
+            )
         if self.dims.pp > 1:
             pipeline_support.validate_pipeline(self.dims, self.hf_config, self.config)
         self.param_dtype = parse_dtype(self.config.param_dtype)
@@ -110,6 +120,9 @@ class TrainEngine:
         self.optimizer = build_optimizer(self.model, self.config.optimizer)
         register_moe_checkpoint_hooks(self.model, self.optimizer)  # expert-TP optimizer states in DCP
         self.scheduler = build_scheduler(self.optimizer, self.config.scheduler)
+        if self.config.offload_when_idle:  # weights + optimizer state on the host between calls
+            self.offload_state = OffloadState(self.model, self.optimizer, self.device)
+            self.offload_state.offload()
         self.step = 0
         self.logprob_temperature = 1.0
         """Log-probs and entropies are those of softmax(logits / T): RL trainers set T to the
@@ -129,6 +142,7 @@ class TrainEngine:
         if self.mesh is None or self.dims.world_size == 1:
             assert reference is not None
             apply_moe(reference, self.dims, None)
+            self._tile_mlps(reference)
             apply_activation_checkpointing(reference, self._ac_config())
             return reference.to(self.device)
         with torch.device("meta"):
@@ -140,6 +154,7 @@ class TrainEngine:
             plan = value_model.value_tp_plan(model, sequence_parallel=sp) if self.config.head == "value" else None
             apply_tensor_parallel(model, self.mesh.get("tp"), plan=plan, sequence_parallel=sp)
         efsdp_mesh = apply_moe(model, self.dims, self.mesh)  # EP / expert TP (MoE models only)
+        self._tile_mlps(model)
         if self.dims.pp > 1:  # split into this rank's stages, then AC and FSDP per stage
             return pipeline_support.build_pipeline_model(self, model, reference)
         apply_activation_checkpointing(model, self._ac_config())
@@ -153,6 +168,10 @@ class TrainEngine:
         reload_expert_tp(model, full)  # expert-TP shards are row ranges the generic load misplaces
         del reference, full, buffers
         return model
+
+    def _tile_mlps(self, model: nn.Module) -> None:
+        if self.config.tiled_mlp_shards > 1:
+            apply_tiled_mlp(model, self.config.tiled_mlp_shards)
 
     def _ac_config(self) -> ActivationCheckpointConfig:
         return ActivationCheckpointConfig(mode=self.config.activation_checkpointing, every=self.config.checkpoint_every)
@@ -288,6 +307,7 @@ class TrainEngine:
             loss_mask=torch.zeros(1),
         )
 
+    @offloaded_between_calls
     def train_batch(
         self,
         batch: PackedBatch,
@@ -353,6 +373,7 @@ class TrainEngine:
         }
 
     @torch.no_grad()
+    @offloaded_between_calls
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """[T] target log-probs of this rank's batch (token order of ``batch``); value-head engines
         return [T] per-position values."""
@@ -373,6 +394,7 @@ class TrainEngine:
         return out
 
     @torch.no_grad()
+    @offloaded_between_calls
     def eval_batch(
         self,
         batch: PackedBatch,
@@ -395,6 +417,7 @@ class TrainEngine:
         return {"loss": total / max(weight_total, 1e-12), "loss_weight": weight_total}
 
     # ------------------------------------------------------------------ export
+    @offloaded_between_calls
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) model state dict on rank 0's CPU; an empty dict elsewhere."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -406,6 +429,7 @@ class TrainEngine:
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return dict(state) if dist.get_rank() == 0 else {}  # type: ignore[arg-type]
 
+    @offloaded_between_calls
     def export_hf(self, out_dir: str | os.PathLike[str], tokenizer: Any = None, *, dtype: str | None = None) -> None:
         """Write an HF model directory (sharded safetensors + index + config [+ tokenizer]).
 
@@ -422,6 +446,7 @@ class TrainEngine:
             dtype=parse_dtype(dtype) if dtype else None,
         )
 
+    @offloaded_between_calls
     def publish_weights(
         self,
         transport: WeightTransport | None,
@@ -451,10 +476,12 @@ class TrainEngine:
         """A `TrainState` over this engine's model, optimizer, scheduler and step."""
         return TrainState(self.model, self.optimizer, self.scheduler, step=self.step, data_state=data_state)
 
+    @offloaded_between_calls
     def save(self, checkpointer: Checkpointer, data_state: dict[str, Any] | None = None) -> None:
         """Save the engine at its current step through ``checkpointer``. Collective."""
         checkpointer.save(self.step, {"train": self.train_state(data_state)})
 
+    @offloaded_between_calls
     def load(self, checkpointer: Checkpointer, step: int | str = "latest") -> dict[str, Any] | None:
         """Load a checkpoint (any layout); return its data state, or None if there is none."""
         if self.pipeline is not None:

@@ -1,7 +1,7 @@
 """GRPO (and Dr. GRPO / RLOO) on verifiable rewards: rollouts -> rewards -> group advantages ->
 PPO-clip update -> publish weights -> the rollout engine serves the new version.
 
-Every rank runs an embedded `HFRolloutEngine` for its share of the prompts. After each
+Every rank runs a `RolloutEngine` (embedded HF generate by default) for its share of the prompts. After each
 optimiser step rank 0 publishes the new weights with weight-sync's `DiskTransport` (atomic,
 verified versions under ``output_dir/weights``) and every rank's rollout engine switches to
 it, so step k+1 samples from the policy after update k (synchronous, on-policy). Old
@@ -40,7 +40,9 @@ from shardforge.algorithms.rlvr import (
     load_prompts,
     rollouts_to_batch,
 )
-from shardforge.algorithms.rollout import HFRolloutEngine, Rollout, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.rollout import Rollout, RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
+from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.trainer_common import progress_bar, publish_version, with_total_steps
 from shardforge.checkpoint_dcp import Checkpointer
 from shardforge.weight_sync import DiskTransport
@@ -90,6 +92,10 @@ class GRPOConfig:
     """Async mode: batch k is generated with the weights after step max(k - max_staleness, 0); 0 = on-policy."""
     rollout_dtype: str = "float32"
     """Dtype of the rollout model and of the published weights."""
+    rollout_engine: RolloutEngineKind = "hf"
+    """'hf' (embedded generate in every trainer process) or 'vllm' (optional extra; see `vllm`)."""
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    """vLLM rollout engine options (rollout_engine=vllm only)."""
     eval_every: int = 0
     """Greedy held-out accuracy every this many steps (0 = at the start and the end only)."""
     eval_size: int | None = None
@@ -153,13 +159,13 @@ def _global_reward_stats(rewards: torch.Tensor, lengths: torch.Tensor, engine: T
 
 
 def evaluate_accuracy(
-    rollout: HFRolloutEngine,
+    rollout: RolloutEngine,
     prompts: PromptSet,
     engine: TrainEngine,
     max_new_tokens: int,
     limit: int | None,
     *,
-    runner: Callable[[Callable[[HFRolloutEngine], float]], float] | None = None,
+    runner: Callable[[Callable[[RolloutEngine], float]], float] | None = None,
 ) -> float:
     """Greedy exact-match accuracy on held-out prompts, split across data-parallel ranks.
 
@@ -170,7 +176,7 @@ def evaluate_accuracy(
     count = len(prompts) if limit is None else min(limit, len(prompts))
     mine = list(range(count))[engine.dp_rank :: engine.dp_size]
 
-    def local_correct(engine_: HFRolloutEngine) -> float:
+    def local_correct(engine_: RolloutEngine) -> float:
         if not mine:
             return 0.0
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
@@ -187,7 +193,7 @@ def evaluate_accuracy(
 class _SyncRollouts:
     """Synchronous, on-policy: batch k is generated on the main thread with the weights after step k."""
 
-    def __init__(self, rollout: HFRolloutEngine, sample_fn: SampleFn, publish_fn: PublishFn) -> None:
+    def __init__(self, rollout: RolloutEngine, sample_fn: SampleFn, publish_fn: PublishFn) -> None:
         self.rollout, self.sample_fn, self.publish_fn = rollout, sample_fn, publish_fn
         self._version = publish_fn(None)
         rollout.update_weights(self._version)
@@ -202,7 +208,7 @@ class _SyncRollouts:
         self._version = self.publish_fn(self._version + 1)
         self.rollout.update_weights(self._version)
 
-    def evaluate(self, fn: Callable[[HFRolloutEngine], float]) -> float:
+    def evaluate(self, fn: Callable[[RolloutEngine], float]) -> float:
         return fn(self.rollout)
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -213,7 +219,7 @@ class _SyncRollouts:
 
 
 def _sample_fn(
-    config: GRPOConfig, rollout: HFRolloutEngine, prompts: PromptSet, reward_fn: Any, engine: TrainEngine
+    config: GRPOConfig, rollout: RolloutEngine, prompts: PromptSet, reward_fn: Any, engine: TrainEngine
 ) -> SampleFn:
     sampler = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=config.seed)
     dp_rank, dp_size = engine.dp_rank, engine.dp_size
@@ -267,7 +273,10 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
     if checkpointer is not None and config.resume == "auto":
         loaded = engine.load(checkpointer)
         start = engine.step if loaded is not None else 0
-    rollout = HFRolloutEngine(config.model, tokenizer, weights_root=weights_root, dtype=config.rollout_dtype)
+    rollout = build_rollout_engine(
+        config.rollout_engine, config.model, tokenizer, weights_root=weights_root, dtype=config.rollout_dtype,
+        vllm=config.vllm, seed=config.seed,
+    )  # fmt: skip
 
     def publish(version: int | None) -> int:
         return publish_version(engine, transport, rollout, config.rollout_dtype, version)

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from shardforge.fsdp_wrap import FSDPConfig
+from shardforge.fsdp_wrap import FSDPConfig, offload_policy
 from shardforge.mesh import ParallelDims, ParallelMesh
 from shardforge.moe_ep import (
     MOE_FAMILIES,
@@ -149,7 +149,7 @@ def shard_experts(model: nn.Module, efsdp_mesh: DeviceMesh | None, dims: Paralle
             mesh=efsdp_mesh,
             reshard_after_forward=config.reshard_after_forward,
             mp_policy=MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype),
-            offload_policy=CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
+            offload_policy=offload_policy(config.cpu_offload),
         )
         experts.set_gradient_divide_factor(float(dims.dp_cp))  # type: ignore[operator]
         if efsdp_mesh.size() > 1 and dist.get_backend(efsdp_mesh.get_group()) == "gloo":

@@ -7,13 +7,15 @@ import math
 import torch
 from torch import nn
 
-from shardforge.algorithms.config import OptimizerConfig, SchedulerConfig
+from shardforge.algorithms.config import OptimizerConfig, SchedulerConfig, parse_dtype
+from shardforge.memory import AnyPrecisionAdamW
 
 __all__ = ["build_optimizer", "build_scheduler", "lr_factor"]
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
-    """AdamW over trainable params; matrices decay, vectors (biases, norms) do not."""
+def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
+    """AdamW (torch's or `AnyPrecisionAdamW`) over trainable params; matrices decay, vectors (biases,
+    norms) do not."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for param in model.parameters():
@@ -24,6 +26,21 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Ad
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if config.name == "anyprecision_adamw":
+        dtype = parse_dtype(config.state_dtype)
+        kahan = config.kahan_summation
+        if kahan is None:  # compensation only helps weights that round the update away
+            kahan = any(p.dtype in (torch.bfloat16, torch.float16) for p in decay + no_decay)
+        return AnyPrecisionAdamW(
+            [g for g in groups if g["params"]],
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.eps,
+            momentum_dtype=dtype,
+            variance_dtype=dtype,
+            compensation_buffer_dtype=torch.bfloat16,
+            use_kahan_summation=kahan,
+        )
     # foreach=False: the DTensor foreach path is fine on GPU, but on CPU the plain loop is
     # as fast and keeps the update bit-identical across layouts.
     return torch.optim.AdamW(

@@ -30,7 +30,9 @@ from shardforge.algorithms.metrics import MetricsLogger
 from shardforge.algorithms.ppo_step import ShiftedCriticLossFn, ppo_update, prepare_ppo_batch
 from shardforge.algorithms.rl import KLEstimator, PPOActorConfig, PPOActorLossFn, PPOCriticConfig
 from shardforge.algorithms.rlvr import PromptSet, load_prompts, rollouts_to_batch
-from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
+from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.sft import _check_data_state
 from shardforge.algorithms.trainer_common import progress_bar, publish_to_rollout, with_total_steps
 from shardforge.checkpoint_dcp import Checkpointer
@@ -85,6 +87,10 @@ class PPOConfig:
     """Per-token KL penalty to the reference policy, subtracted from the reward (0 = no reference)."""
     kl_estimator: KLEstimator = "k1"
     """KL estimator of the penalty (k1 = log pi - log pi_ref)."""
+    offload_reference: bool = False
+    """Keep the reference policy's weights in host memory except during its forward (on an accelerator
+    this frees its whole footprint for the actor; a no-op on CPU). The critic's equivalent is
+    ``critic_engine.offload_when_idle``."""
     actor: PPOActorConfig = field(default_factory=PPOActorConfig)
     """Actor PPO loss options."""
     critic: PPOCriticConfig = field(default_factory=PPOCriticConfig)
@@ -93,6 +99,10 @@ class PPOConfig:
     """Recompute old log-probs with the trainer before the update (else use the rollout's)."""
     rollout_dtype: str = "float32"
     """Dtype of the rollout model and of the published weights."""
+    rollout_engine: RolloutEngineKind = "hf"
+    """'hf' (embedded generate in every trainer process) or 'vllm' (optional extra; see `vllm`)."""
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    """vLLM rollout engine options (rollout_engine=vllm only)."""
     eval_every: int = 0
     """Greedy held-out accuracy every this many steps (0 = at the start and the end only)."""
     eval_size: int | None = None
@@ -151,7 +161,10 @@ def run_ppo(config: PPOConfig) -> dict[str, Any]:
     critic = TrainEngine(config.critic_model or config.model, config.layout, critic_config)
     reference = None
     if config.kl_coef > 0:
-        reference = TrainEngine(config.reference_model or config.model, config.layout, config.engine)
+        ref_config = config.engine
+        if config.offload_reference:  # on the device only for its forward (cpu_offload would keep it on host)
+            ref_config = dataclasses.replace(ref_config, offload_when_idle=True, cpu_offload=False)
+        reference = TrainEngine(config.reference_model or config.model, config.layout, ref_config)
     if config.temperature > 0:  # log-probs of the distribution the rollouts sample from (as GRPO)
         for policy in (actor, reference):
             if policy is not None:
@@ -180,7 +193,10 @@ def run_ppo(config: PPOConfig) -> dict[str, Any]:
         if critic.load(checkpointers[1], step=actor.step) is None:
             raise FileNotFoundError(f"actor checkpoint at step {actor.step} has no matching critic checkpoint")
         start = actor.step // config.update_epochs
-    rollout = HFRolloutEngine(config.model, tokenizer, weights_root=weights_root, dtype=config.rollout_dtype)
+    rollout = build_rollout_engine(
+        config.rollout_engine, config.model, tokenizer, weights_root=weights_root, dtype=config.rollout_dtype,
+        vllm=config.vllm, seed=config.seed,
+    )  # fmt: skip
     version = publish_to_rollout(actor, transport, rollout, config.rollout_dtype)
     sampler = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=config.seed)
     actor_fn, critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
@@ -251,7 +267,7 @@ def _rollout_batch(
     step: int,
     config: PPOConfig,
     engine: TrainEngine,
-    rollout: HFRolloutEngine,
+    rollout: RolloutEngine,
     prompts: PromptSet,
     sampler: GlobalBatchSampler,
     reward_fn: Any,

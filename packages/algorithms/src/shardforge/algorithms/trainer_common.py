@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from shardforge.algorithms.config import EngineConfig
 from shardforge.algorithms.engine import TrainEngine
-from shardforge.algorithms.rollout import HFRolloutEngine
+from shardforge.algorithms.rollout.factory import PublishedRolloutEngine
 from shardforge.weight_sync import DiskTransport
 
 __all__ = ["progress_bar", "publish_to_rollout", "publish_version", "with_total_steps"]
@@ -35,7 +35,7 @@ def progress_bar(total: int, initial: int, enabled: bool, desc: str) -> Any:
 def publish_version(
     engine: TrainEngine,
     transport: DiskTransport | None,
-    rollout: HFRolloutEngine,
+    rollout: PublishedRolloutEngine,
     dtype: str,
     version: int | None = None,
 ) -> int:
@@ -56,7 +56,7 @@ def publish_version(
 def publish_to_rollout(
     engine: TrainEngine,
     transport: DiskTransport | None,
-    rollout: HFRolloutEngine,
+    rollout: PublishedRolloutEngine,
     dtype: str,
     version: int | None = None,
 ) -> int:

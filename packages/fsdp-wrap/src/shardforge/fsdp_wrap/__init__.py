@@ -4,7 +4,7 @@ from shardforge.fsdp_wrap.checkpointing import apply_activation_checkpointing
 from shardforge.fsdp_wrap.clip import clip_grad_norm_, total_grad_norm
 from shardforge.fsdp_wrap.config import ActivationCheckpointConfig, FSDPConfig
 from shardforge.fsdp_wrap.meta_init import load_full_state_dict
-from shardforge.fsdp_wrap.wrap import apply_fsdp
+from shardforge.fsdp_wrap.wrap import apply_fsdp, offload_policy
 
 __version__ = "0.1.0"
 
@@ -15,5 +15,6 @@ __all__ = [
     "apply_fsdp",
     "clip_grad_norm_",
     "load_full_state_dict",
+    "offload_policy",
     "total_grad_norm",
 ]

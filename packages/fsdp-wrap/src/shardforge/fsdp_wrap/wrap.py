@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -32,7 +33,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig | None = N
     kwargs: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype),
-        "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
+        "offload_policy": offload_policy(config.cpu_offload),
     }
     layer_classes = resolve_layer_classes(model, config.wrap_classes)
     layers = find_layer_modules(model, layer_classes)
@@ -57,3 +58,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig | None = N
             fully_shard(get_out(), reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, **kwargs)
     return model
+
+
+def offload_policy(cpu_offload: bool) -> OffloadPolicy:
+    """FSDP2's CPU offload policy (params, grads and optimizer state in host memory) or none.
+
+    Host memory is pinned only where an accelerator exists: pinning needs one (on a CPU-only machine
+    torch raises "Cannot access accelerator device"), and without one there is no copy to speed up.
+    """
+    if not cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())

@@ -1,3 +1,8 @@
 """Memory savers: AnyPrecisionAdamW and a sequence-tiled MLP."""
 
-__all__: list[str] = []
+from shardforge.memory.anyprecision import AnyPrecisionAdamW
+from shardforge.memory.tiled_mlp import apply_tiled_mlp
+
+__version__ = "0.1.0"
+
+__all__ = ["AnyPrecisionAdamW", "apply_tiled_mlp"]

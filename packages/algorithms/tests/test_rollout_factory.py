@@ -1,0 +1,105 @@
+"""Rollout-engine selection without vLLM: the factory, the vLLM options and the trainer config fields.
+
+Runs in the main test venv (no vLLM). "vLLM missing" is simulated with ``sys.modules["vllm"] = None``
+so the test means the same where vLLM is installed. The vLLM engine itself is tested against a
+real vLLM in packages/algorithms/tests_vllm (``nox -s vllm``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardforge.algorithms.config_io import apply_overrides, build_config
+from shardforge.algorithms.rollout import HFRolloutEngine
+from shardforge.algorithms.rollout.factory import build_rollout_engine
+from shardforge.algorithms.rollout.vllm_engine import VLLMOptions, _request_seed
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
+    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3
+
+    root = tmp_path_factory.mktemp("factory")
+    tokenizer = build_char_tokenizer(root / "tokenizer")
+    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2, seed=0)
+    return str(root / "model"), tokenizer
+
+
+def test_factory_builds_the_hf_engine_and_rejects_unknown_kinds(tiny: tuple[str, Any], tmp_path: Path) -> None:
+    model, tokenizer = tiny
+    engine = build_rollout_engine("hf", model, tokenizer, weights_root=tmp_path / "weights")
+    assert isinstance(engine, HFRolloutEngine) and engine.version == 0 and engine.source is not None
+    with pytest.raises(ValueError, match=r"rollout_engine='tgi' is not one of \['hf', 'vllm'\]"):
+        build_rollout_engine("tgi", model, tokenizer)
+
+
+def test_factory_says_how_to_install_vllm_when_it_is_missing(
+    tiny: tuple[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, tokenizer = tiny
+    monkeypatch.setitem(__import__("sys").modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(ImportError, match=r"needs vLLM, which is not installed: pip install .*\[vllm\]") as info:
+        build_rollout_engine("vllm", model, tokenizer)
+    assert "nox -s vllm" in str(info.value) and "docs/packages/algorithms-grpo.md" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"placement": "rank1"}, r"vllm.placement='rank1' is not one of \['rank0', 'each_rank'\]"),
+        ({"gpu_memory_utilization": 0.0}, r"gpu_memory_utilization=0.0 must be in \(0, 1\]"),
+        ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization=1.5 must be in \(0, 1\]"),
+        ({"kv_cache_space_gib": 0}, "kv_cache_space_gib=0 must be a whole number >= 1"),
+        ({"max_model_len": 1}, "max_model_len=1 must be >= 2"),
+        ({"max_num_seqs": 0}, "max_num_seqs=0 must be >= 1"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be >= 1"),
+    ],
+)
+def test_vllm_options_are_validated(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        VLLMOptions(**change)
+
+
+def test_factory_checks_the_options_type(tiny: tuple[str, Any]) -> None:
+    model, tokenizer = tiny
+    with pytest.raises(TypeError, match="vllm= must be VLLMOptions, got dict"):
+        build_rollout_engine("vllm", model, tokenizer, vllm={"placement": "rank0"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "ppo"])
+def test_trainer_configs_select_the_engine(trainer: str) -> None:
+    if trainer == "grpo":
+        from shardforge.algorithms.grpo import GRPOConfig as Config
+    else:
+        from shardforge.algorithms.ppo import PPOConfig as Config  # type: ignore[assignment]
+    base = {"model": "m", "train_file": "t.jsonl", "output_dir": "o"}
+    default = build_config(Config, base)
+    assert default.rollout_engine == "hf" and default.vllm == VLLMOptions()
+    data = apply_overrides(base, ["rollout_engine=vllm", "vllm.gpu_memory_utilization=0.3", "vllm.max_model_len=48"])
+    config = build_config(Config, data)
+    assert config.rollout_engine == "vllm"
+    assert config.vllm == dataclasses.replace(VLLMOptions(), gpu_memory_utilization=0.3, max_model_len=48)
+    with pytest.raises(ValueError, match=r"rollout_engine: 'sglang' is not one of \['hf', 'vllm'\]"):
+        build_config(Config, base | {"rollout_engine": "sglang"})
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['gpu_mem'\] in vllm"):
+        build_config(Config, base | {"vllm": {"gpu_mem": 0.3}})
+    with pytest.raises(ValueError, match=r"vllm.placement: 'everywhere' is not one of \['rank0', 'each_rank'\]"):
+        build_config(Config, base | {"vllm": {"placement": "everywhere"}})
+    with pytest.raises(ValueError, match=r"vllm.gpu_memory_utilization=2.0 must be in \(0, 1\]"):
+        build_config(Config, base | {"vllm": {"gpu_memory_utilization": 2}})
+
+
+def test_request_seeds_are_distinct_and_leave_room_for_the_sample_index() -> None:
+    n = 8
+    seeds = [_request_seed(s, i, n) for s in range(50) for i in range(64)]
+    assert len(set(seeds)) == len(seeds)
+    assert all(0 <= s < 2**62 - n for s in seeds)
+    # vLLM gives sample k of a prompt seed s + k: the ranges of different prompts must not overlap.
+    spans = sorted(seeds)
+    assert all(b - a >= n for a, b in itertools.pairwise(spans))
+    assert _request_seed(3, 5, n) == _request_seed(3, 5, n)
