@@ -453,6 +453,7 @@ class TrainEngine:
                 dtype=parse_dtype(dtype) if dtype else None,
             )
 
+    @offloaded_between_calls
     def export_lora(self, out_dir: str | os.PathLike[str], base_model_name_or_path: str | None = None) -> None:
         """Write the LoRA adapters in PEFT format (``PeftModel.from_pretrained(base, out_dir)``). Collective."""
         lora_support.export_lora(self, out_dir, base_model_name_or_path)
