@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from shardforge.lora import LoRAConfig
+
 __all__ = ["EngineConfig", "OptimizerConfig", "SchedulerConfig", "parse_dtype"]
 
 _DTYPES = {
@@ -123,6 +125,9 @@ class EngineConfig:
     loss functions get per-position values [T]); see `shardforge.algorithms.value_model`."""
     dist_timeout_s: float = 600.0
     """Collective timeout: a hang becomes an error after this many seconds."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters (only they train; checkpoints hold only them); None = full fine-tuning.
+    CLI: ``engine.lora.r=8 engine.lora.target_modules=[q_proj,v_proj]``. See docs/packages/lora.md."""
 
     def __post_init__(self) -> None:
         if self.head not in ("lm", "value"):

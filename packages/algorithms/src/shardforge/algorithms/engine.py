@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardforge.algorithms import pipeline_support, value_model
+from shardforge.algorithms import lora_support, pipeline_support, value_model
 from shardforge.algorithms.batch import PackedBatch, pad_to_multiple
 from shardforge.algorithms.config import EngineConfig, parse_dtype
 from shardforge.algorithms.losses import sequence_start_mask, sft_loss, token_count
@@ -106,6 +106,7 @@ class TrainEngine:
             )
         if self.dims.pp > 1:
             pipeline_support.validate_pipeline(self.dims, self.hf_config, self.config)
+        lora_support.validate_lora(self.config, self.dims.pp)
         self.param_dtype = parse_dtype(self.config.param_dtype)
         compute = self.config.compute_dtype
         self.compute_dtype = parse_dtype(compute) if compute else None
@@ -139,6 +140,7 @@ class TrainEngine:
                 source, self.hf_config, dtype=self.param_dtype, attn_implementation=attn, seed=self.config.seed
             )
             reference.config.use_cache = False
+            lora_support.add_adapters(reference, self.config)  # adapter init travels in the broadcast
         if self.mesh is None or self.dims.world_size == 1:
             assert reference is not None
             apply_moe(reference, self.dims, None)
@@ -149,9 +151,11 @@ class TrainEngine:
             model_cls = value_model.model_class(self.config.head)
             model = model_cls.from_config(self.hf_config, dtype=self.param_dtype, attn_implementation=attn)
         model.config.use_cache = False
+        lora_support.add_adapters(model, self.config)
         if self.dims.tp > 1:
             sp = self.config.sequence_parallel
             plan = value_model.value_tp_plan(model, sequence_parallel=sp) if self.config.head == "value" else None
+            plan = lora_support.tp_plan(model, plan, self.config)
             apply_tensor_parallel(model, self.mesh.get("tp"), plan=plan, sequence_parallel=sp)
         efsdp_mesh = apply_moe(model, self.dims, self.mesh)  # EP / expert TP (MoE models only)
         self._tile_mlps(model)
@@ -422,11 +426,13 @@ class TrainEngine:
         """The full (unsharded) model state dict on rank 0's CPU; an empty dict elsewhere."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        if not dist.is_initialized():
-            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         if self.pipeline is not None:
             return pipeline_support.pp_full_state_dict(self)
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        with lora_support.merged_weights(self.model, self.config):  # LoRA: merged HF weights
+            if not dist.is_initialized():
+                return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = get_model_state_dict(self.model, options=options)
         return dict(state) if dist.get_rank() == 0 else {}  # type: ignore[arg-type]
 
     @offloaded_between_calls
@@ -438,13 +444,19 @@ class TrainEngine:
         if self.pipeline is not None:
             out_dtype = parse_dtype(dtype) if dtype else None
             return pipeline_support.pp_export_hf(self, out_dir, replace_attn(self.hf_config), tokenizer, out_dtype)
-        export_hf(
-            self.model,
-            out_dir,
-            replace_attn(self.hf_config),
-            tokenizer,
-            dtype=parse_dtype(dtype) if dtype else None,
-        )
+        with lora_support.merged_weights(self.model, self.config):  # LoRA: the merged model
+            export_hf(
+                self.model,
+                out_dir,
+                replace_attn(self.hf_config),
+                tokenizer,
+                dtype=parse_dtype(dtype) if dtype else None,
+            )
+
+    @offloaded_between_calls
+    def export_lora(self, out_dir: str | os.PathLike[str], base_model_name_or_path: str | None = None) -> None:
+        """Write the LoRA adapters in PEFT format (``PeftModel.from_pretrained(base, out_dir)``). Collective."""
+        lora_support.export_lora(self, out_dir, base_model_name_or_path)
 
     @offloaded_between_calls
     def publish_weights(
@@ -469,12 +481,22 @@ class TrainEngine:
             dtype=parse_dtype(dtype) if dtype is not None else None,
             src_rank=src_rank,
         )
-        return publisher.publish(self.step if version is None else version)
+        with lora_support.merged_weights(self.model, self.config):  # LoRA: publish merged HF weights
+            return publisher.publish(self.step if version is None else version)
 
     # ------------------------------------------------------------------ checkpoints
     def train_state(self, data_state: dict[str, Any] | None = None) -> TrainState:
         """A `TrainState` over this engine's model, optimizer, scheduler and step."""
-        return TrainState(self.model, self.optimizer, self.scheduler, step=self.step, data_state=data_state)
+        # LoRA: adapters (+ their optimizer state) only; the frozen base comes from the model path.
+        trainable_only = self.config.lora is not None
+        return TrainState(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            step=self.step,
+            data_state=data_state,
+            trainable_only=trainable_only,
+        )
 
     @offloaded_between_calls
     def save(self, checkpointer: Checkpointer, data_state: dict[str, Any] | None = None) -> None:

@@ -1,7 +1,7 @@
 """GRPO (and Dr. GRPO / RLOO) on verifiable rewards: rollouts -> rewards -> group advantages ->
 PPO-clip update -> publish weights -> the rollout engine serves the new version.
 
-Every rank runs an embedded `HFRolloutEngine` for its share of the prompts. After each
+Every rank runs a `RolloutEngine` (embedded HF generate by default) for its share of the prompts. After each
 optimiser step rank 0 publishes the new weights with weight-sync's `DiskTransport` (atomic,
 verified versions under ``output_dir/weights``) and every rank's rollout engine switches to
 it, so step k+1 samples from the policy after update k (synchronous, on-policy). Old
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,13 +23,14 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from shardforge.algorithms.async_rollout import AsyncRollouts, PublishFn, SampledBatch, SampleFn
 from shardforge.algorithms.config import EngineConfig
 from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.metrics import MetricsLogger
 from shardforge.algorithms.rl import PPOActorConfig, PPOActorLossFn, summarize_stats
-from shardforge.algorithms.rl.loss_fns import OLD_LOGPROBS
+from shardforge.algorithms.rl.loss_fns import OLD_LOGPROBS, PROXIMAL_LOGPROBS
 from shardforge.algorithms.rl.stats import all_reduce_stats
 from shardforge.algorithms.rlvr import (
     BEHAVIOUR_LOGPROBS,
@@ -38,10 +40,10 @@ from shardforge.algorithms.rlvr import (
     load_prompts,
     rollouts_to_batch,
 )
-from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.rollout import Rollout, RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
 from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
-from shardforge.algorithms.trainer_common import progress_bar, publish_to_rollout, with_total_steps
+from shardforge.algorithms.trainer_common import progress_bar, publish_version, with_total_steps
 from shardforge.checkpoint_dcp import Checkpointer
 from shardforge.weight_sync import DiskTransport
 
@@ -84,6 +86,10 @@ class GRPOConfig:
     """PPO loss options (clip ranges, dual clip, aggregation, ...)."""
     recompute_logprobs: bool = True
     """Recompute old log-probs with the trainer before the update (else use the rollout's)."""
+    async_rollouts: bool = False
+    """Generate the next batch in a background thread while the current step trains (decoupled PPO loss)."""
+    max_staleness: int = 1
+    """Async mode: batch k is generated with the weights after step max(k - max_staleness, 0); 0 = on-policy."""
     rollout_dtype: str = "float32"
     """Dtype of the rollout model and of the published weights."""
     rollout_engine: RolloutEngineKind = "hf"
@@ -120,6 +126,13 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
         raise ValueError(f"group_size={config.group_size} must be >= 1")
     if config.advantage != "dr_grpo" and config.group_size < 2:
         raise ValueError(f"advantage={config.advantage!r} needs group_size >= 2 (it compares samples of a prompt)")
+    if config.max_staleness < 0:
+        raise ValueError(f"max_staleness={config.max_staleness} must be >= 0 (0 = on-policy, no overlap)")
+    if config.async_rollouts and not config.recompute_logprobs:
+        raise ValueError(
+            "async_rollouts needs recompute_logprobs=true: the decoupled loss uses the trainer's log-probs "
+            "as the proximal policy (the rollout's are the behaviour policy)"
+        )
     longest = max(len(p) for p in prompts.ids) + config.max_new_tokens
     budget = config.engine.max_tokens_per_microbatch
     if longest > budget:
@@ -146,23 +159,87 @@ def _global_reward_stats(rewards: torch.Tensor, lengths: torch.Tensor, engine: T
 
 
 def evaluate_accuracy(
-    rollout: RolloutEngine, prompts: PromptSet, engine: TrainEngine, max_new_tokens: int, limit: int | None
+    rollout: RolloutEngine,
+    prompts: PromptSet,
+    engine: TrainEngine,
+    max_new_tokens: int,
+    limit: int | None,
+    *,
+    runner: Callable[[Callable[[RolloutEngine], float]], float] | None = None,
 ) -> float:
-    """Greedy exact-match accuracy on held-out prompts, split across data-parallel ranks."""
+    """Greedy exact-match accuracy on held-out prompts, split across data-parallel ranks.
+
+    ``runner`` runs the local generation (e.g. `AsyncRollouts.evaluate`, on the thread that owns
+    the rollout engine); the reduction across ranks always happens here, on the calling thread."""
     from shardforge.algorithms.rollout import exact_match_reward
 
     count = len(prompts) if limit is None else min(limit, len(prompts))
     mine = list(range(count))[engine.dp_rank :: engine.dp_size]
-    correct = 0.0
-    if mine:
-        outs = rollout.generate(
-            [prompts.ids[i] for i in mine], SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
-        )
-        correct = sum(exact_match_reward("", o.text, prompts.references[mine[o.prompt_index]]) for o in outs)
+
+    def local_correct(engine_: RolloutEngine) -> float:
+        if not mine:
+            return 0.0
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
+        outs = engine_.generate([prompts.ids[i] for i in mine], params)
+        return float(sum(exact_match_reward("", o.text, prompts.references[mine[o.prompt_index]]) for o in outs))
+
+    correct = local_correct(rollout) if runner is None else runner(local_correct)
     values = torch.tensor([correct], dtype=torch.float64)
     if engine.dp_group is not None:
         dist.all_reduce(values, group=engine.dp_group)
     return float(values[0]) / count
+
+
+class _SyncRollouts:
+    """Synchronous, on-policy: batch k is generated on the main thread with the weights after step k."""
+
+    def __init__(self, rollout: RolloutEngine, sample_fn: SampleFn, publish_fn: PublishFn) -> None:
+        self.rollout, self.sample_fn, self.publish_fn = rollout, sample_fn, publish_fn
+        self._version = publish_fn(None)
+        rollout.update_weights(self._version)
+
+    def batch(self, index: int) -> SampledBatch:
+        started = time.perf_counter()
+        rollouts, rewards = self.sample_fn(index)
+        elapsed = time.perf_counter() - started
+        return SampledBatch(index=index, policy_step=index, rollouts=rollouts, rewards=rewards, generate_s=elapsed)
+
+    def publish(self, policy_step: int) -> None:
+        self._version = self.publish_fn(self._version + 1)
+        self.rollout.update_weights(self._version)
+
+    def evaluate(self, fn: Callable[[RolloutEngine], float]) -> float:
+        return fn(self.rollout)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def _sample_fn(
+    config: GRPOConfig, rollout: RolloutEngine, prompts: PromptSet, reward_fn: Any, engine: TrainEngine
+) -> SampleFn:
+    sampler = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=config.seed)
+    dp_rank, dp_size = engine.dp_rank, engine.dp_size
+
+    def sample(index: int) -> tuple[list[Rollout], torch.Tensor]:
+        indices = sampler.local_batch(index, dp_rank, dp_size)
+        # The sampling seed depends only on (seed, batch index, dp rank): a resumed run, and the
+        # asynchronous mode (batches generated on another thread), sample the same.
+        params = SamplingParams(
+            n=config.group_size,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            seed=(config.seed * 1_000_003 + index) * 1_009 + dp_rank,
+        )
+        rollouts = rollout.generate([prompts.ids[i] for i in indices], params)
+        texts = [prompts.texts[i] for i in indices]
+        references = [prompts.references[i] for i in indices]
+        return rollouts, score_rollouts(rollouts, texts, references, reward_fn)
+
+    return sample
 
 
 def run_grpo(config: GRPOConfig) -> dict[str, Any]:
@@ -180,7 +257,9 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
         engine.logprob_temperature = config.temperature
     out = Path(config.output_dir)
     weights_root = out / "weights"
-    transport = DiskTransport(weights_root, keep_last=2) if engine.is_main else None
+    # Async mode: the generator may still need the weights of max_staleness steps ago.
+    keep_weights = max(2, config.max_staleness + 2) if config.async_rollouts else 2
+    transport = DiskTransport(weights_root, keep_last=keep_weights) if engine.is_main else None
     if engine.is_main:
         (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2))
     checkpointer = (
@@ -190,31 +269,53 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
     )
     start = 0
     data_state = {"seed": config.seed, "prompts_per_step": config.prompts_per_step, "num_prompts": len(prompts)}
-    if checkpointer is not None and config.resume == "auto" and engine.load(checkpointer) is not None:
-        start = engine.step
+    loaded: dict[str, Any] | None = None
+    if checkpointer is not None and config.resume == "auto":
+        loaded = engine.load(checkpointer)
+        start = engine.step if loaded is not None else 0
     rollout = build_rollout_engine(
         config.rollout_engine, config.model, tokenizer, weights_root=weights_root, dtype=config.rollout_dtype,
         vllm=config.vllm, seed=config.seed,
     )  # fmt: skip
-    next_version = publish_to_rollout(engine, transport, rollout, config.rollout_dtype)  # the starting weights
-    sampler = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=config.seed)
+
+    def publish(version: int | None) -> int:
+        return publish_version(engine, transport, rollout, config.rollout_dtype, version)
+
+    sample_fn = _sample_fn(config, rollout, prompts, reward_fn, engine)
+    source: _SyncRollouts | AsyncRollouts
+    if config.async_rollouts:
+        source = AsyncRollouts(
+            rollout=rollout,
+            sample_fn=sample_fn,
+            publish_fn=publish,
+            max_staleness=config.max_staleness,
+            num_batches=config.steps,
+            start=start,
+            dp_rank=engine.dp_rank,
+            dp_size=engine.dp_size,
+            restored=(loaded or {}).get("async_rollouts"),
+        )
+    else:
+        source = _SyncRollouts(rollout, sample_fn, publish)
     actor = PPOActorLossFn(config.actor)
     metrics = MetricsLogger(out, enabled=engine.is_main)
     summary: dict[str, Any] = {"steps": config.steps, "output_dir": str(out), "layout": engine.dims.to_string()}
-    if held_out is not None:
-        summary["accuracy_start"] = evaluate_accuracy(
-            rollout, held_out, engine, config.max_new_tokens, config.eval_size
-        )
-        metrics.log(start, {"accuracy": summary["accuracy_start"]}, split="eval")
-    bar = progress_bar(config.steps, start, engine.is_main and config.progress, "grpo")
+    bar = None
     try:
+        if held_out is not None:
+            summary["accuracy_start"] = evaluate_accuracy(
+                rollout, held_out, engine, config.max_new_tokens, config.eval_size, runner=source.evaluate
+            )
+            metrics.log(start, {"accuracy": summary["accuracy_start"]}, split="eval")
+        bar = progress_bar(config.steps, start, engine.is_main and config.progress, "grpo")
         for step in range(start, config.steps):
             step_started = time.perf_counter()
-            stats = _grpo_step(step, config, engine, rollout, prompts, sampler, actor, reward_fn)
+            sampled = source.batch(step)
+            stats = _train_step(sampled, config, engine, actor, step_started)
             began = time.perf_counter()
-            next_version = publish_to_rollout(engine, transport, rollout, config.rollout_dtype, next_version)
+            source.publish(step + 1)
             stats["weight_sync_s"] = time.perf_counter() - began
-            stats["step_s"] = time.perf_counter() - step_started  # rollouts + update + publish
+            stats["step_s"] = time.perf_counter() - step_started  # rollouts (or the wait) + update + publish
             if not math.isfinite(stats["loss"]):
                 raise FloatingPointError(f"GRPO loss became {stats['loss']} at step {step + 1}")
             metrics.log(step + 1, stats)
@@ -224,12 +325,16 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
                 bar.update(1)
             last = step + 1 == config.steps
             if checkpointer is not None and config.save_every > 0 and ((step + 1) % config.save_every == 0 or last):
-                engine.save(checkpointer, data_state)
+                state = source.checkpoint_state()
+                engine.save(checkpointer, data_state | ({"async_rollouts": state} if state else {}))
             if held_out is not None and ((config.eval_every and (step + 1) % config.eval_every == 0) or last):
-                accuracy = evaluate_accuracy(rollout, held_out, engine, config.max_new_tokens, config.eval_size)
+                accuracy = evaluate_accuracy(
+                    rollout, held_out, engine, config.max_new_tokens, config.eval_size, runner=source.evaluate
+                )
                 metrics.log(step + 1, {"accuracy": accuracy}, split="eval")
                 summary["accuracy_end"] = accuracy
     finally:
+        source.close()
         if bar is not None:
             bar.close()
         metrics.close()
@@ -245,48 +350,43 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
     return summary
 
 
-def _grpo_step(
-    step: int,
-    config: GRPOConfig,
-    engine: TrainEngine,
-    rollout: RolloutEngine,
-    prompts: PromptSet,
-    sampler: GlobalBatchSampler,
-    actor: PPOActorLossFn,
-    reward_fn: Any,
+def _train_step(
+    sampled: SampledBatch, config: GRPOConfig, engine: TrainEngine, actor: PPOActorLossFn, step_started: float
 ) -> dict[str, float]:
+    """One PPO update on a sampled batch. A batch generated by older weights than the current ones
+    (async mode) uses the decoupled loss: the trainer's recomputed log-probs are the proximal
+    policy, the rollout's the behaviour policy; a fresh batch uses plain PPO-clip."""
     started = time.perf_counter()
-    indices = sampler.local_batch(step, engine.dp_rank, engine.dp_size)
-    # The sampling seed is a function of (seed, step, dp rank): a resumed run samples the same.
-    params = SamplingParams(
-        n=config.group_size,
-        max_new_tokens=config.max_new_tokens,
-        temperature=config.temperature,
-        seed=(config.seed * 1_000_003 + step) * 1_009 + engine.dp_rank,
-    )
-    rollouts = rollout.generate([prompts.ids[i] for i in indices], params)
-    generated = time.perf_counter()
-    local_texts = [prompts.texts[i] for i in indices]
-    local_refs = [prompts.references[i] for i in indices]
-    rewards = score_rollouts(rollouts, local_texts, local_refs, reward_fn)
-    advantages = group_advantages(rewards, config.group_size, config.advantage)
-    batch = rollouts_to_batch(rollouts, advantages)
+    advantages = group_advantages(sampled.rewards, config.group_size, config.advantage)
+    batch = rollouts_to_batch(sampled.rollouts, advantages)
+    staleness = sampled.index - sampled.policy_step
     if config.recompute_logprobs:
-        batch.extras[OLD_LOGPROBS] = engine.forward(batch)
+        # Fresh batch: behaviour = proximal policy, so the decoupled weight would be exp(rounding
+        # noise between the two engines); plain PPO with the recomputed log-probs is exact.
+        key = OLD_LOGPROBS if staleness == 0 else PROXIMAL_LOGPROBS
+        batch.extras[key] = engine.forward(batch)
     forwarded = time.perf_counter()
     stats = engine.train_batch(batch, actor, actor.loss_weight)
     actor_stats = all_reduce_stats(actor.pop_stats(), engine.dp_group)
     stats |= {f"actor/{k}": v for k, v in summarize_stats(actor_stats).items()}
     mask = batch.loss_mask != 0
-    gap = (batch.extras[OLD_LOGPROBS] - batch.extras[BEHAVIOUR_LOGPROBS])[mask]
+    trainer_logprobs = batch.extras.get(PROXIMAL_LOGPROBS, batch.extras[OLD_LOGPROBS])
+    gap = (trainer_logprobs - batch.extras[BEHAVIOUR_LOGPROBS])[mask]
     stats["behaviour_kl"] = float(gap.abs().mean()) if gap.numel() else 0.0
-    lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float64)
-    stats |= _global_reward_stats(rewards.double(), lengths, engine)
+    lengths = torch.tensor([len(r.response_ids) for r in sampled.rollouts], dtype=torch.float64)
+    stats |= _global_reward_stats(sampled.rewards.double(), lengths, engine)
     stats |= {
-        "rollout_version": float(rollout.version),
-        "generate_s": generated - started,
-        "logprob_forward_s": forwarded - generated,
+        "rollout_version": float(sampled.rollouts[0].version),
+        "generate_s": sampled.generate_s,
+        "logprob_forward_s": forwarded - started,
         "train_s": stats["step_time_s"],
-        "tokens_per_s": stats["tokens"] / max(time.perf_counter() - started, 1e-9),
+        "tokens_per_s": stats["tokens"] / max(time.perf_counter() - step_started, 1e-9),
     }
+    if config.async_rollouts:
+        stats |= {
+            "staleness": float(staleness),
+            "rollout_policy_step": float(sampled.policy_step),
+            "rollout_wait_s": sampled.wait_s,
+            "generate_overlap_s": max(sampled.generate_s - sampled.wait_s, 0.0),
+        }
     return stats

@@ -13,7 +13,7 @@ from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine
 from shardforge.weight_sync import DiskTransport
 
-__all__ = ["progress_bar", "publish_to_rollout", "with_total_steps"]
+__all__ = ["progress_bar", "publish_to_rollout", "publish_version", "with_total_steps"]
 
 
 def with_total_steps(engine: EngineConfig, steps: int) -> EngineConfig:
@@ -32,16 +32,16 @@ def progress_bar(total: int, initial: int, enabled: bool, desc: str) -> Any:
     return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)
 
 
-def publish_to_rollout(
+def publish_version(
     engine: TrainEngine,
     transport: DiskTransport | None,
     rollout: PublishedRolloutEngine,
     dtype: str,
     version: int | None = None,
 ) -> int:
-    """Publish ``engine``'s weights as a new version and switch every rank's rollout engine to it;
-    return the next version number. ``version=None`` (a run's first publish) continues after any
-    version already on disk, agreed from rank 0."""
+    """Publish ``engine``'s weights as weight-sync version ``version`` (collective) and return it;
+    when this returns, the version is committed on disk for every rank. ``version=None`` (a run's
+    first publish) continues after any version already on disk, agreed from rank 0."""
     if version is None:
         latest = torch.tensor([float(rollout.source.latest() or 0) if rollout.source else 0.0])
         if dist.is_initialized():
@@ -50,5 +50,18 @@ def publish_to_rollout(
     engine.publish_weights(transport, version, dtype=dtype)
     if dist.is_initialized():
         dist.barrier()
+    return version
+
+
+def publish_to_rollout(
+    engine: TrainEngine,
+    transport: DiskTransport | None,
+    rollout: PublishedRolloutEngine,
+    dtype: str,
+    version: int | None = None,
+) -> int:
+    """Publish ``engine``'s weights as a new version and switch every rank's rollout engine to it;
+    return the next version number (``version=None``: see `publish_version`)."""
+    version = publish_version(engine, transport, rollout, dtype, version)
     rollout.update_weights(version)
     return version + 1

@@ -69,6 +69,9 @@ class TrainState(Stateful):
         step: the number of completed optimizer steps.
         data_state: a small JSON-like dict describing the data position (e.g. the
             sampler's seed and step); it must not depend on the data-parallel size.
+        trainable_only: save and load only parameters with ``requires_grad`` (and the optimizer
+            state, which only they have). For adapter fine-tuning (e.g. LoRA): the frozen base is
+            re-loaded from its own files on resume, so the checkpoint holds only what training changed.
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class TrainState(Stateful):
         *,
         step: int = 0,
         data_state: dict[str, Any] | None = None,
+        trainable_only: bool = False,
     ) -> None:
         self.model = model
         self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
@@ -86,9 +90,10 @@ class TrainState(Stateful):
         self.step = step
         self.data_state: dict[str, Any] = dict(data_state or {})
         self.rng_restored = False
+        self.trainable_only = trainable_only
 
     def _model_and_optim(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        options = StateDictOptions(full_state_dict=False)
+        options = StateDictOptions(full_state_dict=False, ignore_frozen_params=self.trainable_only)
         if not self.optimizers:
             model_sd, _ = get_state_dict(self.model, [], options=options)
             return model_sd, {}
@@ -114,15 +119,19 @@ class TrainState(Stateful):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # trainable_only: the frozen params are absent on purpose (DCP itself still requires every
+        # trainable param the template names, so nothing that was saved can go missing silently).
+        options = StateDictOptions(ignore_frozen_params=True, strict=False) if self.trainable_only else None
         if self.optimizers:
             set_state_dict(
                 self.model,
                 self.optimizers,
                 model_state_dict=state_dict["model"],
                 optim_state_dict=state_dict["optimizer"],
+                options=options,
             )
         else:
-            set_state_dict(self.model, [], model_state_dict=state_dict["model"], optim_state_dict={})
+            set_state_dict(self.model, [], model_state_dict=state_dict["model"], optim_state_dict={}, options=options)
         schedulers = [s for s in self.schedulers if s is not None]
         saved = pickle.loads(state_dict["schedulers"])
         if schedulers and len(saved) != len(schedulers):  # none given (inference): schedule not needed

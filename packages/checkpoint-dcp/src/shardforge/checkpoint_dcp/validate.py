@@ -38,9 +38,11 @@ def check_compatible(state: Mapping[str, Any], path: str | Path) -> None:
         if not isinstance(model, torch.nn.Module):
             continue
         prefix = f"{name}.model."
+        # A TrainState(trainable_only=True) saves and loads only trainable params.
+        options = StateDictOptions(full_state_dict=False, ignore_frozen_params=getattr(value, "trainable_only", False))
         expected = {
             k: tuple(v.shape)
-            for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=False)).items()
+            for k, v in get_model_state_dict(model, options=options).items()
             if isinstance(v, torch.Tensor)
         }
         have = {k[len(prefix) :]: shape for k, shape in saved.items() if k.startswith(prefix)}
