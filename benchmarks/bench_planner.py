@@ -196,8 +196,8 @@ def main() -> int:
     met = all(r["met"] for r in rows)
     worst = max(ratios, key=lambda x: abs(x - 1))
     _common.upsert_result_row(
-        benchmark=f"{NAME} (predicted vs measured, {len(rows)} layouts)",
-        metric="per-rank peak MiB of one train_batch, planner vs storage-tracked measurement (CPU, Qwen3 h256 x 4, "
+        benchmark=f"{NAME} (predicted vs measured)",
+        metric=f"per-rank peak MiB of one train_batch, {len(rows)} layouts, planner vs storage-tracked measurement (CPU, Qwen3 h256 x 4, "
         "vocab 4096, 1024 tokens/rank); ratio range [worst]",
         ours=f"{min(ratios):.3f} .. {max(ratios):.3f}",
         baseline="1.00 (measured)",

@@ -2,7 +2,8 @@
 
 RSS is too noisy for a 15% check on a small model, so this counts tensor storages: a
 `TorchDispatchMode` sees the output of every aten op run during the step (forward,
-backward, FSDP all-gather / reduce-scatter buffers, optimizer update). Every output whose
+backward, FSDP all-gather / reduce-scatter buffers, optimizer update); for DTensor outputs
+it counts their local tensors (the mode does not see the ops DTensor runs on them). Every output whose
 storage did not exist before is an allocation of ``storage.nbytes()``; a weakref on the
 storage records when it is freed. FSDP2 frees and re-allocates gathered parameters by
 *resizing* their storage (``storage.resize_(0)`` / ``resize_(n)``), which no op reports, so
@@ -53,6 +54,22 @@ def _fsdp_unsharded_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``t``, or the inner tensors of a wrapper subclass (a DTensor's local shard), recursively.
+
+    A dispatch mode is switched off while its own handler runs, so the ops DTensor runs on its
+    local tensors are not seen: the bytes are found through the outputs' local tensors instead.
+    """
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _plain_tensors(inner)
+    else:
+        yield t
+
+
 class MemoryTracker(TorchDispatchMode):
     """Live bytes of tensor storages allocated inside the ``with`` block, with their peak."""
 
@@ -86,28 +103,32 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            # DTensor (and other wrapper subclasses) own no memory: the mode also sees the ops on
-            # their local tensors, which is where the bytes are.
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta" or is_traceable_wrapper_subclass(t):
+        for leaf in tree_leaves(out):
+            if not isinstance(leaf, torch.Tensor):
                 continue
-            st = t.untyped_storage()
-            if st in self.known:
-                continue
-            self.known[st] = True
-            nbytes = st.nbytes()
-            idx = self._next
-            self._next += 1
-            self.live += nbytes
-            self.refs[idx] = weakref.ref(st, self._on_free(idx, nbytes))
-            if self.debug:
-                self.alive[idx] = (nbytes, str(func.overloadpacket), tuple(t.shape), str(t.dtype))
+            for t in _plain_tensors(leaf):
+                self._track(t, func)
         current = self.live + self.polled_bytes()
         if current > self.peak:
             self.peak, self.peak_op = current, str(func.overloadpacket)
             if self.debug:
                 self.at_peak = sorted(self.alive.values(), reverse=True)
         return out
+
+    def _track(self, t: torch.Tensor, func: Any) -> None:
+        if t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        if st in self.known:
+            return
+        self.known[st] = True
+        nbytes = st.nbytes()
+        idx = self._next
+        self._next += 1
+        self.live += nbytes
+        self.refs[idx] = weakref.ref(st, self._on_free(idx, nbytes))
+        if self.debug:
+            self.alive[idx] = (nbytes, str(func.overloadpacket), tuple(t.shape), str(t.dtype))
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
