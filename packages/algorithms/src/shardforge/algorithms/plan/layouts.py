@@ -10,7 +10,8 @@ Ranking of the layouts that fit (lower is better, in order):
    rank adds per-layer or per-micro-batch communication that data parallelism does not);
 2. tp, then pp, then cp (TP's per-layer all-gathers / reduce-scatters are the heaviest traffic,
    then the pipeline bubble, then CP's all-to-alls);
-3. more dp_replicate (smaller FSDP groups: all-gathers span fewer ranks);
+3. more dp_replicate (smaller FSDP groups: all-gathers span fewer ranks); a replicate-only layout
+   counts as one FSDP group, since the engine shards it over the replicas;
 4. lower predicted peak memory (headroom).
 Layouts that do not fit follow, by predicted peak.
 """
@@ -73,7 +74,10 @@ def enumerate_layouts(stats: ModelStats, world_size: int, opts: PlanOptions) -> 
 
 def rank_key(est: MemoryEstimate) -> tuple[int, int, int, int, int, int]:
     d = est.dims
-    return (d.tp * d.cp * d.pp, d.tp, d.pp, d.cp, -d.dp_replicate, est.total)
+    # Replicate-only layouts (dp_shard x cp = 1) are sharded over the replicas by the engine: plain
+    # FSDP, no HSDP benefit, so they rank as one FSDP group.
+    replicas = d.dp_replicate if d.dp_shard * d.cp > 1 else 1
+    return (d.tp * d.cp * d.pp, d.tp, d.pp, d.cp, -replicas, est.total)
 
 
 @dataclass(frozen=True, slots=True)
