@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from shardforge.algorithms import lora_support, pipeline_support, value_model
 from shardforge.algorithms.batch import PackedBatch, pad_to_multiple
 from shardforge.algorithms.config import EngineConfig, parse_dtype
+from shardforge.algorithms.engine_io import EngineIO
 from shardforge.algorithms.losses import sequence_start_mask, sft_loss, token_count
 from shardforge.algorithms.microbatch import split_microbatches
 from shardforge.algorithms.modeling import load_hf_config, materialize_reference, validate_layout
@@ -42,7 +43,6 @@ from shardforge.algorithms.moe_support import (
 from shardforge.algorithms.offload import OffloadState, offloaded_between_calls
 from shardforge.algorithms.optim import build_optimizer, build_scheduler
 from shardforge.algorithms.seq_groups import SEQUENCE_GROUP, grouped_microbatches
-from shardforge.checkpoint_dcp import Checkpointer, TrainState, export_hf
 from shardforge.fsdp_wrap import (
     ActivationCheckpointConfig,
     FSDPConfig,
@@ -56,7 +56,6 @@ from shardforge.memory import apply_tiled_mlp
 from shardforge.mesh import ParallelDims, ParallelMesh, build_mesh, current_device, init_distributed
 from shardforge.tensor_parallel import apply_tensor_parallel, vocab_parallel_entropy, vocab_parallel_logprobs
 from shardforge.ulysses_cp import gather_sequence, packed_model_kwargs, register_packed_attention, slice_for_rank
-from shardforge.weight_sync import PublishStats, WeightPublisher, WeightTransport
 
 __all__ = ["LossFn", "LossWeightFn", "TrainEngine"]
 
@@ -69,7 +68,7 @@ LossWeightFn = Callable[[PackedBatch], torch.Tensor]
 """micro-batch -> its weight in the global normalisation (e.g. number of target tokens)."""
 
 
-class TrainEngine:
+class TrainEngine(EngineIO):
     """Build, shard and train an HF causal LM.
 
     Args:
@@ -419,107 +418,3 @@ class TrainEngine:
             weight += loss_weight_fn(mb).double()
         total, weight_total = self._all_reduce_sum(loss_sum, weight, group=self.dp_group)
         return {"loss": total / max(weight_total, 1e-12), "loss_weight": weight_total}
-
-    # ------------------------------------------------------------------ export
-    @offloaded_between_calls
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full (unsharded) model state dict on rank 0's CPU; an empty dict elsewhere."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        if self.pipeline is not None:
-            return pipeline_support.pp_full_state_dict(self)
-        with lora_support.merged_weights(self.model, self.config):  # LoRA: merged HF weights
-            if not dist.is_initialized():
-                return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            state = get_model_state_dict(self.model, options=options)
-        return dict(state) if dist.get_rank() == 0 else {}  # type: ignore[arg-type]
-
-    @offloaded_between_calls
-    def export_hf(self, out_dir: str | os.PathLike[str], tokenizer: Any = None, *, dtype: str | None = None) -> None:
-        """Write an HF model directory (sharded safetensors + index + config [+ tokenizer]).
-
-        Streams one parameter at a time to rank 0 (see `shardforge.checkpoint_dcp.export_hf`).
-        """
-        if self.pipeline is not None:
-            out_dtype = parse_dtype(dtype) if dtype else None
-            return pipeline_support.pp_export_hf(self, out_dir, replace_attn(self.hf_config), tokenizer, out_dtype)
-        with lora_support.merged_weights(self.model, self.config):  # LoRA: the merged model
-            export_hf(
-                self.model,
-                out_dir,
-                replace_attn(self.hf_config),
-                tokenizer,
-                dtype=parse_dtype(dtype) if dtype else None,
-            )
-
-    @offloaded_between_calls
-    def export_lora(self, out_dir: str | os.PathLike[str], base_model_name_or_path: str | None = None) -> None:
-        """Write the LoRA adapters in PEFT format (``PeftModel.from_pretrained(base, out_dir)``). Collective."""
-        lora_support.export_lora(self, out_dir, base_model_name_or_path)
-
-    @offloaded_between_calls
-    def publish_weights(
-        self,
-        transport: WeightTransport | None,
-        version: int | None = None,
-        *,
-        bucket_bytes: int = 256 * 1024**2,
-        dtype: str | torch.dtype | None = None,
-        src_rank: int = 0,
-    ) -> PublishStats | None:
-        """Push the current weights to inference engines through ``transport`` (weight-sync).
-
-        Collective over all ranks; ``transport`` is needed on ``src_rank`` only (None elsewhere).
-        Tensors are gathered bucket by bucket in HF naming, cast to ``dtype`` (e.g. "bf16") before
-        they move. ``version`` defaults to the engine's step. Returns stats on ``src_rank``.
-        """
-        publisher = WeightPublisher(
-            self.model,
-            transport,
-            bucket_bytes=bucket_bytes,
-            dtype=parse_dtype(dtype) if dtype is not None else None,
-            src_rank=src_rank,
-        )
-        with lora_support.merged_weights(self.model, self.config):  # LoRA: publish merged HF weights
-            return publisher.publish(self.step if version is None else version)
-
-    # ------------------------------------------------------------------ checkpoints
-    def train_state(self, data_state: dict[str, Any] | None = None) -> TrainState:
-        """A `TrainState` over this engine's model, optimizer, scheduler and step."""
-        # LoRA: adapters (+ their optimizer state) only; the frozen base comes from the model path.
-        trainable_only = self.config.lora is not None
-        return TrainState(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            step=self.step,
-            data_state=data_state,
-            trainable_only=trainable_only,
-        )
-
-    @offloaded_between_calls
-    def save(self, checkpointer: Checkpointer, data_state: dict[str, Any] | None = None) -> None:
-        """Save the engine at its current step through ``checkpointer``. Collective."""
-        checkpointer.save(self.step, {"train": self.train_state(data_state)})
-
-    @offloaded_between_calls
-    def load(self, checkpointer: Checkpointer, step: int | str = "latest") -> dict[str, Any] | None:
-        """Load a checkpoint (any layout); return its data state, or None if there is none."""
-        if self.pipeline is not None:
-            return pipeline_support.pp_load(self, checkpointer, step)
-        state = self.train_state()
-        loaded = checkpointer.load({"train": state}, step=step)  # type: ignore[arg-type]
-        if loaded is None:
-            return None
-        self.step = state.step
-        return state.data_state
-
-
-def replace_attn(hf_config: Any) -> Any:
-    """A copy of ``hf_config`` whose saved attention implementation is plain SDPA."""
-    import copy
-
-    config = copy.deepcopy(hf_config)
-    config._attn_implementation = "sdpa"
-    return config
