@@ -217,6 +217,10 @@ def measure_layout(
     options = dict(engine_options or {})
     if isinstance(options.get("optimizer"), dict):
         options["optimizer"] = OptimizerConfig(**options["optimizer"])
+    if isinstance(options.get("lora"), dict):
+        from shardforge.lora import LoRAConfig
+
+        options["lora"] = LoRAConfig(**options["lora"])
     config = EngineConfig(max_tokens_per_microbatch=micro_batch_tokens, **options)
     engine = TrainEngine(Qwen3Config(**model_fields), layout, config)
     rng = random.Random(seed + engine.dp_rank)
@@ -258,6 +262,7 @@ def predict_engine_peak(
         "cpu_offload": "cpu_offload",
         "tiled_mlp_shards": "tiled_mlp_shards",
         "optimizer": "optimizer",
+        "lora": "lora",
     }
     unknown = sorted(set(engine) - set(names))
     if unknown:
@@ -269,6 +274,13 @@ def predict_engine_peak(
         if extra:
             raise ValueError(f"optimizer options {extra} have no planner equivalent (defaults are assumed)")
         fields["optimizer"] = optimizer.get("name", "adamw")
+    if "lora" in fields:  # a LoRAConfig as a dict: rank and target module names
+        lora = fields.pop("lora")
+        targets = lora.get("target_modules", ())
+        if isinstance(targets, str):
+            raise ValueError("a regex target_modules has no planner equivalent; list the module names")
+        fields["lora_rank"] = int(lora["r"])
+        fields["lora_targets"] = tuple(targets)
     fields.setdefault("param_dtype", "float32")  # EngineConfig's default
     opts = PlanOptions(seq_len=seq_len, micro_batch_tokens=micro_batch_tokens, attention="cpu", **fields)
     dims = ParallelDims.parse(layout).resolve(world_size)
