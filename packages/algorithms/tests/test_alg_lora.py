@@ -31,3 +31,34 @@ def test_unsupported_lora_layouts_are_refused() -> None:
         validate_lora(EngineConfig(lora=LoRAConfig()), pp=2)
     with pytest.raises(ValueError, match="value head"):
         validate_lora(EngineConfig(lora=LoRAConfig(), head="value"), pp=1)
+
+
+def test_sft_trainer_with_lora_writes_merged_model_and_peft_adapter(tmp_path, monkeypatch) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.sft import SFTConfig, run_sft
+
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    tokenizer = build_char_tokenizer(tmp_path / "tok")
+    build_tiny_qwen3(tmp_path / "model", tokenizer, hidden=32, layers=2, seed=3)
+    train, _ = make_addition_data(tmp_path / "data", max_operand=20, num_eval=2, seed=1)
+    data = {
+        "model": str(tmp_path / "model"), "train_file": str(train), "output_dir": str(tmp_path / "out"),
+        "layout": "d1", "steps": 3, "global_batch_size": 8, "progress": False,
+        "engine": {"optimizer": {"lr": 1e-2}, "max_tokens_per_microbatch": 64},
+    }  # fmt: skip
+    overrides = ["engine.lora.r=4", "engine.lora.target_modules=[q_proj,v_proj]"]
+    summary = run_sft(build_config(SFTConfig, apply_overrides(data, overrides)))
+    ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
+    merged = AutoModelForCausalLM.from_pretrained(summary["hf_dir"]).eval()
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")).eval()
+    peft_model = PeftModel.from_pretrained(base, summary["lora_dir"]).eval()
+    with torch.no_grad():
+        via_peft, via_merged = peft_model(input_ids=ids).logits, merged(input_ids=ids).logits
+        untrained = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")).eval()(input_ids=ids).logits
+    torch.testing.assert_close(via_merged, via_peft, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(via_merged, untrained, atol=1e-4), "the adapters did not train"

@@ -343,6 +343,9 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
     if config.export_hf_at_end:
         engine.export_hf(out / "hf", tokenizer=tokenizer)
         summary["hf_dir"] = str(out / "hf")
+        if engine.config.lora is not None:  # also the adapters alone, in PEFT format
+            engine.export_lora(out / "lora", base_model_name_or_path=config.model)
+            summary["lora_dir"] = str(out / "lora")
     if engine.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if dist.is_initialized():

@@ -151,6 +151,9 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
         hf_dir = out / "hf"
         engine.export_hf(hf_dir, tokenizer=tokenizer)
         summary["hf_dir"] = str(hf_dir)
+        if engine.config.lora is not None:  # also the adapters alone, in PEFT format
+            engine.export_lora(out / "lora", base_model_name_or_path=config.model)
+            summary["lora_dir"] = str(out / "lora")
     if engine.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if dist.is_initialized():
