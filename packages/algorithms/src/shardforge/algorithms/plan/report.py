@@ -32,6 +32,13 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-tokens", type=int, help="max_tokens_per_microbatch (default: seq-len)")
     p.add_argument("--num-microbatches", type=int, default=1, help="micro-batches per optimizer step per rank")
     p.add_argument("--memory", help="per-device memory budget, e.g. 80GiB (omit: no budget)")
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=0.1,
+        help="fraction of --memory kept free for what the model does not predict (allocator caching and "
+        "fragmentation, NCCL/cuBLAS workspaces, the CUDA context); default 0.1",
+    )
     p.add_argument("--param-dtype", default="bf16", help="stored parameter dtype (fp32 / bf16)")
     p.add_argument("--compute-dtype", default=None, help="FSDP mixed-precision compute dtype (default: param dtype)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "anyprecision_adamw"])
@@ -95,7 +102,10 @@ def format_table(rows: list[MemoryEstimate], budget: int | None) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    budget = parse_memory(args.memory) if args.memory else None
+    if not 0 <= args.headroom < 1:
+        raise ValueError(f"--headroom={args.headroom} must be in [0, 1) (a fraction of --memory)")
+    device = parse_memory(args.memory) if args.memory else None
+    budget = int(device * (1 - args.headroom)) if device is not None else None
     opts = options_from_args(args)
     config = load_model_config(args.model)
     stats = model_stats(config)
@@ -115,7 +125,11 @@ def run_plan(args: argparse.Namespace) -> int:
         return 0
     rows = result.fitting + (result.too_big if args.all or not result.fitting else [])
     shown = rows if args.top == 0 else rows[: args.top]
-    budget_text = f"{budget / _GIB:.2f} GiB" if budget else "none"
+    budget_text = (
+        f"{budget / _GIB:.2f} GiB = {device / _GIB:.2f} GiB less {args.headroom:.0%} headroom"
+        if budget is not None and device is not None
+        else "none"
+    )
     print(
         f"{args.model}: {stats.num_params / 1e9:.2f}B params, world {args.world_size}, "
         f"{result.timings['layouts']:.0f} valid layouts, {len(result.fitting)} fit the budget ({budget_text}); "
