@@ -42,7 +42,8 @@ PACKAGES = (
     "lora",
     "algorithms",
 )
-TEST_TOOLS = ("pytest", "cloudpickle")
+# peft: the LoRA parity tests use it as the reference implementation (packages/lora, algorithms).
+TEST_TOOLS = ("pytest", "cloudpickle", "peft")
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
