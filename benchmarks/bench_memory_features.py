@@ -49,8 +49,6 @@ ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def _cases() -> list[tuple[str, str, int, dict[str, Any], dict[str, Any], bool]]:
     """(feature, layout, world, options off, options on, measurable on CPU)."""
-    from shardforge.algorithms import OptimizerConfig
-
     cases: list[tuple[str, str, int, dict[str, Any], dict[str, Any], bool]] = [
         ("activation checkpointing (full)", "d1", 1, {}, {"activation_checkpointing": "full"}, True),
         ("tiled MLP (4 chunks)", "d1", 1, {}, {"tiled_mlp_shards": 4}, True),
@@ -59,25 +57,15 @@ def _cases() -> list[tuple[str, str, int, dict[str, Any], dict[str, Any], bool]]
             "d1",
             1,
             {},
-            {"param_dtype": "bfloat16", "optimizer": OptimizerConfig(name="anyprecision_adamw")},
+            {"param_dtype": "bfloat16", "optimizer": {"name": "anyprecision_adamw"}},
             True,
         ),
         ("FSDP 2 CPU offload", "d2", 2, {}, {"cpu_offload": True}, False),
         ("offload_when_idle", "d1", 1, {}, {"offload_when_idle": True}, False),
     ]
-    try:
-        from shardforge.lora import LoRAConfig  # noqa: F401  (engine.lora is wired with the lora package)
-
-        cases.insert(3, ("LoRA r=8, all projections", "d1", 1, {}, {"lora": _lora_config()}, True))
-    except ImportError:
-        pass
+    lora = {"r": 8, "alpha": 16, "target_modules": ALL_LINEARS}
+    cases.insert(3, ("LoRA r=8, all projections", "d1", 1, {}, {"lora": lora}, True))
     return cases
-
-
-def _lora_config() -> Any:
-    from shardforge.lora import LoRAConfig
-
-    return LoRAConfig(r=8, alpha=16, target_modules=ALL_LINEARS)
 
 
 def _measure(layout: str, world: int, options: dict[str, Any]) -> int:
