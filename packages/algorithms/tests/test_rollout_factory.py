@@ -17,7 +17,7 @@ import pytest
 from shardforge.algorithms.config_io import apply_overrides, build_config
 from shardforge.algorithms.rollout import HFRolloutEngine
 from shardforge.algorithms.rollout.factory import build_rollout_engine
-from shardforge.algorithms.rollout.vllm_engine import VLLMOptions, _request_seed, _tokenizer_dir
+from shardforge.algorithms.rollout.vllm_engine import VLLMOptions, _request_seed, _tokenizer_dir, require_main_thread
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +131,14 @@ def test_vllm_gets_the_tokenizer_directory_the_trainer_loaded(tiny: tuple[str, A
     tokenizer.save_pretrained(str(separate))
     assert _tokenizer_dir(AutoTokenizer.from_pretrained(str(separate)), model) == str(separate)
     assert _tokenizer_dir(object(), model) == model  # no directory to point at: the model's
+
+
+def test_collective_vllm_modes_refuse_the_async_rollout_thread() -> None:
+    """rank0 placement and a shared server use collectives: not from GRPO's async generator thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    require_main_thread("rank0 placement")  # the trainer's own thread: fine
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(require_main_thread, "rank0 placement")
+        with pytest.raises(RuntimeError, match=r"cannot run on a background thread .* vllm.placement=each_rank"):
+            future.result()

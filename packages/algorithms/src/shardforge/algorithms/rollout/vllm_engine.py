@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,7 @@ from shardforge.algorithms.config import parse_dtype
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.weight_sync import DiskWeightSource, WeightVersionError
 
-__all__ = ["VLLM_MISSING", "VLLMOptions", "VLLMRolloutEngine", "import_vllm"]
+__all__ = ["VLLM_MISSING", "VLLMOptions", "VLLMRolloutEngine", "import_vllm", "require_main_thread"]
 
 VLLM_MISSING = (
     "the vLLM rollout engine needs vLLM, which is not installed: "
@@ -221,6 +222,7 @@ class VLLMRolloutEngine:
         request = ([list(p) for p in prompts], params)
         if not self.collective:
             return self._run([request])[0]
+        require_main_thread("vllm.placement=rank0 gathers every rank's prompts with collectives")
         gathered: list[Any] = [None] * self.world if self.rank == 0 else []
         dist.gather_object(request, gathered if self.rank == 0 else None, dst=0)
         replies: list[Any] = [None] * self.world
@@ -311,6 +313,16 @@ class VLLMRolloutEngine:
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+
+
+def require_main_thread(what: str) -> None:
+    """Collectives from a side thread (GRPO's async_rollouts generator) would interleave with the
+    trainer's own collectives; refuse with the setting that works instead."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            f"{what}, which cannot run on a background thread (async_rollouts with several ranks); "
+            "use rollout_engine=vllm with vllm.mode=in_process and vllm.placement=each_rank, or rollout_engine=hf"
+        )
 
 
 def _tokenizer_dir(tokenizer: Any, model_dir: str | os.PathLike[str]) -> str:

@@ -44,6 +44,7 @@ from shardforge.algorithms.rollout.vllm_engine import (
     _request_seed,
     _tokenizer_dir,
     _vllm_process_env,
+    require_main_thread,
 )
 from shardforge.weight_sync import DiskWeightSource, WeightVersionError
 
@@ -166,12 +167,15 @@ class VLLMServerRolloutEngine:
         target = self.source.latest() if version is None else version
         if target is None:
             raise WeightVersionError(f"no committed weight version under {self.source.root}")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:  # one server for all ranks: its version switches are collective
+            require_main_thread("a shared vLLM server switches versions for all ranks at once")
         if target != self._version and self.rank == 0:
             _post(self.url, "/start_weight_update", {})
             _post(self.url, "/update_weights", {"update_info": {"version": target}})  # verified; stale refused
             _post(self.url, "/finish_weight_update", {"weight_version": str(target)})
             _post(self.url, "/reset_prefix_cache", {})  # cached KV blocks hold the old weights' keys/values
-        if dist.is_initialized():
+        if world > 1:
             dist.barrier()  # nobody samples before rank 0 has switched the server
         self._version = target
         return self._version
