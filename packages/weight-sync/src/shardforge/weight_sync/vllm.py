@@ -79,6 +79,11 @@ class LLMClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
+        # Prompt KV blocks in the prefix cache were computed with the old weights: drop them, or a
+        # later request that shares a full block with an earlier one reuses stale keys/values.
+        reset = getattr(self.llm, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
