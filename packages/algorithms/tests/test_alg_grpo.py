@@ -192,3 +192,21 @@ def test_trainer_log_probs_use_the_rollout_temperature(assets: dict[str, Any], t
     run_grpo(_config(assets, out, temperature=0.7, steps=1, save_every=0, resume="never"))
     [record] = _train_records(out)
     assert record["behaviour_kl"] < 1e-4, record["behaviour_kl"]
+
+
+def test_grpo_with_lora_serves_the_merged_weights(assets: dict[str, Any], tmp_path: Path) -> None:
+    # The rollout engine loads what publish_weights sends: with LoRA that must be base + scale * B @ A.
+    # If the adapters were left out, the trainer (with adapters) and the rollout engine (base only) would
+    # disagree on the log-probs of the samples from step 2 on (B is zero only before the first update).
+    from shardforge.algorithms.grpo import run_grpo
+
+    overrides = {
+        "engine.lora.r": "4", "engine.lora.target_modules": "[q_proj,v_proj,down_proj]",
+        "engine.optimizer.lr": "5e-2", "steps": 3, "save_every": 0, "resume": "never",
+    }  # fmt: skip
+    run_grpo(_config(assets, tmp_path / "lora", **overrides))
+    records = _train_records(tmp_path / "lora")
+    assert [r["rollout_version"] for r in records] == [1.0, 2.0, 3.0]
+    for record in records:
+        assert record["behaviour_kl"] < 1e-4, record
+    assert records[-1]["grad_norm"] > 0
