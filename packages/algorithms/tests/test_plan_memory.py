@@ -56,6 +56,53 @@ def test_world1_fp32_by_hand() -> None:
     assert est.total == 3 * params + T * per_token
 
 
+def test_lora_saves_only_what_the_adapters_need_by_hand() -> None:
+    # LoRA r=8 on all 7 projections, fp32: the base (norm weights, linears, embedding, lm_head) is frozen,
+    # so no matmul keeps its input for a weight gradient, and no norm keeps its normalised value.
+    all_linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    est = estimate_memory(_stats(), ParallelDims.parse("d1").resolve(1), _opts(lora_rank=8, lora_targets=all_linears))
+    h, q, kv, inter, v, d, a, r = 256, 256, 128, 768, 4096, 32, 4, 8
+    norm = 4 * h + 4 + a * h  # input, 1/rms, output (saved by the q/k/v or gate/up lora_A)
+    qk_norm = 4 * (q + kv) + 4 * (8 + 4)  # q_proj / k_proj outputs and 1/rms; the normalised q, k are not kept
+    attention_cpu = 5 * a * q + 4 * 8 + 8  # as without LoRA: o_proj's lora_A keeps the index_copy result
+    mlp = 4 * a * inter  # gate, act(gate), up (each kept by the other's product), the product (down's lora_A)
+    layer = 2 * norm + qk_norm + attention_cpu + mlp + 7 * a * r  # + x @ A of each adapter
+    first = layer - (4 * h + 4)  # the embedding output needs no gradient: layer 0's input norm keeps none
+    head = 4 * h + 4  # final norm: input and 1/rms (lm_head is frozen and does not keep its input)
+    # Measured with shardforge.algorithms.plan.measure on this model: 134656 B/token (at 4096 tokens, I=1024)
+    per_token = 3 * layer + first + 2 * a * d + head + 12 * v
+    assert est.phase == "logits"
+    assert est.activations == T * per_token
+    assert est.grads == 0 and est.state["grads"] == est.state["optim"] // 2  # only adapters have gradients
+
+
+def test_activation_checkpointing_terms() -> None:
+    stats, dims = _stats(), ParallelDims.parse("d1").resolve(1)
+    h, a, d = 256, 4, 32
+    packed = estimate_memory(stats, dims, _opts(activation_checkpointing="full"))
+    single = estimate_memory(stats, dims, _opts(activation_checkpointing="full", seq_len=T))
+    # Layer inputs + rope, final norm and the loss; + the [T, T] bool mask HF builds for packed sequences,
+    # which the checkpointed layers keep (a single sequence per micro-batch gets no mask).
+    assert single.phase == packed.phase == "logits"
+    assert single.activations == T * (4 * a * h + 2 * a * d + (12 * h + 4) + 12 * 4096)
+    assert packed.activations - single.activations == T * T
+    # With a small vocabulary the peak is a layer's backward, in its MLP: the recomputed layer (its first
+    # norm's fp32 input is the kept layer input), the product freed, the gradients of the product,
+    # act(gate) and up, and of the hidden state; plus the weight gradients of what already ran. Here
+    # that is layer 0 (the last to run: one kept input, every other gradient). Measured
+    # (shardforge.algorithms.plan.measure, this model): 83.65 MiB, 83.63 predicted.
+    from transformers import Qwen3Config
+
+    small_vocab = model_stats(Qwen3Config(**{**MODEL, "vocab_size": 512}))
+    est = estimate_memory(small_vocab, dims, _opts(activation_checkpointing="full"))
+    inter, layer = 768, 26976 - 2 * a * d  # the per-layer count of test_world1_fp32_by_hand
+    work = layer - a * h - a * inter + 3 * a * inter + a * h
+    assert est.phase == "layer"
+    assert est.activations == T * (a * h + 2 * a * d + work) + T * T
+    layer_params = sum(p.numel for p in small_vocab.layer_specs[0].params)
+    assert est.grads == a * (512 * h + h + 3 * layer_params + inter * h)  # lm_head, norm, layers 1-3, down_proj
+
+
 def test_fsdp_keeps_lm_head_and_last_layer_gathered_at_the_loss() -> None:
     stats = _stats()
     one = estimate_memory(stats, ParallelDims.parse("d1").resolve(1), _opts())

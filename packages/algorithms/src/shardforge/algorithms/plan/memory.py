@@ -5,9 +5,11 @@ The peak is the largest of three moments of a step (each a sum of what is alive 
 * ``logits``: start of backward on the last pipeline stage. Every layer's saved
   activations (times the micro-batches in flight), the loss working set, and the FSDP
   units still gathered (lm_head, the last layer, the root).
-* ``layer``: a decoder layer's backward. Saved activations, the layer's backward working
-  set (recomputation under activation checkpointing), two gathered layers (the current
-  one and the prefetched next) and the reduce-scatter buffers of its gradients.
+* ``layer``: a decoder layer's backward (every layer of the rank is tried). Saved activations
+  of the layers not yet done, the layer's backward working set (recomputation under
+  activation checkpointing), the gradients of what already ran (lm_head, final norm, later
+  layers), two gathered layers (the current one and the prefetched next) and the
+  reduce-scatter buffers of its gradients.
 * ``optimizer``: params + grads + optimizer state + the update's temporaries.
 
 Parameters and optimizer state are always alive; gradients only from the first backward
@@ -176,6 +178,10 @@ def estimate_memory(stats: ModelStats, dims: ParallelDims, opts: PlanOptions) ->
     experts_own_unit = dims.ep > 1
     embed, head, root = (_unit(x, sp, opts) for x in (stats.embedding, stats.lm_head, stats.root))
     every = 1 if opts.activation_checkpointing == "full" else opts.checkpoint_every
+    packed = opts.micro_batch_tokens > opts.seq_len  # several sequences share a micro-batch
+    live = [act.base_trainable]  # whether each layer's input requires grad (not layer 0's under LoRA)
+    for kind in stats.layer_kind:
+        live.append(act.layer_live_out(stats.layer_specs[kind], live[-1]))
     best: MemoryEstimate | None = None
     for pp_rank, (layers, has_embed, has_head) in enumerate(_stage_layout(stats, dims, opts)):
         units = [layer_units[stats.layer_kind[i]] for i in layers]
@@ -193,8 +199,15 @@ def estimate_memory(stats: ModelStats, dims: ParallelDims, opts: PlanOptions) ->
             return opts.activation_checkpointing != "none" and index % every == 0
 
         specs: list[LayerSpec] = [stats.layer_specs[stats.layer_kind[i]] for i in layers]
-        saved = sum(act.layer_saved(s, checkpointed(i)) for s, i in zip(specs, layers)) + (act.rope() if layers else 0)
+        lives = [live[i] for i in layers]
+        per_layer = [act.layer_saved(s, checkpointed(i), lv) for s, i, lv in zip(specs, layers, lives)]
+        saved = sum(per_layer) + (act.rope() if layers else 0)
         saved_bytes = in_flight * t_local * saved
+        # Checkpointed layers keep their kwargs until their backward: the bool attention mask HF builds for
+        # packed sequences (several per micro-batch), [Tr / s, Tr / s] (its length is the embedding output's,
+        # sequence-sharded under SP), is alive from forward to the last one.
+        if dims.pp == 1 and any(checkpointed(i) for i in layers) and packed:
+            saved_bytes += float(t_local // act.s) ** 2
         # FSDP-gathered units (compute dtype) and reduce-scatter buffers.
         keep_all = sp.fsdp and (dims.pp > 1 or not opts.reshard_after_forward)
         if not sp.fsdp:
@@ -216,10 +229,26 @@ def estimate_memory(stats: ModelStats, dims: ParallelDims, opts: PlanOptions) ->
         if has_head:
             head_act = saved_bytes + t_local * (act.head_saved() + act.logits_peak())
             candidates.append(("logits", head_act, gathered_head, carry))
-        if layers:
-            work = max(act.layer_backward_work(s, checkpointed(i)) for s, i in zip(specs, layers))
-            layer_act = saved_bytes + t_local * work
-            candidates.append(("layer", layer_act, gathered_layer + rs_bytes, carry))
+        # Backward runs the layers last to first: layer j's peak has the saved activations of layers <= j
+        # (of this micro-batch; all layers of the others in flight), the gradients of what already ran
+        # (lm_head, final norm, layers > j; all of them when they accumulate), and its working set.
+        done = sum(u.trainable_local for u, present in ((head, has_head), (root, has_head)) if present)
+        done += embed.trainable_local if stats.tied and has_embed and has_head else 0
+        grad_elem = grad_b if grads else 0  # no device gradients under cpu_offload
+        below = saved_bytes - t_local * sum(per_layer)  # rope, mask and the other micro-batches' layers
+        prefix = 0.0
+        later = [0] * (len(layers) + 1)  # trainable elements of the layers after j
+        for j in reversed(range(len(layers))):
+            later[j] = later[j + 1] + units[j].trainable_local
+        layer_peaks: list[tuple[float, float]] = []
+        for j, (s, i, lv) in enumerate(zip(specs, layers, lives)):
+            prefix += per_layer[j]
+            own = 0 if sp.fsdp else units[j].largest_trainable  # the first weight grad of the layer (down_proj)
+            work = act.layer_backward_work(s, checkpointed(i), lv)
+            layer_peaks.append((below + t_local * (prefix + work), carry or (done + later[j + 1] + own) * grad_elem))
+        if layer_peaks:
+            layer_act, layer_grads = max(layer_peaks, key=lambda x: x[0] + x[1])
+            candidates.append(("layer", layer_act, gathered_layer + rs_bytes, layer_grads))
         largest = max((u.largest_trainable for u in units), default=0)
         opt_temp = 0 if opts.cpu_offload and sp.fsdp else 2 * largest * (optim_b // 2)
         candidates.append(("optimizer", float(opt_temp), 0.0, grads))
