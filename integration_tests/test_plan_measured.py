@@ -5,7 +5,8 @@ process, the others on the shared gloo pool of 2 ranks) and counts live tensor-s
 bytes on each rank (`shardforge.algorithms.plan.measure`); the planner predicts the same
 run from shapes (`predict_engine_peak`). The issue's bar is predicted/measured within 15%;
 benchmarks/bench_planner.py runs the full table (world 4 layouts, CP, HSDP, ...). Options the
-engine gained with issue 10 are covered too: AnyPrecisionAdamW (bf16 params + Kahan) and tiled MLP.
+engine gained with issue 10 are covered too: AnyPrecisionAdamW (bf16 params + Kahan), tiled MLP and
+LoRA (frozen base: autograd keeps far fewer activations, see plan/activations.py).
 
 The model is big enough that fixed overheads do not dominate: activations (~100 MiB)
 and model state (~60 MiB fp32) at 512 tokens per rank.
@@ -20,7 +21,10 @@ import pytest
 from shardforge.algorithms.plan.measure import measure_layout, predict_engine_peak
 from shardforge.mesh.testing import get_rank_pool
 
-TOLERANCE = 0.15  # the issue's bar; the benchmark's 15 layouts are within 1.1%
+TOLERANCE = 0.15  # the issue's bar
+# Every case here is measured within 0.1%; 5% still fails on a memory-model error like the ones LoRA
+# (+12%: frozen weights keep no inputs) and activation checkpointing (+8%) once had.
+TIGHT = 0.05
 SEQ_LEN, TOKENS = 256, 512
 MODEL = {
     "vocab_size": 4096,
@@ -38,6 +42,7 @@ CASES: list[tuple[str, int, dict[str, Any]]] = [
     ("d2", 2, {"compute_dtype": "bf16", "activation_checkpointing": "full"}),
     ("d2", 2, {"param_dtype": "bfloat16", "optimizer": {"name": "anyprecision_adamw"}, "tiled_mlp_shards": 2}),
     ("d1t2", 2, {}),
+    ("d2", 2, {"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}),
 ]
 
 
@@ -53,3 +58,4 @@ def test_predicted_peak_within_15_percent_of_measured(layout: str, world: int, o
     # Sanity: the measurement saw more than the model state (activations were counted).
     assert measured > 1.5 * per_rank[0]["baseline_bytes"]
     assert abs(predicted / measured - 1) <= TOLERANCE, (layout, options, predicted / 2**20, measured / 2**20)
+    assert abs(predicted / measured - 1) <= TIGHT, (layout, options, predicted / 2**20, measured / 2**20)
