@@ -44,6 +44,11 @@ MODEL = {
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,
 }
+_LORA_ALL = {
+    "r": 8,
+    "alpha": 16,
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
 # (label, layout, world size, EngineConfig options)
 CASES: list[tuple[str, str, int, dict[str, Any]]] = [
     ("1 rank", "d1", 1, {}),
@@ -66,6 +71,9 @@ CASES: list[tuple[str, str, int, dict[str, Any]]] = [
     ("FSDP 2 x TP 2", "d2t2", 4, {}),
     ("FSDP 2 x TP 2, bf16, AC full", "d2t2", 4, {"compute_dtype": "bf16", "activation_checkpointing": "full"}),
     ("FSDP 2 x CP 2", "d2c2", 4, {}),
+    ("FSDP 2, LoRA r=8 on q,v", "d2", 2, {"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}),
+    ("1 rank, LoRA r=8 on all, AC full", "d1", 1, {"lora": _LORA_ALL, "activation_checkpointing": "full"}),
+    ("FSDP 2 x TP 2, LoRA r=8 on all", "d2t2", 4, {"lora": _LORA_ALL}),
 ]
 SPEED = [("llama3-8b", 64), ("llama3-70b", 1024), ("qwen3-30b-a3b", 256)]
 

@@ -25,7 +25,7 @@ from typing import Any
 from shardforge.algorithms.plan.activations import ActivationModel
 from shardforge.algorithms.plan.options import PlanOptions, dtype_bytes
 from shardforge.algorithms.plan.shards import ShardPlan, shard_plan
-from shardforge.algorithms.plan.stats import LayerSpec, ModelStats, ParamInfo
+from shardforge.algorithms.plan.stats import ModelStats, ParamInfo
 from shardforge.mesh import ParallelDims
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
@@ -182,6 +182,17 @@ def estimate_memory(stats: ModelStats, dims: ParallelDims, opts: PlanOptions) ->
     live = [act.base_trainable]  # whether each layer's input requires grad (not layer 0's under LoRA)
     for kind in stats.layer_kind:
         live.append(act.layer_live_out(stats.layer_specs[kind], live[-1]))
+    terms: dict[tuple[int, bool, bool], tuple[float, float]] = {}
+
+    def layer_terms(index: int, live_in: bool) -> tuple[float, float]:
+        """(saved, backward working set) per token of layer ``index``; identical layers share them."""
+        ckpt = opts.activation_checkpointing != "none" and index % every == 0
+        key = (stats.layer_kind[index], ckpt, live_in)
+        if key not in terms:
+            spec = stats.layer_specs[key[0]]
+            terms[key] = (act.layer_saved(spec, ckpt, live_in), act.layer_backward_work(spec, ckpt, live_in))
+        return terms[key]
+
     best: MemoryEstimate | None = None
     for pp_rank, (layers, has_embed, has_head) in enumerate(_stage_layout(stats, dims, opts)):
         units = [layer_units[stats.layer_kind[i]] for i in layers]
@@ -198,9 +209,8 @@ def estimate_memory(stats: ModelStats, dims: ParallelDims, opts: PlanOptions) ->
         def checkpointed(index: int) -> bool:
             return opts.activation_checkpointing != "none" and index % every == 0
 
-        specs: list[LayerSpec] = [stats.layer_specs[stats.layer_kind[i]] for i in layers]
         lives = [live[i] for i in layers]
-        per_layer = [act.layer_saved(s, checkpointed(i), lv) for s, i, lv in zip(specs, layers, lives)]
+        per_layer = [layer_terms(i, live[i])[0] for i in layers]
         saved = sum(per_layer) + (act.rope() if layers else 0)
         saved_bytes = in_flight * t_local * saved
         # Checkpointed layers keep their kwargs until their backward: the bool attention mask HF builds for
@@ -241,10 +251,10 @@ def estimate_memory(stats: ModelStats, dims: ParallelDims, opts: PlanOptions) ->
         for j in reversed(range(len(layers))):
             later[j] = later[j + 1] + units[j].trainable_local
         layer_peaks: list[tuple[float, float]] = []
-        for j, (s, i, lv) in enumerate(zip(specs, layers, lives)):
+        for j, (i, lv) in enumerate(zip(layers, lives)):
             prefix += per_layer[j]
             own = 0 if sp.fsdp else units[j].largest_trainable  # the first weight grad of the layer (down_proj)
-            work = act.layer_backward_work(s, checkpointed(i), lv)
+            work = layer_terms(i, lv)[1]
             layer_peaks.append((below + t_local * (prefix + work), carry or (done + later[j + 1] + own) * grad_elem))
         if layer_peaks:
             layer_act, layer_grads = max(layer_peaks, key=lambda x: x[0] + x[1])
