@@ -155,7 +155,10 @@ def test_unknown_nested_key_names_the_section():
         build_config(SFTConfig, {**REQUIRED, "engine": {"optimizer": {"learning_rate": 1.0}}})
     message = str(info.value)
     assert "['learning_rate'] in engine.optimizer" in message
-    assert "valid keys: ['betas', 'eps', 'kahan_summation', 'lr', 'max_grad_norm', 'name', 'state_dtype', 'weight_decay']" in message
+    assert (
+        "valid keys: ['betas', 'eps', 'kahan_summation', 'lr', 'max_grad_norm', 'name', 'state_dtype', 'weight_decay']"
+        in message
+    )
 
 
 def test_missing_required_keys_raise():
