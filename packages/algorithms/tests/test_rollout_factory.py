@@ -142,3 +142,23 @@ def test_collective_vllm_modes_refuse_the_async_rollout_thread() -> None:
         future = pool.submit(require_main_thread, "rank0 placement")
         with pytest.raises(RuntimeError, match=r"cannot run on a background thread .* vllm.placement=each_rank"):
             future.result()
+
+
+def test_rank0_vllm_refuses_a_held_out_split_that_leaves_a_rank_without_prompts() -> None:
+    from types import SimpleNamespace
+
+    from shardforge.algorithms.trainer_common import check_eval_split
+
+    def config(engine: str = "vllm", placement: str = "rank0", eval_size: int | None = None) -> Any:
+        return SimpleNamespace(rollout_engine=engine, vllm=VLLMOptions(placement=placement), eval_size=eval_size)
+
+    with pytest.raises(ValueError, match="1 prompts for 2 data-parallel ranks"):
+        check_eval_split(config(eval_size=1), 16, 2)
+    with pytest.raises(ValueError, match="3 prompts for 4"):
+        check_eval_split(config(), 3, 4)
+    # Fine: enough prompts, one rank, no held-out set, per-rank engines, or the embedded engine.
+    check_eval_split(config(eval_size=2), 16, 2)
+    check_eval_split(config(eval_size=1), 16, 1)
+    check_eval_split(config(eval_size=1), None, 2)
+    check_eval_split(config(placement="each_rank", eval_size=1), 16, 2)
+    check_eval_split(config(engine="hf", eval_size=1), 16, 2)

@@ -43,7 +43,7 @@ from shardforge.algorithms.rlvr import (
 from shardforge.algorithms.rollout import Rollout, RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
 from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
-from shardforge.algorithms.trainer_common import progress_bar, publish_version, with_total_steps
+from shardforge.algorithms.trainer_common import check_eval_split, progress_bar, publish_version, with_total_steps
 from shardforge.checkpoint_dcp import Checkpointer
 from shardforge.weight_sync import DiskTransport
 
@@ -253,6 +253,7 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
     engine_config = with_total_steps(config.engine, config.steps)
     engine = TrainEngine(config.model, config.layout, engine_config)
     _validate(config, prompts, engine.dp_size)
+    check_eval_split(config, len(held_out) if held_out is not None else None, engine.dp_size)
     if config.temperature > 0:  # train on the distribution the rollouts sample from
         engine.logprob_temperature = config.temperature
     out = Path(config.output_dir)

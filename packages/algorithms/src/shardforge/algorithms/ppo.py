@@ -34,7 +34,7 @@ from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, load_re
 from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.sft import _check_data_state
-from shardforge.algorithms.trainer_common import progress_bar, publish_to_rollout, with_total_steps
+from shardforge.algorithms.trainer_common import check_eval_split, progress_bar, publish_to_rollout, with_total_steps
 from shardforge.checkpoint_dcp import Checkpointer
 from shardforge.weight_sync import DiskTransport
 
@@ -157,6 +157,7 @@ def run_ppo(config: PPOConfig) -> dict[str, Any]:
     total = config.steps * config.update_epochs
     actor = TrainEngine(config.model, config.layout, with_total_steps(config.engine, total))
     _validate(config, prompts, actor.dp_size)
+    check_eval_split(config, len(held_out) if held_out is not None else None, actor.dp_size)
     critic_config = dataclasses.replace(with_total_steps(config.critic_engine, total), head="value")
     critic = TrainEngine(config.critic_model or config.model, config.layout, critic_config)
     reference = None

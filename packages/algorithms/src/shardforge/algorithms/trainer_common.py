@@ -13,7 +13,7 @@ from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine
 from shardforge.weight_sync import DiskTransport
 
-__all__ = ["progress_bar", "publish_to_rollout", "publish_version", "with_total_steps"]
+__all__ = ["check_eval_split", "progress_bar", "publish_to_rollout", "publish_version", "with_total_steps"]
 
 
 def with_total_steps(engine: EngineConfig, steps: int) -> EngineConfig:
@@ -65,3 +65,18 @@ def publish_to_rollout(
     version = publish_version(engine, transport, rollout, dtype, version)
     rollout.update_weights(version)
     return version + 1
+
+
+def check_eval_split(config: Any, num_held_out: int | None, dp_size: int) -> None:
+    """With one vLLM on rank 0 (``vllm.placement=rank0``) every data-parallel rank must join each
+    ``generate``; a rank left without held-out prompts would skip it and the others would wait until
+    the process-group timeout. Refuse that split before training starts."""
+    if num_held_out is None or dp_size <= 1 or config.rollout_engine != "vllm" or config.vllm.placement != "rank0":
+        return
+    count = num_held_out if config.eval_size is None else min(config.eval_size, num_held_out)
+    if count < dp_size:
+        raise ValueError(
+            f"held-out evaluation has {count} prompts for {dp_size} data-parallel ranks; with "
+            f"vllm.placement=rank0 every rank needs at least one: raise eval_size (or the eval file) to >= {dp_size}, "
+            "or use vllm.placement=each_rank"
+        )
