@@ -69,13 +69,11 @@ def _cases() -> list[tuple[str, str, int, dict[str, Any], dict[str, Any], bool]]
 
 
 def _measure(layout: str, world: int, options: dict[str, Any]) -> int:
-    from shardforge.algorithms.plan.measure import measure_layout
-    from shardforge.mesh.testing import get_rank_pool
+    from shardforge.algorithms.plan.measure import measure_on_ranks
 
-    kwargs = {"seq_len": SEQ_LEN, "micro_batch_tokens": TOKENS, "engine_options": options}
-    if world == 1:
-        return int(measure_layout(MODEL, layout, **kwargs)["peak_bytes"])
-    per_rank = get_rank_pool(world).run(measure_layout, MODEL, layout, timeout_s=900, **kwargs)
+    per_rank = measure_on_ranks(
+        MODEL, layout, world, seq_len=SEQ_LEN, micro_batch_tokens=TOKENS, engine_options=options, timeout_s=900
+    )
     return max(int(r["peak_bytes"]) for r in per_rank)
 
 

@@ -79,19 +79,10 @@ SPEED = [("llama3-8b", 64), ("llama3-70b", 1024), ("qwen3-30b-a3b", 256)]
 
 
 def _on_ranks(world: int, layout: str, options: dict[str, Any]) -> list[dict[str, Any]]:
-    from shardforge.algorithms.plan.measure import measure_layout
-    from shardforge.mesh.testing import get_rank_pool
+    from shardforge.algorithms.plan.measure import measure_on_ranks
 
-    if world == 1:
-        return [measure_layout(MODEL, layout, seq_len=SEQ_LEN, micro_batch_tokens=TOKENS, engine_options=options)]
-    return get_rank_pool(world).run(
-        measure_layout,
-        MODEL,
-        layout,
-        seq_len=SEQ_LEN,
-        micro_batch_tokens=TOKENS,
-        engine_options=options,
-        timeout_s=900,
+    return measure_on_ranks(
+        MODEL, layout, world, seq_len=SEQ_LEN, micro_batch_tokens=TOKENS, engine_options=options, timeout_s=900
     )
 
 

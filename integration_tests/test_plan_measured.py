@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from shardforge.algorithms.plan.measure import measure_layout, predict_engine_peak
-from shardforge.mesh.testing import get_rank_pool
+from shardforge.algorithms.plan.measure import measure_on_ranks, predict_engine_peak
 
 TOLERANCE = 0.15  # the bar
 # Every case here is measured within 0.1%; 5% still fails on a memory-model error like the ones LoRA
@@ -49,10 +48,7 @@ CASES: list[tuple[str, int, dict[str, Any]]] = [
 @pytest.mark.parametrize(("layout", "world", "options"), CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
 def test_predicted_peak_within_15_percent_of_measured(layout: str, world: int, options: dict[str, Any]) -> None:
     kwargs = {"seq_len": SEQ_LEN, "micro_batch_tokens": TOKENS, "engine_options": options}
-    if world == 1:
-        per_rank = [measure_layout(MODEL, layout, **kwargs)]
-    else:
-        per_rank = get_rank_pool(world).run(measure_layout, MODEL, layout, **kwargs)
+    per_rank = measure_on_ranks(MODEL, layout, world, **kwargs)
     measured = max(r["peak_bytes"] for r in per_rank)
     predicted = predict_engine_peak(MODEL, layout, world, **kwargs).total
     # Sanity: the measurement saw more than the model state (activations were counted).

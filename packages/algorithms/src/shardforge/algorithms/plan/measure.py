@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["MemoryTracker", "measure_train_peak", "state_bytes"]
+__all__ = ["MemoryTracker", "measure_on_ranks", "measure_train_peak", "state_bytes"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -234,6 +234,32 @@ def measure_layout(
     return result
 
 
+def measure_on_ranks(
+    model_fields: dict[str, Any],
+    layout: str,
+    world_size: int,
+    *,
+    seq_len: int,
+    micro_batch_tokens: int,
+    engine_options: dict[str, Any] | None = None,
+    timeout_s: float | None = None,
+) -> list[dict[str, Any]]:
+    """`measure_layout` on every rank: in this process for world 1, else on the shared gloo rank pool
+    of ``world_size`` ranks; one result per rank."""
+    kwargs: dict[str, Any] = {
+        "seq_len": seq_len,
+        "micro_batch_tokens": micro_batch_tokens,
+        "engine_options": engine_options,
+    }
+    if world_size == 1:
+        return [measure_layout(model_fields, layout, **kwargs)]
+    from shardforge.mesh.testing import get_rank_pool
+
+    if timeout_s is not None:
+        kwargs["timeout_s"] = timeout_s
+    return get_rank_pool(world_size).run(measure_layout, model_fields, layout, **kwargs)
+
+
 def predict_engine_peak(
     model_fields: dict[str, Any],
     layout: str,
@@ -252,22 +278,22 @@ def predict_engine_peak(
     from shardforge.mesh import ParallelDims
 
     engine = dict(engine_options or {})
-    names = {
-        "param_dtype": "param_dtype",
-        "compute_dtype": "compute_dtype",
-        "activation_checkpointing": "activation_checkpointing",
-        "checkpoint_every": "checkpoint_every",
-        "sequence_parallel": "sequence_parallel",
-        "reshard_after_forward": "reshard_after_forward",
-        "cpu_offload": "cpu_offload",
-        "tiled_mlp_shards": "tiled_mlp_shards",
-        "optimizer": "optimizer",
-        "lora": "lora",
+    known = {
+        "param_dtype",
+        "compute_dtype",
+        "activation_checkpointing",
+        "checkpoint_every",
+        "sequence_parallel",
+        "reshard_after_forward",
+        "cpu_offload",
+        "tiled_mlp_shards",
+        "optimizer",
+        "lora",
     }
-    unknown = sorted(set(engine) - set(names))
+    unknown = sorted(set(engine) - known)
     if unknown:
-        raise ValueError(f"engine options {unknown} have no planner equivalent; known: {sorted(names)}")
-    fields = {names[k]: v for k, v in engine.items()}
+        raise ValueError(f"engine options {unknown} have no planner equivalent; known: {sorted(known)}")
+    fields = dict(engine)
     if "optimizer" in fields:  # an OptimizerConfig as a dict: only its name matters here
         optimizer = fields.pop("optimizer")
         extra = sorted(set(optimizer) - {"name", "lr"})
