@@ -212,8 +212,7 @@ class VLLMRolloutEngine:
         if target != self._version and self.llm is not None:
             self.client.start_weight_update()
             self.client.update_weights({"version": target})  # verified, all-or-nothing; stale versions refused
-            self.client.finish_weight_update(str(target))
-            self.llm.reset_prefix_cache()  # cached prompt KV blocks hold the old weights' keys/values
+            self.client.finish_weight_update(str(target))  # also drops the prefix cache (old weights' KV blocks)
         self._version = target
         return self._version
 
