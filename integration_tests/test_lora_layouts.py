@@ -51,7 +51,7 @@ def _engine(model_dir: str, layout: str) -> Any:
 
 
 def _local(engine: Any, step: int) -> Any:
-    from shardforge.algorithms.batch import pack_sequences
+    from shardforge.algorithms.batching import pack_sequences
 
     return pack_sequences(_sequences(step)[engine.dp_rank :: engine.dp_size])
 
@@ -78,7 +78,7 @@ def _train(model_dir: str, layout: str, out: str | None) -> dict[str, Any]:
     }
     if out is None:
         return result
-    from shardforge.algorithms.batch import pack_sequences
+    from shardforge.algorithms.batching import pack_sequences
 
     result["logprobs"] = engine.forward(pack_sequences(_sequences(99)))
     engine.export_lora(Path(out) / "adapter")

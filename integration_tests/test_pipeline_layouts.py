@@ -129,7 +129,7 @@ def test_sft_under_pp_matches_world1(
 
 def _forward(model_dir: str, layout: str) -> torch.Tensor:
     from shardforge.algorithms import TrainEngine
-    from shardforge.algorithms.batch import pack_sequences
+    from shardforge.algorithms.batching import pack_sequences
     from shardforge.algorithms.config import EngineConfig
 
     engine = TrainEngine(model_dir, layout, EngineConfig(max_tokens_per_microbatch=24))

@@ -61,7 +61,7 @@ def rank_train_and_publish(model_dir: str, layout: str, disk_root: str, port: in
     import torch.distributed as dist
 
     from shardforge.algorithms import EngineConfig, TrainEngine
-    from shardforge.algorithms.batch import pack_sequences
+    from shardforge.algorithms.batching import pack_sequences
     from shardforge.weight_sync import CollectiveTransport, DiskTransport
 
     engine = TrainEngine(model_dir, layout, EngineConfig(max_tokens_per_microbatch=64))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from shardforge.algorithms import pack_sequences, sft_loss, target_logprobs, token_count
-from shardforge.algorithms.losses import sequence_start_mask
+from shardforge.algorithms.batching import sequence_start_mask
 
 
 def _naive_logprobs(logits_TV: torch.Tensor, ids_T: torch.Tensor, lengths: list[int]) -> torch.Tensor:

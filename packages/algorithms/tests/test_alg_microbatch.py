@@ -7,7 +7,7 @@ import random
 import pytest
 
 from shardforge.algorithms import ffd_bins, pack_sequences, split_microbatches
-from shardforge.algorithms.microbatch import _split_to_count, agree_max
+from shardforge.algorithms.batching.microbatch import _split_to_count, agree_max
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -153,7 +153,7 @@ def _actor_stats_on_rank(lengths: list[int], seed: int) -> dict[str, float]:
                 config=PPOActorConfig(dual_clip=2.0),
             ).stats
         )
-    return {k: float(v) for k, v in all_reduce_stats(merge_stats(outs)).items()}
+    return {k: float(v) for k, v in all_reduce_stats(merge_stats(outs), dist.group.WORLD).items()}
 
 
 def _case(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:

@@ -85,7 +85,7 @@ def test_value_engine_errors(lm_dir: str) -> None:
 
 def test_sequence_groups_stay_in_one_microbatch() -> None:
     from shardforge.algorithms import pack_sequences
-    from shardforge.algorithms.seq_groups import SEQUENCE_GROUP, grouped_microbatches
+    from shardforge.algorithms.batching import SEQUENCE_GROUP, grouped_microbatches
 
     batch = pack_sequences(SEQS)  # lengths 5, 7, 3, 8, 3
     batch.extras[SEQUENCE_GROUP] = torch.tensor([0, 0, 1, 1, 2])

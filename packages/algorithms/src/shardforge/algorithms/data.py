@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shardforge.algorithms.batch import PackedBatch, pack_sequences
+from shardforge.algorithms.batching import PackedBatch, pack_sequences
 
 __all__ = ["GlobalBatchSampler", "SFTExample", "load_sft_examples", "tokenize_sft_row"]
 

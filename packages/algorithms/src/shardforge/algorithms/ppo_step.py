@@ -16,7 +16,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from shardforge.algorithms.batch import PackedBatch
+from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.rl import (
     KLEstimator,

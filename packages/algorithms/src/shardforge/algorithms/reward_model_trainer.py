@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from shardforge.algorithms.batch import PackedBatch, pack_sequences
+from shardforge.algorithms.batching import PackedBatch, pack_sequences
 from shardforge.algorithms.config import EngineConfig
 from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.data import GlobalBatchSampler
@@ -31,7 +31,7 @@ from shardforge.algorithms.metrics import MetricsLogger
 from shardforge.algorithms.ppo_step import dp_reduce_stats
 from shardforge.algorithms.rl import bradley_terry_loss, last_token_scores, summarize_stats
 from shardforge.algorithms.rl.stats import merge_stats
-from shardforge.algorithms.seq_groups import SEQUENCE_GROUP
+from shardforge.algorithms.batching import SEQUENCE_GROUP
 from shardforge.algorithms.sft import _check_data_state, _truncate_metrics
 from shardforge.algorithms.trainer_common import progress_bar, with_total_steps
 from shardforge.checkpoint_dcp import Checkpointer

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from shardforge.algorithms.batch import PackedBatch, pack_sequences
+from shardforge.algorithms.batching import PackedBatch, pack_sequences
 from shardforge.algorithms.rl import dr_grpo_advantages, grpo_advantages, rloo_advantages
 from shardforge.algorithms.rl.loss_fns import ADVANTAGES, OLD_LOGPROBS
 from shardforge.algorithms.rollout.types import Rollout

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from shardforge.algorithms.batch import PackedBatch, pad_to_multiple
+from shardforge.algorithms.batching import PackedBatch, pad_to_multiple
 from shardforge.algorithms.modeling import is_model_dir
-from shardforge.algorithms.rl.segments import check_cu_seqlens
+from shardforge.algorithms.batching import check_cu_seqlens
 
 if TYPE_CHECKING:
     from shardforge.algorithms.engine import TrainEngine

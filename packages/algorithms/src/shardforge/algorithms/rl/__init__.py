@@ -20,7 +20,7 @@ from shardforge.algorithms.rl.loss_fns import PPOActorLossFn, PPOCriticLossFn
 from shardforge.algorithms.rl.ppo import PPOActorConfig, ppo_actor_loss
 from shardforge.algorithms.rl.reward_model import bradley_terry_loss, last_token_scores
 from shardforge.algorithms.rl.rewards import RewardShapingConfig, overlong_penalty, shape_rewards, token_rewards
-from shardforge.algorithms.rl.segments import broadcast_to_tokens, last_target_index, target_counts
+from shardforge.algorithms.batching import broadcast_to_tokens, last_target_index, target_counts
 from shardforge.algorithms.rl.stats import LossOutput, all_reduce_stats, merge_stats, summarize_stats
 
 __all__ = [

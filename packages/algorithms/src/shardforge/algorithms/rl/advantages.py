@@ -21,7 +21,7 @@ import torch
 
 from shardforge.algorithms.rl.kl import KLEstimator, kl_estimate
 from shardforge.algorithms.rl.rewards import token_rewards
-from shardforge.algorithms.rl.segments import check_cu_seqlens, check_finite, check_tokens, segment_ids
+from shardforge.algorithms.batching import check_cu_seqlens, check_finite, check_tokens, segment_ids
 
 __all__ = [
     "discounted_returns",

@@ -30,7 +30,7 @@ from typing import Literal, get_args
 
 import torch
 
-from shardforge.algorithms.rl.segments import segment_ids, target_counts
+from shardforge.algorithms.batching import segment_ids, target_counts
 
 __all__ = ["LossAggregation", "aggregation_coefficients", "aggregation_weight", "check_aggregation"]
 

@@ -25,7 +25,7 @@ from shardforge.algorithms.rl.aggregation import (
     aggregation_weight,
     check_aggregation,
 )
-from shardforge.algorithms.rl.segments import check_cu_seqlens, check_finite, check_tokens, target_counts
+from shardforge.algorithms.batching import check_cu_seqlens, check_finite, check_tokens, target_counts
 from shardforge.algorithms.rl.stats import LossOutput
 
 __all__ = ["PPOCriticConfig", "ValueLossType", "ppo_critic_loss"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from shardforge.algorithms.batch import PackedBatch
+from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.rl.aggregation import aggregation_weight
 from shardforge.algorithms.rl.critic import PPOCriticConfig, ppo_critic_loss
 from shardforge.algorithms.rl.ppo import PPOActorConfig, ppo_actor_loss

@@ -1,7 +1,7 @@
 """PPO actor loss on packed sequences: clip, asymmetric clip, dual clip, decoupled PPO, GSPO ratios.
 
 Legend: T = packed tokens, N = sequences. All per-token inputs are [T] and target-aligned
-(value t scores token t, see `shardforge.algorithms.batch`); only tokens with a non-zero
+(value t scores token t, see `shardforge.algorithms.batching`); only tokens with a non-zero
 ``loss_mask`` count. Notation: ``pi`` the policy being trained (``logprobs``), ``prox`` the
 proximal policy, ``behav`` the behaviour policy that sampled the tokens (``old_logprobs``).
 
@@ -37,7 +37,7 @@ from shardforge.algorithms.rl.aggregation import (
     check_aggregation,
 )
 from shardforge.algorithms.rl.kl import KLEstimator, kl_estimate
-from shardforge.algorithms.rl.segments import (
+from shardforge.algorithms.batching import (
     check_cu_seqlens,
     check_finite,
     check_tokens,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardforge.algorithms.rl.segments import check_cu_seqlens, check_finite
+from shardforge.algorithms.batching import check_cu_seqlens, check_finite
 from shardforge.algorithms.rl.stats import LossOutput
 
 __all__ = ["bradley_terry_loss", "last_token_scores"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardforge.algorithms.rl.segments import check_cu_seqlens, check_finite, check_tokens, last_target_index
+from shardforge.algorithms.batching import check_cu_seqlens, check_finite, check_tokens, last_target_index
 
 __all__ = ["RewardShapingConfig", "overlong_penalty", "shape_rewards", "token_rewards"]
 

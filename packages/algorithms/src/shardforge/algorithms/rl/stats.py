@@ -18,7 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+
+from shardforge.algorithms.batching.collectives import all_reduce_stats, stat_kind
 
 __all__ = ["LossOutput", "all_reduce_stats", "merge_stats", "summarize_stats"]
 
@@ -43,12 +44,7 @@ class LossOutput:
         return self.loss_sum / weight if weight > 0 else self.loss_sum * 0.0
 
 
-def _kind(name: str) -> str:
-    if name.endswith("_max"):
-        return "max"
-    if name.endswith("_min"):
-        return "min"
-    return "sum"
+_kind = stat_kind
 
 
 def merge_stats(stats: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -65,26 +61,6 @@ def merge_stats(stats: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.
                 out[name] = torch.minimum(out[name], value)
             else:
                 out[name] = out[name] + value
-    return out
-
-
-def all_reduce_stats(
-    stats: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None = None
-) -> dict[str, torch.Tensor]:
-    """Reduce merged stats over ``group`` (three collectives: sum, max, min). Every rank must pass the same keys."""
-    if not dist.is_initialized():
-        return {k: v.detach().double().cpu() for k, v in stats.items()}
-    names = sorted(stats)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    out: dict[str, torch.Tensor] = {}
-    for kind, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
-        keys = [n for n in names if _kind(n) == kind]
-        if not keys:
-            continue
-        packed = torch.stack([stats[k].detach().double().reshape(()) for k in keys]).cpu()
-        packed = packed.to(device) if device is not None else packed
-        dist.all_reduce(packed, op=op, group=group)
-        out.update(zip(keys, packed.cpu().unbind(0), strict=True))
     return out
 
 

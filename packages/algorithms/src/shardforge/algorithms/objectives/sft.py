@@ -9,17 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardforge.algorithms.batch import PackedBatch
+from shardforge.algorithms.batching import PackedBatch, sequence_start_mask
 
-__all__ = ["sequence_start_mask", "sft_loss", "target_logprobs", "token_count"]
-
-
-def sequence_start_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[T] bool, True at the first token of every sequence."""
-    starts = torch.zeros(num_tokens, dtype=torch.bool, device=cu_seqlens.device)
-    first = cu_seqlens[:-1].long()
-    starts[first[first < num_tokens]] = True
-    return starts
+__all__ = ["sft_loss", "target_logprobs", "token_count"]
 
 
 def target_logprobs(logits_TV: torch.Tensor, input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

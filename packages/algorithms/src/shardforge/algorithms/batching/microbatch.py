@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from shardforge.algorithms.batch import PackedBatch
+from shardforge.algorithms.batching.collectives import all_reduce_max
+from shardforge.algorithms.batching.packed import PackedBatch
 
 __all__ = ["agree_max", "ffd_bins", "split_microbatches"]
 
@@ -65,13 +66,8 @@ def _split_to_count(bins: list[list[int]], lengths: Sequence[int], count: int) -
 
 def agree_max(value: int, group: dist.ProcessGroup | None) -> int:
     """Max of ``value`` over ``group`` (identity without a process group)."""
-    if group is None or not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
+    [agreed] = all_reduce_max(value, group=group)
+    return int(agreed)
 
 
 def split_microbatches(

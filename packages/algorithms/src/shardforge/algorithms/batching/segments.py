@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "sequence_start_mask",
     "broadcast_to_tokens",
     "check_cu_seqlens",
     "check_finite",
@@ -95,3 +96,11 @@ def last_target_index(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torc
     candidate = torch.where(loss_mask != 0, positions, torch.full_like(positions, -1))
     out = torch.full((cu_seqlens.numel() - 1,), -1, dtype=torch.long, device=loss_mask.device)
     return out.scatter_reduce(0, seg, candidate, reduce="amax")
+
+
+def sequence_start_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[T] bool, True at the first token of every sequence."""
+    starts = torch.zeros(num_tokens, dtype=torch.bool, device=cu_seqlens.device)
+    first = cu_seqlens[:-1].long()
+    starts[first[first < num_tokens]] = True
+    return starts

@@ -1,0 +1,54 @@
+"""Packed batches, token-budget micro-batching, target alignment and the scalar collectives.
+
+The bottom layer of the algorithms package: it imports only torch (see DESIGN.md section 5).
+"""
+
+from shardforge.algorithms.batching.collectives import (
+    all_reduce_max,
+    all_reduce_stats,
+    all_reduce_sum,
+    backend_device,
+    broadcast_floats,
+    stat_kind,
+)
+from shardforge.algorithms.batching.groups import SEQUENCE_GROUP, group_units, grouped_microbatches
+from shardforge.algorithms.batching.microbatch import agree_max, ffd_bins, split_microbatches
+from shardforge.algorithms.batching.packed import PackedBatch, pack_sequences, pad_to_multiple
+from shardforge.algorithms.batching.segments import (
+    broadcast_to_tokens,
+    check_cu_seqlens,
+    check_finite,
+    check_tokens,
+    last_target_index,
+    segment_ids,
+    segment_sum,
+    sequence_start_mask,
+    target_counts,
+)
+
+__all__ = [
+    "SEQUENCE_GROUP",
+    "PackedBatch",
+    "agree_max",
+    "all_reduce_max",
+    "all_reduce_stats",
+    "all_reduce_sum",
+    "backend_device",
+    "broadcast_floats",
+    "broadcast_to_tokens",
+    "check_cu_seqlens",
+    "check_finite",
+    "check_tokens",
+    "ffd_bins",
+    "group_units",
+    "grouped_microbatches",
+    "last_target_index",
+    "pack_sequences",
+    "pad_to_multiple",
+    "segment_ids",
+    "segment_sum",
+    "sequence_start_mask",
+    "split_microbatches",
+    "stat_kind",
+    "target_counts",
+]

@@ -1,0 +1,1 @@
+"""Pure tensor math of the training objectives (SFT, RL losses, advantages, KL, rewards)."""
