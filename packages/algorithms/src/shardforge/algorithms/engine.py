@@ -24,11 +24,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardforge.algorithms import lora_support, pipeline_support, value_model
-from shardforge.algorithms.batching import PackedBatch, pad_to_multiple, sequence_start_mask
+from shardforge.algorithms.batching import (
+    SEQUENCE_GROUP,
+    PackedBatch,
+    grouped_microbatches,
+    pad_to_multiple,
+    sequence_start_mask,
+    split_microbatches,
+)
 from shardforge.algorithms.config import EngineConfig, parse_dtype
 from shardforge.algorithms.engine_io import EngineIO
-from shardforge.algorithms.objectives.sft import sft_loss, token_count
-from shardforge.algorithms.batching import split_microbatches
 from shardforge.algorithms.modeling import load_hf_config, materialize_reference, validate_layout
 from shardforge.algorithms.moe_support import (
     apply_moe,
@@ -40,9 +45,9 @@ from shardforge.algorithms.moe_support import (
     reload_expert_tp,
     shard_experts,
 )
+from shardforge.algorithms.objectives.sft import sft_loss, token_count
 from shardforge.algorithms.offload import OffloadState, offloaded_between_calls
 from shardforge.algorithms.optim import build_optimizer, build_scheduler
-from shardforge.algorithms.batching import SEQUENCE_GROUP, grouped_microbatches
 from shardforge.fsdp_wrap import (
     ActivationCheckpointConfig,
     FSDPConfig,

@@ -394,3 +394,9 @@ def _train_step(
             "generate_overlap_s": max(sampled.generate_s - sampled.wait_s, 0.0),
         }
     return stats
+
+
+from shardforge.algorithms.trainers import TrainerSpec  # noqa: E402
+
+TRAINER = TrainerSpec(config_cls=GRPOConfig, run=run_grpo)
+"""This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""

@@ -27,9 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardforge.algorithms.batching import PackedBatch
-from shardforge.algorithms.batching import sequence_start_mask
-from shardforge.algorithms.batching import split_microbatches
+from shardforge.algorithms.batching import PackedBatch, sequence_start_mask, split_microbatches
 from shardforge.fsdp_wrap import (
     apply_activation_checkpointing,
     apply_fsdp,

@@ -287,3 +287,9 @@ def _rollout_batch(
     batch = rollouts_to_batch(rollouts, torch.zeros(len(rollouts)))  # advantages come from GAE
     lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float64)
     return batch, rewards, lengths
+
+
+from shardforge.algorithms.trainers import TrainerSpec  # noqa: E402
+
+TRAINER = TrainerSpec(config_cls=PPOConfig, run=run_ppo)
+"""This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""

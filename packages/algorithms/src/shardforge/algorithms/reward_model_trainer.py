@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from shardforge.algorithms.batching import PackedBatch, pack_sequences
+from shardforge.algorithms.batching import SEQUENCE_GROUP, PackedBatch, pack_sequences
 from shardforge.algorithms.config import EngineConfig
 from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.data import GlobalBatchSampler
@@ -31,7 +31,6 @@ from shardforge.algorithms.metrics import MetricsLogger
 from shardforge.algorithms.ppo_step import dp_reduce_stats
 from shardforge.algorithms.rl import bradley_terry_loss, last_token_scores, summarize_stats
 from shardforge.algorithms.rl.stats import merge_stats
-from shardforge.algorithms.batching import SEQUENCE_GROUP
 from shardforge.algorithms.sft import _check_data_state, _truncate_metrics
 from shardforge.algorithms.trainer_common import progress_bar, with_total_steps
 from shardforge.checkpoint_dcp import Checkpointer
@@ -286,3 +285,9 @@ def evaluate_pairs(
         weight_sum += stats["loss_weight"]
     result = _pair_stats(loss_fn, engine)
     return {"loss": loss_sum / max(weight_sum, 1e-12), **result}
+
+
+from shardforge.algorithms.trainers import TrainerSpec  # noqa: E402
+
+TRAINER = TrainerSpec(config_cls=RMConfig, run=run_rm)
+"""This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""

@@ -196,3 +196,9 @@ def _truncate_metrics(path: Path, step: int) -> None:
         return
     kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
     path.write_text("".join(line + "\n" for line in kept))
+
+
+from shardforge.algorithms.trainers import TrainerSpec  # noqa: E402
+
+TRAINER = TrainerSpec(config_cls=SFTConfig, run=run_sft)
+"""This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""

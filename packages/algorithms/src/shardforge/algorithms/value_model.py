@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from shardforge.algorithms.batching import PackedBatch, pad_to_multiple
+from shardforge.algorithms.batching import PackedBatch, check_cu_seqlens, pad_to_multiple
 from shardforge.algorithms.modeling import is_model_dir
-from shardforge.algorithms.batching import check_cu_seqlens
 
 if TYPE_CHECKING:
     from shardforge.algorithms.engine import TrainEngine

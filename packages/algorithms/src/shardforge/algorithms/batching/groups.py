@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardforge.algorithms.batching.packed import PackedBatch
 from shardforge.algorithms.batching.microbatch import agree_max, ffd_bins
+from shardforge.algorithms.batching.packed import PackedBatch
 
 __all__ = ["SEQUENCE_GROUP", "group_units", "grouped_microbatches"]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 
 from shardforge.algorithms.batching.collectives import all_reduce_max

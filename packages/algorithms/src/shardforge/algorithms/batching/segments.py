@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "sequence_start_mask",
     "broadcast_to_tokens",
     "check_cu_seqlens",
     "check_finite",
@@ -19,6 +18,7 @@ __all__ = [
     "last_target_index",
     "segment_ids",
     "segment_sum",
+    "sequence_start_mask",
     "target_counts",
 ]
 

@@ -3,6 +3,7 @@
 See docs/packages/algorithms-rl.md for the formulas, options and the aggregation contract.
 """
 
+from shardforge.algorithms.batching import broadcast_to_tokens, last_target_index, target_counts
 from shardforge.algorithms.rl.advantages import (
     discounted_returns,
     dr_grpo_advantages,
@@ -20,7 +21,6 @@ from shardforge.algorithms.rl.loss_fns import PPOActorLossFn, PPOCriticLossFn
 from shardforge.algorithms.rl.ppo import PPOActorConfig, ppo_actor_loss
 from shardforge.algorithms.rl.reward_model import bradley_terry_loss, last_token_scores
 from shardforge.algorithms.rl.rewards import RewardShapingConfig, overlong_penalty, shape_rewards, token_rewards
-from shardforge.algorithms.batching import broadcast_to_tokens, last_target_index, target_counts
 from shardforge.algorithms.rl.stats import LossOutput, all_reduce_stats, merge_stats, summarize_stats
 
 __all__ = [

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from shardforge.algorithms.batching import check_cu_seqlens, check_finite, check_tokens, segment_ids
 from shardforge.algorithms.rl.kl import KLEstimator, kl_estimate
 from shardforge.algorithms.rl.rewards import token_rewards
-from shardforge.algorithms.batching import check_cu_seqlens, check_finite, check_tokens, segment_ids
 
 __all__ = [
     "discounted_returns",

@@ -19,13 +19,13 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
+from shardforge.algorithms.batching import check_cu_seqlens, check_finite, check_tokens, target_counts
 from shardforge.algorithms.rl.aggregation import (
     LossAggregation,
     aggregation_coefficients,
     aggregation_weight,
     check_aggregation,
 )
-from shardforge.algorithms.batching import check_cu_seqlens, check_finite, check_tokens, target_counts
 from shardforge.algorithms.rl.stats import LossOutput
 
 __all__ = ["PPOCriticConfig", "ValueLossType", "ppo_critic_loss"]

@@ -30,13 +30,6 @@ from typing import Literal, get_args
 
 import torch
 
-from shardforge.algorithms.rl.aggregation import (
-    LossAggregation,
-    aggregation_coefficients,
-    aggregation_weight,
-    check_aggregation,
-)
-from shardforge.algorithms.rl.kl import KLEstimator, kl_estimate
 from shardforge.algorithms.batching import (
     check_cu_seqlens,
     check_finite,
@@ -45,6 +38,13 @@ from shardforge.algorithms.batching import (
     segment_sum,
     target_counts,
 )
+from shardforge.algorithms.rl.aggregation import (
+    LossAggregation,
+    aggregation_coefficients,
+    aggregation_weight,
+    check_aggregation,
+)
+from shardforge.algorithms.rl.kl import KLEstimator, kl_estimate
 from shardforge.algorithms.rl.stats import LossOutput
 
 __all__ = ["BehaviourWeightMode", "PPOActorConfig", "RatioLevel", "ppo_actor_loss"]
