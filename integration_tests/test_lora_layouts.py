@@ -41,8 +41,8 @@ def _sequences(step: int) -> list[list[int]]:
 
 def _engine(model_dir: str, layout: str) -> Any:
     from shardforge.algorithms import TrainEngine
-    from shardforge.algorithms.config import EngineConfig
     from shardforge.algorithms.config_io import apply_overrides, build_config
+    from shardforge.algorithms.engine.config import EngineConfig
 
     # Built the way the CLI builds it (engine.lora.* overrides), to cover the config path too.
     overrides = ["lora.r=4", "lora.alpha=8", f"lora.target_modules=[{','.join(TARGETS)}]", "optimizer.lr=2e-2"]

@@ -130,7 +130,7 @@ def test_sft_under_pp_matches_world1(
 def _forward(model_dir: str, layout: str) -> torch.Tensor:
     from shardforge.algorithms import TrainEngine
     from shardforge.algorithms.batching import pack_sequences
-    from shardforge.algorithms.config import EngineConfig
+    from shardforge.algorithms.engine.config import EngineConfig
 
     engine = TrainEngine(model_dir, layout, EngineConfig(max_tokens_per_microbatch=24))
     gen = torch.Generator().manual_seed(0)
@@ -151,7 +151,7 @@ def _values_after_load(model_dir: str, checkpoint_root: str, layout: str, engine
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     from shardforge.algorithms import TrainEngine
-    from shardforge.algorithms.config import EngineConfig
+    from shardforge.algorithms.engine.config import EngineConfig
     from shardforge.checkpoint_dcp import Checkpointer
 
     trainer = TrainEngine(model_dir, layout, EngineConfig(**engine))

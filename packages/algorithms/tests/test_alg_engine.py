@@ -11,7 +11,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
-from shardforge.algorithms.modeling import validate_layout
+from shardforge.algorithms.engine.checks import check_layout as validate_layout
 from shardforge.mesh import ParallelDims
 
 VOCAB = 64
@@ -150,7 +150,7 @@ def test_forward_returns_logprobs_in_original_token_order():
     expected = reference_logprobs(plain_model(cfg), seqs)
     eng = engine(cfg, max_tokens_per_microbatch=16)
     batch = pack_sequences(seqs, masks)
-    assert [i for i, _ in eng._microbatches(batch)] == [[0], [1, 4], [2, 3]]
+    assert [i for i, _ in eng.runner.microbatches(batch).items] == [[0], [1, 4], [2, 3]]
     got = eng.forward(batch)
     assert got.shape == (sum(LENGTHS),)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

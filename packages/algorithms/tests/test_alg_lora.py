@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from shardforge.algorithms.config import EngineConfig
 from shardforge.algorithms.config_io import apply_overrides, build_config, config_to_dict
-from shardforge.algorithms.lora_support import validate_lora
+from shardforge.algorithms.engine.checks import check_engine
+from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.lora import LoRAConfig
+from shardforge.mesh import ParallelDims
+
+
+def validate_lora(config: EngineConfig, pp: int) -> None:
+    from transformers import Qwen3Config
+
+    hf_config = Qwen3Config(
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False
+    )
+    check_engine(ParallelDims(pp=pp, dp_shard=1), hf_config, config)
 
 
 def test_lora_overrides_build_a_lora_config() -> None:

@@ -12,7 +12,7 @@ import torch
 from transformers import Qwen3Config
 
 from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
-from shardforge.algorithms.offload import move_optimizer_state
+from shardforge.algorithms.engine.features.offload import move_optimizer_state
 
 VOCAB = 64
 

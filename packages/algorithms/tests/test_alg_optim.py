@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardforge.algorithms import OptimizerConfig, SchedulerConfig
-from shardforge.algorithms.optim import build_optimizer, build_scheduler, lr_factor
+from shardforge.algorithms.engine.optim import build_optimizer, build_scheduler, lr_factor
 
 
 def _model() -> nn.Module:

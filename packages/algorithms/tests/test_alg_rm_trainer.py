@@ -86,7 +86,7 @@ def test_bradley_terry_through_the_engine_matches_the_pure_loss(assets: dict[str
     assert stats["loss"] == pytest.approx(float(want.loss), rel=1e-5)
     assert pair_stats["accuracy"] == pytest.approx(float(want.stats["accuracy"]) / 10)
     # The budget (40 tokens) forces several micro-batches; each held whole pairs or the loss fn would raise.
-    assert len(engine._microbatches(batch)) > 1
+    assert len(engine.runner.microbatches(batch).items) > 1
     shuffled = batch.select([1, 0, 2, 3])
     with pytest.raises(ValueError, match="whole \\(chosen, rejected\\) pairs"):
         fn(torch.zeros(shuffled.num_tokens), shuffled)

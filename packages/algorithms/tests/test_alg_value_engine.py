@@ -105,9 +105,9 @@ def test_sequence_groups_stay_in_one_microbatch() -> None:
 
 def _critic_batch(engine: Any) -> Any:
     from shardforge.algorithms import pack_sequences
+    from shardforge.algorithms.batching import target_aligned_values
     from shardforge.algorithms.rl import gae_advantages, token_rewards
     from shardforge.algorithms.rl.loss_fns import OLD_VALUES, RETURNS
-    from shardforge.algorithms.value_model import target_aligned_values
 
     masks = [[float(t >= 2) for t in range(len(s))] for s in SEQS]
     batch = pack_sequences(SEQS, masks)

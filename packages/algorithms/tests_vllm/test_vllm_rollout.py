@@ -28,8 +28,8 @@ pytest.importorskip("vllm")
 import torch
 import yaml
 
-from shardforge.algorithms.config import EngineConfig
 from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS, load_prompts, rollouts_to_batch
 from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams, VLLMOptions, VLLMRolloutEngine
 from shardforge.algorithms.trainer_common import publish_to_rollout

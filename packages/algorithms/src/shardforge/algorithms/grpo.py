@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from shardforge.algorithms.async_rollout import AsyncRollouts, PublishFn, SampledBatch, SampleFn
-from shardforge.algorithms.config import EngineConfig
 from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.metrics import MetricsLogger
 from shardforge.algorithms.rl import PPOActorConfig, PPOActorLossFn, summarize_stats
 from shardforge.algorithms.rl.loss_fns import OLD_LOGPROBS, PROXIMAL_LOGPROBS

@@ -21,10 +21,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from shardforge.algorithms.config import EngineConfig
 from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.grpo import _global_reward_stats, evaluate_accuracy
 from shardforge.algorithms.metrics import MetricsLogger
 from shardforge.algorithms.ppo_step import ShiftedCriticLossFn, ppo_update, prepare_ppo_batch

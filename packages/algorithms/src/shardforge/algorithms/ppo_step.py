@@ -16,7 +16,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from shardforge.algorithms.batching import PackedBatch
+from shardforge.algorithms.batching import PackedBatch, target_aligned_values
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.rl import (
     KLEstimator,
@@ -29,7 +29,6 @@ from shardforge.algorithms.rl import (
     token_rewards,
 )
 from shardforge.algorithms.rl.loss_fns import ADVANTAGES, OLD_LOGPROBS, OLD_VALUES, REF_LOGPROBS, RETURNS
-from shardforge.algorithms.value_model import target_aligned_values
 
 __all__ = ["ShiftedCriticLossFn", "dp_reduce_stats", "ppo_update", "prepare_ppo_batch"]
 

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from shardforge.algorithms.batching import SEQUENCE_GROUP, PackedBatch, pack_sequences
-from shardforge.algorithms.config import EngineConfig
 from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.metrics import MetricsLogger
 from shardforge.algorithms.ppo_step import dp_reduce_stats
 from shardforge.algorithms.rl import bradley_terry_loss, last_token_scores, summarize_stats

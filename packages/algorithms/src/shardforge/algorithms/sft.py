@@ -10,10 +10,10 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from shardforge.algorithms.config import EngineConfig
 from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.data import GlobalBatchSampler, SFTExample, load_sft_examples, pack_examples
 from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.metrics import MetricsLogger
 from shardforge.algorithms.trainer_common import progress_bar, with_total_steps
 from shardforge.checkpoint_dcp import Checkpointer

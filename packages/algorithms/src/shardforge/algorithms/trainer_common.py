@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardforge.algorithms.config import EngineConfig
 from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine
 from shardforge.weight_sync import DiskTransport
 

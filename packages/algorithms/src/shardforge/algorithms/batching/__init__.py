@@ -23,6 +23,7 @@ from shardforge.algorithms.batching.segments import (
     segment_ids,
     segment_sum,
     sequence_start_mask,
+    target_aligned_values,
     target_counts,
 )
 
@@ -50,5 +51,6 @@ __all__ = [
     "sequence_start_mask",
     "split_microbatches",
     "stat_kind",
+    "target_aligned_values",
     "target_counts",
 ]

@@ -19,6 +19,7 @@ __all__ = [
     "segment_ids",
     "segment_sum",
     "sequence_start_mask",
+    "target_aligned_values",
     "target_counts",
 ]
 
@@ -104,3 +105,11 @@ def sequence_start_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tens
     first = cu_seqlens[:-1].long()
     starts[first[first < num_tokens]] = True
     return starts
+
+
+def target_aligned_values(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[T] per-position values -> target-aligned: entry t is the value after tokens 0..t-1 (the
+    state in which token t is chosen), 0 at sequence starts. Differentiable."""
+    check_cu_seqlens(cu_seqlens, values.numel())
+    shifted = torch.cat([values.new_zeros(1), values[:-1]])
+    return shifted.masked_fill(sequence_start_mask(cu_seqlens, values.numel()), 0.0)

@@ -1,8 +1,8 @@
 """Enumerate the layouts the engine accepts for a model and world size, predict and rank them.
 
-Validity is the engine's own: `modeling.validate_layout` (tp divides heads / kv heads /
+Validity is the engine's own: `engine.checks.check_engine` (tp divides heads / kv heads /
 vocab / MLP width, cp fits the heads per TP rank, pp <= layers, EP/ETP rules) and, for
-pp > 1, `pipeline_support.validate_pipeline` (layer split, no tied embeddings, no pp with
+pp > 1, `engine.checks.check_pipeline` (layer split, no tied embeddings, no pp with
 cp or ep). A layout the engine would refuse is never proposed.
 
 Ranking of the layouts that fit (lower is better, in order):
@@ -32,14 +32,10 @@ __all__ = ["PlanResult", "enumerate_layouts", "plan_layouts", "rank_key", "valid
 
 def validate_for_engine(dims: ParallelDims, stats: ModelStats, opts: PlanOptions) -> None:
     """Raise `ValueError` exactly when `TrainEngine` would refuse ``dims`` for this model."""
-    from shardforge.algorithms.config import EngineConfig
-    from shardforge.algorithms.modeling import validate_layout
+    from shardforge.algorithms.engine.checks import check_engine
+    from shardforge.algorithms.engine.config import EngineConfig
 
-    validate_layout(dims, stats.hf_config)
-    if dims.pp > 1:
-        from shardforge.algorithms.pipeline_support import validate_pipeline
-
-        validate_pipeline(dims, stats.hf_config, EngineConfig(pp_schedule=opts.pp_schedule))
+    check_engine(dims, stats.hf_config, EngineConfig(pp_schedule=opts.pp_schedule))
 
 
 def _check_world(world_size: int) -> None:

@@ -211,7 +211,7 @@ def measure_layout(
     from transformers import Qwen3Config
 
     from shardforge.algorithms import EngineConfig, TrainEngine, pack_sequences
-    from shardforge.algorithms.config import OptimizerConfig
+    from shardforge.algorithms.engine.config import OptimizerConfig
 
     torch.set_num_threads(1)
     options = dict(engine_options or {})

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardforge.algorithms.config import parse_dtype
+from shardforge.algorithms.engine.config import parse_dtype
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.weight_sync import DiskWeightSource, WeightReceiver, WeightVersionError
 

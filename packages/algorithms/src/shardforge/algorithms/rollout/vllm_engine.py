@@ -45,7 +45,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from shardforge.algorithms.config import parse_dtype
+from shardforge.algorithms.engine.config import parse_dtype
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.weight_sync import DiskWeightSource, WeightVersionError
 

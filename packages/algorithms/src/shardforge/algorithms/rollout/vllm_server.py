@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardforge.algorithms.config import parse_dtype
+from shardforge.algorithms.engine.config import parse_dtype
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.algorithms.rollout.vllm_engine import (
     VLLMOptions,

@@ -1,4 +1,4 @@
-"""Load HF configs and models for the engine, and validate layouts against them."""
+"""Load HF configs and full reference models for the engine."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from typing import Any
 
 import torch
 
-from shardforge.mesh import ParallelDims
-
-__all__ = ["is_model_dir", "load_hf_config", "validate_layout"]
+__all__ = ["is_model_dir", "load_hf_config", "materialize_reference"]
 
 
 def is_model_dir(source: object) -> bool:
@@ -39,29 +37,6 @@ def load_hf_config(source: Any) -> Any:
             "pass a directory written by `save_pretrained`"
         )
     return AutoConfig.from_pretrained(path)
-
-
-def validate_layout(dims: ParallelDims, hf_config: Any) -> None:
-    """Check ``dims`` against the model's shape before any collective; raise `ValueError`."""
-    heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
-    layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
-    if dims.tp > 1:
-        from shardforge.tensor_parallel import validate_tp
-
-        validate_tp(hf_config, dims.tp)
-    if dims.cp > 1:
-        from shardforge.ulysses_cp import validate_cp
-
-        kv_heads = int(getattr(hf_config, "num_key_value_heads", heads) or heads)
-        validate_cp(heads, kv_heads, dims.cp, tp=dims.tp)
-    if dims.pp > 1 and layers < dims.pp:
-        raise ValueError(
-            f"pp={dims.pp} needs at least one decoder layer per stage but the model has {layers} layers; "
-            f"valid pp: 1..{layers}"
-        )
-    from shardforge.algorithms.moe_support import validate_moe_layout
-
-    validate_moe_layout(dims, hf_config)
 
 
 def materialize_reference(

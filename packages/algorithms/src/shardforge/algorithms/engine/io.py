@@ -1,29 +1,26 @@
 """Export, weight publishing and checkpoints of a `TrainEngine` (the engine's I/O methods).
 
-A mixin so engine.py keeps the model building and the compute paths; every method here is
-collective over the engine's ranks and works on any layout (FSDP/HSDP/TP/CP/EP, pp stages).
-LoRA engines export and publish merged weights and checkpoint only the adapters; engines with
-``offload_when_idle`` bring their weights to the device for each call.
+A mixin so engine.py keeps the compute path; every method here is collective over the engine's
+ranks, works on any layout through the engine's runner (full tensors, checkpoint loading), and
+never branches on the layout. LoRA engines export and publish merged weights and checkpoint only
+the adapters; engines with ``offload_when_idle`` bring their weights to the device for each call.
 """
 
 from __future__ import annotations
 
+import copy
 import os
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from shardforge.algorithms import lora_support, pipeline_support
-from shardforge.algorithms.config import EngineConfig, parse_dtype
-from shardforge.algorithms.offload import OffloadState, offloaded_between_calls
-from shardforge.checkpoint_dcp import Checkpointer, TrainState, export_hf
+from shardforge.algorithms.engine.config import EngineConfig, parse_dtype
+from shardforge.algorithms.engine.features import lora
+from shardforge.algorithms.engine.features.offload import OffloadState, offloaded_between_calls
+from shardforge.algorithms.engine.runners import Runner
+from shardforge.checkpoint_dcp import Checkpointer, TrainState
 from shardforge.weight_sync import PublishStats, WeightPublisher, WeightTransport
-
-if TYPE_CHECKING:
-    from shardforge.algorithms.engine import TrainEngine
-    from shardforge.algorithms.pipeline_support import EnginePipeline
 
 __all__ = ["EngineIO", "replace_attn"]
 
@@ -34,29 +31,18 @@ class EngineIO:
     config: EngineConfig
     hf_config: Any
     model: nn.Module
+    runner: Runner
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     step: int
-    pipeline: EnginePipeline | None
     offload_state: OffloadState | None = None
-
-    def _engine(self) -> TrainEngine:
-        return cast("TrainEngine", self)
 
     # ------------------------------------------------------------------ export
     @offloaded_between_calls
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) model state dict on rank 0's CPU; an empty dict elsewhere."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        if self.pipeline is not None:
-            return pipeline_support.pp_full_state_dict(self._engine())
-        with lora_support.merged_weights(self.model, self.config):  # LoRA: merged HF weights
-            if not dist.is_initialized():
-                return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            state = get_model_state_dict(self.model, options=options)
-        return dict(state) if dist.get_rank() == 0 else {}  # type: ignore[arg-type]
+        with lora.merged_weights(self.model, self.config):  # LoRA: merged HF weights
+            return self.runner.full_state_dict()
 
     @offloaded_between_calls
     def export_hf(self, out_dir: str | os.PathLike[str], tokenizer: Any = None, *, dtype: str | None = None) -> None:
@@ -64,24 +50,15 @@ class EngineIO:
 
         Streams one parameter at a time to rank 0 (see `shardforge.checkpoint_dcp.export_hf`).
         """
-        if self.pipeline is not None:
-            out_dtype = parse_dtype(dtype) if dtype else None
-            return pipeline_support.pp_export_hf(
-                self._engine(), out_dir, replace_attn(self.hf_config), tokenizer, out_dtype
-            )
-        with lora_support.merged_weights(self.model, self.config):  # LoRA: the merged model
-            export_hf(
-                self.model,
-                out_dir,
-                replace_attn(self.hf_config),
-                tokenizer,
-                dtype=parse_dtype(dtype) if dtype else None,
+        with lora.merged_weights(self.model, self.config):  # LoRA: the merged model
+            self.runner.export_hf(
+                out_dir, replace_attn(self.hf_config), tokenizer, parse_dtype(dtype) if dtype else None
             )
 
     @offloaded_between_calls
     def export_lora(self, out_dir: str | os.PathLike[str], base_model_name_or_path: str | None = None) -> None:
         """Write the LoRA adapters in PEFT format (``PeftModel.from_pretrained(base, out_dir)``). Collective."""
-        lora_support.export_lora(self, out_dir, base_model_name_or_path)
+        lora.export_lora(self.model, self.config, self.hf_config, out_dir, base_model_name_or_path)
 
     @offloaded_between_calls
     def publish_weights(
@@ -106,21 +83,20 @@ class EngineIO:
             dtype=parse_dtype(dtype) if dtype is not None else None,
             src_rank=src_rank,
         )
-        with lora_support.merged_weights(self.model, self.config):  # LoRA: publish merged HF weights
+        with lora.merged_weights(self.model, self.config):  # LoRA: publish merged HF weights
             return publisher.publish(self.step if version is None else version)
 
     # ------------------------------------------------------------------ checkpoints
     def train_state(self, data_state: dict[str, Any] | None = None) -> TrainState:
         """A `TrainState` over this engine's model, optimizer, scheduler and step."""
         # LoRA: adapters (+ their optimizer state) only; the frozen base comes from the model path.
-        trainable_only = self.config.lora is not None
         return TrainState(
             self.model,
             self.optimizer,
             self.scheduler,
             step=self.step,
             data_state=data_state,
-            trainable_only=trainable_only,
+            trainable_only=self.config.lora is not None,
         )
 
     @offloaded_between_calls
@@ -131,11 +107,8 @@ class EngineIO:
     @offloaded_between_calls
     def load(self, checkpointer: Checkpointer, step: int | str = "latest") -> dict[str, Any] | None:
         """Load a checkpoint (any layout); return its data state, or None if there is none."""
-        if self.pipeline is not None:
-            return pipeline_support.pp_load(self._engine(), checkpointer, step)
         state = self.train_state()
-        loaded = checkpointer.load({"train": state}, step=step)  # type: ignore[arg-type]
-        if loaded is None:
+        if not self.runner.load(checkpointer, state, step):
             return None
         self.step = state.step
         return state.data_state
@@ -143,8 +116,6 @@ class EngineIO:
 
 def replace_attn(hf_config: Any) -> Any:
     """A copy of ``hf_config`` whose saved attention implementation is plain SDPA."""
-    import copy
-
     config = copy.deepcopy(hf_config)
     config._attn_implementation = "sdpa"
     return config

@@ -2,7 +2,7 @@
 
 The engine calls, in its fixed order (TP -> CP attention -> EP -> PP -> AC -> FSDP):
 
-- `validate_moe_layout` before any collective;
+- the layout checks live in `shardforge.algorithms.engine.checks` (run before any collective);
 - `apply_moe` after tensor parallelism: experts become `ParallelExperts` (EP over ``ep``,
   expert TP, EP + expert TP, or replicated with the grouped matmul) per the moe-ep strategy table;
 - `reload_expert_tp` right after the generic full-state-dict load, and
@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from shardforge.algorithms.engine.context import ParallelContext
 from shardforge.fsdp_wrap import FSDPConfig, offload_policy
 from shardforge.mesh import ParallelDims, ParallelMesh
 from shardforge.moe_ep import (
@@ -41,7 +42,6 @@ from shardforge.moe_ep import (
     broadcast_full_tensors_,
     expert_modules,
     register_optimizer_checkpoint_hooks,
-    validate_expert_parallel,
 )
 from shardforge.moe_ep.strided import has_strided_shard
 
@@ -56,33 +56,12 @@ __all__ = [
     "register_moe_checkpoint_hooks",
     "reload_expert_tp",
     "shard_experts",
-    "validate_moe_layout",
 ]
 
 
 def is_moe(hf_config: Any) -> bool:
     """Whether the model is a sparse MoE family that moe-ep supports."""
     return getattr(hf_config, "model_type", None) in MOE_FAMILIES
-
-
-def validate_moe_layout(dims: ParallelDims, hf_config: Any) -> None:
-    """EP/ETP checks (before any collective); dense models only need ep == 1."""
-    if not is_moe(hf_config):
-        if dims.ep > 1:
-            raise ValueError(
-                f"ep={dims.ep} needs a sparse MoE model ({sorted(MOE_FAMILIES)}), got "
-                f"model_type={getattr(hf_config, 'model_type', None)!r}; use ep=1"
-            )
-        return
-    if dims.ep > 1 or (dims.tp > 1 and dims.pp == 1):  # EP and/or expert TP
-        validate_expert_parallel(dims, hf_config)
-    if dims.ep > 1 and dims.dp_replicate > 1:
-        raise ValueError(
-            f"ep={dims.ep} with dp_replicate={dims.dp_replicate} (HSDP) is not supported yet: expert "
-            "parameters would need HSDP over (dp_replicate, efsdp); use dp_shard instead of dp_replicate"
-        )
-    if dims.ep > 1 and dims.pp > 1:
-        raise ValueError(f"ep={dims.ep} with pp={dims.pp} is not supported yet; use pp=1 with expert parallelism")
 
 
 def _expert_meshes(mesh: ParallelMesh, dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh]:
@@ -222,19 +201,16 @@ class MoETraining:
         return summary.stats()
 
 
-def moe_training(engine: Any) -> MoETraining | None:
-    """The engine's `MoETraining` (None for dense models and pipeline-parallel engines)."""
-    if not is_moe(engine.hf_config) or getattr(engine, "pipeline", None) is not None:
+def moe_training(model: nn.Module, hf_config: Any, ctx: ParallelContext) -> MoETraining | None:
+    """The engine's `MoETraining` (None for dense models)."""
+    if not is_moe(hf_config):
         return None
-    weight = engine.config.moe_aux_loss_weight
+    weight = ctx.config.moe_aux_loss_weight
     if weight is None:
-        weight = float(getattr(engine.hf_config, "router_aux_loss_coef", 0.0) or 0.0)
-    mesh = engine.mesh
+        weight = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+    mesh = ctx.mesh
     group = mesh.get("dp_cp").get_group() if mesh is not None and mesh.has("dp_cp") else None
-    cp_rank = mesh.local_rank("cp") if mesh is not None else 0
-    return MoETraining(
-        engine.model, weight=weight, group=group, dp_cp=engine.dims.dp_cp, cp_rank=cp_rank, cp=engine.dims.cp
-    )
+    return MoETraining(model, weight=weight, group=group, dp_cp=ctx.dims.dp_cp, cp_rank=ctx.cp_rank, cp=ctx.dims.cp)
 
 
 def recording(moe: MoETraining | None, num_tokens: int, real: bool) -> Any:

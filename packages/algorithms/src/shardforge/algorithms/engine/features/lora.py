@@ -13,7 +13,7 @@
 - Export: `export_lora` writes a PEFT adapter; ``export_hf``, ``full_state_dict`` and ``publish_weights``
   run inside `merged_lora`, so they see plain HF names holding ``W + scaling * B @ A``.
 
-Limits: pp > 1 and value heads are refused (see `validate_lora`).
+Limits: pp > 1 and value heads are refused (see `shardforge.algorithms.engine.checks`).
 """
 
 from __future__ import annotations
@@ -24,26 +24,9 @@ from typing import Any
 
 from torch import nn
 
-from shardforge.lora import LoRAConfig, apply_lora, lora_tp_plan, merged_lora, save_peft_adapter
+from shardforge.lora import apply_lora, lora_tp_plan, merged_lora, save_peft_adapter
 
-__all__ = ["add_adapters", "export_lora", "merged_weights", "tp_plan", "validate_lora"]
-
-
-def validate_lora(config: Any, pp: int) -> None:
-    """Refuse the combinations LoRA does not support yet (called before any collective)."""
-    lora: LoRAConfig | None = config.lora
-    if lora is None:
-        return
-    if pp > 1:
-        raise ValueError(
-            f"engine.lora is not supported with pp={pp} yet (pipeline stages are built from the full model "
-            "before adapters exist); use fsdp/tp/cp layouts (e.g. d2t2) or set engine.lora to null"
-        )
-    if config.head != "lm":
-        raise ValueError(
-            f"engine.lora with head={config.head!r} is not supported: the new value head would be frozen; "
-            "train value models without LoRA"
-        )
+__all__ = ["add_adapters", "export_lora", "merged_weights", "tp_plan"]
 
 
 def add_adapters(model: nn.Module, config: Any) -> None:
@@ -68,10 +51,16 @@ def merged_weights(model: nn.Module, config: Any) -> contextlib.AbstractContextM
     return merged_lora(model) if config.lora is not None else contextlib.nullcontext(model)
 
 
-def export_lora(engine: Any, out_dir: str | os.PathLike[str], base_model_name_or_path: str | None = None) -> None:
-    """Write the engine's adapters in PEFT format (collective; rank 0 writes). The base model path
+def export_lora(
+    model: nn.Module,
+    config: Any,
+    hf_config: Any,
+    out_dir: str | os.PathLike[str],
+    base_model_name_or_path: str | None = None,
+) -> None:
+    """Write the model's adapters in PEFT format (collective; rank 0 writes). The base model path
     defaults to the one the engine was built from (``hf_config._name_or_path``)."""
-    if engine.config.lora is None:
+    if config.lora is None:
         raise ValueError("export_lora needs an engine built with engine.lora set (e.g. engine.lora.r=8)")
-    base = base_model_name_or_path or getattr(engine.hf_config, "_name_or_path", None) or None
-    save_peft_adapter(engine.model, out_dir, engine.config.lora, base_model_name_or_path=base)
+    base = base_model_name_or_path or getattr(hf_config, "_name_or_path", None) or None
+    save_peft_adapter(model, out_dir, config.lora, base_model_name_or_path=base)

@@ -122,7 +122,7 @@ class EngineConfig:
     """Seed for weights initialised from a config (not from a checkpoint), and for a new value head."""
     head: Literal["lm", "value"] = "lm"
     """lm: the causal LM (log-probs). value: the decoder with a scalar head (critic / reward model;
-    loss functions get per-position values [T]); see `shardforge.algorithms.value_model`."""
+    loss functions get per-position values [T]); see `shardforge.algorithms.engine.heads`."""
     dist_timeout_s: float = 600.0
     """Collective timeout: a hang becomes an error after this many seconds."""
     lora: LoRAConfig | None = None

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from shardforge.algorithms.config import OptimizerConfig, SchedulerConfig, parse_dtype
+from shardforge.algorithms.engine.config import OptimizerConfig, SchedulerConfig, parse_dtype
 from shardforge.memory import AnyPrecisionAdamW
 
 __all__ = ["build_optimizer", "build_scheduler", "lr_factor"]

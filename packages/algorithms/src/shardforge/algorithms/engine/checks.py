@@ -1,0 +1,124 @@
+"""Every refusal of a layout or feature combination, in one place (the planner calls it too).
+
+`check_engine` runs before any collective, on every rank alike, so a bad setting is one
+`ValueError` that says what is wrong and what would be valid, never a hang.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardforge.algorithms.engine.config import EngineConfig
+from shardforge.algorithms.engine.heads import make_head
+from shardforge.mesh import ParallelDims
+
+__all__ = ["check_engine", "check_features", "check_layout", "check_pipeline", "stages_per_rank"]
+
+
+def check_engine(dims: ParallelDims, hf_config: Any, config: EngineConfig) -> None:
+    """Check a resolved layout and the engine's features against the model; raise `ValueError`."""
+    check_features(dims, config)
+    check_layout(dims, hf_config)
+    if dims.pp > 1:
+        check_pipeline(dims, hf_config, config)
+
+
+def check_features(dims: ParallelDims, config: EngineConfig) -> None:
+    """The feature combinations a layout refuses whatever the model (works on unresolved dims)."""
+    head = make_head(config.head)
+    if dims.pp > 1:
+        if not head.supports_pipeline:
+            raise ValueError(
+                f"value-head models (EngineConfig.head={config.head!r}) do not support pipeline parallelism "
+                f"(pp={dims.pp}); use FSDP/HSDP, TP or CP layouts for the critic / reward model"
+            )
+    if config.tiled_mlp_shards > 1 and dims.tp > 1 and config.sequence_parallel:
+        raise ValueError(
+            "tiled_mlp_shards > 1 with tensor parallel needs sequence_parallel=False (the tiled MLP splits "
+            "the sequence itself); or set tiled_mlp_shards=1"
+        )
+    if config.lora is not None:
+        if dims.pp > 1:
+            raise ValueError(
+                f"engine.lora is not supported with pp={dims.pp} yet (pipeline stages are built from the full "
+                "model before adapters exist); use fsdp/tp/cp layouts (e.g. d2t2) or set engine.lora to null"
+            )
+        if not head.supports_lora:
+            raise ValueError(
+                f"engine.lora with head={config.head!r} is not supported: the new value head would be frozen; "
+                "train value models without LoRA"
+            )
+
+
+def check_layout(dims: ParallelDims, hf_config: Any) -> None:
+    """Check ``dims`` against the model's shape (heads, layers, experts); raise `ValueError`."""
+    heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
+    layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    if dims.tp > 1:
+        from shardforge.tensor_parallel import validate_tp
+
+        validate_tp(hf_config, dims.tp)
+    if dims.cp > 1:
+        from shardforge.ulysses_cp import validate_cp
+
+        kv_heads = int(getattr(hf_config, "num_key_value_heads", heads) or heads)
+        validate_cp(heads, kv_heads, dims.cp, tp=dims.tp)
+    if dims.pp > 1 and layers < dims.pp:
+        raise ValueError(
+            f"pp={dims.pp} needs at least one decoder layer per stage but the model has {layers} layers; "
+            f"valid pp: 1..{layers}"
+        )
+    _check_moe(dims, hf_config)
+
+
+def _check_moe(dims: ParallelDims, hf_config: Any) -> None:
+    """EP/ETP checks; dense models only need ep == 1."""
+    from shardforge.algorithms.engine.features.moe import is_moe
+    from shardforge.moe_ep import MOE_FAMILIES, validate_expert_parallel
+
+    if not is_moe(hf_config):
+        if dims.ep > 1:
+            raise ValueError(
+                f"ep={dims.ep} needs a sparse MoE model ({sorted(MOE_FAMILIES)}), got "
+                f"model_type={getattr(hf_config, 'model_type', None)!r}; use ep=1"
+            )
+        return
+    if dims.ep > 1 or (dims.tp > 1 and dims.pp == 1):  # EP and/or expert TP
+        validate_expert_parallel(dims, hf_config)
+    if dims.ep > 1 and dims.dp_replicate > 1:
+        raise ValueError(
+            f"ep={dims.ep} with dp_replicate={dims.dp_replicate} (HSDP) is not supported yet: expert "
+            "parameters would need HSDP over (dp_replicate, efsdp); use dp_shard instead of dp_replicate"
+        )
+    if dims.ep > 1 and dims.pp > 1:
+        raise ValueError(f"ep={dims.ep} with pp={dims.pp} is not supported yet; use pp=1 with expert parallelism")
+
+
+def stages_per_rank(config: EngineConfig) -> int:
+    """Pipeline (virtual) stages per rank: the configured count or the schedule's default."""
+    from shardforge.pipeline import resolve_schedule
+
+    return config.pp_stages_per_rank or resolve_schedule(config.pp_schedule).default_stages_per_rank
+
+
+def check_pipeline(dims: ParallelDims, hf_config: Any, config: EngineConfig) -> None:
+    """Check the pipeline settings against the model (pp > 1); raise `ValueError`."""
+    from shardforge.pipeline import resolve_schedule, split_layers
+
+    spec = resolve_schedule(config.pp_schedule)
+    v = stages_per_rank(config)
+    if not spec.multi_stage and v != 1:
+        raise ValueError(
+            f"pp_schedule={spec.name} runs one stage per rank but pp_stages_per_rank={v}; "
+            "use Interleaved1F1B or ZBVZeroBubble for virtual stages"
+        )
+    if spec.name == "ZBVZeroBubble" and v != 2:
+        raise ValueError(f"pp_schedule=ZBVZeroBubble needs pp_stages_per_rank=2, got {v}")
+    split_layers(int(hf_config.num_hidden_layers), dims.pp * v, config.pp_layers_per_stage)
+    if getattr(hf_config, "tie_word_embeddings", False):
+        raise ValueError(
+            "pp > 1 puts the input embedding and lm_head on different stages, but the model ties them "
+            "(tie_word_embeddings=True); use pp=1 or an untied model"
+        )
+    if dims.cp > 1:
+        raise ValueError(f"pp={dims.pp} with cp={dims.cp} is not supported yet; use pp with FSDP/TP (letters p, d, t)")

@@ -1,0 +1,210 @@
+"""`TrainEngine`: one HF model, sharded per a `ParallelDims`, trained on packed batches.
+
+The composition order lives in `shardforge.algorithms.engine.build` (and docs/parallelism.md);
+how micro-batches run on a layout lives in a runner (`runners.SPMDRunner`,
+`pipeline_runner.PipelineRunner`); what the model outputs per token lives in a head
+(`heads.LMHead`, `heads.ValueHead`). The engine normalises, clips, steps and reports once for all.
+
+Loss normalisation: ``loss_fn`` returns a *sum* over a micro-batch; the engine divides by
+the loss weight summed over the whole global batch (all micro-batches, all data-parallel
+ranks), and multiplies by the number of ranks FSDP averages gradients over. The update
+is therefore the same whatever the micro-batching or the world size.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardforge.algorithms.batching import PackedBatch, all_reduce_sum
+from shardforge.algorithms.engine.build import build_model
+from shardforge.algorithms.engine.checks import check_engine, check_features
+from shardforge.algorithms.engine.config import EngineConfig
+from shardforge.algorithms.engine.context import ParallelContext
+from shardforge.algorithms.engine.features.moe import register_moe_checkpoint_hooks
+from shardforge.algorithms.engine.features.offload import OffloadState, offloaded_between_calls
+from shardforge.algorithms.engine.heads import make_head
+from shardforge.algorithms.engine.io import EngineIO
+from shardforge.algorithms.engine.loading import load_hf_config
+from shardforge.algorithms.engine.optim import build_optimizer, build_scheduler
+from shardforge.algorithms.objectives.sft import sft_loss, token_count
+from shardforge.mesh import ParallelDims, build_mesh, current_device, init_distributed
+
+__all__ = ["LossFn", "LossWeightFn", "TrainEngine"]
+
+LossFn = Callable[[torch.Tensor, PackedBatch], torch.Tensor]
+"""(target log-probs [T], micro-batch) -> summed loss (0-dim); a value-head engine passes
+per-position values [T] instead of log-probs. A loss function with a true
+``wants_entropy`` attribute is called as ``loss_fn(logprobs, mb, entropy=[T] entropies)``
+(differentiable; vocab-parallel under TP, gathered under CP)."""
+LossWeightFn = Callable[[PackedBatch], torch.Tensor]
+"""micro-batch -> its weight in the global normalisation (e.g. number of target tokens)."""
+
+
+class TrainEngine(EngineIO):
+    """Build, shard and train an HF causal LM (or a value model: ``EngineConfig.head="value"``).
+
+    Args:
+        model: an HF model directory (``save_pretrained`` output) or a `PretrainedConfig`
+            (weights initialised with ``config.seed``, identically on any layout).
+        dims: the parallel layout (`ParallelDims` or a string like ``"d4"`` / ``"r2d2"``).
+        config: optimizer, schedule, dtype and memory settings.
+    """
+
+    offload_state: OffloadState | None = None
+    """Set with ``EngineConfig.offload_when_idle``: weights and optimizer state live on the host between calls."""
+
+    def __init__(
+        self,
+        model: Any,
+        dims: ParallelDims | str = "d-1",
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.head = make_head(self.config.head)
+        self.hf_config = self.head.hf_config(load_hf_config(model))
+        dims = ParallelDims.parse(dims) if isinstance(dims, str) else dims
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        # Everything that can be wrong with the inputs is checked before the first collective.
+        check_features(dims, self.config)
+        self.dims = dims.resolve(world)
+        check_engine(self.dims, self.hf_config, self.config)
+        mesh = None
+        if world > 1 or dist.is_initialized():
+            init_distributed(timeout_s=self.config.dist_timeout_s)
+            mesh = build_mesh(self.dims)
+        self.ctx = ParallelContext(dims=self.dims, mesh=mesh, device=current_device(), config=self.config)
+        self.model, self.runner = build_model(self.ctx, self.head, self.hf_config, model)
+        self.optimizer = build_optimizer(self.model, self.config.optimizer)
+        register_moe_checkpoint_hooks(self.model, self.optimizer)  # expert-TP optimizer states in DCP
+        self.scheduler = build_scheduler(self.optimizer, self.config.scheduler)
+        if self.config.offload_when_idle:  # weights + optimizer state on the host between calls
+            self.offload_state = OffloadState(self.model, self.optimizer, self.device)
+            self.offload_state.offload()
+        self.step = 0
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def mesh(self) -> Any:
+        return self.ctx.mesh
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.ctx.param_dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return self.ctx.compute_dtype
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """Ranks holding different data (losses and weights are summed over them)."""
+        return self.ctx.dp_group
+
+    @property
+    def dp_rank(self) -> int:
+        return self.ctx.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.is_main
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Log-probs and entropies are those of softmax(logits / T): RL trainers set T to the
+        rollout temperature so ratios compare the same distribution the samples came from."""
+        return self.head.temperature
+
+    @logprob_temperature.setter
+    def logprob_temperature(self, value: float) -> None:
+        self.head.temperature = float(value)
+
+    def all_reduce_sum(self, *values: torch.Tensor | float, group: dist.ProcessGroup | None) -> list[float]:
+        """Sum scalars over ``group`` with this engine's device rule (identity without a group)."""
+        return all_reduce_sum(*values, group=group, device=self.device)
+
+    # ------------------------------------------------------------------ compute
+    @offloaded_between_calls
+    def train_batch(
+        self,
+        batch: PackedBatch,
+        loss_fn: LossFn = sft_loss,
+        loss_weight_fn: LossWeightFn = token_count,
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's share of the global batch; return global stats."""
+        wants_entropy = bool(getattr(loss_fn, "wants_entropy", False))
+        if wants_entropy and not self.head.has_token_distribution:
+            raise ValueError("a value-head engine has no token distribution: its loss_fn cannot want entropy")
+        start = time.perf_counter()
+        self.model.train()
+        mbs = self.runner.microbatches(batch)
+        local_weight = sum(
+            (loss_weight_fn(mb).detach().double() for _, mb in mbs.items if mb is not None),
+            torch.zeros((), dtype=torch.float64),
+        )
+        [global_weight] = self.all_reduce_sum(local_weight, group=self.dp_group)
+        if global_weight <= 0:
+            raise ValueError(
+                "the global batch has zero loss weight (no target tokens on any rank); check loss_mask "
+                "(e.g. completions are empty or were truncated away)"
+            )
+        # FSDP averages gradients over the dp_cp ranks; undo that so the sum is global.
+        grad_scale = self.dims.dp_cp / global_weight
+        loss_sum, extra = self.runner.forward_backward(mbs, loss_fn, grad_scale, wants_entropy=wants_entropy)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = self.runner.grad_norm(params, self.config.optimizer.max_grad_norm)
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.step += 1
+        report = self.runner.report_step(loss_sum, batch.num_tokens)
+        loss_total, num_tokens = self.all_reduce_sum(*report.values, group=report.group)
+        return {
+            "loss": loss_total / global_weight,
+            "grad_norm": float(grad_norm),
+            "lr": float(lr),
+            "loss_weight": global_weight,
+            "tokens": num_tokens,
+            "microbatches": float(len(mbs.items)),
+            "skipped": float(not finite),
+            "step_time_s": time.perf_counter() - start,
+            **extra,
+        }
+
+    @torch.no_grad()
+    @offloaded_between_calls
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """[T] target log-probs of this rank's batch (token order of ``batch``); value-head engines
+        return [T] per-position values."""
+        self.model.eval()
+        return self.runner.forward(batch)
+
+    @torch.no_grad()
+    @offloaded_between_calls
+    def eval_batch(
+        self,
+        batch: PackedBatch,
+        loss_fn: LossFn = sft_loss,
+        loss_weight_fn: LossWeightFn = token_count,
+    ) -> dict[str, float]:
+        """Global loss of a batch without updating anything."""
+        self.model.eval()
+        report = self.runner.eval_sums(batch, loss_fn, loss_weight_fn)
+        total, weight_total = self.all_reduce_sum(*report.values, group=report.group)
+        return {"loss": total / max(weight_total, 1e-12), "loss_weight": weight_total}

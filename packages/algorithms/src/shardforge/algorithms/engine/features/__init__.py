@@ -1,0 +1,1 @@
+"""Engine features wired into the build and the step: MoE, LoRA, offloading between calls."""
