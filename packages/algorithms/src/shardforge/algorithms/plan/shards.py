@@ -80,7 +80,7 @@ def shard_plan(stats: ModelStats, dims: ParallelDims) -> ShardPlan:
         if dims.fsdp > 1:
             dense = dims.fsdp  # HSDP shards within fsdp and replicates over dp_replicate
         elif dims.dp_replicate > 1:
-            dense = dims.dp_replicate  # replicate-only layouts shard over the replicas (engine._fsdp_mesh)
+            dense = dims.dp_replicate  # replicate-only layouts shard over the replicas (ParallelContext.fsdp_mesh)
     expert_tp = 1
     if stats.num_experts and dims.tp > 1:
         if dims.ep == 1 and dims.pp == 1:

@@ -1,6 +1,6 @@
 """MoE models in the engine: expert parallelism, expert FSDP, load-balancing loss, router stats.
 
-The engine calls, in its fixed order (TP -> CP attention -> EP -> PP -> AC -> FSDP):
+The engine calls, at their places in the composition order (`engine.build`, docs/parallelism.md):
 
 - the layout checks live in `shardforge.algorithms.engine.checks` (run before any collective);
 - `apply_moe` after tensor parallelism: experts become `ParallelExperts` (EP over ``ep``,
