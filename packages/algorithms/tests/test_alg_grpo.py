@@ -71,7 +71,9 @@ def test_group_advantages_estimators_and_errors() -> None:
     assert bool(torch.isfinite(grpo).all()) and grpo[0] > 0 > grpo[1] and grpo[4] > 0 > grpo[3]
     assert torch.allclose(group_advantages(rewards, 3, "dr_grpo")[:3], torch.tensor([2 / 3, -1 / 3, -1 / 3]))
     assert torch.equal(group_advantages(torch.ones(4), 2, "grpo"), torch.zeros(4)), "zero-std groups get 0"
-    with pytest.raises(ValueError, match=r"unknown advantage estimator 'ppo'; registered: \[.*'dr_grpo', .*'grpo', .*'rloo'"):
+    with pytest.raises(
+        ValueError, match=r"unknown advantage estimator 'ppo'; registered: \[.*'dr_grpo', .*'grpo', .*'rloo'"
+    ):
         group_advantages(rewards, 3, "ppo")  # type: ignore[arg-type]
 
 
