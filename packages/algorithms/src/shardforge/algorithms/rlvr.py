@@ -85,8 +85,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: Advantag
     """
     if estimator == "gae":
         raise ValueError("advantage estimator 'gae' needs a critic's values: use the ppo trainer")
-    fn = ADVANTAGE_ESTIMATORS.get(estimator)
-    return fn(rewards, group_size)
+    advantages: torch.Tensor = ADVANTAGE_ESTIMATORS.get(estimator)(rewards, group_size)
+    return advantages
 
 
 def rollouts_to_batch(rollouts: Sequence[Rollout], advantages: torch.Tensor) -> PackedBatch:

@@ -25,6 +25,7 @@ your own with ``@ADVANTAGE_ESTIMATORS.register("name")`` or name it as ``"packag
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -51,7 +52,7 @@ __all__ = [
 GroupAdvantageFn = Callable[[torch.Tensor, int], torch.Tensor]
 """An outcome estimator: ``fn(rewards [N], group_size) -> advantages [N]`` (groups contiguous)."""
 
-ADVANTAGE_ESTIMATORS: Registry[Callable[..., torch.Tensor]] = Registry("advantage estimator")
+ADVANTAGE_ESTIMATORS: Registry[Callable[..., Any]] = Registry("advantage estimator")
 
 
 # ------------------------------------------------------------------ per-token recursions
