@@ -54,8 +54,8 @@ def _train(model_dir: str, layout: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.algorithms.objectives import PPOActorConfig, PPOActorLossFn, PPOCriticConfig
     from shardforge.algorithms.ppo_step import ShiftedCriticLossFn, ppo_update, prepare_ppo_batch
-    from shardforge.algorithms.rl import PPOActorConfig, PPOActorLossFn, PPOCriticConfig
 
     def config(head: str, lr: float) -> EngineConfig:
         return EngineConfig(head=head, max_tokens_per_microbatch=24, optimizer=OptimizerConfig(lr=lr, eps=1e-6))  # type: ignore[arg-type]

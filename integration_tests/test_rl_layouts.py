@@ -55,7 +55,7 @@ def _rollouts() -> tuple[list[Any], torch.Tensor]:
 
 
 def _batch(old_logprobs: torch.Tensor | None) -> Any:
-    from shardforge.algorithms.rl.loss_fns import OLD_LOGPROBS
+    from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
     from shardforge.algorithms.rlvr import group_advantages, rollouts_to_batch
 
     rollouts, rewards = _rollouts()
@@ -66,7 +66,7 @@ def _batch(old_logprobs: torch.Tensor | None) -> Any:
 
 
 def _actor() -> Any:
-    from shardforge.algorithms.rl import PPOActorConfig, PPOActorLossFn
+    from shardforge.algorithms.objectives import PPOActorConfig, PPOActorLossFn
 
     return PPOActorLossFn(PPOActorConfig(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0, entropy_coef=0.01))
 
@@ -75,7 +75,7 @@ def _train(model_dir: str, layout: str, old_logprobs: torch.Tensor) -> dict[str,
     import torch.distributed as dist
 
     from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
-    from shardforge.algorithms.rl import all_reduce_stats, summarize_stats
+    from shardforge.algorithms.objectives import all_reduce_stats, summarize_stats
 
     engine = TrainEngine(
         model_dir, layout, EngineConfig(max_tokens_per_microbatch=24, optimizer=OptimizerConfig(lr=1e-2, eps=1e-6))

@@ -38,7 +38,7 @@ def write_config(path, **entries):
 
 # ------------------------------------------------------------------------------------------ argument errors
 def test_unknown_algorithm_exits(tmp_path):
-    with pytest.raises(SystemExit, match=r"unknown algorithm 'dpo'; available: \['sft', 'rm', 'ppo', 'grpo'\]"):
+    with pytest.raises(SystemExit, match=r"unknown algorithm 'dpo'; available: \['grpo', 'ppo', 'rm', 'sft'\]"):
         main(["train", "dpo", "--config", write_config(tmp_path / "c.yaml")])
 
 
@@ -147,3 +147,48 @@ def test_sequence_longer_than_budget_names_the_setting(tmp_path, assets):
     assert "longer than engine.max_tokens_per_microbatch=4" in message
     assert "raise engine.max_tokens_per_microbatch to >= " in message and "max_seq_len" in message
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------ registries
+def test_list_prints_every_registry_with_names_and_descriptions(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for header, names in {
+        "trainer:": ["sft", "rm", "ppo", "grpo"],
+        "policy loss:": ["vanilla", "gspo"],
+        "advantage estimator:": ["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"],
+        "KL estimator:": ["k1", "k2", "k3"],
+        "loss aggregation:": ["token-mean", "seq-mean-token-sum-norm"],
+        "reward function:": ["exact_match"],
+        "rollout engine:": ["hf", "vllm"],
+    }.items():
+        assert header in out
+        section = out.split(header, 1)[1].split("\n\n", 1)[0]
+        for name in names:
+            assert f"  {name} " in section, (header, name)
+    assert "supervised fine-tuning" in out  # one line per entry
+
+
+def test_list_imports_no_vllm_code():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from shardforge.algorithms.cli import main; main(['list']); "
+        "print([m for m in sys.modules if 'vllm' in m])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_unknown_trainer_lists_registered_ones(tmp_path, capsys):
+    with pytest.raises(SystemExit, match=r"unknown algorithm 'dpo'; available: \['grpo', 'ppo', 'rm', 'sft'\]"):
+        main(["--log-level", "debug", "train", "dpo", "--config", write_config(tmp_path / "c.yaml")])
+    with pytest.raises(SystemExit, match="unknown algorithm 'nope'"):
+        main(["train", "nope", "--log-level", "WARNING", "--config", write_config(tmp_path / "c.yaml")])
+
+
+def test_log_level_is_checked(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--log-level", "LOUD", "list"])
+    assert info.value.code == 2 and "invalid choice: 'LOUD'" in capsys.readouterr().err

@@ -112,8 +112,8 @@ def test_ppo_critic_from_a_value_model_dir_and_errors(assets: dict[str, Any], tm
 def test_prepare_ppo_batch_gae_and_whitening(assets: dict[str, Any]) -> None:
     from shardforge.algorithms import EngineConfig, TrainEngine, pack_sequences
     from shardforge.algorithms.batching import target_aligned_values
+    from shardforge.algorithms.objectives import gae_advantages, token_rewards
     from shardforge.algorithms.ppo_step import prepare_ppo_batch
-    from shardforge.algorithms.rl import gae_advantages, token_rewards
 
     actor = TrainEngine(assets["model"], "d1")
     critic = TrainEngine(assets["model"], "d1", EngineConfig(head="value"))

@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-from shardforge.algorithms.rl import (
+from shardforge.algorithms.objectives import (
     discounted_returns,
     dr_grpo_advantages,
     gae_advantages,

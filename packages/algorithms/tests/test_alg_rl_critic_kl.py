@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from shardforge.algorithms.rl import PPOCriticConfig, PPOCriticLossFn, kl_estimate, ppo_critic_loss, summarize_stats
+from shardforge.algorithms.objectives import (
+    PPOCriticConfig,
+    PPOCriticLossFn,
+    kl_estimate,
+    ppo_critic_loss,
+    summarize_stats,
+)
 
 
 def make_case(lengths: list[int], seed: int = 0) -> dict[str, torch.Tensor]:

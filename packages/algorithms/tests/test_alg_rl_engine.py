@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen3Config
 
 from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
-from shardforge.algorithms.rl import (
+from shardforge.algorithms.objectives import (
     PPOActorConfig,
     PPOActorLossFn,
     broadcast_to_tokens,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shardforge.algorithms import PackedBatch, pack_sequences
-from shardforge.algorithms.rl import (
+from shardforge.algorithms.objectives import (
     PPOActorConfig,
     PPOActorLossFn,
     aggregation_weight,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shardforge.algorithms.rl import (
+from shardforge.algorithms.objectives import (
     PPOActorConfig,
     RewardShapingConfig,
     all_reduce_stats,
@@ -134,7 +134,7 @@ def test_merge_and_summarize_stats() -> None:
 def _actor_stats_on_rank(lengths: list[int], seed: int) -> dict[str, float]:
     import torch.distributed as dist
 
-    from shardforge.algorithms.rl import PPOActorConfig, all_reduce_stats, merge_stats, ppo_actor_loss
+    from shardforge.algorithms.objectives import PPOActorConfig, all_reduce_stats, merge_stats, ppo_actor_loss
 
     case = _case(lengths, seed)
     rank, world = dist.get_rank(), dist.get_world_size()

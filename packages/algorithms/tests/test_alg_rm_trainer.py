@@ -69,8 +69,8 @@ def _records(out: Path, split: str) -> list[dict[str, Any]]:
 
 def test_bradley_terry_through_the_engine_matches_the_pure_loss(assets: dict[str, Any]) -> None:
     from shardforge.algorithms import EngineConfig, TrainEngine
+    from shardforge.algorithms.objectives import bradley_terry_loss, last_token_scores, summarize_stats
     from shardforge.algorithms.reward_model_trainer import BradleyTerryLossFn, load_pairs, pack_pairs
-    from shardforge.algorithms.rl import bradley_terry_loss, last_token_scores, summarize_stats
 
     pairs = load_pairs(assets["eval"], assets["tokenizer"])
     tok = assets["tokenizer"]

@@ -71,7 +71,7 @@ def test_values_match_hf_token_classification_and_export_round_trips(lm_dir: str
 
 def test_value_engine_errors(lm_dir: str) -> None:
     from shardforge.algorithms import EngineConfig, TrainEngine, pack_sequences
-    from shardforge.algorithms.rl import PPOActorLossFn
+    from shardforge.algorithms.objectives import PPOActorLossFn
 
     with pytest.raises(ValueError, match="unknown engine head 'critic'"):
         EngineConfig(head="critic")  # type: ignore[arg-type]
@@ -106,8 +106,8 @@ def test_sequence_groups_stay_in_one_microbatch() -> None:
 def _critic_batch(engine: Any) -> Any:
     from shardforge.algorithms import pack_sequences
     from shardforge.algorithms.batching import target_aligned_values
-    from shardforge.algorithms.rl import gae_advantages, token_rewards
-    from shardforge.algorithms.rl.loss_fns import OLD_VALUES, RETURNS
+    from shardforge.algorithms.objectives import gae_advantages, token_rewards
+    from shardforge.algorithms.objectives.loss_fns import OLD_VALUES, RETURNS
 
     masks = [[float(t >= 2) for t in range(len(s))] for s in SEQS]
     batch = pack_sequences(SEQS, masks)
@@ -121,8 +121,8 @@ def _critic_batch(engine: Any) -> Any:
 def _critic_steps(lm_dir: str, layout: str) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from shardforge.algorithms.objectives import PPOCriticConfig, summarize_stats
     from shardforge.algorithms.ppo_step import ShiftedCriticLossFn, dp_reduce_stats
-    from shardforge.algorithms.rl import PPOCriticConfig, summarize_stats
 
     engine = _engine(lm_dir, layout, budget=16)
     batch = _critic_batch(engine)

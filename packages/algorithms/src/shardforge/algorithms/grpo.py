@@ -29,9 +29,9 @@ from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.metrics import MetricsLogger
-from shardforge.algorithms.rl import PPOActorConfig, PPOActorLossFn, summarize_stats
-from shardforge.algorithms.rl.loss_fns import OLD_LOGPROBS, PROXIMAL_LOGPROBS
-from shardforge.algorithms.rl.stats import all_reduce_stats
+from shardforge.algorithms.objectives import PPOActorConfig, PPOActorLossFn, summarize_stats
+from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS, PROXIMAL_LOGPROBS
+from shardforge.algorithms.objectives.stats import all_reduce_stats
 from shardforge.algorithms.rlvr import (
     BEHAVIOUR_LOGPROBS,
     AdvantageEstimator,

@@ -27,8 +27,8 @@ from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.grpo import _global_reward_stats, evaluate_accuracy
 from shardforge.algorithms.metrics import MetricsLogger
+from shardforge.algorithms.objectives import KLEstimator, PPOActorConfig, PPOActorLossFn, PPOCriticConfig
 from shardforge.algorithms.ppo_step import ShiftedCriticLossFn, ppo_update, prepare_ppo_batch
-from shardforge.algorithms.rl import KLEstimator, PPOActorConfig, PPOActorLossFn, PPOCriticConfig
 from shardforge.algorithms.rlvr import PromptSet, load_prompts, rollouts_to_batch
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
 from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from shardforge.algorithms.batching import PackedBatch, target_aligned_values
 from shardforge.algorithms.engine import TrainEngine
-from shardforge.algorithms.rl import (
+from shardforge.algorithms.objectives import (
     KLEstimator,
     PPOActorLossFn,
     PPOCriticLossFn,
@@ -28,7 +28,7 @@ from shardforge.algorithms.rl import (
     summarize_stats,
     token_rewards,
 )
-from shardforge.algorithms.rl.loss_fns import ADVANTAGES, OLD_LOGPROBS, OLD_VALUES, REF_LOGPROBS, RETURNS
+from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS, OLD_VALUES, REF_LOGPROBS, RETURNS
 
 __all__ = ["ShiftedCriticLossFn", "dp_reduce_stats", "ppo_update", "prepare_ppo_batch"]
 

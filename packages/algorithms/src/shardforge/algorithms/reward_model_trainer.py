@@ -28,9 +28,9 @@ from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.metrics import MetricsLogger
+from shardforge.algorithms.objectives import bradley_terry_loss, last_token_scores, summarize_stats
+from shardforge.algorithms.objectives.stats import merge_stats
 from shardforge.algorithms.ppo_step import dp_reduce_stats
-from shardforge.algorithms.rl import bradley_terry_loss, last_token_scores, summarize_stats
-from shardforge.algorithms.rl.stats import merge_stats
 from shardforge.algorithms.sft import _check_data_state, _truncate_metrics
 from shardforge.algorithms.trainer_common import progress_bar, with_total_steps
 from shardforge.checkpoint_dcp import Checkpointer

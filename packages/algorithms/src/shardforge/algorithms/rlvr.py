@@ -11,13 +11,13 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from shardforge.algorithms.batching import PackedBatch, pack_sequences
-from shardforge.algorithms.rl import dr_grpo_advantages, grpo_advantages, rloo_advantages
-from shardforge.algorithms.rl.loss_fns import ADVANTAGES, OLD_LOGPROBS
+from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS
+from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
 from shardforge.algorithms.rollout.types import Rollout
 
 __all__ = [
@@ -29,7 +29,9 @@ __all__ = [
     "rollouts_to_batch",
 ]
 
-AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
+AdvantageEstimator = str
+"""An outcome estimator's name in `ADVANTAGE_ESTIMATORS` (grpo, dr_grpo, rloo, reinforce_plus_plus,
+reinforce_plus_plus_baseline, a user's) or its import path ``"package.module:function"``."""
 BEHAVIOUR_LOGPROBS = "behaviour_logprobs"
 """[T] log-probs recorded by the rollout engine (kept next to the recomputed old log-probs)."""
 
@@ -76,14 +78,15 @@ def load_prompts(path: str | Path, tokenizer: Any, *, max_prompt_len: int | None
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, estimator: AdvantageEstimator) -> torch.Tensor:
-    """[N] per-sequence advantages of consecutive groups of ``group_size`` samples."""
-    if estimator == "grpo":
-        return grpo_advantages(rewards, group_size)
-    if estimator == "dr_grpo":
-        return dr_grpo_advantages(rewards, group_size)
-    if estimator == "rloo":
-        return rloo_advantages(rewards, group_size)
-    raise ValueError(f"unknown advantage estimator {estimator!r}; valid: grpo, dr_grpo, rloo")
+    """[N] per-sequence advantages of consecutive groups of ``group_size`` samples.
+
+    ``estimator`` names an outcome estimator ``fn(rewards [N], group_size) -> [N]`` in
+    `ADVANTAGE_ESTIMATORS` (an unknown name raises ValueError listing the registered ones).
+    """
+    if estimator == "gae":
+        raise ValueError("advantage estimator 'gae' needs a critic's values: use the ppo trainer")
+    advantages: torch.Tensor = ADVANTAGE_ESTIMATORS.get(estimator)(rewards, group_size)
+    return advantages
 
 
 def rollouts_to_batch(rollouts: Sequence[Rollout], advantages: torch.Tensor) -> PackedBatch:

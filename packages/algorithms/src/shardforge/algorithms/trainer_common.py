@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
-from shardforge.algorithms.rollout.factory import PublishedRolloutEngine
 from shardforge.weight_sync import DiskTransport
+
+if TYPE_CHECKING:
+    from shardforge.algorithms.rollout.factory import PublishedRolloutEngine
 
 __all__ = ["check_eval_split", "progress_bar", "publish_to_rollout", "publish_version", "with_total_steps"]
 

@@ -1,1 +1,89 @@
-"""Pure tensor math of the training objectives (SFT, RL losses, advantages, KL, rewards)."""
+"""shardforge.algorithms.objectives: the training objectives as pure functions of packed tensors.
+
+SFT (`objectives.sft`), RL losses, advantages, KL estimators, loss aggregation, reward shaping
+and the Bradley-Terry reward-model loss. Imports only `shardforge.algorithms.batching` and
+`shardforge.algorithms.registry`.
+
+See docs/packages/algorithms-rl.md for the formulas, options and the aggregation contract.
+"""
+
+from shardforge.algorithms.batching import broadcast_to_tokens, last_target_index, target_counts
+from shardforge.algorithms.objectives.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    GroupAdvantageFn,
+    discounted_returns,
+    dr_grpo_advantages,
+    gae_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    reinforce_pp_outcome_advantages,
+    reinforce_pp_outcome_baseline_advantages,
+    rloo_advantages,
+    whiten,
+)
+from shardforge.algorithms.objectives.aggregation import (
+    AGGREGATIONS,
+    Aggregation,
+    LossAggregation,
+    aggregation_coefficients,
+    aggregation_weight,
+)
+from shardforge.algorithms.objectives.bradley_terry import bradley_terry_loss, last_token_scores
+from shardforge.algorithms.objectives.critic import PPOCriticConfig, ppo_critic_loss
+from shardforge.algorithms.objectives.kl import KL_ESTIMATORS, KLEstimator, kl_estimate
+from shardforge.algorithms.objectives.loss_fns import PPOActorLossFn, PPOCriticLossFn
+from shardforge.algorithms.objectives.ppo import (
+    POLICY_LOSSES,
+    PolicyLossFn,
+    PolicyLossTerms,
+    PPOActorConfig,
+    ppo_actor_loss,
+)
+from shardforge.algorithms.objectives.rewards import RewardShapingConfig, overlong_penalty, shape_rewards, token_rewards
+from shardforge.algorithms.objectives.stats import LossOutput, all_reduce_stats, merge_stats, summarize_stats
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "Aggregation",
+    "GroupAdvantageFn",
+    "KLEstimator",
+    "LossAggregation",
+    "LossOutput",
+    "PPOActorConfig",
+    "PPOActorLossFn",
+    "PPOCriticConfig",
+    "PPOCriticLossFn",
+    "PolicyLossFn",
+    "PolicyLossTerms",
+    "RewardShapingConfig",
+    "aggregation_coefficients",
+    "aggregation_weight",
+    "all_reduce_stats",
+    "bradley_terry_loss",
+    "broadcast_to_tokens",
+    "discounted_returns",
+    "dr_grpo_advantages",
+    "gae_advantages",
+    "grpo_advantages",
+    "kl_estimate",
+    "last_target_index",
+    "last_token_scores",
+    "merge_stats",
+    "overlong_penalty",
+    "ppo_actor_loss",
+    "ppo_critic_loss",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "reinforce_pp_outcome_advantages",
+    "reinforce_pp_outcome_baseline_advantages",
+    "rloo_advantages",
+    "shape_rewards",
+    "summarize_stats",
+    "target_counts",
+    "token_rewards",
+    "whiten",
+]

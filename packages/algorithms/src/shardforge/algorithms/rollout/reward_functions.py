@@ -3,6 +3,10 @@
 A reward function is ``fn(prompt: str, response: str, reference: str) -> float``. It is
 called once per rollout; an exception or a non-finite value stops the step with an error
 that names the prompt and response (a silent NaN would poison the advantages).
+
+Built-in functions are registered by name in `REWARD_FUNCTIONS`; register your own with
+``@REWARD_FUNCTIONS.register("name")`` (in a module your run imports) or name it in the config
+as ``reward_fn: package.module:function``.
 """
 
 from __future__ import annotations
@@ -14,15 +18,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from shardforge.algorithms.registry import Registry
 from shardforge.algorithms.rollout.types import Rollout
 
-__all__ = ["RewardFn", "exact_match_reward", "load_reward_fn", "score_rollouts"]
+__all__ = ["REWARD_FUNCTIONS", "RewardFn", "exact_match_reward", "load_reward_fn", "score_rollouts"]
 
 RewardFn = Callable[[str, str, str], float]
+
+REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function")
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+@REWARD_FUNCTIONS.register("exact_match")
 def exact_match_reward(prompt: str, response: str, reference: str) -> float:
     """1.0 when the response's answer equals the reference, else 0.0.
 
@@ -38,17 +46,23 @@ def exact_match_reward(prompt: str, response: str, reference: str) -> float:
     return 0.0
 
 
+REWARD_FUNCTIONS.add("exact-match", exact_match_reward, doc="alias of exact_match")
+
+
 def load_reward_fn(spec: str | RewardFn) -> RewardFn:
-    """``"exact_match"`` (built in), ``"package.module:function"`` or a callable."""
+    """A name in `REWARD_FUNCTIONS`, ``"package.module:function"`` (or ``package.module.function``) or a callable."""
     if callable(spec):
         return spec
-    if spec in ("exact_match", "exact-match"):
-        return exact_match_reward
+    if spec in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS.get(spec)
     module_name, sep, attr = spec.partition(":")
     if not sep:
         module_name, _, attr = spec.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"reward function {spec!r}: use 'exact_match' or 'package.module:function'")
+        raise ValueError(
+            f"unknown reward function {spec!r}; registered: {REWARD_FUNCTIONS.names()} "
+            "(or a user's, as 'package.module:function')"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from shardforge.algorithms.batching import PackedBatch
-from shardforge.algorithms.rl.aggregation import aggregation_weight
-from shardforge.algorithms.rl.critic import PPOCriticConfig, ppo_critic_loss
-from shardforge.algorithms.rl.ppo import PPOActorConfig, ppo_actor_loss
-from shardforge.algorithms.rl.stats import merge_stats
+from shardforge.algorithms.objectives.aggregation import aggregation_weight
+from shardforge.algorithms.objectives.critic import PPOCriticConfig, ppo_critic_loss
+from shardforge.algorithms.objectives.ppo import PPOActorConfig, ppo_actor_loss
+from shardforge.algorithms.objectives.stats import merge_stats
 
 __all__ = [
     "ADVANTAGES",

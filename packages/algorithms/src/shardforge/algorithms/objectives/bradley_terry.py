@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from shardforge.algorithms.batching import check_cu_seqlens, check_finite
-from shardforge.algorithms.rl.stats import LossOutput
+from shardforge.algorithms.objectives.stats import LossOutput
 
 __all__ = ["bradley_terry_loss", "last_token_scores"]
 

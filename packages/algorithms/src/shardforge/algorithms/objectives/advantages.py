@@ -13,26 +13,46 @@ Conventions that avoid silent NaN:
 - tokens outside the loss mask are skipped by GAE (the recursion jumps to the next target
   token of the same sequence) and get 0; sequences without a target token get 0;
 - non-finite rewards/values and malformed groups raise `ValueError`.
+
+Estimators are registered by name (verl's names) in `ADVANTAGE_ESTIMATORS`. Outcome
+(group-level) estimators share one signature, ``fn(rewards [N], group_size) -> [N]``, and are
+what GRPO's ``advantage`` names (`shardforge.algorithms.rlvr.group_advantages`): ``grpo``,
+``dr_grpo``, ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``. ``gae`` is the
+token-level `gae_advantages` (it needs a critic's values; the PPO trainer calls it). Register
+your own with ``@ADVANTAGE_ESTIMATORS.register("name")`` or name it as ``"package.module:fn"``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from shardforge.algorithms.batching import check_cu_seqlens, check_finite, check_tokens, segment_ids
-from shardforge.algorithms.rl.kl import KLEstimator, kl_estimate
-from shardforge.algorithms.rl.rewards import token_rewards
+from shardforge.algorithms.objectives.kl import KLEstimator, kl_estimate
+from shardforge.algorithms.objectives.rewards import token_rewards
+from shardforge.algorithms.registry import Registry
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "GroupAdvantageFn",
     "discounted_returns",
     "dr_grpo_advantages",
     "gae_advantages",
     "grpo_advantages",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
+    "reinforce_pp_outcome_advantages",
+    "reinforce_pp_outcome_baseline_advantages",
     "rloo_advantages",
     "whiten",
 ]
+
+GroupAdvantageFn = Callable[[torch.Tensor, int], torch.Tensor]
+"""An outcome estimator: ``fn(rewards [N], group_size) -> advantages [N]`` (groups contiguous)."""
+
+ADVANTAGE_ESTIMATORS: Registry[Callable[..., Any]] = Registry("advantage estimator")
 
 
 # ------------------------------------------------------------------ per-token recursions
@@ -53,6 +73,9 @@ def _check_gamma_lambda(gamma: float, lam: float) -> None:
         raise ValueError(f"gamma and lam must be in [0, 1]; got gamma={gamma}, lam={lam}")
 
 
+@ADVANTAGE_ESTIMATORS.register(
+    "gae", doc="GAE with a critic (token level, needs values; the PPO trainer's estimator, not a group one)"
+)
 @torch.no_grad()
 def gae_advantages(
     rewards: torch.Tensor,
@@ -151,6 +174,7 @@ def _grouped(rewards: torch.Tensor, group_size: int, min_size: int = 1) -> torch
     return rewards.reshape(num // group_size, group_size)
 
 
+@ADVANTAGE_ESTIMATORS.register("grpo", doc="GRPO: (r - group mean) / (group std + eps)")
 @torch.no_grad()
 def grpo_advantages(
     rewards: torch.Tensor,
@@ -176,11 +200,15 @@ def grpo_advantages(
     return centered.reshape(-1)
 
 
+@ADVANTAGE_ESTIMATORS.register(
+    "dr_grpo", doc="Dr. GRPO: r - group mean (verl: grpo with norm_adv_by_std_in_grpo=False)"
+)
 def dr_grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """[N] Dr. GRPO (Liu et al. 2025): ``r - mean_group`` (no std division; 0 for all-equal groups)."""
     return grpo_advantages(rewards, group_size, normalize_std=False)
 
 
+@ADVANTAGE_ESTIMATORS.register("rloo", doc="RLOO: r_i - mean of the other samples of the group")
 @torch.no_grad()
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """[N] RLOO (Ahmadian et al. 2024): ``r_i - mean_{j != i} r_j`` within each group (G >= 2)."""
@@ -260,3 +288,35 @@ def reinforce_pp_baseline_advantages(
         gamma=gamma,
         eps=eps,
     )
+
+
+# ------------------------------------------------------------------ REINFORCE++, outcome (group-level) form
+@ADVANTAGE_ESTIMATORS.register(
+    "reinforce_plus_plus", doc="REINFORCE++ on outcome rewards: rewards whitened over the batch's sequences"
+)
+@torch.no_grad()
+def reinforce_pp_outcome_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-8) -> torch.Tensor:
+    """[N] REINFORCE++ with outcome rewards only (gamma 1, no KL term): ``whiten(r)`` over the batch.
+
+    Each sequence counts once in the mean and (population) std. `reinforce_pp_advantages`
+    whitens over target *tokens* instead (verl, OpenRLHF), so longer responses weigh more
+    there; the two agree when every response has the same number of target tokens. All-equal
+    rewards give 0. ``group_size`` only checks the batch shape (there is no group baseline).
+    """
+    flat = _grouped(rewards, group_size).reshape(-1).to(torch.promote_types(rewards.dtype, torch.float32))
+    return whiten(flat, torch.ones_like(flat), eps=eps)
+
+
+@ADVANTAGE_ESTIMATORS.register(
+    "reinforce_plus_plus_baseline",
+    doc="REINFORCE++-baseline on outcome rewards: r - group mean, whitened over the batch's sequences",
+)
+def reinforce_pp_outcome_baseline_advantages(
+    rewards: torch.Tensor, group_size: int, *, eps: float = 1e-8
+) -> torch.Tensor:
+    """[N] REINFORCE++-baseline, outcome form: ``whiten(r - mean_group)`` over the batch's sequences.
+
+    Sequence-weighted like `reinforce_pp_outcome_advantages` (token-weighted in
+    `reinforce_pp_baseline_advantages` and verl; equal for equal response lengths).
+    """
+    return reinforce_pp_outcome_advantages(dr_grpo_advantages(rewards, group_size), group_size, eps=eps)

@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from shardforge.algorithms.batching import check_cu_seqlens, check_finite, check_tokens, target_counts
-from shardforge.algorithms.rl.aggregation import (
+from shardforge.algorithms.objectives.aggregation import (
     LossAggregation,
     aggregation_coefficients,
     aggregation_weight,
     check_aggregation,
 )
-from shardforge.algorithms.rl.stats import LossOutput
+from shardforge.algorithms.objectives.stats import LossOutput
 
 __all__ = ["PPOCriticConfig", "ValueLossType", "ppo_critic_loss"]
 
@@ -44,7 +44,7 @@ class PPOCriticConfig:
     huber_delta: float = 1.0
     """Huber threshold d (> 0); used by "huber" only."""
     aggregation: LossAggregation = "token-mean"
-    """How token losses are reduced; see `shardforge.algorithms.rl.aggregation`."""
+    """How token losses are reduced; see `shardforge.algorithms.objectives.aggregation`."""
     norm_length: float | None = None
     """The constant of "seq-mean-token-sum-norm"."""
 

@@ -14,17 +14,24 @@ Per target token t with advantage A (a *loss*, to minimise):
     l      = l_pg - entropy_coef * H + kl_coef * KL_k(pi || ref)
 
 and the micro-batch loss is ``sum_t c_t l_t`` with the aggregation coefficients of
-`shardforge.algorithms.rl.aggregation` (divided by the global weight by the engine).
+`shardforge.algorithms.objectives.aggregation` (divided by the global weight by the engine).
 
 Sequence-level ratios (GSPO, Zheng et al. 2025) use ``s_i = exp(mean_{t in i} log(pi/prox))``
 in its GSPO-token form ``r_t = sg[s_i] * pi_t / sg[pi_t]``: the value of every token's ratio
 is ``s_i`` (so clipping decisions are per sequence), and the gradient is ``s_i grad log pi_t``.
 With per-sequence advantages and ``seq-mean-token-mean`` aggregation this is exactly GSPO's
 gradient ``s_i A_i (1/|y_i|) sum_t grad log pi_t``.
+
+The policy-gradient term ``l_pg`` (before the behaviour weight) is picked by name from
+`POLICY_LOSSES` (verl's names): ``"vanilla"`` (PPO clip with clip-higher and dual clip; its
+ratio follows ``ratio_level``) and ``"gspo"`` (the same clipping on the sequence ratio). Add
+your own with ``@POLICY_LOSSES.register("name")`` on a `PolicyLossFn`, or set
+``policy_loss="package.module:function"``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -38,16 +45,26 @@ from shardforge.algorithms.batching import (
     segment_sum,
     target_counts,
 )
-from shardforge.algorithms.rl.aggregation import (
+from shardforge.algorithms.objectives.aggregation import (
     LossAggregation,
     aggregation_coefficients,
     aggregation_weight,
     check_aggregation,
 )
-from shardforge.algorithms.rl.kl import KLEstimator, kl_estimate
-from shardforge.algorithms.rl.stats import LossOutput
+from shardforge.algorithms.objectives.kl import KLEstimator, check_kl_estimator, kl_estimate
+from shardforge.algorithms.objectives.stats import LossOutput
+from shardforge.algorithms.registry import Registry
 
-__all__ = ["BehaviourWeightMode", "PPOActorConfig", "RatioLevel", "ppo_actor_loss"]
+__all__ = [
+    "POLICY_LOSSES",
+    "BehaviourWeightMode",
+    "PPOActorConfig",
+    "PolicyLossFn",
+    "PolicyLossTerms",
+    "RatioLevel",
+    "clip_policy_loss",
+    "ppo_actor_loss",
+]
 
 RatioLevel = Literal["token", "sequence"]
 BehaviourWeightMode = Literal["truncate", "mask"]
@@ -61,6 +78,8 @@ _MAX_LOG_RATIO = 20.0
 class PPOActorConfig:
     """Options of `ppo_actor_loss`. Defaults: PPO with eps 0.2, token ratios, token-mean."""
 
+    policy_loss: str = "vanilla"
+    """Policy-gradient term, a name in `POLICY_LOSSES` ("vanilla", "gspo") or "package.module:function"."""
     clip_eps_low: float = 0.2
     """Lower clip range: ratios are clipped at 1 - clip_eps_low (0 < value < 1)."""
     clip_eps_high: float | None = None
@@ -70,7 +89,7 @@ class PPOActorConfig:
     ratio_level: RatioLevel = "token"
     """"token" (PPO/GRPO) or "sequence" (GSPO: geometric mean of the token ratios of a sequence)."""
     aggregation: LossAggregation = "token-mean"
-    """How token losses are reduced; see `shardforge.algorithms.rl.aggregation`."""
+    """How token losses are reduced; see `shardforge.algorithms.objectives.aggregation`."""
     norm_length: float | None = None
     """The constant L of "seq-mean-token-sum-norm" (Dr. GRPO), e.g. the max new tokens."""
     behav_weight_cap: float | None = None
@@ -82,9 +101,16 @@ class PPOActorConfig:
     kl_coef: float = 0.0
     """Coefficient (>= 0) of a KL(pi || ref) loss term (GRPO); needs ``ref_logprobs`` when > 0."""
     kl_estimator: KLEstimator = "k3"
-    """Per-token KL estimator of the loss term: "k1", "k2" or "k3" (see `shardforge.algorithms.rl.kl`)."""
+    """Per-token KL estimator of the loss term, a name in `KL_ESTIMATORS` ("k1", "k2", "k3", "abs", ...)."""
 
     def __post_init__(self) -> None:
+        if self.policy_loss not in POLICY_LOSSES:
+            try:
+                POLICY_LOSSES.get(self.policy_loss)
+            except ValueError as err:
+                raise ValueError(
+                    f"unknown policy_loss {self.policy_loss!r}; registered: {POLICY_LOSSES.names()}"
+                ) from err
         if not 0.0 < self.clip_eps_low < 1.0:
             raise ValueError(f"clip_eps_low must be in (0, 1) so that 1 - eps > 0; got {self.clip_eps_low}")
         if self.clip_eps_high is not None and not self.clip_eps_high > 0.0:
@@ -102,12 +128,98 @@ class PPOActorConfig:
             )
         if self.entropy_coef < 0 or self.kl_coef < 0:
             raise ValueError(f"entropy_coef and kl_coef must be >= 0; got {self.entropy_coef}, {self.kl_coef}")
-        if self.kl_estimator not in get_args(KLEstimator):
-            raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; valid: {list(get_args(KLEstimator))}")
+        check_kl_estimator(self.kl_estimator)
 
     @property
     def eps_high(self) -> float:
         return self.clip_eps_low if self.clip_eps_high is None else self.clip_eps_high
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyLossTerms:
+    """What a policy loss returns: the per-token loss and the clipping masks for the statistics."""
+
+    pg: torch.Tensor
+    """[T] policy-gradient loss per token (0 off the mask), before the behaviour weight."""
+    ratio: torch.Tensor
+    """[T] the (clamped) ratio pi / prox, for the statistics."""
+    clipped: torch.Tensor
+    """[T] bool: tokens whose loss the clip picked."""
+    clipped_low: torch.Tensor
+    """[T] bool: the clipped tokens below 1 - eps_low."""
+    dual: torch.Tensor
+    """[T] bool: tokens the dual clip bounded."""
+
+
+PolicyLossFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "PPOActorConfig"], PolicyLossTerms
+]
+"""``fn(logprobs, prox_logprobs, advantages, loss_mask, cu_seqlens, config) -> PolicyLossTerms``.
+
+All [T], off-mask values already zeroed; ``logprobs`` is differentiable, the rest are data."""
+
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+
+
+def _sequence_log_ratio(
+    lp: torch.Tensor, prox: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
+    mask = loss_mask != 0
+    counts = target_counts(loss_mask, cu_seqlens)
+    seq_log_ratio = segment_sum((lp - prox).detach(), cu_seqlens) / counts.clamp(min=1.0)
+    seg = segment_ids(cu_seqlens, lp.numel())
+    return torch.where(mask, lp - lp.detach() + seq_log_ratio[seg], lp.new_zeros(()))
+
+
+def clip_policy_loss(
+    log_ratio: torch.Tensor, adv: torch.Tensor, loss_mask: torch.Tensor, config: PPOActorConfig
+) -> PolicyLossTerms:
+    """PPO's clipped surrogate (clip-higher, dual clip) on a given log-ratio."""
+    mask = loss_mask != 0
+    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    ratio_clipped = ratio.clamp(1.0 - config.clip_eps_low, 1.0 + config.eps_high)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio_clipped
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    clipped = mask & (pg_clipped > pg_unclipped)
+    if config.dual_clip is not None:
+        pg_dual = -adv * config.dual_clip
+        dual = mask & (adv < 0) & (pg_dual < pg)
+        pg = torch.where(adv < 0, torch.minimum(pg, pg_dual), pg)
+    else:
+        dual = torch.zeros_like(mask)
+    low = clipped & (ratio < 1.0 - config.clip_eps_low)
+    return PolicyLossTerms(pg=pg, ratio=ratio, clipped=clipped, clipped_low=low, dual=dual)
+
+
+@POLICY_LOSSES.register("vanilla")
+def vanilla_policy_loss(
+    lp: torch.Tensor,
+    prox: torch.Tensor,
+    adv: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    config: PPOActorConfig,
+) -> PolicyLossTerms:
+    """PPO clip (Schulman 2017) with clip-higher and dual clip; token or sequence ratio per ratio_level."""
+    if config.ratio_level == "token":
+        log_ratio = lp - prox
+    else:
+        log_ratio = _sequence_log_ratio(lp, prox, loss_mask, cu_seqlens)
+    return clip_policy_loss(log_ratio, adv, loss_mask, config)
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_policy_loss(
+    lp: torch.Tensor,
+    prox: torch.Tensor,
+    adv: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    config: PPOActorConfig,
+) -> PolicyLossTerms:
+    """GSPO (Zheng et al. 2025): PPO clipping on the geometric-mean sequence ratio, whatever ratio_level."""
+    return clip_policy_loss(_sequence_log_ratio(lp, prox, loss_mask, cu_seqlens), adv, loss_mask, config)
 
 
 def _extreme(values: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
@@ -135,7 +247,7 @@ def ppo_actor_loss(
         logprobs: [T] log-probs of the policy being trained (differentiable).
         old_logprobs: [T] behaviour log-probs (the policy that sampled the tokens).
         advantages: [T] per-token advantages (broadcast sequence advantages with
-            `shardforge.algorithms.rl.broadcast_to_tokens`).
+            `shardforge.algorithms.objectives.broadcast_to_tokens`).
         loss_mask: [T] non-zero on target tokens.
         cu_seqlens: [N+1] sequence boundaries.
         config: the options; `PPOActorConfig()` by default.
@@ -186,25 +298,8 @@ def ppo_actor_loss(
     check_finite("logprobs", logprobs.detach(), mask)
     lp = torch.where(mask, logprobs, zero)
 
-    if config.ratio_level == "token":
-        log_ratio = lp - prox
-    else:
-        counts = target_counts(loss_mask, cu_seqlens)
-        seq_log_ratio = segment_sum((lp - prox).detach(), cu_seqlens) / counts.clamp(min=1.0)
-        seg = segment_ids(cu_seqlens, num_tokens)
-        log_ratio = torch.where(mask, lp - lp.detach() + seq_log_ratio[seg], zero)
-    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    ratio_clipped = ratio.clamp(1.0 - config.clip_eps_low, 1.0 + config.eps_high)
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * ratio_clipped
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    clipped = mask & (pg_clipped > pg_unclipped)
-    if config.dual_clip is not None:
-        pg_dual = -adv * config.dual_clip
-        dual = mask & (adv < 0) & (pg_dual < pg)
-        pg = torch.where(adv < 0, torch.minimum(pg, pg_dual), pg)
-    else:
-        dual = torch.zeros_like(mask)
+    terms = POLICY_LOSSES.get(config.policy_loss)(lp, prox, adv, loss_mask, cu_seqlens, config)
+    pg, ratio, clipped, dual = terms.pg, terms.ratio, terms.clipped, terms.dual
 
     behav_stats: dict[str, torch.Tensor] = {}
     if proximal_logprobs is not None:
@@ -239,7 +334,7 @@ def ppo_actor_loss(
 
     with torch.no_grad():
         fmask = mask.double()
-        low = clipped & (ratio < 1.0 - config.clip_eps_low)
+        low = terms.clipped_low
         stats = {
             "num_tokens": fmask.sum(),
             "num_sequences": (target_counts(loss_mask, cu_seqlens) > 0).sum().double(),
