@@ -80,19 +80,19 @@ def _train(args: argparse.Namespace) -> int:
     data = apply_overrides(load_yaml(args.config), args.overrides)
     summary: Any
     if args.algorithm == "grpo":
-        from shardforge.algorithms.grpo import GRPOConfig, run_grpo
+        from shardforge.algorithms.trainers.grpo import GRPOConfig, run_grpo
 
         summary = run_grpo(build_config(GRPOConfig, data))
     elif args.algorithm == "rm":
-        from shardforge.algorithms.reward_model_trainer import RMConfig, run_rm
+        from shardforge.algorithms.trainers.rm import RMConfig, run_rm
 
         summary = run_rm(build_config(RMConfig, data))
     elif args.algorithm == "ppo":
-        from shardforge.algorithms.ppo import PPOConfig, run_ppo
+        from shardforge.algorithms.trainers.ppo import PPOConfig, run_ppo
 
         summary = run_ppo(build_config(PPOConfig, data))
     else:
-        from shardforge.algorithms.sft import SFTConfig, run_sft
+        from shardforge.algorithms.trainers.sft import SFTConfig, run_sft
 
         summary = run_sft(build_config(SFTConfig, data))
     if os.environ.get("RANK", "0") == "0":
@@ -113,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         return _train(args)
     if args.command == "demo":
-        from shardforge.algorithms.demo import run_demo
+        from shardforge.algorithms.demos.demo import run_demo
 
         run_demo(args.out, nproc=args.nproc_per_node, steps=args.steps)
         return 0
     if args.command == "demo-rl":
-        from shardforge.algorithms.demo_rl import run_rl_demo
+        from shardforge.algorithms.demos.demo_rl import run_rl_demo
 
         run_rl_demo(args.out, nproc=args.nproc_per_node, sft_steps=args.sft_steps, grpo_steps=args.grpo_steps)
         return 0

@@ -1,19 +1,32 @@
-"""Small pieces every trainer (SFT, reward model, GRPO, PPO) shares."""
+"""Small pieces the trainers share (the loop itself is `shardforge.algorithms.trainers.base`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from shardforge.algorithms.batching.collectives import all_reduce_sum, broadcast_floats
 from shardforge.algorithms.config import EngineConfig
 from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.rlvr import PromptSet
+from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, exact_match_reward
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine
 from shardforge.weight_sync import DiskTransport
 
-__all__ = ["check_eval_split", "progress_bar", "publish_to_rollout", "publish_version", "with_total_steps"]
+__all__ = [
+    "check_eval_split",
+    "evaluate_accuracy",
+    "global_reward_stats",
+    "progress_bar",
+    "publish_to_rollout",
+    "publish_version",
+    "with_total_steps",
+]
 
 
 def with_total_steps(engine: EngineConfig, steps: int) -> EngineConfig:
@@ -43,10 +56,9 @@ def publish_version(
     when this returns, the version is committed on disk for every rank. ``version=None`` (a run's
     first publish) continues after any version already on disk, agreed from rank 0."""
     if version is None:
-        latest = torch.tensor([float(rollout.source.latest() or 0) if rollout.source else 0.0])
-        if dist.is_initialized():
-            dist.broadcast(latest, src=0)
-        version = int(latest[0]) + 1
+        latest = float(rollout.source.latest() or 0) if rollout.source else 0.0
+        world = dist.group.WORLD if dist.is_initialized() else None
+        version = int(broadcast_floats(latest, src=0, group=world, device=engine.device)[0]) + 1
     engine.publish_weights(transport, version, dtype=dtype)
     if dist.is_initialized():
         dist.barrier()
@@ -80,3 +92,46 @@ def check_eval_split(config: Any, num_held_out: int | None, dp_size: int) -> Non
             f"vllm.placement=rank0 every rank needs at least one: raise eval_size (or the eval file) to >= {dp_size}, "
             "or use vllm.placement=each_rank"
         )
+
+
+def global_reward_stats(rewards: torch.Tensor, lengths: torch.Tensor, engine: TrainEngine) -> dict[str, float]:
+    """Reward mean/std, positive fraction and mean response length over the data-parallel group."""
+    rewards = rewards.double()
+    count, total, squares, length, positive = all_reduce_sum(
+        rewards.numel(), rewards.sum(), (rewards**2).sum(), lengths.sum(), (rewards > 0).sum(),
+        group=engine.dp_group, device=engine.device,
+    )  # fmt: skip
+    mean = total / count
+    return {
+        "reward_mean": mean,
+        "reward_std": math.sqrt(max(squares / count - mean * mean, 0.0)),
+        "reward_positive_frac": positive / count,
+        "response_len_mean": length / count,
+    }
+
+
+def evaluate_accuracy(
+    rollout: RolloutEngine,
+    prompts: PromptSet,
+    engine: TrainEngine,
+    max_new_tokens: int,
+    limit: int | None,
+    *,
+    runner: Callable[[Callable[[RolloutEngine], float]], float] | None = None,
+) -> float:
+    """Greedy exact-match accuracy on held-out prompts, split across data-parallel ranks.
+
+    ``runner`` runs the local generation (e.g. `AsyncRollouts.evaluate`, on the thread that owns
+    the rollout engine); the reduction across ranks always happens here, on the calling thread."""
+    count = len(prompts) if limit is None else min(limit, len(prompts))
+    mine = list(range(count))[engine.dp_rank :: engine.dp_size]
+
+    def local_correct(engine_: RolloutEngine) -> float:
+        if not mine:
+            return 0.0
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
+        outs = engine_.generate([prompts.ids[i] for i in mine], params)
+        return float(sum(exact_match_reward("", o.text, prompts.references[mine[o.prompt_index]]) for o in outs))
+
+    correct = local_correct(rollout) if runner is None else runner(local_correct)
+    return all_reduce_sum(correct, group=engine.dp_group, device=engine.device)[0] / count
