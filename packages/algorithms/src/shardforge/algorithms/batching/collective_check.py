@@ -135,13 +135,14 @@ class CollectiveRecorder:
 
     def __enter__(self) -> CollectiveRecorder:
         for name in (*TENSOR_OPS, *OBJECT_OPS):
-            original = getattr(c10d, name, None)
+            original: Callable[..., Any] | None = getattr(c10d, name, None)
             if original is None:
                 continue
-            wrapped = self._wrap(name, original)
+            target: Callable[..., Any] = original
+            wrapped = self._wrap(name, target)
             for module in (dist, c10d):
-                if getattr(module, name, None) is original:
-                    self._saved.append((module, name, original))
+                if getattr(module, name, None) is target:
+                    self._saved.append((module, name, target))
                     setattr(module, name, wrapped)
         return self
 
