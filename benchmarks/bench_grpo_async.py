@@ -52,7 +52,7 @@ def load_average() -> float | None:
 def run(assets: dict[str, Any], out_dir: Path, world: int, layout: str, mode: str) -> dict[str, Any]:
     import shardforge.algorithms as algorithms
 
-    config = Path(algorithms.__file__).with_name("demo_grpo.yaml")
+    config = Path(algorithms.__file__).parent / "demos" / "demo_grpo.yaml"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
         "-m", "shardforge.algorithms.cli", "train", "grpo", "--config", str(config),
@@ -74,7 +74,7 @@ def run(assets: dict[str, Any], out_dir: Path, world: int, layout: str, mode: st
 
 
 def main() -> int:
-    from shardforge.algorithms.demo import prepare_demo
+    from shardforge.algorithms.demos.demo import prepare_demo
 
     started = time.perf_counter()
     info = _common.machine_info()

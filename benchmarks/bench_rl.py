@@ -149,7 +149,7 @@ def grpo_breakdown(assets: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Run GRPO under torchrun (FSDP, WORLD ranks) and split each timed step into phases."""
     import shardforge.algorithms as algorithms
 
-    config = Path(algorithms.__file__).with_name("demo_grpo.yaml")
+    config = Path(algorithms.__file__).parent / "demos" / "demo_grpo.yaml"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
         "-m", "shardforge.algorithms.cli", "train", "grpo", "--config", str(config),
@@ -289,7 +289,7 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from shardforge.algorithms.demo import prepare_demo
+    from shardforge.algorithms.demos.demo import prepare_demo
     from shardforge.algorithms.rlvr import load_prompts
     from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams
 

@@ -66,7 +66,7 @@ def make_batches() -> tuple[list[list[tuple[list[int], list[float]]]], dict[str,
     import random
 
     from shardforge.algorithms.data import tokenize_sft_row
-    from shardforge.algorithms.demo import build_char_tokenizer, make_addition_data
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, make_addition_data
 
     rng = random.Random(SEED)
     with tempfile.TemporaryDirectory() as tmp:

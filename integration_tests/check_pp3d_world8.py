@@ -11,8 +11,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
-from shardforge.algorithms.sft import run_sft
+from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+from shardforge.algorithms.trainers.sft import run_sft
 from shardforge.mesh.testing import get_rank_pool
 
 spec = importlib.util.spec_from_file_location("ppl", str(Path(__file__).with_name("test_pipeline_layouts.py")))

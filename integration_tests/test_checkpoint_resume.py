@@ -18,7 +18,7 @@ from shardforge.mesh.testing import get_rank_pool
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
 
     root = tmp_path_factory.mktemp("ckpt_assets")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -29,7 +29,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def _config(assets: dict[str, str], out: Path, layout: str, steps: int, **extra: Any) -> Any:
     from shardforge.algorithms.config_io import build_config
-    from shardforge.algorithms.sft import SFTConfig
+    from shardforge.algorithms.trainers.sft import SFTConfig
 
     data: dict[str, Any] = {
         "model": assets["model"],
@@ -54,14 +54,14 @@ def _config(assets: dict[str, str], out: Path, layout: str, steps: int, **extra:
 def _run(config: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardforge.algorithms.sft import run_sft
+    from shardforge.algorithms.trainers.sft import run_sft
 
     summary = run_sft(config)
     return summary if dist.get_rank() == 0 else {}
 
 
 def _train_records(out: Path) -> list[dict[str, Any]]:
-    from shardforge.algorithms.metrics import read_metrics
+    from shardforge.algorithms.loggers import read_metrics
 
     return read_metrics(out / "metrics.jsonl", "train")
 
@@ -199,7 +199,7 @@ def test_offline_converter_matches_export(assets: dict[str, str], tmp_path: Path
 
 
 def test_resume_refuses_changed_data_order(assets: dict[str, str], tmp_path: Path) -> None:
-    from shardforge.algorithms.sft import run_sft
+    from shardforge.algorithms.trainers.sft import run_sft
 
     out = tmp_path / "run"
     run_sft(_config(assets, out, "d1", 2, save_every=2, export_hf_at_end=False))

@@ -56,7 +56,7 @@ REWARDS = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
 
     root = tmp_path_factory.mktemp("grpo_async")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -68,7 +68,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _config(assets: dict[str, Any], out: Path, **overrides: Any) -> Any:
     from shardforge.algorithms.config_io import apply_overrides, build_config
-    from shardforge.algorithms.grpo import GRPOConfig
+    from shardforge.algorithms.trainers.grpo import GRPOConfig
 
     data = {
         "model": assets["model"], "train_file": assets["train"], "output_dir": str(out), "layout": "d1",
@@ -86,7 +86,7 @@ def _run(assets: dict[str, Any], out: Path, **overrides: Any) -> dict[str, Any]:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from shardforge.algorithms.grpo import run_grpo
+    from shardforge.algorithms.trainers.grpo import run_grpo
 
     if assets["root"] not in sys.path:
         sys.path.insert(0, assets["root"])
@@ -212,7 +212,7 @@ def test_async_resume_reproduces_the_next_steps(
 
 
 def test_restored_batches_from_another_dp_size_are_regenerated() -> None:
-    from shardforge.algorithms.async_rollout import _decode, generation_policy_step
+    from shardforge.algorithms.rollout.sources import _decode, generation_policy_step
 
     assert [generation_policy_step(k, 2, 0) for k in range(5)] == [0, 0, 0, 1, 2]
     assert [generation_policy_step(k, 1, 3) for k in range(3, 6)] == [3, 3, 4], "resume: no older weights"
@@ -222,8 +222,8 @@ def test_restored_batches_from_another_dp_size_are_regenerated() -> None:
 
 
 def test_async_config_errors(assets: dict[str, Any], tmp_path: Path) -> None:
-    from shardforge.algorithms.grpo import _validate
     from shardforge.algorithms.rlvr import PromptSet
+    from shardforge.algorithms.trainers.grpo import _validate
 
     prompts = PromptSet(["1+1="], ["2"], [[1, 5, 6, 5, 7]])
     with pytest.raises(ValueError, match=r"max_staleness=-1 must be >= 0"):

@@ -24,7 +24,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
 
     root = tmp_path_factory.mktemp("memory_assets")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -35,7 +35,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def _config(assets: dict[str, str], out: str, layout: str, **overrides: Any) -> Any:
     from shardforge.algorithms.config_io import apply_overrides, build_config
-    from shardforge.algorithms.sft import SFTConfig
+    from shardforge.algorithms.trainers.sft import SFTConfig
 
     data: dict[str, Any] = {
         "model": assets["model"],
@@ -56,14 +56,14 @@ def _config(assets: dict[str, str], out: str, layout: str, **overrides: Any) -> 
 def _run_sft_on_rank(config: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardforge.algorithms.sft import run_sft
+    from shardforge.algorithms.trainers.sft import run_sft
 
     summary = run_sft(config)
     return summary if dist.get_rank() == 0 else {}
 
 
 def _losses(out: str) -> list[float]:
-    from shardforge.algorithms.metrics import read_metrics
+    from shardforge.algorithms.loggers import read_metrics
 
     return [r["loss"] for r in read_metrics(Path(out) / "metrics.jsonl", "train")]
 
@@ -80,7 +80,7 @@ def _weights(out: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def reference(assets: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
-    from shardforge.algorithms.sft import run_sft
+    from shardforge.algorithms.trainers.sft import run_sft
 
     out = str(tmp_path_factory.mktemp("memory_world1"))
     run_sft(_config(assets, out, "d1"))
@@ -123,7 +123,7 @@ def test_tiled_mlp_matches_untiled_world1(overrides: dict[str, str], assets, ref
 
 
 def test_anyprecision_bf16_fsdp2_matches_world1(assets, tmp_path: Path) -> None:
-    from shardforge.algorithms.sft import run_sft
+    from shardforge.algorithms.trainers.sft import run_sft
 
     options = {
         "engine.param_dtype": "bfloat16",

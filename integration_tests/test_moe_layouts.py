@@ -26,7 +26,7 @@ STEPS = 5
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from shardforge.algorithms.demo import build_char_tokenizer, make_addition_data
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, make_addition_data
 
     root = tmp_path_factory.mktemp("moe_assets")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -67,7 +67,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def _config(assets: dict[str, str], out: str, layout: str, steps: int = STEPS, **extra: Any) -> Any:
     from shardforge.algorithms.config_io import build_config
-    from shardforge.algorithms.sft import SFTConfig
+    from shardforge.algorithms.trainers.sft import SFTConfig
 
     data: dict[str, Any] = {
         "model": assets["model"],
@@ -92,14 +92,14 @@ def _config(assets: dict[str, str], out: str, layout: str, steps: int = STEPS, *
 def _run_sft_on_rank(config: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardforge.algorithms.sft import run_sft
+    from shardforge.algorithms.trainers.sft import run_sft
 
     summary = run_sft(config)
     return summary if dist.get_rank() == 0 else {}
 
 
 def _train_records(out: str) -> list[dict[str, Any]]:
-    from shardforge.algorithms.metrics import read_metrics
+    from shardforge.algorithms.loggers import read_metrics
 
     return list(read_metrics(Path(out) / "metrics.jsonl", "train"))
 
@@ -116,7 +116,7 @@ def _weights(out: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def reference(assets: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
-    from shardforge.algorithms.sft import run_sft
+    from shardforge.algorithms.trainers.sft import run_sft
 
     out = str(tmp_path_factory.mktemp("moe_world1"))
     run_sft(_config(assets, out, "d1"))
@@ -187,7 +187,7 @@ def test_ep2_checkpoint_loads_identically_under_ep1(assets: dict[str, str], tmp_
 
 def _run_sft_saving(assets: dict[str, str], out: str, layout: str) -> str:
     """Two SFT steps under ``layout`` (world 1 in this process), checkpointed at step 2."""
-    from shardforge.algorithms.sft import run_sft
+    from shardforge.algorithms.trainers.sft import run_sft
 
     config = _config(assets, out, layout, steps=2, save_every=2)
     if layout == "d1":

@@ -20,7 +20,7 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
 
     root = tmp_path_factory.mktemp("pp_assets")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -33,7 +33,7 @@ def _config(
     assets: dict[str, str], out: Path, layout: str, steps: int = STEPS, sft: dict[str, Any] | None = None, **engine: Any
 ) -> Any:
     from shardforge.algorithms.config_io import build_config
-    from shardforge.algorithms.sft import SFTConfig
+    from shardforge.algorithms.trainers.sft import SFTConfig
 
     data: dict[str, Any] = {
         "model": assets["model"],
@@ -61,14 +61,14 @@ def _config(
 def _run(config: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardforge.algorithms.sft import run_sft
+    from shardforge.algorithms.trainers.sft import run_sft
 
     summary = run_sft(config)
     return summary if dist.get_rank() == 0 else {}
 
 
 def _curves(out: Path) -> tuple[list[float], list[float]]:
-    from shardforge.algorithms.metrics import read_metrics
+    from shardforge.algorithms.loggers import read_metrics
 
     path = out / "metrics.jsonl"
     return [r["loss"] for r in read_metrics(path, "train")], [r["loss"] for r in read_metrics(path, "eval")]
@@ -87,7 +87,7 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def reference(assets: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from shardforge.algorithms.sft import run_sft
+    from shardforge.algorithms.trainers.sft import run_sft
 
     out = tmp_path_factory.mktemp("pp_world1")
     run_sft(_config(assets, out, "d1"))

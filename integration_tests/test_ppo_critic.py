@@ -27,7 +27,7 @@ WEIGHT_TOL = 2e-5
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3
 
     root = tmp_path_factory.mktemp("ppo_critic")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -55,7 +55,7 @@ def _train(model_dir: str, layout: str) -> dict[str, Any]:
 
     from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
     from shardforge.algorithms.objectives import PPOActorConfig, PPOActorLossFn, PPOCriticConfig
-    from shardforge.algorithms.ppo_step import ShiftedCriticLossFn, ppo_update, prepare_ppo_batch
+    from shardforge.algorithms.trainers.ppo_update import ShiftedCriticLossFn, ppo_update, prepare_ppo_batch
 
     def config(head: str, lr: float) -> EngineConfig:
         return EngineConfig(head=head, max_tokens_per_microbatch=24, optimizer=OptimizerConfig(lr=lr, eps=1e-6))  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ WEIGHT_TOL = 2e-5
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3
 
     root = tmp_path_factory.mktemp("rl_layouts")
     tokenizer = build_char_tokenizer(root / "tokenizer")

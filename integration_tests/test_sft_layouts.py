@@ -22,7 +22,7 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
 
     root = tmp_path_factory.mktemp("sft_assets")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -33,7 +33,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def _config(assets: dict[str, str], out: str, layout: str, **overrides: Any) -> Any:
     from shardforge.algorithms.config_io import apply_overrides, build_config
-    from shardforge.algorithms.sft import SFTConfig
+    from shardforge.algorithms.trainers.sft import SFTConfig
 
     data: dict[str, Any] = {
         "model": assets["model"],
@@ -60,14 +60,14 @@ def _config(assets: dict[str, str], out: str, layout: str, **overrides: Any) -> 
 def _run_sft_on_rank(config: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardforge.algorithms.sft import run_sft
+    from shardforge.algorithms.trainers.sft import run_sft
 
     summary = run_sft(config)
     return summary if dist.get_rank() == 0 else {}
 
 
 def _curves(out: str) -> tuple[list[float], list[float]]:
-    from shardforge.algorithms.metrics import read_metrics
+    from shardforge.algorithms.loggers import read_metrics
 
     path = Path(out) / "metrics.jsonl"
     return [r["loss"] for r in read_metrics(path, "train")], [r["loss"] for r in read_metrics(path, "eval")]
@@ -86,7 +86,7 @@ def _weights(out: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def reference(assets: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
-    from shardforge.algorithms.sft import run_sft
+    from shardforge.algorithms.trainers.sft import run_sft
 
     out = str(tmp_path_factory.mktemp("sft_world1"))
     run_sft(_config(assets, out, "d1"))

@@ -10,8 +10,8 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardforge.algorithms.cli import main
-from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
-from shardforge.algorithms.metrics import read_metrics
+from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+from shardforge.algorithms.loggers import read_metrics
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import torch
 
 from shardforge.algorithms import EngineConfig, OptimizerConfig, SchedulerConfig, parse_dtype
 from shardforge.algorithms.config_io import apply_overrides, build_config, config_to_dict, load_yaml
-from shardforge.algorithms.sft import SFTConfig
+from shardforge.algorithms.trainers.sft import SFTConfig
 
 REQUIRED = {"model": "m", "train_file": "t.jsonl", "output_dir": "out"}
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from shardforge.algorithms.demo import build_char_tokenizer
+from shardforge.algorithms.demos.demo import build_char_tokenizer
 from shardforge.algorithms.evaluation import exact_match_accuracy, greedy_answers
 
 

@@ -33,7 +33,7 @@ REWARD_MODULE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
 
     root = tmp_path_factory.mktemp("grpo")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -140,7 +140,7 @@ def test_hf_rollout_engine_logprobs_versions_and_determinism(assets: dict[str, A
 
 def _config(assets: dict[str, Any], out: Path, **overrides: Any) -> Any:
     from shardforge.algorithms.config_io import apply_overrides, build_config
-    from shardforge.algorithms.grpo import GRPOConfig
+    from shardforge.algorithms.trainers.grpo import GRPOConfig
 
     data = {
         "model": assets["model"], "train_file": str(assets["train"]), "eval_file": str(assets["eval"]),
@@ -158,7 +158,7 @@ def _train_records(out: Path) -> list[dict[str, Any]]:
 
 
 def test_grpo_resume_mid_run_reproduces_the_next_steps(assets: dict[str, Any], tmp_path: Path) -> None:
-    from shardforge.algorithms.grpo import run_grpo
+    from shardforge.algorithms.trainers.grpo import run_grpo
 
     straight = run_grpo(_config(assets, tmp_path / "a"))
     run_grpo(_config(assets, tmp_path / "b", steps=2))
@@ -172,7 +172,7 @@ def test_grpo_resume_mid_run_reproduces_the_next_steps(assets: dict[str, Any], t
 
 
 def test_grpo_config_errors(assets: dict[str, Any], tmp_path: Path) -> None:
-    from shardforge.algorithms.grpo import run_grpo
+    from shardforge.algorithms.trainers.grpo import run_grpo
 
     with pytest.raises(ValueError, match="group_size >= 2"):
         run_grpo(_config(assets, tmp_path / "c", group_size=1))
@@ -188,7 +188,7 @@ def test_grpo_config_errors(assets: dict[str, Any], tmp_path: Path) -> None:
 def test_trainer_log_probs_use_the_rollout_temperature(assets: dict[str, Any], tmp_path: Path) -> None:
     """At temperature 0.7 the trainer's recomputed log-probs equal the rollout engine's
     behaviour log-probs (both softmax(logits / 0.7)): the PPO ratio compares one distribution."""
-    from shardforge.algorithms.grpo import run_grpo
+    from shardforge.algorithms.trainers.grpo import run_grpo
 
     out = tmp_path / "t07"
     run_grpo(_config(assets, out, temperature=0.7, steps=1, save_every=0, resume="never"))
@@ -200,7 +200,7 @@ def test_grpo_with_lora_serves_the_merged_weights(assets: dict[str, Any], tmp_pa
     # The rollout engine loads what publish_weights sends: with LoRA that must be base + scale * B @ A.
     # If the adapters were left out, the trainer (with adapters) and the rollout engine (base only) would
     # disagree on the log-probs of the samples from step 2 on (B is zero only before the first update).
-    from shardforge.algorithms.grpo import run_grpo
+    from shardforge.algorithms.trainers.grpo import run_grpo
 
     overrides = {
         "engine.lora.r": "4", "engine.lora.target_modules": "[q_proj,v_proj,down_proj]",

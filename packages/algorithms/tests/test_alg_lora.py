@@ -48,8 +48,8 @@ def test_sft_trainer_with_lora_writes_merged_model_and_peft_adapter(tmp_path, mo
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
-    from shardforge.algorithms.sft import SFTConfig, run_sft
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.trainers.sft import SFTConfig, run_sft
 
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)

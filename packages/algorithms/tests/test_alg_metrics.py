@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from shardforge.algorithms.metrics import MetricsLogger, read_metrics
+from shardforge.algorithms.loggers import MetricsLogger, read_metrics
 
 
 def test_logger_writes_one_json_line_per_call(tmp_path):

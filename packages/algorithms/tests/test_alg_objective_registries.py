@@ -110,7 +110,7 @@ def test_reinforce_pp_reachable_from_group_advantages_and_equal_to_token_form() 
 
 def test_importing_sft_or_the_package_imports_no_vllm_or_rollout_code() -> None:
     code = (
-        "import shardforge.algorithms, shardforge.algorithms.sft, sys; "
+        "import shardforge.algorithms, shardforge.algorithms.trainers.sft, sys; "
         "print([m for m in sys.modules if 'vllm' in m]); "
         "print([m for m in sys.modules if m.startswith('shardforge.algorithms.rollout')])"
     )

@@ -29,7 +29,7 @@ def _single_process(monkeypatch):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
 
     root = tmp_path_factory.mktemp("ppo")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -42,7 +42,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _config(assets: dict[str, Any], out: Path, **overrides: Any) -> Any:
     from shardforge.algorithms.config_io import apply_overrides, build_config
-    from shardforge.algorithms.ppo import PPOConfig
+    from shardforge.algorithms.trainers.ppo import PPOConfig
 
     data = {
         "model": assets["model"], "train_file": str(assets["train"]), "eval_file": str(assets["eval"]),
@@ -63,7 +63,7 @@ def _train_records(out: Path) -> list[dict[str, Any]]:
 def test_ppo_runs_end_to_end_and_resumes(assets: dict[str, Any], tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    from shardforge.algorithms.ppo import run_ppo
+    from shardforge.algorithms.trainers.ppo import run_ppo
 
     summary = run_ppo(_config(assets, tmp_path / "a", export_hf_at_end=True))
     records = _train_records(tmp_path / "a")
@@ -82,7 +82,7 @@ def test_ppo_runs_end_to_end_and_resumes(assets: dict[str, Any], tmp_path: Path)
     critic = AutoModelForTokenClassification.from_pretrained(summary["critic_hf_dir"])
     assert critic.config.num_labels == 1
     # Resume: stopping after step 2 and continuing reproduces steps 3 and 4 (actor and critic).
-    from shardforge.algorithms.ppo import run_ppo as again
+    from shardforge.algorithms.trainers.ppo import run_ppo as again
 
     # The resumed run also keeps the reference and the critic offloaded between uses: same numbers.
     offload = {"offload_reference": "true", "critic_engine.offload_when_idle": "true"}
@@ -97,7 +97,7 @@ def test_ppo_runs_end_to_end_and_resumes(assets: dict[str, Any], tmp_path: Path)
 
 def test_ppo_critic_from_a_value_model_dir_and_errors(assets: dict[str, Any], tmp_path: Path) -> None:
     from shardforge.algorithms import EngineConfig, TrainEngine
-    from shardforge.algorithms.ppo import run_ppo
+    from shardforge.algorithms.trainers.ppo import run_ppo
 
     rm = TrainEngine(assets["model"], "d1", EngineConfig(head="value", seed=4))
     rm.export_hf(tmp_path / "rm")
@@ -113,7 +113,7 @@ def test_prepare_ppo_batch_gae_and_whitening(assets: dict[str, Any]) -> None:
     from shardforge.algorithms import EngineConfig, TrainEngine, pack_sequences
     from shardforge.algorithms.batching import target_aligned_values
     from shardforge.algorithms.objectives import gae_advantages, token_rewards
-    from shardforge.algorithms.ppo_step import prepare_ppo_batch
+    from shardforge.algorithms.trainers.ppo_update import prepare_ppo_batch
 
     actor = TrainEngine(assets["model"], "d1")
     critic = TrainEngine(assets["model"], "d1", EngineConfig(head="value"))

@@ -36,7 +36,7 @@ def _write_pairs(path: Path, count: int, seed: int) -> Path:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3
 
     root = tmp_path_factory.mktemp("rm")
     tokenizer = build_char_tokenizer(root / "model")
@@ -51,7 +51,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _config(assets: dict[str, Any], out: Path, **overrides: Any) -> Any:
     from shardforge.algorithms.config_io import apply_overrides, build_config
-    from shardforge.algorithms.reward_model_trainer import RMConfig
+    from shardforge.algorithms.trainers.rm import RMConfig
 
     data = {
         "model": assets["model"], "train_file": str(assets["train"]), "eval_file": str(assets["eval"]),
@@ -69,8 +69,9 @@ def _records(out: Path, split: str) -> list[dict[str, Any]]:
 
 def test_bradley_terry_through_the_engine_matches_the_pure_loss(assets: dict[str, Any]) -> None:
     from shardforge.algorithms import EngineConfig, TrainEngine
+    from shardforge.algorithms.data import load_pairs, pack_pairs
     from shardforge.algorithms.objectives import bradley_terry_loss, last_token_scores, summarize_stats
-    from shardforge.algorithms.reward_model_trainer import BradleyTerryLossFn, load_pairs, pack_pairs
+    from shardforge.algorithms.trainers.rm import BradleyTerryLossFn
 
     pairs = load_pairs(assets["eval"], assets["tokenizer"])
     tok = assets["tokenizer"]
@@ -95,7 +96,7 @@ def test_bradley_terry_through_the_engine_matches_the_pure_loss(assets: dict[str
 def test_rm_learns_the_toy_preference_and_resumes(assets: dict[str, Any], tmp_path: Path) -> None:
     from transformers import AutoModelForTokenClassification
 
-    from shardforge.algorithms.reward_model_trainer import run_rm
+    from shardforge.algorithms.trainers.rm import run_rm
 
     summary = run_rm(_config(assets, tmp_path / "a", save_every=10, export_hf_at_end=True))
     train, evals = _records(tmp_path / "a", "train"), _records(tmp_path / "a", "eval")
@@ -118,7 +119,8 @@ def test_rm_learns_the_toy_preference_and_resumes(assets: dict[str, Any], tmp_pa
 
 
 def test_rm_config_errors(assets: dict[str, Any], tmp_path: Path) -> None:
-    from shardforge.algorithms.reward_model_trainer import load_pairs, run_rm
+    from shardforge.algorithms.data import load_pairs
+    from shardforge.algorithms.trainers.rm import run_rm
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "1=", "chosen": "2"}) + "\n")
@@ -133,7 +135,8 @@ def _rm_steps(model_dir: str, pairs_file: str, layout: str) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
-    from shardforge.algorithms.reward_model_trainer import BradleyTerryLossFn, load_pairs, pack_pairs
+    from shardforge.algorithms.data import load_pairs, pack_pairs
+    from shardforge.algorithms.trainers.rm import BradleyTerryLossFn
 
     pairs = load_pairs(pairs_file, AutoTokenizer.from_pretrained(model_dir))[:12]
     config = EngineConfig(head="value", max_tokens_per_microbatch=40, optimizer=OptimizerConfig(lr=1e-2, eps=1e-6))

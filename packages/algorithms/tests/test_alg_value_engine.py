@@ -23,7 +23,7 @@ def _single_process(monkeypatch):
 
 @pytest.fixture(scope="module")
 def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3
 
     root = tmp_path_factory.mktemp("value")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -122,7 +122,7 @@ def _critic_steps(lm_dir: str, layout: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from shardforge.algorithms.objectives import PPOCriticConfig, summarize_stats
-    from shardforge.algorithms.ppo_step import ShiftedCriticLossFn, dp_reduce_stats
+    from shardforge.algorithms.trainers.ppo_update import ShiftedCriticLossFn, dp_reduce_stats
 
     engine = _engine(lm_dir, layout, budget=16)
     batch = _critic_batch(engine)

@@ -22,7 +22,7 @@ from shardforge.algorithms.rollout.vllm_engine import VLLMOptions, _request_seed
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
-    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3
 
     root = tmp_path_factory.mktemp("factory")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -92,9 +92,9 @@ def test_factory_checks_the_options_type(tiny: tuple[str, Any]) -> None:
 @pytest.mark.parametrize("trainer", ["grpo", "ppo"])
 def test_trainer_configs_select_the_engine(trainer: str) -> None:
     if trainer == "grpo":
-        from shardforge.algorithms.grpo import GRPOConfig as Config
+        from shardforge.algorithms.trainers.grpo import GRPOConfig as Config
     else:
-        from shardforge.algorithms.ppo import PPOConfig as Config  # type: ignore[assignment]
+        from shardforge.algorithms.trainers.ppo import PPOConfig as Config  # type: ignore[assignment]
     base = {"model": "m", "train_file": "t.jsonl", "output_dir": "o"}
     default = build_config(Config, base)
     assert default.rollout_engine == "hf" and default.vllm == VLLMOptions()
@@ -147,7 +147,7 @@ def test_collective_vllm_modes_refuse_the_async_rollout_thread() -> None:
 def test_rank0_vllm_refuses_a_held_out_split_that_leaves_a_rank_without_prompts() -> None:
     from types import SimpleNamespace
 
-    from shardforge.algorithms.trainer_common import check_eval_split
+    from shardforge.algorithms.trainers.rl_common import check_eval_split
 
     def config(engine: str = "vllm", placement: str = "rank0", eval_size: int | None = None) -> Any:
         return SimpleNamespace(rollout_engine=engine, vllm=VLLMOptions(placement=placement), eval_size=eval_size)

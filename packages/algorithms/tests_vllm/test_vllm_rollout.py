@@ -32,7 +32,7 @@ from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS, load_prompts, rollouts_to_batch
 from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams, VLLMOptions, VLLMRolloutEngine
-from shardforge.algorithms.trainer_common import publish_to_rollout
+from shardforge.algorithms.trainers.rl_common import publish_to_rollout
 from shardforge.weight_sync import DiskTransport
 
 MAX_NEW = 8
@@ -51,7 +51,7 @@ def digits_and_length(prompt, response, reference):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
 
     root = tmp_path_factory.mktemp("vllm-rollout")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -101,7 +101,7 @@ def _check_grpo_run(out: Path, steps: int) -> None:
 
 def test_grpo_steps_with_vllm_rollouts_world1(assets: dict[str, Any], tmp_path: Path) -> None:
     from shardforge.algorithms.config_io import build_config
-    from shardforge.algorithms.grpo import GRPOConfig, run_grpo
+    from shardforge.algorithms.trainers.grpo import GRPOConfig, run_grpo
 
     out = tmp_path / "w1"
     summary = run_grpo(build_config(GRPOConfig, _grpo_data(assets, out)))

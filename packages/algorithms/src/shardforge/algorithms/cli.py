@@ -136,12 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         return _train(args)
     if args.command == "demo":
-        from shardforge.algorithms.demo import run_demo
+        from shardforge.algorithms.demos.demo import run_demo
 
         run_demo(args.out, nproc=args.nproc_per_node, steps=args.steps)
         return 0
     if args.command == "demo-rl":
-        from shardforge.algorithms.demo_rl import run_rl_demo
+        from shardforge.algorithms.demos.demo_rl import run_rl_demo
 
         run_rl_demo(args.out, nproc=args.nproc_per_node, sft_steps=args.sft_steps, grpo_steps=args.grpo_steps)
         return 0

@@ -84,7 +84,7 @@ def shard_plan(stats: ModelStats, dims: ParallelDims) -> ShardPlan:
     expert_tp = 1
     if stats.num_experts and dims.tp > 1:
         if dims.ep == 1 and dims.pp == 1:
-            expert_tp = dims.tp  # expert TP over tp (moe_support.apply_moe)
+            expert_tp = dims.tp  # expert TP over tp (engine.features.moe.apply_moe)
         elif dims.ep > 1 and dims.etp == dims.tp:
             expert_tp = dims.tp
     expert_fsdp = dims.efsdp if dims.ep > 1 else dense

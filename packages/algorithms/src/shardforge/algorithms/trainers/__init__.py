@@ -27,12 +27,14 @@ class TrainerSpec:
 
 TRAINERS: Registry[TrainerSpec] = Registry("trainer")
 TRAINERS.register_lazy(
-    "sft", "shardforge.algorithms.sft:TRAINER", "supervised fine-tuning on prompt/completion or chat rows"
+    "sft", "shardforge.algorithms.trainers.sft:TRAINER", "supervised fine-tuning on prompt/completion or chat rows"
 )
 TRAINERS.register_lazy(
-    "rm", "shardforge.algorithms.reward_model_trainer:TRAINER", "Bradley-Terry reward model on preference pairs"
+    "rm", "shardforge.algorithms.trainers.rm:TRAINER", "Bradley-Terry reward model on preference pairs"
 )
 TRAINERS.register_lazy(
-    "ppo", "shardforge.algorithms.ppo:TRAINER", "PPO with a learned critic (GAE) on verifiable rewards"
+    "ppo", "shardforge.algorithms.trainers.ppo:TRAINER", "PPO with a learned critic (GAE) on verifiable rewards"
 )
-TRAINERS.register_lazy("grpo", "shardforge.algorithms.grpo:TRAINER", "GRPO / Dr. GRPO / RLOO on verifiable rewards")
+TRAINERS.register_lazy(
+    "grpo", "shardforge.algorithms.trainers.grpo:TRAINER", "GRPO / Dr. GRPO / RLOO on verifiable rewards"
+)

@@ -8,6 +8,7 @@ held-out exact-match accuracy before and after SFT and plots the loss curve.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import subprocess
@@ -15,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["build_char_tokenizer", "build_tiny_qwen3", "make_addition_data", "prepare_demo", "run_demo"]
 
@@ -111,7 +114,7 @@ def plot_loss(metrics_file: str | Path, png: str | Path, note: str = "") -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from shardforge.algorithms.metrics import read_metrics
+    from shardforge.algorithms.loggers import read_metrics
 
     train = read_metrics(metrics_file, "train")
     evaluation = read_metrics(metrics_file, "eval")
@@ -135,11 +138,11 @@ def run_demo(
     """Prepare, evaluate, SFT under torchrun with FSDP on ``nproc`` ranks, evaluate, plot."""
     out = Path(out_dir)
     started = time.time()
-    print(f"[demo] building tokenizer, tiny Qwen3 and addition data in {out}", flush=True)
+    logger.info(f"building tokenizer, tiny Qwen3 and addition data in {out}")
     assets = prepare_demo(out, seed=seed)
-    print(f"[demo] model: Qwen3, {assets['num_params'] / 1e6:.2f}M parameters", flush=True)
+    logger.info(f"model: Qwen3, {assets['num_params'] / 1e6:.2f}M parameters")
     before = held_out_accuracy(assets["model"], assets["eval"])
-    print(f"[demo] held-out exact-match accuracy before SFT: {before:.1%}", flush=True)
+    logger.info(f"held-out exact-match accuracy before SFT: {before:.1%}")
     run_dir = out / "sft"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -148,7 +151,7 @@ def run_demo(
         f"model={assets['model']}", f"train_file={assets['train']}", f"eval_file={assets['eval']}",
         f"output_dir={run_dir}", f"steps={steps}", f"layout=d{nproc}", f"engine.scheduler.total_steps={steps}",
     ]  # fmt: skip
-    print(f"[demo] SFT with FSDP on {nproc} CPU ranks: {' '.join(command[2:])}", flush=True)
+    logger.info(f"SFT with FSDP on {nproc} CPU ranks: {' '.join(command[2:])}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(command, check=True, env=env)
     after = held_out_accuracy(run_dir / "hf", assets["eval"])
@@ -163,8 +166,8 @@ def run_demo(
         "minutes": (time.time() - started) / 60,
     }
     (out / "demo_result.json").write_text(json.dumps(result, indent=2))
-    print(f"[demo] held-out exact-match accuracy: before {before:.1%} -> after {after:.1%}", flush=True)
-    print(f"[demo] loss curve: {png}; total {result['minutes']:.1f} min", flush=True)
+    logger.info(f"held-out exact-match accuracy: before {before:.1%} -> after {after:.1%}")
+    logger.info(f"loss curve: {png}; total {result['minutes']:.1f} min")
     if after <= before:
         raise SystemExit("[demo] accuracy did not improve; something is wrong")
     return result

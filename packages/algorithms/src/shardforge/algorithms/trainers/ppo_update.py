@@ -1,4 +1,4 @@
-"""One PPO actor-critic update on a packed rollout batch (used by `shardforge.algorithms.ppo`).
+"""One PPO actor-critic update on a packed rollout batch (used by `shardforge.algorithms.trainers.ppo`).
 
     rewards [N] -> token rewards (on each response's last token) - kl_coef * KL(actor || reference)
     values [T]  <- critic (per-position values shifted to target alignment, `target_aligned_values`)
@@ -14,15 +14,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from shardforge.algorithms.batching import PackedBatch, target_aligned_values
+from shardforge.algorithms.batching.collectives import all_reduce_stats, all_reduce_sum
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import (
     KLEstimator,
     PPOActorLossFn,
     PPOCriticLossFn,
-    all_reduce_stats,
     gae_advantages,
     kl_estimate,
     summarize_stats,
@@ -43,16 +42,7 @@ class ShiftedCriticLossFn(PPOCriticLossFn):
 
 def dp_reduce_stats(stats: dict[str, torch.Tensor], engine: TrainEngine) -> dict[str, torch.Tensor]:
     """Loss statistics summed over ``engine``'s data-parallel ranks only (TP/CP ranks hold copies)."""
-    if engine.dp_group is None:
-        return {k: v.detach().double().cpu() for k, v in stats.items()}
-    return all_reduce_stats(stats, engine.dp_group)
-
-
-def _global_sums(values: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[float]:
-    packed = torch.stack([v.detach().double().reshape(()) for v in values])
-    if group is not None and dist.is_initialized():
-        dist.all_reduce(packed, group=group)
-    return packed.tolist()  # type: ignore[no-any-return]
+    return all_reduce_stats(stats, engine.dp_group, engine.device)
 
 
 @torch.no_grad()
@@ -88,19 +78,18 @@ def prepare_ppo_batch(
         per_token = per_token - kl_coef * kl
     advantages, returns = gae_advantages(per_token, values, batch.loss_mask, batch.cu_seqlens, gamma=gamma, lam=lam)
     residual = returns - values
-    count, adv_sum, adv_sq, kl_sum, ret_sum, ret_sq, res_sum, res_sq, val_sum = _global_sums(
-        [
-            fmask.sum(),
-            advantages.sum(),
-            advantages.square().sum(),
-            kl.sum(),
-            returns.sum(),
-            returns.square().sum(),
-            residual.sum(),
-            residual.square().sum(),
-            values.sum(),
-        ],
-        actor.dp_group,
+    count, adv_sum, adv_sq, kl_sum, ret_sum, ret_sq, res_sum, res_sq, val_sum = all_reduce_sum(
+        fmask.sum(),
+        advantages.sum(),
+        advantages.square().sum(),
+        kl.sum(),
+        returns.sum(),
+        returns.square().sum(),
+        residual.sum(),
+        residual.square().sum(),
+        values.sum(),
+        group=actor.dp_group,
+        device=actor.device,
     )
     if count <= 0:
         raise ValueError("the rollout batch has no response tokens on any rank (all responses empty?)")

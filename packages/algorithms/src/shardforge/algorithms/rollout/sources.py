@@ -1,4 +1,7 @@
-"""Asynchronous rollouts: batch k+1 is generated in a background thread while step k trains.
+"""Rollout sources: where a trainer's batches come from (`SyncRollouts`: on the main thread,
+on-policy; `AsyncRollouts`: generated ahead in a background thread).
+
+Asynchronous rollouts: batch k+1 is generated in a background thread while step k trains.
 
 Timeline with ``max_staleness = s`` (policy step p = the weights after p optimiser steps)::
 
@@ -31,14 +34,24 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from shardforge.algorithms.batching.collectives import all_reduce_max
 from shardforge.algorithms.rollout import Rollout, RolloutEngine
 
-__all__ = ["AsyncRollouts", "RolloutGenerationError", "SampledBatch", "generation_policy_step"]
+__all__ = [
+    "AsyncRollouts",
+    "PublishFn",
+    "RolloutGenerationError",
+    "RolloutSource",
+    "SampleFn",
+    "SampledBatch",
+    "SyncRollouts",
+    "generation_policy_step",
+]
 
 T = TypeVar("T")
 SampleFn = Callable[[int], tuple[list[Rollout], torch.Tensor]]
@@ -77,6 +90,48 @@ def generation_policy_step(index: int, max_staleness: int, start: int) -> int:
     return max(index - max_staleness, start)
 
 
+class RolloutSource(Protocol):
+    """What a trainer's loop needs from a source of rollout batches."""
+
+    def batch(self, index: int) -> SampledBatch: ...
+
+    def publish(self, policy_step: int) -> None: ...
+
+    def evaluate(self, fn: Callable[[RolloutEngine], T]) -> T: ...
+
+    def checkpoint_state(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class SyncRollouts:
+    """Synchronous, on-policy: batch k is generated on the main thread with the weights after step k."""
+
+    def __init__(self, rollout: RolloutEngine, sample_fn: SampleFn, publish_fn: PublishFn) -> None:
+        self.rollout, self.sample_fn, self.publish_fn = rollout, sample_fn, publish_fn
+        self._version = publish_fn(None)
+        rollout.update_weights(self._version)
+
+    def batch(self, index: int) -> SampledBatch:
+        started = time.perf_counter()
+        rollouts, rewards = self.sample_fn(index)
+        elapsed = time.perf_counter() - started
+        return SampledBatch(index=index, policy_step=index, rollouts=rollouts, rewards=rewards, generate_s=elapsed)
+
+    def publish(self, policy_step: int) -> None:
+        self._version = self.publish_fn(self._version + 1)
+        self.rollout.update_weights(self._version)
+
+    def evaluate(self, fn: Callable[[RolloutEngine], T]) -> T:
+        return fn(self.rollout)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
 class AsyncRollouts:
     """Generates batches ahead in one background thread on a deterministic schedule.
 
@@ -89,6 +144,7 @@ class AsyncRollouts:
         start: the first step of this process.
         dp_rank, dp_size: this rank's data-parallel coordinates (checkpoint state is per dp rank).
         restored: `checkpoint_state` of the run that saved the checkpoint (None: none).
+        device: the device the world group's collectives need (the trainer engine's device).
     """
 
     def __init__(
@@ -103,6 +159,7 @@ class AsyncRollouts:
         dp_rank: int,
         dp_size: int,
         restored: dict[str, Any] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0 (0 = on-policy, no overlap)")
@@ -113,6 +170,7 @@ class AsyncRollouts:
         self.num_batches = num_batches
         self.start = start
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.device = device
         self._versions = {start: publish_fn(None)}  # policy step -> weight-sync version
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-generator")
         self._futures: dict[Any, Future[Any]] = {}
@@ -220,10 +278,9 @@ class AsyncRollouts:
             value = future.result()
         except BaseException as exc:
             error = exc
-        failed = torch.tensor([0.0 if error is None else 1.0])
-        if dist.is_initialized():
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if float(failed[0]) == 0.0:
+        world = dist.group.WORLD if dist.is_initialized() else None
+        (failed,) = all_reduce_max(0.0 if error is None else 1.0, group=world, device=self.device)
+        if failed == 0.0:
             return value
         messages: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
         if dist.is_initialized():

@@ -8,6 +8,7 @@ curves are plotted.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -15,9 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardforge.algorithms.demo import held_out_accuracy, prepare_demo
+from shardforge.algorithms.demos.demo import held_out_accuracy, prepare_demo
 
 __all__ = ["run_rl_demo"]
+
+logger = logging.getLogger(__name__)
 
 
 def _torchrun(nproc: int, algorithm: str, config: Path, overrides: list[str]) -> None:
@@ -25,7 +28,7 @@ def _torchrun(nproc: int, algorithm: str, config: Path, overrides: list[str]) ->
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "shardforge.algorithms.cli", "train", algorithm, "--config", str(config), *overrides,
     ]  # fmt: skip
-    print(f"[demo-rl] {algorithm} with FSDP on {nproc} CPU ranks: {' '.join(command[2:])}", flush=True)
+    logger.info(f"{algorithm} with FSDP on {nproc} CPU ranks: {' '.join(command[2:])}")
     subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
@@ -35,7 +38,7 @@ def plot_rl(metrics_file: Path, png: Path, note: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from shardforge.algorithms.metrics import read_metrics
+    from shardforge.algorithms.loggers import read_metrics
 
     train = read_metrics(metrics_file, "train")
     evaluation = read_metrics(metrics_file, "eval")
@@ -82,7 +85,7 @@ def run_rl_demo(
         "eval_every=0",
     ])  # fmt: skip
     sft_accuracy = held_out_accuracy(sft_dir / "hf", assets["eval"])
-    print(f"[demo-rl] held-out exact match after {sft_steps} SFT steps: {sft_accuracy:.1%}", flush=True)
+    logger.info(f"held-out exact match after {sft_steps} SFT steps: {sft_accuracy:.1%}")
     overrides = [
         f"model={sft_dir / 'hf'}", f"train_file={assets['train']}", f"eval_file={assets['eval']}",
         f"output_dir={grpo_dir}", f"layout=d{nproc}", "resume=never",
@@ -103,8 +106,8 @@ def run_rl_demo(
         "minutes": (time.time() - started) / 60,
     }
     (out / "demo_rl_result.json").write_text(json.dumps(result, indent=2))
-    print(f"[demo-rl] held-out exact match: SFT {sft_accuracy:.1%} -> GRPO {grpo_accuracy:.1%}", flush=True)
-    print(f"[demo-rl] reward curve: {png}; total {result['minutes']:.1f} min", flush=True)
+    logger.info(f"held-out exact match: SFT {sft_accuracy:.1%} -> GRPO {grpo_accuracy:.1%}")
+    logger.info(f"reward curve: {png}; total {result['minutes']:.1f} min")
     if grpo_accuracy <= sft_accuracy:
         raise SystemExit("[demo-rl] GRPO did not improve held-out accuracy")
     return result

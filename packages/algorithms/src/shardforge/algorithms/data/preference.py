@@ -1,0 +1,76 @@
+"""Preference pairs (reward models): ``{"prompt", "chosen", "rejected"}`` JSONL rows, tokenised as
+``<bos> prompt response <eos>`` per side and packed as consecutive (chosen, rejected) sequences with
+one ``sequence_group`` id per pair, so the engine keeps a pair in one micro-batch."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardforge.algorithms.batching import SEQUENCE_GROUP, PackedBatch, pack_sequences
+
+__all__ = ["IS_CHOSEN", "PAIR_WEIGHT", "PreferencePair", "load_pairs", "pack_pairs"]
+
+IS_CHOSEN = "is_chosen"
+"""Per-sequence [N] extra: 1 for a chosen response, 0 for a rejected one (pairs are consecutive)."""
+PAIR_WEIGHT = "pair_weight"
+"""Per-sequence [N] extra: 1, or 0 for a placeholder pair that must not count."""
+
+
+@dataclass(frozen=True, slots=True)
+class PreferencePair:
+    """Token ids of the chosen and the rejected sequence (prompt + response each)."""
+
+    chosen: list[int]
+    rejected: list[int]
+
+
+def load_pairs(path: str | Path, tokenizer: Any, *, max_seq_len: int | None = None) -> list[PreferencePair]:
+    """Read and tokenise preference JSONL; malformed rows raise `ValueError` naming the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"preference file {str(path)!r} does not exist")
+    prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    suffix = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    pairs, truncated = [], 0
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not all(isinstance(row.get(k), str) for k in ("prompt", "chosen", "rejected")):
+            raise ValueError(f"line {number} of {path.name}: need string 'prompt', 'chosen' and 'rejected' fields")
+        prompt = prefix + tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        sides = []
+        for key in ("chosen", "rejected"):
+            ids = prompt + tokenizer(row[key], add_special_tokens=False)["input_ids"] + suffix
+            if max_seq_len is not None and len(ids) > max_seq_len:
+                truncated += 1
+                ids = ids[-max_seq_len:]
+            sides.append(ids)
+        pairs.append(PreferencePair(sides[0], sides[1]))
+    if not pairs:
+        raise ValueError(f"preference file {str(path)!r} has no rows")
+    if truncated:
+        warnings.warn(
+            f"{truncated} sequence(s) of {path.name} truncated to their last {max_seq_len} tokens", stacklevel=2
+        )
+    return pairs
+
+
+def pack_pairs(pairs: Sequence[PreferencePair], indices: Sequence[int], *, weight: float = 1.0) -> PackedBatch:
+    """Pack pairs ``indices`` as [chosen_0, rejected_0, chosen_1, ...] with pair extras."""
+    sequences = [ids for i in indices for ids in (pairs[i].chosen, pairs[i].rejected)]
+    batch = pack_sequences(sequences)
+    n = len(sequences)
+    batch.extras = {
+        SEQUENCE_GROUP: torch.arange(n, dtype=torch.long) // 2,
+        IS_CHOSEN: (torch.arange(n) % 2 == 0).float(),
+        PAIR_WEIGHT: torch.full((n,), float(weight)),
+    }
+    return batch

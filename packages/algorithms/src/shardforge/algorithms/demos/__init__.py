@@ -1,0 +1,1 @@
+"""The demos (`shardforge demo`, `shardforge demo-rl`) and their YAML configs."""

@@ -1,0 +1,262 @@
+"""THE run loop of every trainer, and the config fields they share.
+
+`Trainer.run` does, in this order and once for all trainers: tokenizer, data (`load_data`),
+engines (`build_engines`), output dir + resolved ``config.json``, checkpointers (with
+``async_checkpoint``), resume (+ the data-order check and the metrics truncation), `setup`,
+optional eval at the start, then per step `train_step` -> log cadence -> save cadence -> eval
+cadence, and at the end HF + LoRA export (+ `export_extra`), ``summary.json`` and a barrier.
+
+A trainer subclasses `TrainerConfig` (only its own fields; YAML keys are the field names) and
+`Trainer` (only its hooks). A fix to the loop reaches every trainer (STYLE.md item 17).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar
+
+import torch.distributed as dist
+
+from shardforge.algorithms.config_io import config_to_dict
+from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.engine.config import EngineConfig
+from shardforge.algorithms.loggers import MetricsLogger, truncate_metrics
+from shardforge.algorithms.trainers.common import progress_bar
+from shardforge.checkpoint_dcp import Checkpointer
+
+__all__ = ["Trainer", "TrainerConfig", "check_data_state", "load_tokenizer"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerConfig:
+    """The fields every trainer has; YAML keys mirror the field names."""
+
+    model: str
+    """HF model directory to start from (config.json + safetensors)."""
+    train_file: str
+    """Training JSONL (rows, preference pairs or prompts, per trainer)."""
+    output_dir: str
+    """Metrics, TensorBoard logs, checkpoints and the exported model."""
+    tokenizer: str | None = None
+    """Tokenizer directory; None = the model directory."""
+    eval_file: str | None = None
+    """Optional held-out JSONL for periodic evaluation."""
+    layout: str = "d-1"
+    """Parallel layout, e.g. 'd2' (FSDP 2), 'r2d2' (HSDP); d-1 = all ranks FSDP."""
+    steps: int = 100
+    """Optimizer steps (RL trainers: one rollout batch each)."""
+    eval_every: int = 0
+    """Evaluate every this many steps (0 = only at the end, when eval_file is set)."""
+    log_every: int = 1
+    """Write train metrics every this many steps (and at the last step)."""
+    seed: int = 0
+    """Data-order (and sampling) seed."""
+    export_hf_at_end: bool = True
+    """Write an HF model directory to output_dir/hf (and LoRA adapters to output_dir/lora) at the end."""
+    save_every: int = 0
+    """Save a DCP checkpoint to output_dir/checkpoints every this many steps (0 = never)."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: continue from the newest committed checkpoint in output_dir/checkpoints, if any."""
+    keep_last: int = 2
+    """Committed checkpoints to keep."""
+    async_checkpoint: Literal["off", "async", "async_pinned"] = "off"
+    """Write checkpoints in the background (committed before the next save and at the end)."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Engine settings (optimizer, schedule, dtype, micro-batch budget, ...)."""
+
+
+C = TypeVar("C", bound=TrainerConfig)
+
+
+def load_tokenizer(config: TrainerConfig) -> Any:
+    """The tokenizer of ``config.tokenizer`` (or the model directory); a missing directory is an error."""
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = config.tokenizer or config.model
+    if not Path(tokenizer_dir).is_dir():
+        raise FileNotFoundError(f"tokenizer directory {tokenizer_dir!r} does not exist")
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def check_data_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse to resume when a setting that decides the data order differs from the checkpoint's."""
+    changed = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
+    if changed:
+        details = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in changed.items())
+        raise ValueError(
+            f"cannot resume: the data order differs from the checkpoint ({details}); restore those settings "
+            "or start a fresh run (resume=never or a new output_dir)"
+        )
+
+
+class Trainer(Generic[C]):
+    """One run of a trainer: subclasses implement the hooks, `run` is shared."""
+
+    name = "train"
+    """Progress-bar label and error-message prefix."""
+
+    def __init__(self, config: C) -> None:
+        self.config = config
+        self.out = Path(config.output_dir)
+        self.tokenizer: Any = None
+        self.engine: TrainEngine
+
+    # ------------------------------------------------------------------ hooks
+    def load_data(self) -> None:
+        """Read and check the data (before any engine, so data errors come before process groups)."""
+
+    def build_engines(self) -> TrainEngine:
+        """Build and return the engine that trains (others, e.g. a critic, live on ``self``)."""
+        raise NotImplementedError
+
+    def data_state(self) -> dict[str, Any]:
+        """The settings that decide the data order; a resume with different ones is refused."""
+        raise NotImplementedError
+
+    def checkpoint_engines(self) -> dict[str, TrainEngine]:
+        """Checkpoint subdirectory -> engine; the first decides the resume step."""
+        return {"checkpoints": self.engine}
+
+    def start_step(self) -> int:
+        """The loop step to resume at, from the loaded main engine (optimizer steps by default)."""
+        return self.engine.step
+
+    def setup(self, start: int, restored: dict[str, Any]) -> None:
+        """After resume, before the first step (``restored``: the checkpoint's extra state, or {})."""
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One step (0-based); return its metrics (at least ``loss``)."""
+        raise NotImplementedError
+
+    def has_eval(self) -> bool:
+        return self.config.eval_file is not None
+
+    eval_at_start = False
+    """Also evaluate before the first step."""
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics (collective)."""
+        raise NotImplementedError
+
+    def eval_summary(self, result: dict[str, float], at_start: bool) -> dict[str, Any]:
+        """Summary entries for an eval result."""
+        return {f"eval_{k}": v for k, v in result.items() if k in ("loss", "accuracy")}
+
+    def step_summary(self, stats: dict[str, float]) -> dict[str, Any]:
+        """Summary entries for a step's metrics (the last step's remain)."""
+        return {"train_loss": stats["loss"]}
+
+    def postfix(self, stats: dict[str, float]) -> dict[str, str]:
+        """Progress-bar fields for a step's metrics."""
+        return {"loss": f"{stats['loss']:.4f}"}
+
+    def extra_state(self) -> dict[str, Any]:
+        """Extra state saved with the checkpoint (collective if it gathers)."""
+        return {}
+
+    def export_extra(self, summary: dict[str, Any]) -> None:
+        """Extra exports at the end (export_hf_at_end), recorded in ``summary``."""
+
+    def close(self) -> None:
+        """Release what `setup` made (also after an error)."""
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict[str, Any]:
+        """Train; return the summary (also written to output_dir/summary.json). Call on every rank."""
+        config, out = self.config, self.out
+        self.tokenizer = load_tokenizer(config)
+        self.load_data()
+        engine = self.engine = self.build_engines()
+        if engine.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2))
+        data_state = self.data_state()
+        checkpointers: dict[str, Checkpointer] = {}
+        if config.save_every > 0 or config.resume == "auto":
+            checkpointers = {
+                name: Checkpointer(out / name, keep_last=config.keep_last, async_mode=config.async_checkpoint)
+                for name in self.checkpoint_engines()
+            }
+        start, restored = self._resume(checkpointers, data_state)
+        if engine.is_main:
+            truncate_metrics(out / "metrics.jsonl", start)
+        metrics = MetricsLogger(out, enabled=engine.is_main)
+        summary: dict[str, Any] = {"steps": config.steps, "output_dir": str(out), "layout": engine.dims.to_string()}
+        if start:
+            summary["resumed_from"] = start
+        bar = None
+        try:
+            self.setup(start, restored)
+            if self.eval_at_start and self.has_eval():
+                result = self.evaluate()
+                metrics.log(start, result, split="eval")
+                summary |= self.eval_summary(result, at_start=True)
+            bar = progress_bar(config.steps, start, engine.is_main and config.progress, self.name)
+            for step in range(start, config.steps):
+                stats = self.train_step(step)
+                if not math.isfinite(stats["loss"]):
+                    raise FloatingPointError(
+                        f"{self.name.upper()} loss became {stats['loss']} at step {step + 1}; lower the learning rate"
+                    )
+                last = step + 1 == config.steps
+                if (step + 1) % config.log_every == 0 or last:
+                    metrics.log(step + 1, stats)
+                summary |= self.step_summary(stats)
+                if bar is not None:
+                    bar.set_postfix(**self.postfix(stats))
+                    bar.update(1)
+                if checkpointers and config.save_every > 0 and ((step + 1) % config.save_every == 0 or last):
+                    state = data_state | self.extra_state()
+                    for name, target in self.checkpoint_engines().items():
+                        target.save(checkpointers[name], state)
+                if self.has_eval() and ((config.eval_every and (step + 1) % config.eval_every == 0) or last):
+                    result = self.evaluate()
+                    metrics.log(step + 1, result, split="eval")
+                    summary |= self.eval_summary(result, at_start=False)
+        finally:
+            self.close()
+            if bar is not None:
+                bar.close()
+            metrics.close()
+        for checkpointer in checkpointers.values():
+            checkpointer.close()
+        if config.export_hf_at_end:
+            self._export(summary)
+        if engine.is_main:
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if dist.is_initialized():
+            dist.barrier()
+        return summary
+
+    def _resume(self, checkpointers: dict[str, Checkpointer], data_state: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if not checkpointers or self.config.resume != "auto":
+            return 0, {}
+        (first, main), *others = self.checkpoint_engines().items()
+        saved = main.load(checkpointers[first])
+        if saved is None:
+            return 0, {}
+        check_data_state(saved, data_state)
+        for name, engine in others:
+            if engine.load(checkpointers[name], step=main.step) is None:
+                raise FileNotFoundError(f"{first} at step {main.step} has no matching checkpoint in {name}")
+        start = self.start_step()
+        if main.is_main:
+            logger.info("resumed from %s at step %d", checkpointers[first].path(main.step), start)
+        return start, saved
+
+    def _export(self, summary: dict[str, Any]) -> None:
+        hf_dir = self.out / "hf"
+        self.engine.export_hf(hf_dir, tokenizer=self.tokenizer)
+        summary["hf_dir"] = str(hf_dir)
+        if self.engine.config.lora is not None:  # also the adapters alone, in PEFT format
+            self.engine.export_lora(self.out / "lora", base_model_name_or_path=self.config.model)
+            summary["lora_dir"] = str(self.out / "lora")
+        self.export_extra(summary)

@@ -1,0 +1,27 @@
+"""Small pieces every trainer shares (the loop itself is `shardforge.algorithms.trainers.base`;
+what only the RL trainers share is in `rl_common`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shardforge.algorithms.engine.config import EngineConfig
+
+__all__ = ["progress_bar", "with_total_steps"]
+
+
+def with_total_steps(engine: EngineConfig, steps: int) -> EngineConfig:
+    """A decaying schedule left at total_steps <= 1 decays over the run's ``steps``."""
+    if engine.scheduler.kind != "constant" and engine.scheduler.total_steps <= 1:
+        return dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, total_steps=steps))
+    return engine
+
+
+def progress_bar(total: int, initial: int, enabled: bool, desc: str) -> Any:
+    """A tqdm bar on the main rank (None elsewhere or when disabled)."""
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)

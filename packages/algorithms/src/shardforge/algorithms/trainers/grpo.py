@@ -1,0 +1,285 @@
+"""GRPO (and Dr. GRPO / RLOO) on verifiable rewards: rollouts -> rewards -> group advantages ->
+PPO-clip update -> publish weights -> the rollout engine serves the new version.
+
+Every rank runs a `RolloutEngine` (embedded HF generate by default) for its share of the prompts. After each
+optimiser step rank 0 publishes the new weights with weight-sync's `DiskTransport` (atomic,
+verified versions under ``output_dir/weights``) and every rank's rollout engine switches to
+it, so step k+1 samples from the policy after update k (synchronous, on-policy). Old
+log-probs are recomputed by the training engine before the update (``recompute_logprobs``),
+so the first PPO ratio is exactly 1; the rollout engine's own log-probs are kept as
+``behaviour_logprobs`` and their gap to the trainer's is logged (``behaviour_kl``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardforge.algorithms.batching.collectives import all_reduce_stats
+from shardforge.algorithms.data import GlobalBatchSampler
+from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.objectives import PPOActorConfig, PPOActorLossFn, summarize_stats
+from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS, PROXIMAL_LOGPROBS
+from shardforge.algorithms.rlvr import (
+    BEHAVIOUR_LOGPROBS,
+    AdvantageEstimator,
+    PromptSet,
+    group_advantages,
+    load_prompts,
+    rollouts_to_batch,
+)
+from shardforge.algorithms.rollout import Rollout, RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
+from shardforge.algorithms.rollout.sources import AsyncRollouts, RolloutSource, SampledBatch, SampleFn, SyncRollouts
+from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
+from shardforge.algorithms.trainers import TrainerSpec
+from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
+from shardforge.algorithms.trainers.common import with_total_steps
+from shardforge.algorithms.trainers.rl_common import (
+    check_eval_split,
+    evaluate_accuracy,
+    global_reward_stats,
+    publish_version,
+)
+from shardforge.weight_sync import DiskTransport
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "run_grpo"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GRPOConfig(TrainerConfig):
+    """Everything `shardforge train grpo` needs (shared fields: `TrainerConfig`)."""
+
+    steps: int = 20
+    """Optimizer steps (one rollout batch each)."""
+    prompts_per_step: int = 16
+    """Prompts per step across all data-parallel ranks (a multiple of the dp size)."""
+    group_size: int = 8
+    """Samples per prompt."""
+    max_new_tokens: int = 8
+    """Generation budget per response."""
+    max_prompt_len: int | None = None
+    """Skip prompts longer than this many tokens (None = keep all; they must fit the budget)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts."""
+    advantage: AdvantageEstimator = "grpo"
+    """grpo (group mean/std), dr_grpo (mean only) or rloo."""
+    reward_fn: str = "exact_match"
+    """'exact_match' or 'package.module:function' -> fn(prompt, response, reference) -> float."""
+    actor: PPOActorConfig = field(default_factory=PPOActorConfig)
+    """PPO loss options (clip ranges, dual clip, aggregation, ...)."""
+    recompute_logprobs: bool = True
+    """Recompute old log-probs with the trainer before the update (else use the rollout's)."""
+    async_rollouts: bool = False
+    """Generate the next batch in a background thread while the current step trains (decoupled PPO loss)."""
+    max_staleness: int = 1
+    """Async mode: batch k is generated with the weights after step max(k - max_staleness, 0); 0 = on-policy."""
+    rollout_dtype: str = "float32"
+    """Dtype of the rollout model and of the published weights."""
+    rollout_engine: RolloutEngineKind = "hf"
+    """'hf' (embedded generate in every trainer process) or 'vllm' (optional extra; see `vllm`)."""
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    """vLLM rollout engine options (rollout_engine=vllm only)."""
+    eval_size: int | None = None
+    """Evaluate on the first N held-out prompts (None = all)."""
+
+
+def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
+    if config.prompts_per_step < 1 or config.prompts_per_step % dp_size:
+        raise ValueError(
+            f"prompts_per_step={config.prompts_per_step} must be a positive multiple of the data-parallel size "
+            f"{dp_size} (every rank samples whole groups)"
+        )
+    if config.group_size < 1:
+        raise ValueError(f"group_size={config.group_size} must be >= 1")
+    if config.advantage != "dr_grpo" and config.group_size < 2:
+        raise ValueError(f"advantage={config.advantage!r} needs group_size >= 2 (it compares samples of a prompt)")
+    if config.max_staleness < 0:
+        raise ValueError(f"max_staleness={config.max_staleness} must be >= 0 (0 = on-policy, no overlap)")
+    if config.async_rollouts and not config.recompute_logprobs:
+        raise ValueError(
+            "async_rollouts needs recompute_logprobs=true: the decoupled loss uses the trainer's log-probs "
+            "as the proximal policy (the rollout's are the behaviour policy)"
+        )
+    longest = max(len(p) for p in prompts.ids) + config.max_new_tokens
+    budget = config.engine.max_tokens_per_microbatch
+    if longest > budget:
+        raise ValueError(
+            f"the longest prompt + max_new_tokens is {longest} tokens but engine.max_tokens_per_microbatch={budget}; "
+            f"raise the budget or set max_prompt_len to skip long prompts"
+        )
+
+
+def _sample_fn(
+    config: GRPOConfig, rollout: RolloutEngine, prompts: PromptSet, reward_fn: Any, engine: TrainEngine
+) -> SampleFn:
+    sampler = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=config.seed)
+    dp_rank, dp_size = engine.dp_rank, engine.dp_size
+
+    def sample(index: int) -> tuple[list[Rollout], torch.Tensor]:
+        indices = sampler.local_batch(index, dp_rank, dp_size)
+        # The sampling seed depends only on (seed, batch index, dp rank): a resumed run, and the
+        # asynchronous mode (batches generated on another thread), sample the same.
+        params = SamplingParams(
+            n=config.group_size,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            seed=(config.seed * 1_000_003 + index) * 1_009 + dp_rank,
+        )
+        rollouts = rollout.generate([prompts.ids[i] for i in indices], params)
+        texts = [prompts.texts[i] for i in indices]
+        references = [prompts.references[i] for i in indices]
+        return rollouts, score_rollouts(rollouts, texts, references, reward_fn)
+
+    return sample
+
+
+class GRPOTrainer(Trainer[GRPOConfig]):
+    """One PPO-clip update per rollout batch; batches come from a `RolloutSource` (sync or async)."""
+
+    name = "grpo"
+    eval_at_start = True
+
+    def load_data(self) -> None:
+        config = self.config
+        self.prompts = load_prompts(config.train_file, self.tokenizer, max_prompt_len=config.max_prompt_len)
+        self.held_out = load_prompts(config.eval_file, self.tokenizer) if config.eval_file else None
+        self.reward_fn = load_reward_fn(config.reward_fn)
+
+    def build_engines(self) -> TrainEngine:
+        config = self.config
+        engine = TrainEngine(config.model, config.layout, with_total_steps(config.engine, config.steps))
+        _validate(config, self.prompts, engine.dp_size)
+        check_eval_split(config, len(self.held_out) if self.held_out is not None else None, engine.dp_size)
+        if config.temperature > 0:  # train on the distribution the rollouts sample from
+            engine.logprob_temperature = config.temperature
+        return engine
+
+    def data_state(self) -> dict[str, Any]:
+        config = self.config
+        return {"seed": config.seed, "prompts_per_step": config.prompts_per_step, "num_prompts": len(self.prompts)}
+
+    def setup(self, start: int, restored: dict[str, Any]) -> None:
+        config, engine = self.config, self.engine
+        weights_root = self.out / "weights"
+        # Async mode: the generator may still need the weights of max_staleness steps ago.
+        keep_weights = max(2, config.max_staleness + 2) if config.async_rollouts else 2
+        transport = DiskTransport(weights_root, keep_last=keep_weights) if engine.is_main else None
+        self.rollout = rollout = build_rollout_engine(
+            config.rollout_engine, config.model, self.tokenizer, weights_root=weights_root,
+            dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
+        )  # fmt: skip
+
+        def publish(version: int | None) -> int:
+            return publish_version(engine, transport, rollout, config.rollout_dtype, version)
+
+        sample_fn = _sample_fn(config, rollout, self.prompts, self.reward_fn, engine)
+        self.source: RolloutSource | None = None
+        if config.async_rollouts:
+            self.source = AsyncRollouts(
+                rollout=rollout,
+                sample_fn=sample_fn,
+                publish_fn=publish,
+                max_staleness=config.max_staleness,
+                num_batches=config.steps,
+                start=start,
+                dp_rank=engine.dp_rank,
+                dp_size=engine.dp_size,
+                restored=restored.get("async_rollouts"),
+                device=engine.device,
+            )
+        else:
+            self.source = SyncRollouts(rollout, sample_fn, publish)
+        self.actor = PPOActorLossFn(config.actor)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        assert self.source is not None
+        step_started = time.perf_counter()
+        sampled = self.source.batch(step)
+        stats = _train_step(sampled, self.config, self.engine, self.actor, step_started)
+        began = time.perf_counter()
+        self.source.publish(step + 1)
+        stats["weight_sync_s"] = time.perf_counter() - began
+        stats["step_s"] = time.perf_counter() - step_started  # rollouts (or the wait) + update + publish
+        return stats
+
+    def step_summary(self, stats: dict[str, float]) -> dict[str, Any]:
+        return {"reward_mean": stats["reward_mean"]}
+
+    def postfix(self, stats: dict[str, float]) -> dict[str, str]:
+        return {"reward": f"{stats['reward_mean']:.3f}", "len": f"{stats['response_len_mean']:.1f}"}
+
+    def extra_state(self) -> dict[str, Any]:
+        state = self.source.checkpoint_state() if self.source is not None else {}
+        return {"async_rollouts": state} if state else {}
+
+    def evaluate(self) -> dict[str, float]:
+        assert self.held_out is not None and self.source is not None
+        config = self.config
+        accuracy = evaluate_accuracy(
+            self.rollout, self.held_out, self.engine, config.max_new_tokens, config.eval_size,
+            runner=self.source.evaluate,
+        )  # fmt: skip
+        return {"accuracy": accuracy}
+
+    def eval_summary(self, result: dict[str, float], at_start: bool) -> dict[str, Any]:
+        return {"accuracy_start" if at_start else "accuracy_end": result["accuracy"]}
+
+    def close(self) -> None:
+        source: RolloutSource | None = getattr(self, "source", None)
+        if source is not None:
+            source.close()
+
+
+def run_grpo(config: GRPOConfig) -> dict[str, Any]:
+    """Train; return a summary (accuracy before/after, final reward). Call on every rank."""
+    return GRPOTrainer(config).run()
+
+
+def _train_step(
+    sampled: SampledBatch, config: GRPOConfig, engine: TrainEngine, actor: PPOActorLossFn, step_started: float
+) -> dict[str, float]:
+    """One PPO update on a sampled batch. A batch generated by older weights than the current ones
+    (async mode) uses the decoupled loss: the trainer's recomputed log-probs are the proximal
+    policy, the rollout's the behaviour policy; a fresh batch uses plain PPO-clip."""
+    started = time.perf_counter()
+    advantages = group_advantages(sampled.rewards, config.group_size, config.advantage)
+    batch = rollouts_to_batch(sampled.rollouts, advantages)
+    staleness = sampled.index - sampled.policy_step
+    if config.recompute_logprobs:
+        # Fresh batch: behaviour = proximal policy, so the decoupled weight would be exp(rounding
+        # noise between the two engines); plain PPO with the recomputed log-probs is exact.
+        key = OLD_LOGPROBS if staleness == 0 else PROXIMAL_LOGPROBS
+        batch.extras[key] = engine.forward(batch)
+    forwarded = time.perf_counter()
+    stats = engine.train_batch(batch, actor, actor.loss_weight)
+    actor_stats = all_reduce_stats(actor.pop_stats(), engine.dp_group, engine.device)
+    stats |= {f"actor/{k}": v for k, v in summarize_stats(actor_stats).items()}
+    mask = batch.loss_mask != 0
+    trainer_logprobs = batch.extras.get(PROXIMAL_LOGPROBS, batch.extras[OLD_LOGPROBS])
+    gap = (trainer_logprobs - batch.extras[BEHAVIOUR_LOGPROBS])[mask]
+    stats["behaviour_kl"] = float(gap.abs().mean()) if gap.numel() else 0.0
+    lengths = torch.tensor([len(r.response_ids) for r in sampled.rollouts], dtype=torch.float64)
+    stats |= global_reward_stats(sampled.rewards.double(), lengths, engine)
+    stats |= {
+        "rollout_version": float(sampled.rollouts[0].version),
+        "generate_s": sampled.generate_s,
+        "logprob_forward_s": forwarded - started,
+        "train_s": stats["step_time_s"],
+        "tokens_per_s": stats["tokens"] / max(time.perf_counter() - step_started, 1e-9),
+    }
+    if config.async_rollouts:
+        stats |= {
+            "staleness": float(staleness),
+            "rollout_policy_step": float(sampled.policy_step),
+            "rollout_wait_s": sampled.wait_s,
+            "generate_overlap_s": max(sampled.generate_s - sampled.wait_s, 0.0),
+        }
+    return stats
+
+
+TRAINER = TrainerSpec(config_cls=GRPOConfig, run=run_grpo)
+"""This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""

@@ -1,0 +1,266 @@
+"""PPO with a learned critic on verifiable rewards (`shardforge train ppo`).
+
+Like GRPO (`shardforge.algorithms.trainers.grpo`: embedded rollout engine, weight publishing after each
+step, reward functions, eval) but the advantage comes from a critic: a value-head `TrainEngine`
+initialised from the policy checkpoint (new head) or from a reward-model directory. Each step:
+rollouts -> sequence rewards -> optional KL-in-reward against a frozen reference policy ->
+GAE on per-token values -> one actor step (PPO clip) and one critic step (value-clipped loss)
+-> publish the actor's weights. See `shardforge.algorithms.trainers.ppo_update` for the update itself.
+The shared fields (layout applies to the actor, critic and reference engines; no pp for the
+critic) and the run loop are `shardforge.algorithms.trainers.base`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardforge.algorithms.data import GlobalBatchSampler
+from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.engine.config import EngineConfig
+from shardforge.algorithms.objectives import KLEstimator, PPOActorConfig, PPOActorLossFn, PPOCriticConfig
+from shardforge.algorithms.rlvr import PromptSet, load_prompts, rollouts_to_batch
+from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
+from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
+from shardforge.algorithms.trainers import TrainerSpec
+from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
+from shardforge.algorithms.trainers.common import with_total_steps
+from shardforge.algorithms.trainers.ppo_update import ShiftedCriticLossFn, ppo_update, prepare_ppo_batch
+from shardforge.algorithms.trainers.rl_common import (
+    check_eval_split,
+    evaluate_accuracy,
+    global_reward_stats,
+    publish_to_rollout,
+)
+from shardforge.weight_sync import DiskTransport
+
+__all__ = ["PPOConfig", "PPOTrainer", "ShiftedCriticLossFn", "run_ppo"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PPOConfig(TrainerConfig):
+    """Everything `shardforge train ppo` needs (shared fields: `TrainerConfig`; ``engine`` is the actor's)."""
+
+    critic_model: str | None = None
+    """Critic start: a reward-model / value-model directory or an LM directory (new head); None = model."""
+    reference_model: str | None = None
+    """Frozen reference policy for the KL-in-reward term; None = model. Built only when kl_coef > 0."""
+    steps: int = 20
+    """PPO iterations (one rollout batch each)."""
+    update_epochs: int = 2
+    """Optimizer steps of the actor and of the critic per rollout batch (clipping acts from the second)."""
+    prompts_per_step: int = 16
+    """Prompts per step across all data-parallel ranks (a multiple of the dp size)."""
+    group_size: int = 1
+    """Samples per prompt."""
+    max_new_tokens: int = 8
+    """Generation budget per response."""
+    max_prompt_len: int | None = None
+    """Skip prompts longer than this many tokens."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts."""
+    reward_fn: str = "exact_match"
+    """'exact_match' or 'package.module:function' -> fn(prompt, response, reference) -> float."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Normalise advantages to mean 0 / std 1 over the global batch."""
+    kl_coef: float = 0.0
+    """Per-token KL penalty to the reference policy, subtracted from the reward (0 = no reference)."""
+    kl_estimator: KLEstimator = "k1"
+    """KL estimator of the penalty (k1 = log pi - log pi_ref)."""
+    offload_reference: bool = False
+    """Keep the reference policy's weights in host memory except during its forward (on an accelerator
+    this frees its whole footprint for the actor; a no-op on CPU). The critic's equivalent is
+    ``critic_engine.offload_when_idle``."""
+    actor: PPOActorConfig = field(default_factory=PPOActorConfig)
+    """Actor PPO loss options."""
+    critic: PPOCriticConfig = field(default_factory=PPOCriticConfig)
+    """Critic loss options (value clip, mse/huber)."""
+    recompute_logprobs: bool = True
+    """Recompute old log-probs with the trainer before the update (else use the rollout's)."""
+    rollout_dtype: str = "float32"
+    """Dtype of the rollout model and of the published weights."""
+    rollout_engine: RolloutEngineKind = "hf"
+    """'hf' (embedded generate in every trainer process) or 'vllm' (optional extra; see `vllm`)."""
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    """vLLM rollout engine options (rollout_engine=vllm only)."""
+    eval_size: int | None = None
+    """Evaluate on the first N held-out prompts (None = all)."""
+    critic_engine: EngineConfig = field(default_factory=EngineConfig)
+    """Critic engine settings (head is forced to "value")."""
+
+
+def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
+    if config.prompts_per_step < 1 or config.prompts_per_step % dp_size:
+        raise ValueError(
+            f"prompts_per_step={config.prompts_per_step} must be a positive multiple of the data-parallel size "
+            f"{dp_size}"
+        )
+    if config.update_epochs < 1:
+        raise ValueError(f"update_epochs={config.update_epochs} must be >= 1")
+    if config.group_size < 1:
+        raise ValueError(f"group_size={config.group_size} must be >= 1")
+    if config.kl_coef < 0:
+        raise ValueError(f"kl_coef={config.kl_coef} must be >= 0")
+    longest = max(len(p) for p in prompts.ids) + config.max_new_tokens
+    budget = min(config.engine.max_tokens_per_microbatch, config.critic_engine.max_tokens_per_microbatch)
+    if longest > budget:
+        raise ValueError(
+            f"the longest prompt + max_new_tokens is {longest} tokens but the smaller max_tokens_per_microbatch of "
+            f"engine/critic_engine is {budget}; raise it or set max_prompt_len to skip long prompts"
+        )
+
+
+class PPOTrainer(Trainer[PPOConfig]):
+    """Actor (``engine``), critic and an optional frozen reference; checkpoints hold actor and critic."""
+
+    name = "ppo"
+    eval_at_start = True
+
+    def load_data(self) -> None:
+        config = self.config
+        self.prompts = load_prompts(config.train_file, self.tokenizer, max_prompt_len=config.max_prompt_len)
+        self.held_out = load_prompts(config.eval_file, self.tokenizer) if config.eval_file else None
+        self.reward_fn = load_reward_fn(config.reward_fn)
+        self.sampler = GlobalBatchSampler(len(self.prompts), config.prompts_per_step, seed=config.seed)
+
+    def build_engines(self) -> TrainEngine:
+        config = self.config
+        total = config.steps * config.update_epochs
+        actor = TrainEngine(config.model, config.layout, with_total_steps(config.engine, total))
+        _validate(config, self.prompts, actor.dp_size)
+        check_eval_split(config, len(self.held_out) if self.held_out is not None else None, actor.dp_size)
+        critic_config = dataclasses.replace(with_total_steps(config.critic_engine, total), head="value")
+        self.critic = TrainEngine(config.critic_model or config.model, config.layout, critic_config)
+        self.reference = None
+        if config.kl_coef > 0:
+            ref_config = config.engine
+            if config.offload_reference:  # on the device only for its forward (cpu_offload would keep it on host)
+                ref_config = dataclasses.replace(ref_config, offload_when_idle=True, cpu_offload=False)
+            self.reference = TrainEngine(config.reference_model or config.model, config.layout, ref_config)
+        if config.temperature > 0:  # log-probs of the distribution the rollouts sample from (as GRPO)
+            for policy in (actor, self.reference):
+                if policy is not None:
+                    policy.logprob_temperature = config.temperature
+        return actor
+
+    def data_state(self) -> dict[str, Any]:
+        config = self.config
+        return {
+            "seed": config.seed,
+            "prompts_per_step": config.prompts_per_step,
+            "num_prompts": len(self.prompts),
+            "update_epochs": config.update_epochs,  # engine steps per iteration: the resume point depends on it
+        }
+
+    def checkpoint_engines(self) -> dict[str, TrainEngine]:
+        return {"checkpoints": self.engine, "critic_checkpoints": self.critic}
+
+    def start_step(self) -> int:
+        return self.engine.step // self.config.update_epochs
+
+    def setup(self, start: int, restored: dict[str, Any]) -> None:
+        config, actor = self.config, self.engine
+        weights_root = self.out / "weights"
+        self.transport = DiskTransport(weights_root, keep_last=2) if actor.is_main else None
+        self.rollout = build_rollout_engine(
+            config.rollout_engine, config.model, self.tokenizer, weights_root=weights_root,
+            dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
+        )  # fmt: skip
+        self.version = publish_to_rollout(actor, self.transport, self.rollout, config.rollout_dtype)
+        self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        config, actor, rollout = self.config, self.engine, self.rollout
+        started = time.perf_counter()
+        batch, rewards, lengths = _rollout_batch(
+            step, config, actor, rollout, self.prompts, self.sampler, self.reward_fn
+        )
+        generated, served = time.perf_counter(), float(rollout.version)  # the version that sampled
+        stats = prepare_ppo_batch(
+            batch, rewards, actor, self.critic, self.reference, gamma=config.gamma, lam=config.lam,
+            kl_coef=config.kl_coef, kl_estimator=config.kl_estimator,
+            whiten_advantages=config.whiten_advantages, recompute_logprobs=config.recompute_logprobs,
+        )  # fmt: skip
+        forwarded = time.perf_counter()
+        stats |= ppo_update(batch, actor, self.critic, self.actor_fn, self.critic_fn, epochs=config.update_epochs)
+        began = time.perf_counter()
+        self.version = publish_to_rollout(actor, self.transport, rollout, config.rollout_dtype, self.version)
+        stats |= global_reward_stats(rewards.double(), lengths, actor)
+        stats |= {
+            "weight_sync_s": time.perf_counter() - began,
+            "rollout_version": served,
+            "generate_s": generated - started,
+            "forward_s": forwarded - generated,
+            "tokens_per_s": stats["tokens"] / max(time.perf_counter() - started, 1e-9),
+        }
+        if not (math.isfinite(stats["loss"]) and math.isfinite(stats["critic/loss"])):
+            raise FloatingPointError(
+                f"PPO loss became {stats['loss']} (critic {stats['critic/loss']}) at step {step + 1}"
+            )
+        return stats
+
+    def step_summary(self, stats: dict[str, float]) -> dict[str, Any]:
+        return {"reward_mean": stats["reward_mean"]}
+
+    def postfix(self, stats: dict[str, float]) -> dict[str, str]:
+        return {"reward": f"{stats['reward_mean']:.3f}", "vloss": f"{stats['critic/loss']:.3f}"}
+
+    def evaluate(self) -> dict[str, float]:
+        assert self.held_out is not None
+        config = self.config
+        return {
+            "accuracy": evaluate_accuracy(
+                self.rollout, self.held_out, self.engine, config.max_new_tokens, config.eval_size
+            )
+        }
+
+    def eval_summary(self, result: dict[str, float], at_start: bool) -> dict[str, Any]:
+        return {"accuracy_start" if at_start else "accuracy_end": result["accuracy"]}
+
+    def export_extra(self, summary: dict[str, Any]) -> None:
+        self.critic.export_hf(self.out / "critic_hf", tokenizer=self.tokenizer)
+        summary["critic_hf_dir"] = str(self.out / "critic_hf")
+
+
+def run_ppo(config: PPOConfig) -> dict[str, Any]:
+    """Train; return a summary (accuracy before/after, final reward). Call on every rank."""
+    return PPOTrainer(config).run()
+
+
+def _rollout_batch(
+    step: int,
+    config: PPOConfig,
+    engine: TrainEngine,
+    rollout: RolloutEngine,
+    prompts: PromptSet,
+    sampler: GlobalBatchSampler,
+    reward_fn: Any,
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    indices = sampler.local_batch(step, engine.dp_rank, engine.dp_size)
+    params = SamplingParams(
+        n=config.group_size,
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        seed=(config.seed * 1_000_003 + step) * 1_009 + engine.dp_rank,  # resumed runs sample the same
+    )
+    rollouts = rollout.generate([prompts.ids[i] for i in indices], params)
+    rewards = score_rollouts(
+        rollouts, [prompts.texts[i] for i in indices], [prompts.references[i] for i in indices], reward_fn
+    )
+    batch = rollouts_to_batch(rollouts, torch.zeros(len(rollouts)))  # advantages come from GAE
+    lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float64)
+    return batch, rewards, lengths
+
+
+TRAINER = TrainerSpec(config_cls=PPOConfig, run=run_ppo)
+"""This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""

@@ -1,0 +1,112 @@
+"""What the RL trainers (GRPO, PPO) share: weight publishing to the rollout engine, held-out accuracy,
+global reward statistics, the held-out split check."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardforge.algorithms.batching.collectives import all_reduce_sum, broadcast_floats
+from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.rlvr import PromptSet
+from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, exact_match_reward
+from shardforge.algorithms.rollout.factory import PublishedRolloutEngine
+from shardforge.weight_sync import DiskTransport
+
+__all__ = ["check_eval_split", "evaluate_accuracy", "global_reward_stats", "publish_to_rollout", "publish_version"]
+
+
+def publish_version(
+    engine: TrainEngine,
+    transport: DiskTransport | None,
+    rollout: PublishedRolloutEngine,
+    dtype: str,
+    version: int | None = None,
+) -> int:
+    """Publish ``engine``'s weights as weight-sync version ``version`` (collective) and return it;
+    when this returns, the version is committed on disk for every rank. ``version=None`` (a run's
+    first publish) continues after any version already on disk, agreed from rank 0."""
+    if version is None:
+        latest = float(rollout.source.latest() or 0) if rollout.source else 0.0
+        world = dist.group.WORLD if dist.is_initialized() else None
+        version = int(broadcast_floats(latest, src=0, group=world, device=engine.device)[0]) + 1
+    engine.publish_weights(transport, version, dtype=dtype)
+    if dist.is_initialized():
+        dist.barrier()
+    return version
+
+
+def publish_to_rollout(
+    engine: TrainEngine,
+    transport: DiskTransport | None,
+    rollout: PublishedRolloutEngine,
+    dtype: str,
+    version: int | None = None,
+) -> int:
+    """Publish ``engine``'s weights as a new version and switch every rank's rollout engine to it;
+    return the next version number (``version=None``: see `publish_version`)."""
+    version = publish_version(engine, transport, rollout, dtype, version)
+    rollout.update_weights(version)
+    return version + 1
+
+
+def check_eval_split(config: Any, num_held_out: int | None, dp_size: int) -> None:
+    """With one vLLM on rank 0 (``vllm.placement=rank0``) every data-parallel rank must join each
+    ``generate``; a rank left without held-out prompts would skip it and the others would wait until
+    the process-group timeout. Refuse that split before training starts."""
+    if num_held_out is None or dp_size <= 1 or config.rollout_engine != "vllm" or config.vllm.placement != "rank0":
+        return
+    count = num_held_out if config.eval_size is None else min(config.eval_size, num_held_out)
+    if count < dp_size:
+        raise ValueError(
+            f"held-out evaluation has {count} prompts for {dp_size} data-parallel ranks; with "
+            f"vllm.placement=rank0 every rank needs at least one: raise eval_size (or the eval file) to >= {dp_size}, "
+            "or use vllm.placement=each_rank"
+        )
+
+
+def global_reward_stats(rewards: torch.Tensor, lengths: torch.Tensor, engine: TrainEngine) -> dict[str, float]:
+    """Reward mean/std, positive fraction and mean response length over the data-parallel group."""
+    rewards = rewards.double()
+    count, total, squares, length, positive = all_reduce_sum(
+        rewards.numel(), rewards.sum(), (rewards**2).sum(), lengths.sum(), (rewards > 0).sum(),
+        group=engine.dp_group, device=engine.device,
+    )  # fmt: skip
+    mean = total / count
+    return {
+        "reward_mean": mean,
+        "reward_std": math.sqrt(max(squares / count - mean * mean, 0.0)),
+        "reward_positive_frac": positive / count,
+        "response_len_mean": length / count,
+    }
+
+
+def evaluate_accuracy(
+    rollout: RolloutEngine,
+    prompts: PromptSet,
+    engine: TrainEngine,
+    max_new_tokens: int,
+    limit: int | None,
+    *,
+    runner: Callable[[Callable[[RolloutEngine], float]], float] | None = None,
+) -> float:
+    """Greedy exact-match accuracy on held-out prompts, split across data-parallel ranks.
+
+    ``runner`` runs the local generation (e.g. `AsyncRollouts.evaluate`, on the thread that owns
+    the rollout engine); the reduction across ranks always happens here, on the calling thread."""
+    count = len(prompts) if limit is None else min(limit, len(prompts))
+    mine = list(range(count))[engine.dp_rank :: engine.dp_size]
+
+    def local_correct(engine_: RolloutEngine) -> float:
+        if not mine:
+            return 0.0
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
+        outs = engine_.generate([prompts.ids[i] for i in mine], params)
+        return float(sum(exact_match_reward("", o.text, prompts.references[mine[o.prompt_index]]) for o in outs))
+
+    correct = local_correct(rollout) if runner is None else runner(local_correct)
+    return all_reduce_sum(correct, group=engine.dp_group, device=engine.device)[0] / count

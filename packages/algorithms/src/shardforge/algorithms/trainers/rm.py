@@ -1,0 +1,179 @@
+"""Reward-model training: preference pairs -> Bradley-Terry loss on a value-head `TrainEngine`.
+
+Rows (JSONL): ``{"prompt": ..., "chosen": ..., "rejected": ...}`` (see `shardforge.algorithms.data.preference`).
+Each pair's value-head scores at the last token enter ``-log sigmoid(s_chosen - s_rejected)``, summed
+over pairs and normalised by the global number of pairs (the engine contract), so any
+micro-batching or data-parallel split gives the same update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardforge.algorithms.batching import PackedBatch
+from shardforge.algorithms.data import (
+    IS_CHOSEN,
+    PAIR_WEIGHT,
+    GlobalBatchSampler,
+    PreferencePair,
+    load_pairs,
+    pack_pairs,
+)
+from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.objectives import bradley_terry_loss, last_token_scores, summarize_stats
+from shardforge.algorithms.objectives.stats import merge_stats
+from shardforge.algorithms.trainers import TrainerSpec
+from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
+from shardforge.algorithms.trainers.common import with_total_steps
+from shardforge.algorithms.trainers.ppo_update import dp_reduce_stats
+
+__all__ = ["BradleyTerryLossFn", "RMConfig", "RMTrainer", "evaluate_pairs", "run_rm"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RMConfig(TrainerConfig):
+    """Everything `shardforge train rm` needs (shared fields: `TrainerConfig`; the engine's head is
+    forced to "value", and ``model`` may be a causal LM (new value head) or a reward model)."""
+
+    global_batch_size: int = 16
+    """Pairs per optimizer step, across all data-parallel ranks."""
+    max_seq_len: int | None = None
+    """Truncate longer sequences (keeping the end, where the score is read); None = keep."""
+    margin: float | None = None
+    """Optional constant margin in the loss: -log sigmoid(s_c - s_r - margin)."""
+    eval_batch_size: int = 32
+    """Pairs per eval batch."""
+
+
+class BradleyTerryLossFn:
+    """`bradley_terry_loss` over the pairs of a micro-batch, for a value-head engine."""
+
+    def __init__(self, margin: float | None = None) -> None:
+        self.margin = margin
+        self._stats: list[dict[str, torch.Tensor]] = []
+
+    def __call__(self, values: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
+        if IS_CHOSEN not in mb.extras:
+            return (values * 0.0).sum()  # the engine's placeholder micro-batch
+        chosen = mb.extras[IS_CHOSEN]
+        if mb.num_sequences % 2 or not bool((chosen[0::2] == 1).all() and (chosen[1::2] == 0).all()):
+            raise ValueError(
+                "a micro-batch must hold whole (chosen, rejected) pairs in that order; pack with pack_pairs "
+                "(its sequence_group extra keeps pairs together)"
+            )
+        keep = mb.extras[PAIR_WEIGHT][0::2] > 0
+        if not bool(keep.any()):
+            return (values * 0.0).sum()
+        scores = last_token_scores(values, mb.cu_seqlens)
+        out = bradley_terry_loss(scores[0::2][keep], scores[1::2][keep], margin=self.margin)
+        self._stats.append(out.stats)
+        return out.loss_sum
+
+    def loss_weight(self, mb: PackedBatch) -> torch.Tensor:
+        if PAIR_WEIGHT not in mb.extras:
+            return torch.zeros((), dtype=torch.float64)
+        return (mb.extras[PAIR_WEIGHT][0::2] > 0).sum().double()
+
+    def pop_stats(self) -> dict[str, torch.Tensor]:
+        """Merged pair-sum stats since the last call (this rank), then reset. Every rank has the keys."""
+        merged = merge_stats(self._stats)
+        self._stats = []
+        for key in ("num_pairs", "loss_sum", "loss_weight", "accuracy", "chosen_score", "rejected_score", "score_gap"):
+            merged.setdefault(key, torch.zeros((), dtype=torch.float64))
+        return merged
+
+
+def _pair_stats(loss_fn: BradleyTerryLossFn, engine: TrainEngine) -> dict[str, float]:
+    stats = summarize_stats(dp_reduce_stats(loss_fn.pop_stats(), engine), per="num_pairs")
+    return {k: stats[k] for k in ("accuracy", "chosen_score", "rejected_score", "score_gap", "num_pairs")}
+
+
+def _check_lengths(pairs: list[PreferencePair], budget: int, name: str) -> None:
+    longest = max(len(p.chosen) + len(p.rejected) for p in pairs)
+    if longest > budget:
+        raise ValueError(
+            f"a pair of {name} has {longest} tokens (chosen + rejected, kept in one micro-batch) but "
+            f"engine.max_tokens_per_microbatch={budget}; raise the budget to >= {longest} or set max_seq_len"
+        )
+
+
+class RMTrainer(Trainer[RMConfig]):
+    """Bradley-Terry reward model on preference pairs."""
+
+    name = "rm"
+
+    def load_data(self) -> None:
+        config = self.config
+        self.train = load_pairs(config.train_file, self.tokenizer, max_seq_len=config.max_seq_len)
+        self.held_out = (
+            load_pairs(config.eval_file, self.tokenizer, max_seq_len=config.max_seq_len) if config.eval_file else None
+        )
+        budget = config.engine.max_tokens_per_microbatch
+        _check_lengths(self.train, budget, config.train_file)
+        if self.held_out is not None:
+            _check_lengths(self.held_out, budget, str(config.eval_file))
+        self.sampler = GlobalBatchSampler(len(self.train), config.global_batch_size, seed=config.seed)
+        self.loss_fn = BradleyTerryLossFn(config.margin)
+
+    def build_engines(self) -> TrainEngine:
+        config = self.config
+        engine_config = with_total_steps(dataclasses.replace(config.engine, head="value"), config.steps)
+        engine = TrainEngine(config.model, config.layout, engine_config)
+        if config.global_batch_size < engine.dp_size:
+            raise ValueError(
+                f"global_batch_size={config.global_batch_size} pairs < data-parallel size {engine.dp_size}"
+            )
+        return engine
+
+    def data_state(self) -> dict[str, Any]:
+        config = self.config
+        return {"seed": config.seed, "global_batch_size": config.global_batch_size, "num_examples": len(self.train)}
+
+    def train_step(self, step: int) -> dict[str, float]:
+        engine, loss_fn = self.engine, self.loss_fn
+        indices = self.sampler.local_batch(step, engine.dp_rank, engine.dp_size)
+        stats = engine.train_batch(pack_pairs(self.train, indices), loss_fn, loss_fn.loss_weight)
+        stats |= _pair_stats(loss_fn, engine)
+        stats["tokens_per_s"] = stats["tokens"] / max(stats["step_time_s"], 1e-9)
+        return stats
+
+    def step_summary(self, stats: dict[str, float]) -> dict[str, Any]:
+        return {"train_loss": stats["loss"], "train_accuracy": stats["accuracy"]}
+
+    def postfix(self, stats: dict[str, float]) -> dict[str, str]:
+        return {"loss": f"{stats['loss']:.4f}", "acc": f"{stats['accuracy']:.3f}"}
+
+    def evaluate(self) -> dict[str, float]:
+        assert self.held_out is not None
+        return evaluate_pairs(self.engine, self.held_out, self.config.eval_batch_size, self.config.margin)
+
+
+def run_rm(config: RMConfig) -> dict[str, Any]:
+    """Train a reward model; return a summary (loss/accuracy, paths). Call on every rank."""
+    return RMTrainer(config).run()
+
+
+def evaluate_pairs(
+    engine: TrainEngine, pairs: list[PreferencePair], batch_size: int, margin: float | None = None
+) -> dict[str, float]:
+    """Global Bradley-Terry loss and accuracy on ``pairs`` (split across data-parallel ranks)."""
+    loss_fn = BradleyTerryLossFn(margin)
+    loss_sum = weight_sum = 0.0
+    for begin in range(0, len(pairs), batch_size):
+        chunk = list(range(begin, min(begin + batch_size, len(pairs))))
+        mine = chunk[engine.dp_rank :: engine.dp_size]
+        # A rank without a share still runs (collectives must match) on a zero-weight pair.
+        batch = pack_pairs(pairs, mine or chunk[:1], weight=1.0 if mine else 0.0)
+        stats = engine.eval_batch(batch, loss_fn, loss_fn.loss_weight)
+        loss_sum += stats["loss"] * stats["loss_weight"]
+        weight_sum += stats["loss_weight"]
+    result = _pair_stats(loss_fn, engine)
+    return {"loss": loss_sum / max(weight_sum, 1e-12), **result}
+
+
+TRAINER = TrainerSpec(config_cls=RMConfig, run=run_rm)
+"""This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""

@@ -1,0 +1,100 @@
+"""Supervised fine-tuning: JSONL -> packed batches -> `TrainEngine`, with eval and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shardforge.algorithms.data import GlobalBatchSampler, SFTExample, load_sft_examples, pack_examples
+from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.trainers import TrainerSpec
+from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
+from shardforge.algorithms.trainers.common import with_total_steps
+
+__all__ = ["SFTConfig", "SFTTrainer", "run_sft"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SFTConfig(TrainerConfig):
+    """Everything `shardforge train sft` needs (shared fields: `TrainerConfig`)."""
+
+    global_batch_size: int = 32
+    """Sequences per optimizer step, across all data-parallel ranks."""
+    max_seq_len: int | None = None
+    """Truncate longer examples; None = keep (they must fit the micro-batch budget)."""
+    eval_batch_size: int = 64
+    """Sequences per eval batch."""
+
+
+def _check_lengths(examples: list[SFTExample], budget: int, name: str) -> None:
+    longest = max(len(e.input_ids) for e in examples)
+    if longest > budget:
+        count = sum(len(e.input_ids) > budget for e in examples)
+        raise ValueError(
+            f"{count} example(s) in {name} are longer than engine.max_tokens_per_microbatch={budget} "
+            f"(longest: {longest} tokens); raise engine.max_tokens_per_microbatch to >= {longest} or set "
+            f"max_seq_len to truncate"
+        )
+
+
+class SFTTrainer(Trainer[SFTConfig]):
+    """Next-token loss on the completion / assistant tokens."""
+
+    name = "sft"
+
+    def load_data(self) -> None:
+        config = self.config
+        self.train = load_sft_examples(config.train_file, self.tokenizer, max_seq_len=config.max_seq_len)
+        self.held_out = (
+            load_sft_examples(config.eval_file, self.tokenizer, max_seq_len=config.max_seq_len)
+            if config.eval_file
+            else None
+        )
+        budget = config.engine.max_tokens_per_microbatch
+        _check_lengths(self.train, budget, config.train_file)
+        if self.held_out is not None:
+            _check_lengths(self.held_out, budget, str(config.eval_file))
+        self.sampler = GlobalBatchSampler(len(self.train), config.global_batch_size, seed=config.seed)
+
+    def build_engines(self) -> TrainEngine:
+        config = self.config
+        return TrainEngine(config.model, config.layout, with_total_steps(config.engine, config.steps))
+
+    def data_state(self) -> dict[str, Any]:
+        config = self.config
+        return {"seed": config.seed, "global_batch_size": config.global_batch_size, "num_examples": len(self.train)}
+
+    def train_step(self, step: int) -> dict[str, float]:
+        engine = self.engine
+        indices = self.sampler.local_batch(step, engine.dp_rank, engine.dp_size)
+        stats = engine.train_batch(pack_examples(self.train, indices))
+        stats["tokens_per_s"] = stats["tokens"] / max(stats["step_time_s"], 1e-9)
+        return stats
+
+    def postfix(self, stats: dict[str, float]) -> dict[str, str]:
+        return {"loss": f"{stats['loss']:.4f}", "tok_s": f"{stats['tokens_per_s']:.0f}"}
+
+    def evaluate(self) -> dict[str, float]:
+        assert self.held_out is not None
+        engine, examples, size = self.engine, self.held_out, self.config.eval_batch_size
+        loss_sum, weight_sum = 0.0, 0.0
+        for start in range(0, len(examples), size):
+            chunk = list(range(start, min(start + size, len(examples))))
+            mine = chunk[engine.dp_rank :: engine.dp_size]
+            batch = pack_examples(examples, mine or chunk[:1])
+            if not mine:
+                # A rank with no share still runs (collectives must match) with zero weight.
+                batch.loss_mask.zero_()
+            stats = engine.eval_batch(batch)
+            loss_sum += stats["loss"] * stats["loss_weight"]
+            weight_sum += stats["loss_weight"]
+        return {"loss": loss_sum / max(weight_sum, 1e-12)}
+
+
+def run_sft(config: SFTConfig) -> dict[str, Any]:
+    """Train; return a summary (final train/eval loss, steps, output paths). Call on every rank."""
+    return SFTTrainer(config).run()
+
+
+TRAINER = TrainerSpec(config_cls=SFTConfig, run=run_sft)
+"""This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""
