@@ -11,7 +11,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+from shardforge.algorithms.testing import tiny_assets
 from shardforge.algorithms.trainers.sft import run_sft
 from shardforge.mesh.testing import get_rank_pool
 
@@ -21,9 +21,8 @@ spec.loader.exec_module(ppl)
 
 if __name__ == "__main__":
     root = Path(tempfile.mkdtemp())
-    tok = build_char_tokenizer(root / "tokenizer")
-    build_tiny_qwen3(root / "model", tok, hidden=32, layers=4, seed=5)
-    train, ev = make_addition_data(root / "data", max_operand=30, num_eval=20, seed=4)
+    _tiny = tiny_assets(root, seed=5, layers=4, max_operand=30, num_eval=20, data_seed=4)
+    train, ev = _tiny["train"], _tiny["eval"]
     assets = {"model": str(root / "model"), "train": str(train), "eval": str(ev)}
     run_sft(ppl._config(assets, root / "w1", "d1"))
     get_rank_pool(8).run(ppl._run, ppl._config(assets, root / "p2d2t2", "p2d2t2"), timeout_s=1200)

@@ -56,12 +56,11 @@ REWARDS = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.testing import tiny_assets
 
     root = tmp_path_factory.mktemp("grpo_async")
-    tokenizer = build_char_tokenizer(root / "tokenizer")
-    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2, seed=11)
-    train, evaluation = make_addition_data(root / "data", max_operand=20, num_eval=8, seed=2)
+    _tiny = tiny_assets(root, seed=11, max_operand=20, num_eval=8, data_seed=2)
+    train, evaluation = _tiny["train"], _tiny["eval"]
     (root / "async_rewards_mod.py").write_text(REWARDS)
     return {"root": str(root), "model": str(root / "model"), "train": str(train), "eval": str(evaluation)}
 

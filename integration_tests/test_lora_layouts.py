@@ -25,11 +25,10 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3
+    from shardforge.algorithms.testing import tiny_assets
 
     root = tmp_path_factory.mktemp("lora_engine")
-    tokenizer = build_char_tokenizer(root / "tokenizer")
-    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2, seed=4)
+    tiny_assets(root, seed=4, data=False)
     return str(root / "model")
 
 

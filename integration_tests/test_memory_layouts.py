@@ -24,12 +24,10 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.testing import tiny_assets
 
     root = tmp_path_factory.mktemp("memory_assets")
-    tokenizer = build_char_tokenizer(root / "tokenizer")
-    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2, seed=3)
-    train, _ = make_addition_data(root / "data", max_operand=30, num_eval=4, seed=1)
+    train = tiny_assets(root, seed=3, max_operand=30, num_eval=4, data_seed=1)["train"]
     return {"model": str(root / "model"), "train": str(train)}
 
 

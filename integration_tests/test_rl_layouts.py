@@ -30,11 +30,10 @@ WEIGHT_TOL = 2e-5
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3
+    from shardforge.algorithms.testing import tiny_assets
 
     root = tmp_path_factory.mktemp("rl_layouts")
-    tokenizer = build_char_tokenizer(root / "tokenizer")
-    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2, seed=21)
+    tiny_assets(root, seed=21, data=False)
     return str(root / "model")
 
 

@@ -22,12 +22,11 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.testing import tiny_assets
 
     root = tmp_path_factory.mktemp("sft_assets")
-    tokenizer = build_char_tokenizer(root / "tokenizer")
-    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2, seed=3)
-    train, evaluation = make_addition_data(root / "data", max_operand=30, num_eval=20, seed=1)
+    _tiny = tiny_assets(root, seed=3, max_operand=30, num_eval=20, data_seed=1)
+    train, evaluation = _tiny["train"], _tiny["eval"]
     return {"model": str(root / "model"), "train": str(train), "eval": str(evaluation), "root": str(root)}
 
 

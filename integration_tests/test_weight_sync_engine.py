@@ -43,11 +43,10 @@ RECEIVER = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3
+    from shardforge.algorithms.testing import tiny_assets
 
     root = tmp_path_factory.mktemp("ws_engine")
-    tokenizer = build_char_tokenizer(root / "tokenizer")
-    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2, seed=5)
+    tiny_assets(root, seed=5, data=False)
     return str(root / "model")
 
 

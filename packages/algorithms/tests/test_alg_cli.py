@@ -10,8 +10,9 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardforge.algorithms.cli import main
-from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+from shardforge.algorithms.demos.demo import make_addition_data
 from shardforge.algorithms.loggers import read_metrics
+from shardforge.algorithms.testing import tiny_assets
 
 
 @pytest.fixture(autouse=True)
@@ -23,8 +24,7 @@ def _single_process(monkeypatch):
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft_assets")
-    tokenizer = build_char_tokenizer(root / "tokenizer")
-    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2)
+    tiny_assets(root, data=False)
     train, evaluation = make_addition_data(root / "data", max_operand=9, num_eval=10)
     return {"root": root, "model": root / "model", "train": train, "eval": evaluation}
 

@@ -48,14 +48,12 @@ def test_sft_trainer_with_lora_writes_merged_model_and_peft_adapter(tmp_path, mo
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.testing import tiny_assets
     from shardforge.algorithms.trainers.sft import SFTConfig, run_sft
 
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    tokenizer = build_char_tokenizer(tmp_path / "tok")
-    build_tiny_qwen3(tmp_path / "model", tokenizer, hidden=32, layers=2, seed=3)
-    train, _ = make_addition_data(tmp_path / "data", max_operand=20, num_eval=2, seed=1)
+    train = tiny_assets(tmp_path, seed=3, tokenizer_dir="tok", max_operand=20, num_eval=2, data_seed=1)["train"]
     data = {
         "model": str(tmp_path / "model"), "train_file": str(train), "output_dir": str(tmp_path / "out"),
         "layout": "d1", "steps": 3, "global_batch_size": 8, "progress": False,

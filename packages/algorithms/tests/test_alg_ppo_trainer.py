@@ -29,12 +29,11 @@ def _single_process(monkeypatch):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.testing import tiny_assets
 
     root = tmp_path_factory.mktemp("ppo")
-    tokenizer = build_char_tokenizer(root / "tokenizer")
-    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2, seed=11)
-    train, evaluation = make_addition_data(root / "data", max_operand=20, num_eval=16, seed=2)
+    _tiny = tiny_assets(root, seed=11, max_operand=20, num_eval=16, data_seed=2)
+    tokenizer, train, evaluation = _tiny["tokenizer"], _tiny["train"], _tiny["eval"]
     (root / "ppo_rewards_mod.py").write_text(REWARD_MODULE)
     sys.path.insert(0, str(root))
     return {"root": root, "tokenizer": tokenizer, "model": str(root / "model"), "train": train, "eval": evaluation}

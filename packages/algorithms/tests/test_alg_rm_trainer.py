@@ -36,11 +36,10 @@ def _write_pairs(path: Path, count: int, seed: int) -> Path:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3
+    from shardforge.algorithms.testing import tiny_assets
 
     root = tmp_path_factory.mktemp("rm")
-    tokenizer = build_char_tokenizer(root / "model")
-    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2, seed=7)
+    tokenizer = tiny_assets(root, seed=7, tokenizer_dir="model", data=False)["tokenizer"]
     return {
         "model": str(root / "model"),
         "tokenizer": tokenizer,

@@ -33,12 +33,10 @@ def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.testing import tiny_assets
 
     root = tmp_path_factory.mktemp("loop")
-    tokenizer = build_char_tokenizer(root / "tokenizer")
-    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2, seed=11)
-    train, _ = make_addition_data(root / "data", max_operand=20, num_eval=16, seed=2)
+    train = tiny_assets(root, seed=11, max_operand=20, num_eval=16, data_seed=2)["train"]
     pairs = root / "pairs.jsonl"
     pairs.write_text(
         "".join(json.dumps({"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": "x"}) + "\n" for i in range(8))

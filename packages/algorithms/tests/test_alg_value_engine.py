@@ -23,11 +23,10 @@ def _single_process(monkeypatch):
 
 @pytest.fixture(scope="module")
 def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3
+    from shardforge.algorithms.testing import tiny_assets
 
     root = tmp_path_factory.mktemp("value")
-    tokenizer = build_char_tokenizer(root / "tokenizer")
-    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2, seed=5)
+    tiny_assets(root, seed=5, data=False)
     return str(root / "model")
 
 

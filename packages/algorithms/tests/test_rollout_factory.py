@@ -22,11 +22,10 @@ from shardforge.algorithms.rollout.vllm_engine import VLLMOptions, _request_seed
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3
+    from shardforge.algorithms.testing import tiny_assets
 
     root = tmp_path_factory.mktemp("factory")
-    tokenizer = build_char_tokenizer(root / "tokenizer")
-    build_tiny_qwen3(root / "model", tokenizer, hidden=32, layers=2, seed=0)
+    tokenizer = tiny_assets(root, seed=0, data=False)["tokenizer"]
     return str(root / "model"), tokenizer
 
 
