@@ -91,12 +91,12 @@ def test_trainer_collectives_go_through_the_helper_on_the_engine_device(
         assert result["backends"] == ["gloo"]
         assert result["origins"].get("helper", 0) > 0, result  # the trainers' scalars went through the helper
         assert result["origins"].get("algorithms", 0) == 0 or name == "grpo", result  # only object collectives
-    expected = {"sft": set(), "rm": {"ppo_update.py"}, "ppo": {"common.py", "ppo_update.py"}}
+    expected = {"sft": set(), "rm": {"ppo_update.py"}, "ppo": {"rl_common.py", "ppo_update.py"}}
     callers = set(results[0]["helper_callers"])
     if name in expected:
         assert expected[name] <= callers, callers
     else:
-        assert {"common.py", "grpo.py"} <= callers, callers
+        assert {"rl_common.py", "grpo.py"} <= callers, callers
 
 
 def test_the_recorder_flags_a_cpu_tensor_for_an_accelerator_backend_and_a_missing_device(
