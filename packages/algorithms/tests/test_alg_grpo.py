@@ -211,3 +211,16 @@ def test_grpo_with_lora_serves_the_merged_weights(assets: dict[str, Any], tmp_pa
     for record in records:
         assert record["behaviour_kl"] < 1e-4, record
     assert records[-1]["grad_norm"] > 0
+
+
+def test_grpo_config_refuses_an_unknown_advantage_estimator_when_built(tmp_path: Path) -> None:
+    from shardforge.algorithms.config_io import build_config
+    from shardforge.algorithms.trainers.grpo import GRPOConfig
+
+    base = {"model": "m", "train_file": "t.jsonl", "output_dir": str(tmp_path)}
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'grop'; registered: \[.*'grpo'"):
+        build_config(GRPOConfig, {**base, "advantage": "grop"})
+    with pytest.raises(ValueError, match="needs a critic"):
+        build_config(GRPOConfig, {**base, "advantage": "gae"})
+    assert build_config(GRPOConfig, {**base, "advantage": "reinforce_plus_plus"}).advantage == "reinforce_plus_plus"
+    assert build_config(GRPOConfig, {**base, "advantage": "my_pkg.adv:fn"}).advantage == "my_pkg.adv:fn"

@@ -21,7 +21,7 @@ import torch
 from shardforge.algorithms.batching.collectives import all_reduce_stats
 from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
-from shardforge.algorithms.objectives import PPOActorConfig, PPOActorLossFn, summarize_stats
+from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorConfig, PPOActorLossFn, summarize_stats
 from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS, PROXIMAL_LOGPROBS
 from shardforge.algorithms.rlvr import (
     BEHAVIOUR_LOGPROBS,
@@ -85,6 +85,16 @@ class GRPOConfig(TrainerConfig):
     """vLLM rollout engine options (rollout_engine=vllm only)."""
     eval_size: int | None = None
     """Evaluate on the first N held-out prompts (None = all)."""
+
+    def __post_init__(self) -> None:
+        # An unknown estimator is a config error, not a failure at the first step.
+        if self.advantage == "gae":
+            raise ValueError("advantage='gae' needs a critic's values: use `shardforge train ppo`")
+        if ":" not in self.advantage and self.advantage not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"unknown advantage estimator {self.advantage!r}; registered: {ADVANTAGE_ESTIMATORS.names()} "
+                "(or a user's, as 'package.module:name')"
+            )
 
 
 def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
