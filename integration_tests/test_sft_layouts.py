@@ -154,3 +154,30 @@ def test_sequence_longer_than_budget_fails_on_every_rank(assets: dict[str, str],
         )
     assert sorted(info.value.errors) == [0, 1]
     assert all("max_tokens_per_microbatch" in text for text in info.value.errors.values())
+
+
+def _parameter_kinds(model_dir: str, data_parallel: str) -> list[str]:
+    from torch.distributed.tensor import DTensor
+
+    from shardforge.algorithms.engine import EngineConfig, TrainEngine
+
+    engine = TrainEngine(model_dir, "r2", EngineConfig(data_parallel=data_parallel))
+    return sorted({"DTensor" if isinstance(p, DTensor) else "Tensor" for p in engine.model.parameters()})
+
+
+def test_sft_ddp_matches_world1(assets: dict[str, str], reference: str, tmp_path: Path) -> None:
+    """`engine.data_parallel=ddp` on `r2`: whole replicas, bucketed all-reduce; same curve and weights."""
+    out = str(tmp_path / "r2_ddp")
+    get_rank_pool(2).run(_run_sft_on_rank, _config(assets, out, "r2", **{"engine.data_parallel": "ddp"}))
+    ref_train, ref_eval = _curves(reference)
+    train, evaluation = _curves(out)
+    # DDP all-reduces gradients in buckets (a different summation order than one process): the
+    # same float32-noise bound as the FSDP layouts above.
+    torch.testing.assert_close(torch.tensor(train), torch.tensor(ref_train), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(evaluation), torch.tensor(ref_eval), rtol=1e-5, atol=1e-6)
+    ref_weights, weights = _weights(reference), _weights(out)
+    for name, value in ref_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=5e-5, msg=lambda m, n=name: f"{n}: {m}")
+    # The layout really is DDP (plain replicated tensors), and fsdp on the same layout shards.
+    assert get_rank_pool(2).run(_parameter_kinds, assets["model"], "ddp") == [["Tensor"], ["Tensor"]]
+    assert get_rank_pool(2).run(_parameter_kinds, assets["model"], "fsdp") == [["DTensor"], ["DTensor"]]

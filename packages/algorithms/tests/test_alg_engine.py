@@ -281,3 +281,19 @@ def test_export_hf_round_trips(tmp_path, tied):
     untrained = plain_model(tiny_config(tie_word_embeddings=tied))
     with torch.no_grad():
         assert not torch.allclose(untrained(input_ids=ids).logits, got, atol=1e-3)
+
+
+def test_ddp_is_refused_on_sharded_layouts():
+    from shardforge.algorithms.engine import EngineConfig
+    from shardforge.algorithms.engine.checks import check_engine
+
+    for layout in ("d4", "r2d2", "r2t2"):
+        with pytest.raises(ValueError, match="data_parallel=ddp keeps a whole replica"):
+            check_engine(ParallelDims.parse(layout).resolve(4), tiny_config(), EngineConfig(data_parallel="ddp"))
+    check_engine(ParallelDims.parse("r4").resolve(4), tiny_config(), EngineConfig(data_parallel="ddp"))
+    with pytest.raises(ValueError, match="cpu_offload needs data_parallel=fsdp"):
+        check_engine(
+            ParallelDims.parse("r2").resolve(2), tiny_config(), EngineConfig(data_parallel="ddp", cpu_offload=True)
+        )
+    with pytest.raises(ValueError, match="unknown data_parallel 'zero'"):
+        EngineConfig(data_parallel="zero")  # type: ignore[arg-type]

@@ -9,6 +9,7 @@
       -> pipeline split into this rank's stages (pp > 1), then per stage the same tail:
       -> activation checkpointing -> expert FSDP over efsdp -> FSDP/HSDP   (`shard_module`)
       -> load rank 0's full state dict (broadcast) [+ expert-TP row ranges]
+      (``engine.data_parallel=ddp`` on a replicate-only layout: AC -> load -> DDP over dp_replicate)
 
 A single process without a process group builds the reference model alone (MoE experts use
 the grouped matmul, tiled MLP and AC apply) and moves it to the device.
@@ -27,7 +28,13 @@ from shardforge.algorithms.engine.features import lora
 from shardforge.algorithms.engine.features.moe import apply_moe, moe_training, reload_expert_tp, shard_experts
 from shardforge.algorithms.engine.heads import Head, LMHead
 from shardforge.algorithms.engine.runners import Runner, SPMDRunner
-from shardforge.fsdp_wrap import FSDPConfig, apply_activation_checkpointing, apply_fsdp, load_full_state_dict
+from shardforge.fsdp_wrap import (
+    FSDPConfig,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    apply_replicate,
+    load_full_state_dict,
+)
 from shardforge.memory import apply_tiled_mlp
 from shardforge.tensor_parallel import apply_tensor_parallel
 from shardforge.ulysses_cp import register_packed_attention
@@ -89,10 +96,16 @@ def build_model(ctx: ParallelContext, head: Head, hf_config: Any, source: Any) -
         return build_pipeline(
             ctx, head, hf_config, model, reference, lambda stage: shard_module(stage, ctx, efsdp_mesh, stage_fsdp)
         )
-    shard_module(model, ctx, efsdp_mesh)
+    ddp = config.data_parallel == "ddp"  # checks.check_features allows it on replicate-only layouts
+    if ddp:
+        apply_activation_checkpointing(model, ctx.ac_config())
+    else:
+        shard_module(model, ctx, efsdp_mesh)
     full = reference.state_dict() if reference is not None else None
     buffers = dict(reference.named_buffers()) if reference is not None else None
     load_full_state_dict(model, full, device=ctx.device, buffers=buffers)
     reload_expert_tp(model, full)  # expert-TP shards are row ranges the generic load misplaces
     del reference, full, buffers
+    if ddp:  # DDP needs real tensors: replicate after the load (rank 0's weights are already everywhere)
+        apply_replicate(model, ctx.mesh.get("dp_replicate"))
     return model, SPMDRunner(model, ctx, head, moe_training(model, hf_config, ctx))

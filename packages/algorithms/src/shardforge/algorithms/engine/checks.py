@@ -37,6 +37,8 @@ def check_features(dims: ParallelDims, config: EngineConfig) -> None:
             "tiled_mlp_shards > 1 with tensor parallel needs sequence_parallel=False (the tiled MLP splits "
             "the sequence itself); or set tiled_mlp_shards=1"
         )
+    if config.data_parallel == "ddp":
+        _check_ddp(dims, config)
     if config.lora is not None:
         if dims.pp > 1:
             raise ValueError(
@@ -48,6 +50,20 @@ def check_features(dims: ParallelDims, config: EngineConfig) -> None:
                 f"engine.lora with head={config.head!r} is not supported: the new value head would be frozen; "
                 "train value models without LoRA"
             )
+
+
+def _check_ddp(dims: ParallelDims, config: EngineConfig) -> None:
+    """DDP replicates the whole model: only replicas (``r``) may be > 1 (-1 = not resolved yet)."""
+    others = {"dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep}
+    sharded = {k: v for k, v in others.items() if v > 1}
+    if sharded:
+        raise ValueError(
+            f"engine.data_parallel=ddp keeps a whole replica of the model on every rank, so the layout may "
+            f"only have replicas (letter r, e.g. r2, and d1), got {sharded}; write the layout as r<N> with "
+            "--nproc-per-node N, or use data_parallel=fsdp for sharded layouts"
+        )
+    if config.cpu_offload:
+        raise ValueError("engine.data_parallel=ddp keeps the model on the device: cpu_offload needs data_parallel=fsdp")
 
 
 def check_layout(dims: ParallelDims, hf_config: Any) -> None:

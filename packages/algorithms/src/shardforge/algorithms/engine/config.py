@@ -101,6 +101,12 @@ class EngineConfig:
     """With tp > 1: shard activations on the sequence dim between blocks (Megatron SP)."""
     moe_aux_loss_weight: float | None = None
     """MoE models: weight of the global load-balancing loss; None = the HF config's router_aux_loss_coef."""
+    data_parallel: Literal["fsdp", "ddp"] = "fsdp"
+    """How a layout that only replicates (``r`` > 1 with d = c = t = p = e = 1, e.g. ``r2``) holds the
+    model. fsdp: parameters sharded over the replicas (least memory). ddp: a full copy per rank and
+    gradients all-reduced in buckets overlapped with backward (torch DDP; fastest when the model's
+    state fits one device, because FSDP's per-layer all-gathers cost more than a small model's math).
+    Other layouts always use FSDP/HSDP."""
     reshard_after_forward: bool = True
     """FSDP: free gathered params after forward."""
     cpu_offload: bool = False
@@ -134,6 +140,8 @@ class EngineConfig:
             raise ValueError(f"unknown engine head {self.head!r}; valid: ['lm', 'value']")
         if isinstance(self.tiled_mlp_shards, bool) or self.tiled_mlp_shards < 1:
             raise ValueError(f"tiled_mlp_shards={self.tiled_mlp_shards!r} must be an int >= 1 (1 = off)")
+        if self.data_parallel not in ("fsdp", "ddp"):
+            raise ValueError(f"unknown data_parallel {self.data_parallel!r}; valid: ['fsdp', 'ddp']")
         if self.offload_when_idle and self.cpu_offload:
             raise ValueError(
                 "offload_when_idle and cpu_offload are exclusive: cpu_offload already keeps weights, grads and "
