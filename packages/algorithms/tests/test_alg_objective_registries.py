@@ -45,7 +45,7 @@ def test_verl_names_are_registered() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"policy_loss": "ppo2"}, r"unknown policy_loss 'ppo2'; registered: \['gspo', 'vanilla'"),
+        ({"policy_loss": "ppo2"}, r"unknown policy_loss 'ppo2'; registered: \['cispo', 'clip_cov'"),
         ({"kl_estimator": "k9"}, r"unknown kl_estimator 'k9'; registered: \['abs', 'k1'"),
         ({"aggregation": "mean"}, r"unknown loss aggregation 'mean'; registered: \['seq-mean-token-mean'"),
     ],

@@ -6,6 +6,7 @@ completion is the reference answer the reward function checks.
 
 from __future__ import annotations
 
+import inspect
 import json
 import warnings
 from collections.abc import Sequence
@@ -77,15 +78,31 @@ def load_prompts(path: str | Path, tokenizer: Any, *, max_prompt_len: int | None
     return PromptSet(texts, refs, ids)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, estimator: AdvantageEstimator) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, estimator: AdvantageEstimator, **context: torch.Tensor | None
+) -> torch.Tensor:
     """[N] per-sequence advantages of consecutive groups of ``group_size`` samples.
 
-    ``estimator`` names an outcome estimator ``fn(rewards [N], group_size) -> [N]`` in
+    ``estimator`` names an outcome estimator ``fn(rewards [N], group_size, **needs) -> [N]`` in
     `ADVANTAGE_ESTIMATORS` (an unknown name raises ValueError listing the registered ones).
+    ``context`` holds what some estimators need (``response_lengths`` [N] for opo and the
+    token-weighted REINFORCE++, ``baseline_rewards`` [N/G] for remax); each estimator receives the
+    entries its signature names, and a required one that is missing is a ValueError.
     """
     if estimator == "gae":
         raise ValueError("advantage estimator 'gae' needs a critic's values: use the ppo trainer")
-    advantages: torch.Tensor = ADVANTAGE_ESTIMATORS.get(estimator)(rewards, group_size)
+    fn = ADVANTAGE_ESTIMATORS.get(estimator)
+    params = inspect.signature(fn).parameters
+    kwargs = {k: v for k, v in context.items() if k in params and v is not None}
+    missing = [
+        name for name, p in params.items() if p.kind is p.KEYWORD_ONLY and p.default is p.empty and name not in kwargs
+    ]
+    if missing:
+        raise ValueError(
+            f"advantage estimator {estimator!r} needs {missing}, which this trainer does not provide "
+            f"(it provides {sorted(k for k, v in context.items() if v is not None)})"
+        )
+    advantages: torch.Tensor = fn(rewards, group_size, **kwargs)
     return advantages
 
 

@@ -8,6 +8,7 @@ See docs/packages/algorithms-rl.md for the formulas, options and the aggregation
 """
 
 from shardforge.algorithms.batching import broadcast_to_tokens, last_target_index, target_counts
+from shardforge.algorithms.objectives import policy_losses as policy_losses  # registers CISPO, GMPO, SAPO, ...
 from shardforge.algorithms.objectives.advantages import (
     ADVANTAGE_ESTIMATORS,
     GroupAdvantageFn,
@@ -15,10 +16,13 @@ from shardforge.algorithms.objectives.advantages import (
     dr_grpo_advantages,
     gae_advantages,
     grpo_advantages,
+    grpo_passk_advantages,
+    opo_advantages,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     reinforce_pp_outcome_advantages,
     reinforce_pp_outcome_baseline_advantages,
+    remax_advantages,
     rloo_advantages,
     whiten,
 )
@@ -32,6 +36,7 @@ from shardforge.algorithms.objectives.aggregation import (
 from shardforge.algorithms.objectives.bradley_terry import bradley_terry_loss, last_token_scores
 from shardforge.algorithms.objectives.critic import PPOCriticConfig, ppo_critic_loss
 from shardforge.algorithms.objectives.kl import KL_ESTIMATORS, KLEstimator, kl_estimate
+from shardforge.algorithms.objectives.kl_control import KL_CONTROLLERS, KLControlConfig, build_kl_controller
 from shardforge.algorithms.objectives.loss_fns import PPOActorLossFn, PPOCriticLossFn
 from shardforge.algorithms.objectives.ppo import (
     POLICY_LOSSES,
@@ -46,10 +51,12 @@ from shardforge.algorithms.objectives.stats import LossOutput, all_reduce_stats,
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
+    "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "Aggregation",
     "GroupAdvantageFn",
+    "KLControlConfig",
     "KLEstimator",
     "LossAggregation",
     "LossOutput",
@@ -65,14 +72,17 @@ __all__ = [
     "all_reduce_stats",
     "bradley_terry_loss",
     "broadcast_to_tokens",
+    "build_kl_controller",
     "discounted_returns",
     "dr_grpo_advantages",
     "gae_advantages",
     "grpo_advantages",
+    "grpo_passk_advantages",
     "kl_estimate",
     "last_target_index",
     "last_token_scores",
     "merge_stats",
+    "opo_advantages",
     "overlong_penalty",
     "ppo_actor_loss",
     "ppo_critic_loss",
@@ -80,6 +90,7 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
     "reinforce_pp_outcome_advantages",
     "reinforce_pp_outcome_baseline_advantages",
+    "remax_advantages",
     "rloo_advantages",
     "shape_rewards",
     "summarize_stats",

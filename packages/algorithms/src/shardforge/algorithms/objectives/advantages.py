@@ -17,7 +17,10 @@ Conventions that avoid silent NaN:
 Estimators are registered by name (verl's names) in `ADVANTAGE_ESTIMATORS`. Outcome
 (group-level) estimators share one signature, ``fn(rewards [N], group_size) -> [N]``, and are
 what GRPO's ``advantage`` names (`shardforge.algorithms.rlvr.group_advantages`): ``grpo``,
-``dr_grpo``, ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``. ``gae`` is the
+``dr_grpo``, ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``opo``,
+``grpo_passk``, ``remax``. Estimators that need more than the rewards declare it as a keyword
+argument (``response_lengths`` [N], ``baseline_rewards`` [N/G]); `group_advantages` passes
+those the caller has. ``gae`` is the
 token-level `gae_advantages` (it needs a critic's values; the PPO trainer calls it). Register
 your own with ``@ADVANTAGE_ESTIMATORS.register("name")`` or name it as ``"package.module:fn"``.
 """
@@ -41,10 +44,13 @@ __all__ = [
     "dr_grpo_advantages",
     "gae_advantages",
     "grpo_advantages",
+    "grpo_passk_advantages",
+    "opo_advantages",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "reinforce_pp_outcome_advantages",
     "reinforce_pp_outcome_baseline_advantages",
+    "remax_advantages",
     "rloo_advantages",
     "whiten",
 ]
@@ -291,32 +297,108 @@ def reinforce_pp_baseline_advantages(
 
 
 # ------------------------------------------------------------------ REINFORCE++, outcome (group-level) form
+def _weighted_whiten(values: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:
+    picked = weights > 0
+    out = torch.zeros_like(values)
+    if not bool(picked.any()) or bool(values[picked].max() == values[picked].min()):
+        return out
+    w = weights.to(values.dtype)
+    mean = (w * values).sum() / w.sum()
+    std = ((w * (values - mean).square()).sum() / w.sum()).sqrt()
+    out[picked] = ((values - mean) / (std + eps))[picked]
+    return out
+
+
+def _lengths(response_lengths: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    if response_lengths is None:
+        return torch.ones_like(like)
+    if response_lengths.shape != like.shape:
+        raise ValueError(f"response_lengths must be [N]={tuple(like.shape)}, got {tuple(response_lengths.shape)}")
+    return response_lengths.to(like.dtype)
+
+
 @ADVANTAGE_ESTIMATORS.register(
-    "reinforce_plus_plus", doc="REINFORCE++ on outcome rewards: rewards whitened over the batch's sequences"
+    "reinforce_plus_plus", doc="REINFORCE++ on outcome rewards: rewards whitened over the batch's response tokens"
 )
 @torch.no_grad()
-def reinforce_pp_outcome_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-8) -> torch.Tensor:
+def reinforce_pp_outcome_advantages(
+    rewards: torch.Tensor, group_size: int, *, response_lengths: torch.Tensor | None = None, eps: float = 1e-8
+) -> torch.Tensor:
     """[N] REINFORCE++ with outcome rewards only (gamma 1, no KL term): ``whiten(r)`` over the batch.
 
-    Each sequence counts once in the mean and (population) std. `reinforce_pp_advantages`
-    whitens over target *tokens* instead (verl, OpenRLHF), so longer responses weigh more
-    there; the two agree when every response has the same number of target tokens. All-equal
-    rewards give 0. ``group_size`` only checks the batch shape (there is no group baseline).
+    With ``response_lengths`` (the GRPO trainer passes them) the mean and (population) std are
+    taken over target *tokens*, as verl and `reinforce_pp_advantages` do: sequence i counts
+    ``|y_i|`` times. Without them each sequence counts once. All-equal rewards give 0.
+    ``group_size`` only checks the batch shape (there is no group baseline).
     """
     flat = _grouped(rewards, group_size).reshape(-1).to(torch.promote_types(rewards.dtype, torch.float32))
-    return whiten(flat, torch.ones_like(flat), eps=eps)
+    return _weighted_whiten(flat, _lengths(response_lengths, flat), eps)
 
 
 @ADVANTAGE_ESTIMATORS.register(
     "reinforce_plus_plus_baseline",
-    doc="REINFORCE++-baseline on outcome rewards: r - group mean, whitened over the batch's sequences",
+    doc="REINFORCE++-baseline on outcome rewards: r - group mean, whitened over the batch's response tokens",
 )
 def reinforce_pp_outcome_baseline_advantages(
-    rewards: torch.Tensor, group_size: int, *, eps: float = 1e-8
+    rewards: torch.Tensor, group_size: int, *, response_lengths: torch.Tensor | None = None, eps: float = 1e-8
 ) -> torch.Tensor:
-    """[N] REINFORCE++-baseline, outcome form: ``whiten(r - mean_group)`` over the batch's sequences.
+    """[N] REINFORCE++-baseline, outcome form: ``whiten(r - mean_group)`` (token-weighted with ``response_lengths``)."""
+    centered = dr_grpo_advantages(rewards, group_size)
+    return reinforce_pp_outcome_advantages(centered, group_size, response_lengths=response_lengths, eps=eps)
 
-    Sequence-weighted like `reinforce_pp_outcome_advantages` (token-weighted in
-    `reinforce_pp_baseline_advantages` and verl; equal for equal response lengths).
+
+# ------------------------------------------------------------------ OPO, pass@k, ReMax
+@ADVANTAGE_ESTIMATORS.register("opo", doc="OPO: r - length-weighted group mean (optimal baseline)")
+@torch.no_grad()
+def opo_advantages(rewards: torch.Tensor, group_size: int, *, response_lengths: torch.Tensor) -> torch.Tensor:
+    """[N] OPO (Hao et al. 2025): ``r_i - sum_j |y_j| r_j / sum_j |y_j|`` within each group.
+
+    The length-weighted mean is the variance-minimising baseline for a sequence-sum loss. All-equal
+    groups (incl. G = 1) give 0 (verl uses baseline 0 for a single sample). A group whose responses are
+    all empty uses the plain mean.
     """
-    return reinforce_pp_outcome_advantages(dr_grpo_advantages(rewards, group_size), group_size, eps=eps)
+    groups = _grouped(rewards, group_size).to(torch.promote_types(rewards.dtype, torch.float32))
+    lengths = _lengths(response_lengths, rewards).to(groups.dtype).reshape(groups.shape)
+    total = lengths.sum(dim=1, keepdim=True)
+    weighted = (lengths * groups).sum(dim=1, keepdim=True) / total.clamp(min=1e-12)
+    baseline = torch.where(total > 0, weighted, groups.mean(dim=1, keepdim=True))
+    out = groups - baseline
+    out[groups.amax(dim=1) == groups.amin(dim=1)] = 0.0
+    return out.reshape(-1)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo_passk", doc="GRPO for pass@k: only each group's best sample, (r1 - r2) / std")
+@torch.no_grad()
+def grpo_passk_advantages(
+    rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """[N] pass@k GRPO (Chen et al. 2025, arXiv 2503.19595, as verl's grpo_passk).
+
+    In each group only the best sample gets an advantage, ``(r_max - r_second) / (std_group + eps)``
+    (sample std; without it when ``normalize_std=False``); every other sample gets 0. Ties give 0.
+    """
+    groups = _grouped(rewards, group_size, min_size=2).to(torch.promote_types(rewards.dtype, torch.float32))
+    top, index = torch.topk(groups, 2, dim=1)
+    gap = top[:, 0] - top[:, 1]
+    if normalize_std:
+        gap = gap / (groups.std(dim=1, correction=1) + eps)
+    out = torch.zeros_like(groups)
+    out.scatter_(1, index[:, :1], gap.unsqueeze(1))
+    return out.reshape(-1)
+
+
+@ADVANTAGE_ESTIMATORS.register("remax", doc="ReMax: r - reward of the prompt's greedy response")
+@torch.no_grad()
+def remax_advantages(rewards: torch.Tensor, group_size: int, *, baseline_rewards: torch.Tensor) -> torch.Tensor:
+    """[N] ReMax (Li et al. 2024): ``r_i - b_k`` with ``b_k`` the reward of prompt k's greedy response.
+
+    ``baseline_rewards`` is [N / group_size] (one greedy rollout per prompt, in group order).
+    """
+    groups = _grouped(rewards, group_size).to(torch.promote_types(rewards.dtype, torch.float32))
+    if baseline_rewards.dim() != 1 or baseline_rewards.numel() != groups.shape[0]:
+        raise ValueError(
+            f"baseline_rewards must be [{groups.shape[0]}] (one greedy reward per prompt), "
+            f"got shape {tuple(baseline_rewards.shape)}"
+        )
+    check_finite("baseline_rewards", baseline_rewards)
+    return (groups - baseline_rewards.to(groups.dtype).unsqueeze(1)).reshape(-1)

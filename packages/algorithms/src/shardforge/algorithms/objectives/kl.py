@@ -9,6 +9,8 @@ KL(pi || pi_ref) are
   true KL to first order, which is why GRPO-style KL *losses* like it);
 - ``k3 = (r - 1) - log r``: unbiased, low variance, always >= 0 (DeepSeekMath's GRPO uses it);
 - ``abs = |log r|`` (verl's "abs").
+- ``k1+`` / ``k3+``: straight-through, the *value* of k1 / k3 with the *gradient* of k2 (as
+  verl's "k1+" / "k3+"): k2's gradient is the unbiased estimate of grad KL as a loss term.
 
 Each is registered by name in `KL_ESTIMATORS` (verl's aliases: ``kl`` = k1, ``mse`` = k2;
 verl's ``low_var_kl`` is k3 clamped to [-10, 10], ours is not clamped). Register your own with
@@ -60,6 +62,22 @@ def abs_kl(log_r: torch.Tensor) -> torch.Tensor:
     return log_r.abs()
 
 
+def _straight_through(forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def estimate(log_r: torch.Tensor) -> torch.Tensor:
+        # value of `forward`, gradient of k2: k2's gradient (log pi - log ref) grad log pi is the
+        # unbiased estimate of grad KL(pi || ref), which k1's and k3's own gradients are not.
+        backward = k2(log_r)
+        return backward - backward.detach() + forward(log_r).detach()
+
+    return estimate
+
+
+KL_ESTIMATORS.add(
+    "k1+", _straight_through(k1), doc="straight-through: value of k1, gradient of k2 (unbiased KL gradient; verl)"
+)
+KL_ESTIMATORS.add(
+    "k3+", _straight_through(k3), doc="straight-through: value of k3, gradient of k2 (unbiased KL gradient; verl)"
+)
 KL_ESTIMATORS.add("kl", k1, doc="alias of k1 (verl's name)")
 KL_ESTIMATORS.add("mse", k2, doc="alias of k2 (verl's name)")
 

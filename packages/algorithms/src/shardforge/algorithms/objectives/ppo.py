@@ -24,7 +24,8 @@ gradient ``s_i A_i (1/|y_i|) sum_t grad log pi_t``.
 
 The policy-gradient term ``l_pg`` (before the behaviour weight) is picked by name from
 `POLICY_LOSSES` (verl's names): ``"vanilla"`` (PPO clip with clip-higher and dual clip; its
-ratio follows ``ratio_level``) and ``"gspo"`` (the same clipping on the sequence ratio). Add
+ratio follows ``ratio_level``) and ``"gspo"`` (the same clipping on the sequence ratio) here;
+CISPO, GMPO, SAPO, Clip-Cov, KL-Cov, GPG and REINFORCE in `objectives.policy_losses`. Add
 your own with ``@POLICY_LOSSES.register("name")`` on a `PolicyLossFn`, or set
 ``policy_loss="package.module:function"``.
 """
@@ -79,7 +80,8 @@ class PPOActorConfig:
     """Options of `ppo_actor_loss`. Defaults: PPO with eps 0.2, token ratios, token-mean."""
 
     policy_loss: str = "vanilla"
-    """Policy-gradient term, a name in `POLICY_LOSSES` ("vanilla", "gspo") or "package.module:function"."""
+    """Policy-gradient term, a name in `POLICY_LOSSES` ("vanilla", "gspo", "cispo", "geo_mean", "sapo", "clip_cov",
+    "kl_cov", "gpg", "reinforce"; see objectives/policy_losses.py) or "package.module:function"."""
     clip_eps_low: float = 0.2
     """Lower clip range: ratios are clipped at 1 - clip_eps_low (0 < value < 1)."""
     clip_eps_high: float | None = None
@@ -102,6 +104,20 @@ class PPOActorConfig:
     """Coefficient (>= 0) of a KL(pi || ref) loss term (GRPO); needs ``ref_logprobs`` when > 0."""
     kl_estimator: KLEstimator = "k3"
     """Per-token KL estimator of the loss term, a name in `KL_ESTIMATORS` ("k1", "k2", "k3", "abs", ...)."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of target tokens (high covariance) whose gradient is dropped (Cui et al. 2025)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: only tokens with covariance above this are candidates."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: only tokens with covariance below this are candidates."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of target tokens (highest covariance) that get the |log ratio| penalty."""
+    ppo_kl_coef: float = 1.0
+    """kl_cov: coefficient of the |log pi - log prox| penalty on the selected tokens."""
+    sapo_tau_pos: float = 1.0
+    """sapo: temperature of the soft gate for positive advantages (Gao et al. 2025)."""
+    sapo_tau_neg: float = 1.05
+    """sapo: temperature of the soft gate for negative advantages (larger: faster decay)."""
 
     def __post_init__(self) -> None:
         if self.policy_loss not in POLICY_LOSSES:
@@ -129,6 +145,18 @@ class PPOActorConfig:
         if self.entropy_coef < 0 or self.kl_coef < 0:
             raise ValueError(f"entropy_coef and kl_coef must be >= 0; got {self.entropy_coef}, {self.kl_coef}")
         check_kl_estimator(self.kl_estimator)
+        if not 0.0 < self.clip_cov_ratio <= 1.0 or not 0.0 < self.kl_cov_ratio <= 1.0:
+            raise ValueError(
+                f"clip_cov_ratio and kl_cov_ratio are fractions of tokens in (0, 1] (papers: 2e-4); "
+                f"got {self.clip_cov_ratio}, {self.kl_cov_ratio}"
+            )
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb={self.clip_cov_lb} must be < clip_cov_ub={self.clip_cov_ub}")
+        if self.ppo_kl_coef < 0 or not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
+            raise ValueError(
+                f"ppo_kl_coef must be >= 0 and sapo_tau_pos/neg > 0; got {self.ppo_kl_coef}, "
+                f"{self.sapo_tau_pos}, {self.sapo_tau_neg}"
+            )
 
     @property
     def eps_high(self) -> float:

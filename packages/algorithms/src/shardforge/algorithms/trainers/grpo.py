@@ -66,7 +66,7 @@ class GRPOConfig(TrainerConfig):
     temperature: float = 1.0
     """Sampling temperature of the rollouts."""
     advantage: AdvantageEstimator = "grpo"
-    """grpo (group mean/std), dr_grpo (mean only) or rloo."""
+    """Outcome estimator in ADVANTAGE_ESTIMATORS: grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline), opo, grpo_passk."""
     reward_fn: str = "exact_match"
     """'exact_match' or 'package.module:function' -> fn(prompt, response, reference) -> float."""
     actor: PPOActorConfig = field(default_factory=PPOActorConfig)
@@ -256,7 +256,8 @@ def _train_step(
     (async mode) uses the decoupled loss: the trainer's recomputed log-probs are the proximal
     policy, the rollout's the behaviour policy; a fresh batch uses plain PPO-clip."""
     started = time.perf_counter()
-    advantages = group_advantages(sampled.rewards, config.group_size, config.advantage)
+    lengths = torch.tensor([len(r.response_ids) for r in sampled.rollouts], dtype=torch.float64)
+    advantages = group_advantages(sampled.rewards, config.group_size, config.advantage, response_lengths=lengths)
     batch = rollouts_to_batch(sampled.rollouts, advantages)
     staleness = sampled.index - sampled.policy_step
     if config.recompute_logprobs:
@@ -272,7 +273,6 @@ def _train_step(
     trainer_logprobs = batch.extras.get(PROXIMAL_LOGPROBS, batch.extras[OLD_LOGPROBS])
     gap = (trainer_logprobs - batch.extras[BEHAVIOUR_LOGPROBS])[mask]
     stats["behaviour_kl"] = float(gap.abs().mean()) if gap.numel() else 0.0
-    lengths = torch.tensor([len(r.response_ids) for r in sampled.rollouts], dtype=torch.float64)
     stats |= global_reward_stats(sampled.rewards.double(), lengths, engine)
     stats |= {
         "rollout_version": float(sampled.rollouts[0].version),
