@@ -8,6 +8,7 @@ so the test measures the kernel against what the dtype allows rather than a fixe
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -39,7 +40,7 @@ def _per_sequence_sdpa(q, k, v, cu):
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     outs = []
     bounds = cu.tolist()
-    for s, e in zip(bounds[:-1], bounds[1:]):
+    for s, e in itertools.pairwise(bounds):
         o = F.scaled_dot_product_attention(
             q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True
         )

@@ -9,21 +9,26 @@ recomputed) and 1e-2 relative for the tiled MLP (chunked matmuls round different
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from shardforge.algorithms import TrainEngine
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or os.environ.get("SHARDFORGE_GPU_TESTS_ON_CPU") == "1"), reason="no CUDA device"
 )
 
-from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences  # noqa: E402
 
 STEPS = 6
 
 
 def _batch(vocab: int, lengths=(40, 17, 55, 9, 30)):
     """Sequences that repeat a short pattern, so a few steps clearly lower the loss."""
+    from shardforge.algorithms import pack_sequences
+
     gen = torch.Generator().manual_seed(3)
     seqs = []
     for n in lengths:
@@ -33,6 +38,8 @@ def _batch(vocab: int, lengths=(40, 17, 55, 9, 30)):
 
 
 def _engine(model: str, **kwargs) -> TrainEngine:
+    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+
     opt = kwargs.pop("optimizer", OptimizerConfig(lr=3e-3))
     return TrainEngine(model, "d-1", EngineConfig(optimizer=opt, max_tokens_per_microbatch=96, **kwargs))
 
@@ -46,6 +53,7 @@ def _vocab(assets) -> int:
 
 
 def test_sft_bf16_world1_nccl_learns_and_matches_fp32_cpu(assets, world1, device) -> None:
+    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
     from shardforge.algorithms.batching.collective_check import CollectiveRecorder
 
     batch = _batch(_vocab(assets))
@@ -106,6 +114,7 @@ def test_anyprecision_adamw_cuda_matches_cpu() -> None:
 
 
 def test_lora_on_cuda_trains_only_adapters(assets, device) -> None:
+    from shardforge.algorithms import OptimizerConfig
     from shardforge.lora import LoRAConfig
 
     batch = _batch(_vocab(assets))

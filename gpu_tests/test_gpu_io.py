@@ -8,24 +8,30 @@ no casts), and a `WeightReceiver` verifies and applies the published version.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from shardforge.algorithms import TrainEngine
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or os.environ.get("SHARDFORGE_GPU_TESTS_ON_CPU") == "1"), reason="no CUDA device"
 )
 
-from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences  # noqa: E402
-
 
 def _batch(vocab: int):
+    from shardforge.algorithms import pack_sequences
+
     gen = torch.Generator().manual_seed(7)
     seqs = [torch.randint(4, vocab, (n,), generator=gen).tolist() for n in (12, 30, 7)]
     return pack_sequences(seqs, [[1.0] * len(s) for s in seqs])
 
 
 def _engine(assets) -> TrainEngine:
+    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+
     return TrainEngine(assets["model"], "d-1", EngineConfig(optimizer=OptimizerConfig(lr=1e-3)))
 
 

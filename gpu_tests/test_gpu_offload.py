@@ -17,12 +17,13 @@ pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or os.environ.get("SHARDFORGE_GPU_TESTS_ON_CPU") == "1"), reason="no CUDA device"
 )
 
-from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
 
 def _batch(vocab: int = 64):
+    from shardforge.algorithms import pack_sequences
+
     gen = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (6, 9, 4, 7)]
     return pack_sequences(seqs, [[1.0] * len(s) for s in seqs])
@@ -38,6 +39,8 @@ def _config():
 
 
 def test_offload_when_idle_keeps_weights_and_moments_on_the_host(device) -> None:
+    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+
     engine = lambda **kw: TrainEngine(_config(), "d-1", EngineConfig(optimizer=OptimizerConfig(lr=1e-3), **kw))  # noqa: E731
     plain, offloaded = engine(), engine(offload_when_idle=True)
     assert offloaded.offload_state is not None and offloaded.offload_state.active == CUDA

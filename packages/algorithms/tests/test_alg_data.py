@@ -178,7 +178,7 @@ def test_load_sft_examples_without_datasets_installed(tmp_path, tokenizer, monke
     with pytest.raises(ValueError, match=r"row 1 of bad.jsonl has fields \['prompt'\]"):
         load_sft_examples(bad, tokenizer)
     (tmp_path / "broken.jsonl").write_text('{"prompt": "1=", "completion": "1"}\n{"prompt": \n')
-    with pytest.raises(ValueError, match="broken.jsonl line 2 is not valid JSON"):
+    with pytest.raises(ValueError, match=r"broken\.jsonl line 2 is not valid JSON"):
         load_sft_examples(tmp_path / "broken.jsonl", tokenizer)
 
 

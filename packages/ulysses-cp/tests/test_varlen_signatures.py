@@ -9,6 +9,8 @@ signature would, so the result must equal the block-diagonal SDPA reference.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.attention.varlen as varlen_mod
 import torch.nn.functional as F
@@ -30,7 +32,7 @@ def _qkv(kv_heads: int = 2):
 def _attend(q, k, v, cu, scale=None):
     out = torch.empty_like(q)
     bounds = cu.tolist()
-    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+    for s, e in itertools.pairwise(bounds):
         o = F.scaled_dot_product_attention(
             q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True, scale=scale
         )
