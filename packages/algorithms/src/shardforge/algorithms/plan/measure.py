@@ -22,7 +22,7 @@ import gc
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -268,7 +268,7 @@ def predict_engine_peak(
     seq_len: int,
     micro_batch_tokens: int,
     engine_options: dict[str, Any] | None = None,
-    attention: str = "cpu",
+    attention: Literal["flash", "cpu"] = "cpu",
 ) -> Any:
     """The planner's `MemoryEstimate` for the run `measure_layout` measures (same options; ``attention``
     "cpu" for the block-diagonal SDPA of CPU runs, "flash" for the CUDA varlen kernel)."""
