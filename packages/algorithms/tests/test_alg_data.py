@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -164,6 +165,21 @@ def test_load_sft_examples_names_the_bad_row(tmp_path, tokenizer):
         ValueError, match=r"row 1 of bad.jsonl has fields \['prompt'\]; expected 'prompt' \+ 'completion'"
     ):
         load_sft_examples(path, tokenizer)
+
+
+def test_load_sft_examples_without_datasets_installed(tmp_path, tokenizer, monkeypatch):
+    """`datasets` is optional at run time (GPU images without it): the JSONL reader falls back to json."""
+    rows = [{"prompt": "1+1=", "completion": "2"}, {"messages": None, "prompt": "9+9=", "completion": "18"}]
+    path = _write_jsonl(tmp_path / "train.jsonl", rows)
+    with_datasets = load_sft_examples(path, tokenizer)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    assert load_sft_examples(path, tokenizer) == with_datasets
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2="}])
+    with pytest.raises(ValueError, match=r"row 1 of bad.jsonl has fields \['prompt'\]"):
+        load_sft_examples(bad, tokenizer)
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "1=", "completion": "1"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"broken\.jsonl line 2 is not valid JSON"):
+        load_sft_examples(tmp_path / "broken.jsonl", tokenizer)
 
 
 def test_load_sft_examples_truncates_with_a_warning(tmp_path, tokenizer):

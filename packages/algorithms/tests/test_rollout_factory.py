@@ -37,6 +37,23 @@ def test_factory_builds_the_hf_engine_and_rejects_unknown_kinds(tiny: tuple[str,
         build_rollout_engine("tgi", model, tokenizer)
 
 
+def test_the_embedded_engine_generates_on_this_ranks_device(
+    tiny: tuple[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU rank the trainers' HF rollout engine must sample on the GPU, not on the CPU (it did:
+    the factory never passed a device). "meta" stands in for cuda:N here: any device but the CPU."""
+    import torch
+
+    import shardforge.mesh
+
+    model, tokenizer = tiny
+    monkeypatch.setattr(shardforge.mesh, "current_device", lambda: torch.device("meta"))
+    engine = build_rollout_engine("hf", model, tokenizer)
+    assert isinstance(engine, HFRolloutEngine)
+    assert engine.device == torch.device("meta")
+    assert {p.device.type for p in engine.model.parameters()} == {"meta"}
+
+
 def test_factory_says_how_to_install_vllm_when_it_is_missing(
     tiny: tuple[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

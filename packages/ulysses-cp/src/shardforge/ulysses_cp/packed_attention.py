@@ -9,14 +9,18 @@ no module is patched: a model opts in with ``config._attn_implementation = "shar
 (see `register_packed_attention`). Without cu_seqlens (e.g. during ``generate``) the
 function falls back to HF's SDPA path, so one model serves training and generation.
 
-Back-ends: on CUDA with fp16/bf16, `torch.nn.attention.varlen.varlen_attn` (flash varlen);
+Back-ends: on CUDA with fp16/bf16, `torch.nn.attention.varlen.varlen_attn` (flash varlen; both its
+torch 2.9 signature and the later keyword one are handled);
 elsewhere, causal SDPA per sequence (block-diagonal; equal-length sequences share one call),
 which computes sum(L_i^2) scores instead of T^2 and never builds a [T, T] mask.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
+import math
 from typing import Any
 
 import torch
@@ -179,7 +183,22 @@ def packed_sdpa(
 
 
 def _use_varlen_kernel(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_api() is not None
+
+
+@functools.cache
+def _varlen_api() -> frozenset[str] | None:
+    """The parameter names of this torch's ``varlen_attn`` (None: no such function).
+
+    The signature changed between releases: torch 2.9 has ``is_causal`` and no ``scale``,
+    ``window_size`` or ``enable_gqa``; later releases take keyword-only ``scale``, ``window_size``
+    and ``enable_gqa`` and no ``is_causal``. `_varlen_flash` adapts to either.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def _varlen_flash(
@@ -193,13 +212,29 @@ def _varlen_flash(
 ) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
+    params = _varlen_api() or frozenset()
+    kwargs: dict[str, Any] = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (sliding_window - 1, 0) if sliding_window else (-1, 0)
+    elif "is_causal" in params and not sliding_window:
+        kwargs["is_causal"] = True
+    else:  # no way to ask this torch for a sliding (or causal) window: block-diagonal SDPA
+        return _blockwise_sdpa(q, k, v, cu_seqlens, scale, sliding_window)
+    if scale is not None:
+        if "scale" in params:
+            kwargs["scale"] = scale
+        elif not math.isclose(scale, q.shape[-1] ** -0.5, rel_tol=1e-6):
+            return _blockwise_sdpa(q, k, v, cu_seqlens, scale, sliding_window)
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if max_seqlen is None:
         max_seqlen = int((cu[1:] - cu[:-1]).max().item())
-    window = (sliding_window - 1, 0) if sliding_window else (-1, 0)
-    out = varlen_attn(
-        q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window, enable_gqa=k.shape[1] != q.shape[1]
-    )
+    out = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
     assert isinstance(out, torch.Tensor)
     return out
 

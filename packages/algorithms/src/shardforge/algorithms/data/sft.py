@@ -8,6 +8,7 @@ Accepted rows (one JSON object per line):
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +28,11 @@ class SFTExample:
 
 
 def load_sft_examples(path: str | Path, tokenizer: Any, *, max_seq_len: int | None = None) -> list[SFTExample]:
-    """Read and tokenise a JSONL file with HF `datasets`; validate every row first."""
-    import datasets
-
+    """Read and tokenise a JSONL file (with HF `datasets` when installed); validate every row first."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
-    datasets.disable_progress_bars()
-    rows = datasets.load_dataset("json", data_files=str(path), split="train")
+    rows = _read_rows(path)
     examples = []
     truncated = 0
     for index, row in enumerate(rows):
@@ -50,6 +48,28 @@ def load_sft_examples(path: str | Path, tokenizer: Any, *, max_seq_len: int | No
             f"{truncated} of {len(examples)} examples in {path.name} truncated to {max_seq_len} tokens", stacklevel=2
         )
     return examples
+
+
+def _read_rows(path: Path) -> Any:
+    """The JSONL rows: HF `datasets` when importable, else the standard library's json, line by line.
+
+    `datasets` is optional at run time so the package runs where only torch + transformers are
+    installed (e.g. a GPU image without it; see docs/gpu.md). Both give dicts per row; a key missing
+    from a row reads as absent (``datasets`` fills it with None, which every reader treats alike)."""
+    try:
+        import datasets
+    except ImportError:
+        rows = []
+        with path.open() as handle:
+            for number, line in enumerate(handle, start=1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"{path.name} line {number} is not valid JSON: {err}") from err
+        return rows
+    datasets.disable_progress_bars()
+    return datasets.load_dataset("json", data_files=str(path), split="train")
 
 
 def tokenize_sft_row(row: dict[str, Any], tokenizer: Any, *, where: str = "row") -> SFTExample:

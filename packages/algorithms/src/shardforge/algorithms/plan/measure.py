@@ -22,7 +22,7 @@ import gc
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -268,8 +268,10 @@ def predict_engine_peak(
     seq_len: int,
     micro_batch_tokens: int,
     engine_options: dict[str, Any] | None = None,
+    attention: Literal["flash", "cpu"] = "cpu",
 ) -> Any:
-    """The planner's `MemoryEstimate` for the run `measure_layout` measures (same options, CPU attention)."""
+    """The planner's `MemoryEstimate` for the run `measure_layout` measures (same options; ``attention``
+    "cpu" for the block-diagonal SDPA of CPU runs, "flash" for the CUDA varlen kernel)."""
     from transformers import Qwen3Config
 
     from shardforge.algorithms.plan.memory import estimate_memory
@@ -308,6 +310,6 @@ def predict_engine_peak(
         fields["lora_rank"] = int(lora["r"])
         fields["lora_targets"] = tuple(targets)
     fields.setdefault("param_dtype", "float32")  # EngineConfig's default
-    opts = PlanOptions(seq_len=seq_len, micro_batch_tokens=micro_batch_tokens, attention="cpu", **fields)
+    opts = PlanOptions(seq_len=seq_len, micro_batch_tokens=micro_batch_tokens, attention=attention, **fields)
     dims = ParallelDims.parse(layout).resolve(world_size)
     return estimate_memory(model_stats(Qwen3Config(**model_fields)), dims, opts)

@@ -68,8 +68,11 @@ def build_hf_engine(
 ) -> PublishedRolloutEngine:
     """embedded HF `generate` on the trainer's ranks (default)"""
     from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
+    from shardforge.mesh import current_device
 
-    return HFRolloutEngine(model_dir, tokenizer, weights_root=weights_root, dtype=dtype)
+    # On this rank's accelerator when there is one (HFRolloutEngine alone defaults to the CPU).
+    device = current_device()
+    return HFRolloutEngine(model_dir, tokenizer, weights_root=weights_root, dtype=dtype, device=device)
 
 
 ROLLOUT_ENGINES.register_lazy(

@@ -90,7 +90,9 @@ class HFRolloutEngine:
                 raise ValueError(f"prompt {i} is empty")
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         out: list[Rollout] = []
-        seed_ctx = torch.random.fork_rng(devices=[]) if params.seed is not None else contextlib.nullcontext()
+        # fork_rng restores the generators it forks: the GPU's too when sampling there (manual_seed reseeds it).
+        devices = [self.device] if self.device.type == "cuda" else []
+        seed_ctx = torch.random.fork_rng(devices=devices) if params.seed is not None else contextlib.nullcontext()
         with seed_ctx:
             if params.seed is not None:
                 torch.manual_seed(params.seed)
@@ -121,11 +123,14 @@ class HFRolloutEngine:
             return_dict_in_generate=True,
             **sampling,
         )
-        new_tokens = result.sequences[:, width:].cpu()
-        # Raw logits of every step [B, steps, V] -> log-probs of the sampling distribution.
-        logits = torch.stack(result.logits, dim=1).float().cpu()
+        new_tokens_dev = result.sequences[:, width:]
+        # Raw logits of every step [B, steps, V] -> log-probs of the sampling distribution, on the
+        # generating device (on a GPU, copying [B, steps, V] to the host first costs more than generating).
+        logits = torch.stack(result.logits, dim=1).float()
         scale = 1.0 if greedy else params.temperature
-        logprobs = F.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens[..., None])[..., 0]
+        logprobs = F.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens_dev[..., None])[..., 0].cpu()
+        new_tokens = new_tokens_dev.cpu()
+        del logits
         rollouts = []
         for row, (prompt_index, prompt) in enumerate(rows):
             tokens = new_tokens[row].tolist()
