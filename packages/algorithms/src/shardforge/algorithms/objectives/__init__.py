@@ -1,7 +1,7 @@
 """shardforge.algorithms.objectives: the training objectives as pure functions of packed tensors.
 
-SFT (`objectives.sft`), RL losses, advantages, KL estimators, loss aggregation, reward shaping
-and the Bradley-Terry reward-model loss. Imports only `shardforge.algorithms.batching` and
+SFT (`objectives.sft`), RL losses, advantages, KL estimators, loss aggregation, reward shaping,
+rollout correction (trainer vs engine importance weights) and the Bradley-Terry reward-model loss. Imports only `shardforge.algorithms.batching` and
 `shardforge.algorithms.registry`.
 
 See docs/packages/algorithms-rl.md for the formulas, options and the aggregation contract.
@@ -41,6 +41,13 @@ from shardforge.algorithms.objectives.ppo import (
     ppo_actor_loss,
 )
 from shardforge.algorithms.objectives.rewards import RewardShapingConfig, overlong_penalty, shape_rewards, token_rewards
+from shardforge.algorithms.objectives.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    RolloutCorrectionConfig,
+    apply_rollout_correction,
+    rollout_correction,
+    summarize_correction_stats,
+)
 from shardforge.algorithms.objectives.stats import LossOutput, all_reduce_stats, merge_stats, summarize_stats
 
 __all__ = [
@@ -48,6 +55,7 @@ __all__ = [
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
+    "ROLLOUT_CORRECTIONS",
     "Aggregation",
     "GroupAdvantageFn",
     "KLEstimator",
@@ -60,9 +68,11 @@ __all__ = [
     "PolicyLossFn",
     "PolicyLossTerms",
     "RewardShapingConfig",
+    "RolloutCorrectionConfig",
     "aggregation_coefficients",
     "aggregation_weight",
     "all_reduce_stats",
+    "apply_rollout_correction",
     "bradley_terry_loss",
     "broadcast_to_tokens",
     "discounted_returns",
@@ -81,7 +91,9 @@ __all__ = [
     "reinforce_pp_outcome_advantages",
     "reinforce_pp_outcome_baseline_advantages",
     "rloo_advantages",
+    "rollout_correction",
     "shape_rewards",
+    "summarize_correction_stats",
     "summarize_stats",
     "target_counts",
     "token_rewards",
