@@ -70,11 +70,15 @@ def _actor() -> Any:
     return PPOActorLossFn(PPOActorConfig(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0, entropy_coef=0.01))
 
 
-def _train(model_dir: str, layout: str, old_logprobs: torch.Tensor) -> dict[str, Any]:
+def _train(
+    model_dir: str, layout: str, old_logprobs: torch.Tensor, correction: Any = None, behaviour: Any = None
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
-    from shardforge.algorithms.objectives import all_reduce_stats, summarize_stats
+    from shardforge.algorithms.objectives import all_reduce_stats, apply_rollout_correction, summarize_stats
+    from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
+    from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS
 
     engine = TrainEngine(
         model_dir, layout, EngineConfig(max_tokens_per_microbatch=24, optimizer=OptimizerConfig(lr=1e-2, eps=1e-6))
@@ -82,6 +86,13 @@ def _train(model_dir: str, layout: str, old_logprobs: torch.Tensor) -> dict[str,
     batch = _batch(old_logprobs)
     groups = list(range(GROUPS))[engine.dp_rank :: engine.dp_size]
     mine = batch.select([g * GROUP_SIZE + k for g in groups for k in range(GROUP_SIZE)])
+    corrected: dict[str, float] = {}
+    if correction is not None:  # the same tokens' behaviour log-probs, selected like the batch
+        batch.extras[BEHAVIOUR_LOGPROBS] = behaviour
+        mine = batch.select([g * GROUP_SIZE + k for g in groups for k in range(GROUP_SIZE)])
+        corrected = apply_rollout_correction(
+            mine, correction, old_key=OLD_LOGPROBS, group=engine.dp_group, device=engine.device
+        )
     actor = _actor()
     history = []
     for _ in range(STEPS):
@@ -90,7 +101,7 @@ def _train(model_dir: str, layout: str, old_logprobs: torch.Tensor) -> dict[str,
         history.append({"loss": stats["loss"], "grad_norm": stats["grad_norm"], **actor_stats})
     full = engine.full_state_dict()
     main = not dist.is_initialized() or dist.get_rank() == 0
-    return {"history": history, "weights": full} if main else {}
+    return {"history": history, "weights": full, "correction": corrected} if main else {}
 
 
 def test_grpo_steps_match_across_layouts(model_dir: str) -> None:
@@ -123,3 +134,31 @@ def _initial(model_dir: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(next(Path(model_dir).glob("*.safetensors"))))
+
+
+def test_rollout_correction_world1_vs_fsdp2(model_dir: str) -> None:
+    """IcePop with batch normalisation (a global mean over the dp group) on a known mismatch:
+    the same masked tokens, weights, losses and updates under world 1 and FSDP 2."""
+    from shardforge.algorithms import TrainEngine
+    from shardforge.algorithms.objectives import RolloutCorrectionConfig
+
+    reference_engine = TrainEngine(model_dir, "d1")
+    batch = _batch(None)
+    old = reference_engine.forward(batch) * batch.loss_mask
+    del reference_engine
+    noise = torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(2))
+    behaviour = (old + noise) * batch.loss_mask  # ratios exp(-noise): some outside [0.5, 5]
+    config = RolloutCorrectionConfig(mode="icepop", batch_normalize=True)
+    single = _train(model_dir, "d1", old, config, behaviour)
+    corr = single["correction"]
+    assert 0.05 < corr["rollout_corr/masked_frac"] < 0.8, corr
+    assert corr["rollout_corr/weight"] == pytest.approx(1.0, rel=1e-6), "batch-normalised"
+    sharded = get_rank_pool(2).run(_train, model_dir, "d2", old, config, behaviour, timeout_s=300)[0]
+    for key, value in corr.items():
+        assert sharded["correction"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    for step, (a, b) in enumerate(zip(single["history"], sharded["history"], strict=True)):
+        assert abs(a["loss"] - b["loss"]) <= LOSS_TOL, (step, a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (step, a, b)
+        assert a["num_tokens"] == b["num_tokens"], "the same tokens were masked"
+    diffs = {k: float((single["weights"][k] - v).abs().max()) for k, v in sharded["weights"].items()}
+    assert max(diffs.values()) <= WEIGHT_TOL

@@ -19,6 +19,7 @@ import torch
 from shardforge.algorithms.batching import PackedBatch, pack_sequences
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS
 from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
+from shardforge.algorithms.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
 from shardforge.algorithms.rollout.types import Rollout
 
 __all__ = [
@@ -33,8 +34,6 @@ __all__ = [
 AdvantageEstimator = str
 """An outcome estimator's name in `ADVANTAGE_ESTIMATORS` (grpo, dr_grpo, rloo, reinforce_plus_plus,
 reinforce_plus_plus_baseline, a user's) or its import path ``"package.module:function"``."""
-BEHAVIOUR_LOGPROBS = "behaviour_logprobs"
-"""[T] log-probs recorded by the rollout engine (kept next to the recomputed old log-probs)."""
 
 
 @dataclass(frozen=True, slots=True)

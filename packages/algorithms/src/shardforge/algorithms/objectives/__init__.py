@@ -1,7 +1,7 @@
 """shardforge.algorithms.objectives: the training objectives as pure functions of packed tensors.
 
-SFT (`objectives.sft`), RL losses, advantages, KL estimators, loss aggregation, reward shaping
-and the Bradley-Terry reward-model loss. Imports only `shardforge.algorithms.batching` and
+SFT (`objectives.sft`), RL losses, advantages, KL estimators, loss aggregation, reward shaping,
+rollout correction (trainer vs engine importance weights) and the Bradley-Terry reward-model loss. Imports only `shardforge.algorithms.batching` and
 `shardforge.algorithms.registry`.
 
 See docs/packages/algorithms-rl.md for the formulas, options and the aggregation contract.
@@ -46,6 +46,13 @@ from shardforge.algorithms.objectives.ppo import (
     ppo_actor_loss,
 )
 from shardforge.algorithms.objectives.rewards import RewardShapingConfig, overlong_penalty, shape_rewards, token_rewards
+from shardforge.algorithms.objectives.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    RolloutCorrectionConfig,
+    apply_rollout_correction,
+    rollout_correction,
+    summarize_correction_stats,
+)
 from shardforge.algorithms.objectives.stats import LossOutput, all_reduce_stats, merge_stats, summarize_stats
 
 __all__ = [
@@ -54,6 +61,7 @@ __all__ = [
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
+    "ROLLOUT_CORRECTIONS",
     "Aggregation",
     "GroupAdvantageFn",
     "KLControlConfig",
@@ -67,9 +75,11 @@ __all__ = [
     "PolicyLossFn",
     "PolicyLossTerms",
     "RewardShapingConfig",
+    "RolloutCorrectionConfig",
     "aggregation_coefficients",
     "aggregation_weight",
     "all_reduce_stats",
+    "apply_rollout_correction",
     "bradley_terry_loss",
     "broadcast_to_tokens",
     "build_kl_controller",
@@ -92,7 +102,9 @@ __all__ = [
     "reinforce_pp_outcome_baseline_advantages",
     "remax_advantages",
     "rloo_advantages",
+    "rollout_correction",
     "shape_rewards",
+    "summarize_correction_stats",
     "summarize_stats",
     "target_counts",
     "token_rewards",

@@ -19,6 +19,7 @@ from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.objectives.aggregation import aggregation_weight
 from shardforge.algorithms.objectives.critic import PPOCriticConfig, ppo_critic_loss
 from shardforge.algorithms.objectives.ppo import PPOActorConfig, ppo_actor_loss
+from shardforge.algorithms.objectives.rollout_correction import ROLLOUT_IS_WEIGHTS
 from shardforge.algorithms.objectives.stats import merge_stats
 
 __all__ = [
@@ -88,6 +89,7 @@ class PPOActorLossFn(_StatsSink):
             proximal_logprobs=_extra(mb, PROXIMAL_LOGPROBS, required=False),
             ref_logprobs=_extra(mb, REF_LOGPROBS, required=False),
             entropy=entropy,
+            is_weights=_extra(mb, ROLLOUT_IS_WEIGHTS, required=False),
         )
         self._stats.append(out.stats)
         return out.loss_sum

@@ -268,6 +268,7 @@ def ppo_actor_loss(
     proximal_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> LossOutput:
     """The PPO actor loss of one micro-batch (see the module docstring for the formula).
 
@@ -283,6 +284,8 @@ def ppo_actor_loss(
             weights before this update); None: the behaviour policy is the proximal one.
         ref_logprobs: [T] reference-model log-probs, for the KL loss term and the ``kl_ref`` stat.
         entropy: [T] policy entropy per position (differentiable), for the bonus and the stat.
+        is_weights: [T] rollout-correction weights (data) multiplying the policy-gradient loss
+            (`shardforge.algorithms.objectives.rollout_correction`); None: no correction.
 
     Returns:
         `LossOutput` with ``loss_sum`` (what an engine ``loss_fn`` returns), ``loss_weight``
@@ -303,6 +306,7 @@ def ppo_actor_loss(
         ("proximal_logprobs", proximal_logprobs),
         ("ref_logprobs", ref_logprobs),
         ("entropy", entropy),
+        ("is_weights", is_weights),
     ):
         check_tokens(name, tensor, num_tokens)
     if config.entropy_coef > 0 and entropy is None:
@@ -346,6 +350,9 @@ def ppo_actor_loss(
             "behav_weight_max": weight_max,
             "behav_capped_frac": capped.sum().double(),
         }
+
+    if is_weights is not None:  # rollout correction: trainer vs engine mismatch (and staleness)
+        pg = pg * data(is_weights)
 
     per_token = pg
     if entropy is not None and config.entropy_coef > 0:

@@ -7,7 +7,9 @@ verified versions under ``output_dir/weights``) and every rank's rollout engine 
 it, so step k+1 samples from the policy after update k (synchronous, on-policy). Old
 log-probs are recomputed by the training engine before the update (``recompute_logprobs``),
 so the first PPO ratio is exactly 1; the rollout engine's own log-probs are kept as
-``behaviour_logprobs`` and their gap to the trainer's is logged (``behaviour_kl``).
+``behaviour_logprobs``, and every batch (fresh or stale) is corrected for the gap between the two
+by ``rollout_correction`` (`shardforge.algorithms.objectives.rollout_correction`; metrics
+``rollout_corr/*``, and ``behaviour_kl`` = mean |trainer - engine|).
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from shardforge.algorithms.batching.collectives import all_reduce_stats
 from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorConfig, PPOActorLossFn, summarize_stats
-from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS, PROXIMAL_LOGPROBS
+from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
+from shardforge.algorithms.objectives.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    RolloutCorrectionConfig,
+    apply_rollout_correction,
+)
 from shardforge.algorithms.rlvr import (
     BEHAVIOUR_LOGPROBS,
     AdvantageEstimator,
@@ -32,14 +39,16 @@ from shardforge.algorithms.rlvr import (
     rollouts_to_batch,
 )
 from shardforge.algorithms.rollout import Rollout, RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.rollout.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, GenerateRoundFn
 from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
-from shardforge.algorithms.rollout.sources import AsyncRollouts, RolloutSource, SampledBatch, SampleFn, SyncRollouts
+from shardforge.algorithms.rollout.sources import AsyncRollouts, RolloutSource, SampledBatch, SyncRollouts
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
 from shardforge.algorithms.trainers.common import with_total_steps
 from shardforge.algorithms.trainers.rl_common import (
     check_eval_split,
+    dynamic_sampling_stats,
     evaluate_accuracy,
     global_reward_stats,
     publish_version,
@@ -72,7 +81,9 @@ class GRPOConfig(TrainerConfig):
     actor: PPOActorConfig = field(default_factory=PPOActorConfig)
     """PPO loss options (clip ranges, dual clip, aggregation, ...)."""
     recompute_logprobs: bool = True
-    """Recompute old log-probs with the trainer before the update (else use the rollout's)."""
+    """Recompute old log-probs with the trainer before the update; false = rollout_correction.mode=bypass."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights trainer/engine on every batch (mode, cap, band, batch_normalize); see the docs."""
     async_rollouts: bool = False
     """Generate the next batch in a background thread while the current step trains (decoupled PPO loss)."""
     max_staleness: int = 1
@@ -85,6 +96,8 @@ class GRPOConfig(TrainerConfig):
     """vLLM rollout engine options (rollout_engine=vllm only)."""
     eval_size: int | None = None
     """Evaluate on the first N held-out prompts (None = all)."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO dynamic sampling: drop zero-variance groups (raw reward), backfill up to max_rounds rounds."""
 
     def __post_init__(self) -> None:
         # An unknown estimator is a config error, not a failure at the first step.
@@ -109,10 +122,30 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
         raise ValueError(f"advantage={config.advantage!r} needs group_size >= 2 (it compares samples of a prompt)")
     if config.max_staleness < 0:
         raise ValueError(f"max_staleness={config.max_staleness} must be >= 0 (0 = on-policy, no overlap)")
-    if config.async_rollouts and not config.recompute_logprobs:
+    recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
+    if not config.recompute_logprobs and recompute and config.rollout_correction.mode != "none":
         raise ValueError(
-            "async_rollouts needs recompute_logprobs=true: the decoupled loss uses the trainer's log-probs "
-            "as the proximal policy (the rollout's are the behaviour policy)"
+            f"recompute_logprobs=false leaves no trainer log-probs for rollout_correction.mode="
+            f"{config.rollout_correction.mode!r}; set rollout_correction.mode=bypass (the same as "
+            "recompute_logprobs=false) or none, or keep recompute_logprobs=true"
+        )
+    if config.async_rollouts and not (config.recompute_logprobs and recompute):
+        raise ValueError(
+            "async_rollouts needs recompute_logprobs=true and a rollout_correction.mode other than bypass: "
+            "stale batches need the trainer's log-probs as the proximal policy (the rollout's are the behaviour policy)"
+        )
+    ds_rank0 = config.rollout_engine == "vllm" and config.vllm.placement == "rank0" and dp_size > 1
+    if config.dynamic_sampling.enabled and ds_rank0:
+        raise ValueError(
+            "dynamic_sampling with vllm.placement=rank0 and several data-parallel ranks is not supported: each rank "
+            "backfills its own groups, so ranks may run different numbers of generate calls while rank 0's vLLM "
+            "needs all of them in each; use vllm.placement=each_rank or rollout_engine=hf"
+        )
+    if config.actor.behav_weight_cap is not None:
+        raise ValueError(
+            f"actor.behav_weight_cap={config.actor.behav_weight_cap} is not used by GRPO: the behaviour weight of "
+            "every batch is rollout_correction's; e.g. AReaL's cap-5 mask is "
+            "rollout_correction: {mode: token_mis, high: 5.0}, a cap-5 truncation {mode: token_tis, cap: 5.0}"
         )
     longest = max(len(p) for p in prompts.ids) + config.max_new_tokens
     budget = config.engine.max_tokens_per_microbatch
@@ -125,19 +158,23 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
 
 def _sample_fn(
     config: GRPOConfig, rollout: RolloutEngine, prompts: PromptSet, reward_fn: Any, engine: TrainEngine
-) -> SampleFn:
-    sampler = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=config.seed)
+) -> GenerateRoundFn:
+    # Round 0 is the step's batch; dynamic sampling's backfill round r draws from its own stream.
+    samplers: dict[int, GlobalBatchSampler] = {}
     dp_rank, dp_size = engine.dp_rank, engine.dp_size
 
-    def sample(index: int) -> tuple[list[Rollout], torch.Tensor]:
-        indices = sampler.local_batch(index, dp_rank, dp_size)
-        # The sampling seed depends only on (seed, batch index, dp rank): a resumed run, and the
-        # asynchronous mode (batches generated on another thread), sample the same.
+    def sample(index: int, round_: int) -> tuple[list[Rollout], torch.Tensor]:
+        if round_ not in samplers:
+            seed = config.seed + 7_919 * round_
+            samplers[round_] = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=seed)
+        indices = samplers[round_].local_batch(index, dp_rank, dp_size)
+        # The sampling seed depends only on (seed, batch index, round, dp rank): a resumed run, and
+        # the asynchronous mode (batches generated on another thread), sample the same.
         params = SamplingParams(
             n=config.group_size,
             max_new_tokens=config.max_new_tokens,
             temperature=config.temperature,
-            seed=(config.seed * 1_000_003 + index) * 1_009 + dp_rank,
+            seed=(config.seed * 1_000_003 + index) * 1_009 + dp_rank + 104_729 * round_,
         )
         rollouts = rollout.generate([prompts.ids[i] for i in indices], params)
         texts = [prompts.texts[i] for i in indices]
@@ -186,7 +223,18 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         def publish(version: int | None) -> int:
             return publish_version(engine, transport, rollout, config.rollout_dtype, version)
 
-        sample_fn = _sample_fn(config, rollout, self.prompts, self.reward_fn, engine)
+        generate_round = _sample_fn(config, rollout, self.prompts, self.reward_fn, engine)
+        self.dynamic: DynamicSampler | None = None
+
+        def sample_fn(index: int) -> tuple[list[Rollout], torch.Tensor]:
+            return generate_round(index, 0) if self.dynamic is None else self.dynamic(index)
+
+        if config.dynamic_sampling.enabled:
+            local_groups = config.prompts_per_step // engine.dp_size
+            self.dynamic = DynamicSampler(
+                generate_round, group_size=config.group_size, target_groups=local_groups,
+                config=config.dynamic_sampling,
+            )  # fmt: skip
         self.source: RolloutSource | None = None
         if config.async_rollouts:
             self.source = AsyncRollouts(
@@ -210,6 +258,8 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         step_started = time.perf_counter()
         sampled = self.source.batch(step)
         stats = _train_step(sampled, self.config, self.engine, self.actor, step_started)
+        if self.dynamic is not None:
+            stats |= dynamic_sampling_stats(self.dynamic.pop_stats(sampled.index), self.engine)
         began = time.perf_counter()
         self.source.publish(step + 1)
         stats["weight_sync_s"] = time.perf_counter() - began
@@ -252,27 +302,30 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
 def _train_step(
     sampled: SampledBatch, config: GRPOConfig, engine: TrainEngine, actor: PPOActorLossFn, step_started: float
 ) -> dict[str, float]:
-    """One PPO update on a sampled batch. A batch generated by older weights than the current ones
-    (async mode) uses the decoupled loss: the trainer's recomputed log-probs are the proximal
-    policy, the rollout's the behaviour policy; a fresh batch uses plain PPO-clip."""
+    """One PPO update on a sampled batch. The trainer's recomputed log-probs anchor the PPO ratio
+    (the proximal policy); the rollout correction weights every token by trainer/engine (the
+    behaviour policy), for fresh batches (kernel/precision mismatch) and stale ones (async mode,
+    decoupled PPO) alike. Bypass mode anchors the ratio on the engine's log-probs instead."""
     started = time.perf_counter()
     lengths = torch.tensor([len(r.response_ids) for r in sampled.rollouts], dtype=torch.float64)
     advantages = group_advantages(sampled.rewards, config.group_size, config.advantage, response_lengths=lengths)
     batch = rollouts_to_batch(sampled.rollouts, advantages)
     staleness = sampled.index - sampled.policy_step
-    if config.recompute_logprobs:
-        # Fresh batch: behaviour = proximal policy, so the decoupled weight would be exp(rounding
-        # noise between the two engines); plain PPO with the recomputed log-probs is exact.
-        key = OLD_LOGPROBS if staleness == 0 else PROXIMAL_LOGPROBS
-        batch.extras[key] = engine.forward(batch)
+    correction: dict[str, float] = {}
+    if config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute:
+        batch.extras[OLD_LOGPROBS] = engine.forward(batch)
+        mask = batch.loss_mask != 0
+        gap = (batch.extras[OLD_LOGPROBS] - batch.extras[BEHAVIOUR_LOGPROBS])[mask]
+        correction["behaviour_kl"] = float(gap.abs().mean()) if gap.numel() else 0.0
+        correction |= apply_rollout_correction(
+            batch, config.rollout_correction, old_key=OLD_LOGPROBS, group=engine.dp_group, device=engine.device
+        )
     forwarded = time.perf_counter()
     stats = engine.train_batch(batch, actor, actor.loss_weight)
     actor_stats = all_reduce_stats(actor.pop_stats(), engine.dp_group, engine.device)
     stats |= {f"actor/{k}": v for k, v in summarize_stats(actor_stats).items()}
-    mask = batch.loss_mask != 0
-    trainer_logprobs = batch.extras.get(PROXIMAL_LOGPROBS, batch.extras[OLD_LOGPROBS])
-    gap = (trainer_logprobs - batch.extras[BEHAVIOUR_LOGPROBS])[mask]
-    stats["behaviour_kl"] = float(gap.abs().mean()) if gap.numel() else 0.0
+    # Bypass: the loss's ratio pi/behav before the step is the mismatch itself (k1 of behav -> pi).
+    stats |= correction or {"rollout_corr/kl_k1": stats["actor/approx_kl"]}
     stats |= global_reward_stats(sampled.rewards.double(), lengths, engine)
     stats |= {
         "rollout_version": float(sampled.rollouts[0].version),

@@ -10,14 +10,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardforge.algorithms.batching.collectives import all_reduce_sum, broadcast_floats
+from shardforge.algorithms.batching.collectives import all_reduce_max, all_reduce_sum, broadcast_floats
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, exact_match_reward
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine
 from shardforge.weight_sync import DiskTransport
 
-__all__ = ["check_eval_split", "evaluate_accuracy", "global_reward_stats", "publish_to_rollout", "publish_version"]
+__all__ = [
+    "check_eval_split",
+    "dynamic_sampling_stats",
+    "evaluate_accuracy",
+    "global_reward_stats",
+    "publish_to_rollout",
+    "publish_version",
+]
 
 
 def publish_version(
@@ -110,3 +117,13 @@ def evaluate_accuracy(
 
     correct = local_correct(rollout) if runner is None else runner(local_correct)
     return all_reduce_sum(correct, group=engine.dp_group, device=engine.device)[0] / count
+
+
+def dynamic_sampling_stats(local: dict[str, float], engine: TrainEngine) -> dict[str, float]:
+    """Dynamic sampling's per-rank counts summed over the data-parallel group (``rounds`` and
+    ``cap_hit``: the maximum over ranks), as ``dynamic_sampling/*`` metrics."""
+    names = sorted(local)
+    summed = all_reduce_sum(*(local[n] for n in names), group=engine.dp_group, device=engine.device)
+    maxed = all_reduce_max(local["rounds"], local["cap_hit"], group=engine.dp_group, device=engine.device)
+    out = dict(zip(names, summed, strict=True)) | {"rounds": maxed[0], "cap_hit": maxed[1]}
+    return {f"dynamic_sampling/{k}": v for k, v in out.items()}
