@@ -25,6 +25,7 @@ from shardforge.algorithms.objectives import PPOActorConfig, PPOActorLossFn, sum
 from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS, PROXIMAL_LOGPROBS
 from shardforge.algorithms.rlvr import (
     BEHAVIOUR_LOGPROBS,
+    PROMPT_ROW_FIELDS,
     AdvantageEstimator,
     PromptSet,
     group_advantages,
@@ -281,5 +282,5 @@ def _train_step(
     return stats
 
 
-TRAINER = TrainerSpec(config_cls=GRPOConfig, run=run_grpo)
+TRAINER = TrainerSpec(config_cls=GRPOConfig, run=run_grpo, row_fields=PROMPT_ROW_FIELDS)
 """This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""
