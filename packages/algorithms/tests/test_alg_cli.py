@@ -38,15 +38,15 @@ def write_config(path, **entries):
 
 # ------------------------------------------------------------------------------------------ argument errors
 def test_unknown_algorithm_exits(tmp_path):
-    with pytest.raises(SystemExit, match=r"unknown algorithm 'dpo'; available: \['grpo', 'ppo', 'rm', 'sft'\]"):
-        main(["train", "dpo", "--config", write_config(tmp_path / "c.yaml")])
+    with pytest.raises(ValueError, match=r"unknown algorithm 'dpo'; available: \['grpo', 'ppo', 'rm', 'sft'\]"):
+        main(["--debug", "train", "dpo", "--config", write_config(tmp_path / "c.yaml")])
 
 
 @pytest.mark.parametrize("algorithm", ["rm", "ppo"])
 def test_rm_and_ppo_read_their_own_config(tmp_path, algorithm):
     # The trainers exist: an SFT-only key is rejected by their config, naming their valid keys.
     with pytest.raises(ValueError, match=r"unknown config key\(s\) \[.*'global_batch_sizez'\].*valid keys"):
-        main(["train", algorithm, "--config", write_config(tmp_path / "c.yaml", global_batch_sizez=3)])
+        main(["--debug", "train", algorithm, "--config", write_config(tmp_path / "c.yaml", global_batch_sizez=3)])
 
 
 @pytest.mark.parametrize("bad", ["steps", "--steps=3"])
@@ -73,13 +73,13 @@ def test_overrides_are_not_accepted_by_demo(capsys):
 
 def test_missing_config_file_raises(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"config file .* does not exist"):
-        main(["train", "sft", "--config", str(tmp_path / "none.yaml")])
+        main(["--debug", "train", "sft", "--config", str(tmp_path / "none.yaml")])
 
 
 def test_unknown_config_key_raises(tmp_path):
     config = write_config(tmp_path / "c.yaml")
     with pytest.raises(ValueError, match=r"unknown config key\(s\) \['stepz'\]"):
-        main(["train", "sft", "--config", config, "stepz=3", "model=m", "train_file=t", "output_dir=o"])
+        main(["--debug", "train", "sft", "--config", config, "stepz=3", "model=m", "train_file=t", "output_dir=o"])
 
 
 # ------------------------------------------------------------------------------------------ full run
@@ -130,9 +130,9 @@ def test_row_missing_fields_fails_before_training(tmp_path, assets):
     out = tmp_path / "run"
     config = write_config(tmp_path / "sft.yaml", model=str(assets["model"]), train_file=str(data), output_dir=str(out))
     with pytest.raises(
-        ValueError, match=r"row 1 of bad.jsonl has fields \['prompt'\]; expected 'prompt' \+ 'completion'"
+        ValueError, match=r"bad.jsonl:2: the row has fields \['prompt'\]; expected 'prompt'\+'completion' or 'messages'"
     ):
-        main(["train", "sft", "--config", config, "steps=3"])
+        main(["--debug", "train", "sft", "--config", config, "steps=3"])
     assert not out.exists()
 
 
@@ -142,7 +142,7 @@ def test_sequence_longer_than_budget_names_the_setting(tmp_path, assets):
         tmp_path / "sft.yaml", model=str(assets["model"]), train_file=str(assets["train"]), output_dir=str(out)
     )
     with pytest.raises(ValueError) as info:
-        main(["train", "sft", "--config", config, "engine.max_tokens_per_microbatch=4"])
+        main(["--debug", "train", "sft", "--config", config, "engine.max_tokens_per_microbatch=4"])
     message = str(info.value)
     assert "longer than engine.max_tokens_per_microbatch=4" in message
     assert "raise engine.max_tokens_per_microbatch to >= " in message and "max_seq_len" in message
@@ -182,10 +182,10 @@ def test_list_imports_no_vllm_code():
 
 
 def test_unknown_trainer_lists_registered_ones(tmp_path, capsys):
-    with pytest.raises(SystemExit, match=r"unknown algorithm 'dpo'; available: \['grpo', 'ppo', 'rm', 'sft'\]"):
-        main(["--log-level", "debug", "train", "dpo", "--config", write_config(tmp_path / "c.yaml")])
-    with pytest.raises(SystemExit, match="unknown algorithm 'nope'"):
-        main(["train", "nope", "--log-level", "WARNING", "--config", write_config(tmp_path / "c.yaml")])
+    with pytest.raises(ValueError, match=r"unknown algorithm 'dpo'; available: \['grpo', 'ppo', 'rm', 'sft'\]"):
+        main(["--debug", "--log-level", "debug", "train", "dpo", "--config", write_config(tmp_path / "c.yaml")])
+    with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
+        main(["train", "nope", "--debug", "--log-level", "WARNING", "--config", write_config(tmp_path / "c.yaml")])
 
 
 def test_log_level_is_checked(capsys):

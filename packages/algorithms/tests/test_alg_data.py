@@ -162,7 +162,7 @@ def test_load_sft_examples_names_the_bad_row(tmp_path, tokenizer):
     rows = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2="}]
     path = _write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(
-        ValueError, match=r"row 1 of bad.jsonl has fields \['prompt'\]; expected 'prompt' \+ 'completion'"
+        ValueError, match=r"bad.jsonl:2: the row has fields \['prompt'\]; expected 'prompt'\+'completion' or 'messages'"
     ):
         load_sft_examples(path, tokenizer)
 
@@ -183,13 +183,27 @@ def test_load_sft_examples_without_datasets_installed(tmp_path, tokenizer, monke
 
 
 def test_load_sft_examples_truncates_with_a_warning(tmp_path, tokenizer):
-    rows = [{"prompt": "1=", "completion": "1"}, {"prompt": "11+11=", "completion": "22"}]
+    rows = [
+        {"prompt": "1=", "completion": "1"},
+        {"prompt": "11+11=", "completion": "22"},
+        {"prompt": "1+1", "completion": "22"},
+    ]
     path = _write_jsonl(tmp_path / "long.jsonl", rows)
-    with pytest.warns(UserWarning, match="1 of 2 examples in long.jsonl truncated to 5 tokens"):
+    with pytest.warns(
+        UserWarning,
+        match="2 of 3 examples in long.jsonl truncated to max_seq_len=5 tokens; 1 of them lost every target token",
+    ):
         examples = load_sft_examples(path, tokenizer, max_seq_len=5)
+    assert len(examples) == 2  # the row whose completion was cut away entirely is skipped
     assert examples[0].input_ids == [BOS, *ids("1=1"), EOS]  # 5 tokens: kept as is
-    assert examples[1].input_ids == [BOS, *ids("11+1")]
-    assert examples[1].loss_mask == [0.0] * 5
+    assert examples[1].input_ids == [BOS, *ids("1+12")]
+    assert examples[1].loss_mask == [0.0] * 4 + [1.0]  # cut, but a target token is left
+
+
+def test_load_sft_examples_refuses_when_truncation_empties_every_row(tmp_path, tokenizer):
+    path = _write_jsonl(tmp_path / "long.jsonl", [{"prompt": "11+11=", "completion": "22"}])
+    with pytest.raises(ValueError, match=r"all 1 rows of .* lose every target token .* max_seq_len=5"):
+        load_sft_examples(path, tokenizer, max_seq_len=5)
 
 
 def test_pack_examples_follows_indices(tokenizer):

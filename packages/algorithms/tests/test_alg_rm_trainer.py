@@ -123,7 +123,10 @@ def test_rm_config_errors(assets: dict[str, Any], tmp_path: Path) -> None:
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "1=", "chosen": "2"}) + "\n")
-    with pytest.raises(ValueError, match=r"line 1 of bad.jsonl: need string 'prompt', 'chosen' and 'rejected'"):
+    with pytest.raises(
+        ValueError,
+        match=r"bad.jsonl:1: the row has fields \['chosen', 'prompt'\]; expected 'prompt'\+'chosen'\+'rejected'",
+    ):
         load_pairs(bad, assets["tokenizer"])
     with pytest.raises(ValueError, match="max_tokens_per_microbatch=10"):
         run_rm(_config(assets, tmp_path / "c", **{"engine.max_tokens_per_microbatch": 10}))

@@ -91,11 +91,38 @@ def test_cli_plans_llama3_70b_on_1024_ranks(capsys: pytest.CaptureFixture[str]) 
     assert main([*argv, "--ac", "full", "--top", "5"]) == 0
     table = capsys.readouterr().out
     assert "layout" in table and "total" in table and "yes" in table
+    assert "params GiB" in table and "p1 r" not in table  # rows in the CLI's layout form, e.g. r64d16
+
+
+def test_cli_plan_errors_are_one_line_and_units_fit_tiny_models(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardforge.algorithms.cli import main
+
+    argv = ["plan", "llama3-70b", "--world-size", "8", "--seq-len", "128"]
+    assert main([*argv, "--memory", "80"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "memory '80' has no unit and is under 1 MiB; write the unit, e.g. '80GiB'" in err
+    assert main(["plan", "nope-7b", "--world-size", "8", "--seq-len", "128"]) == 1
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_plan_table_scales_units_and_prints_cli_layouts() -> None:
+    from types import SimpleNamespace
+
+    from shardforge.algorithms.plan.report import format_table, layout_string
+    from shardforge.mesh import ParallelDims
+
+    assert layout_string(ParallelDims.parse("r64d16")) == "r64d16"
+    assert layout_string(ParallelDims.parse("p2d4t2")) == "p2d4t2"
+    assert layout_string(ParallelDims(dp_shard=1)) == "d1"
+    tiny = SimpleNamespace(dims=ParallelDims(dp_shard=2), params=3000, grads=3000, optim=6000, activations=500,
+                           comm=100, total=12600, phase="backward")  # fmt: skip
+    table = format_table([tiny], None)  # type: ignore[list-item]
+    assert "params KiB" in table and "12.30" in table and "0.00  " not in table.splitlines()[2]
 
 
 def test_cli_unknown_preset(capsys: pytest.CaptureFixture[str]) -> None:
     from shardforge.algorithms.cli import main
 
     with pytest.raises(ValueError, match="presets"):
-        main(["plan", "nope-7b", "--world-size", "8", "--seq-len", "128"])
+        main(["--debug", "plan", "nope-7b", "--world-size", "8", "--seq-len", "128"])
     assert load_model_config("qwen3-30b-a3b").num_experts == 128

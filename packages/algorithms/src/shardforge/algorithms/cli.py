@@ -1,14 +1,19 @@
 """The `shardforge` command line.
 
-    shardforge [--log-level INFO] train sft|rm|ppo|grpo --config examples/sft_tiny.yaml [--nproc-per-node N] key=value ...
+    shardforge [--log-level INFO] [--debug] train sft|rm|ppo|grpo --config examples/sft_tiny.yaml [--nproc-per-node N] key=value ...
+    shardforge train sft --help   (every config key with its type, default and description)
     shardforge list        (every registry: trainers, losses, estimators, rewards, rollout engines, ...)
-    shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600]
+    shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600] [--prepare-only]
     shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 450] [--grpo-steps N]
     shardforge plan llama3-70b --world-size 1024 --seq-len 8192 --memory 80GiB [--ac full] [--json] ...
 
 ``key=value`` overrides use dotted paths into the config (``engine.optimizer.lr=1e-3``).
-With ``--nproc-per-node N > 1`` outside torchrun, the command relaunches itself through
-``torch.distributed.run``; under torchrun it runs as one rank. Trainers are looked up by name
+Before any rank starts, the launching process builds the config and checks the layout against
+``--nproc-per-node``, the model paths, the data files and the output directory
+(`shardforge.algorithms.preflight`). With ``--nproc-per-node N > 1`` outside torchrun, the command
+then relaunches itself through torchrun's agent in this process (`shardforge.algorithms.launch`:
+signals reach every rank); under torchrun it runs as one rank. Errors are one line on rank 0
+(``--debug``: tracebacks). Trainers are looked up by name
 in `shardforge.algorithms.trainers.TRAINERS`.
 """
 
@@ -17,8 +22,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import subprocess
 import sys
+from typing import Any
 
 from shardforge.algorithms.log import get_logger, setup_logging
 from shardforge.algorithms.trainers import TRAINERS
@@ -38,15 +43,43 @@ _REGISTRY_MODULES = (
 )
 
 
+class _TrainHelp(argparse.Action):
+    """``train <algo> --help``: the usage plus every config key (type, default, docstring)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show this help and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None) -> None:
+        text = parser.format_help()
+        algorithm = getattr(namespace, "algorithm", None)
+        if isinstance(algorithm, str) and algorithm in TRAINERS:
+            from shardforge.algorithms.config_io import describe_config
+
+            rows = describe_config(TRAINERS.get(algorithm).config_cls)
+            text += f"\nconfig keys of `{algorithm}` (YAML keys, or key=value overrides):\n"
+            for key, kind, default, doc in rows:
+                text += f"  {key} ({kind}, default {default})\n" + (f"      {doc}\n" if doc else "")
+        else:
+            text += "\n`shardforge train <algorithm> --help` lists that trainer's config keys.\n"
+        sys.stdout.write(text)
+        parser.exit(0)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardforge", description="Distributed LLM training on HF models.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default="INFO", help="logging level")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks (every rank's) on errors")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model", description="Train with a YAML config plus overrides.")
+    train = sub.add_parser(
+        "train", help="train a model", description="Train with a YAML config plus overrides.", add_help=False
+    )
+    train.add_argument("-h", "--help", action=_TrainHelp)
     train.add_argument("algorithm", help=f"a registered trainer: {TRAINERS.names()} (see `shardforge list`)")
     train.add_argument(
         "--log-level", type=str.upper, choices=_LOG_LEVELS, default=argparse.SUPPRESS, help="logging level"
     )
+    train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     train.add_argument("--config", required=True, help="YAML config file")
     train.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
     train.epilog = "Any further key=value arguments override config entries, e.g. engine.optimizer.lr=1e-3"
@@ -54,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="outputs/demo", help="output directory")
     demo.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
     demo.add_argument("--steps", type=int, default=600, help="SFT steps")
+    demo.add_argument(
+        "--prepare-only", action="store_true", help="only write the tiny model, tokenizer and data under --out"
+    )
     demo_rl = sub.add_parser("demo-rl", help="run the CPU RL demo: a short SFT, then GRPO")
     demo_rl.add_argument("--out", default="outputs/demo_rl", help="output directory")
     demo_rl.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
@@ -66,45 +102,51 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _relaunch(nproc: int) -> int:
-    """Re-run this exact command under torchrun with ``nproc`` ranks."""
-    args = [a for a in sys.argv[1:]]
-    cleaned: list[str] = []
-    skip = False
-    for arg in args:
-        if skip:
-            skip = False
-            continue
-        if arg == "--nproc-per-node":
-            skip = True
-            continue
-        if arg.startswith("--nproc-per-node="):
-            continue
-        cleaned.append(arg)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "shardforge.algorithms.cli", *cleaned,
-    ]  # fmt: skip
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(command, env=env)
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shardforge-algorithms")
+    except PackageNotFoundError:
+        return "unknown"
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from shardforge.algorithms.config_io import apply_overrides, build_config, load_yaml
 
     if args.algorithm not in TRAINERS:
-        raise SystemExit(f"unknown algorithm {args.algorithm!r}; available: {TRAINERS.names()} (see `shardforge list`)")
-    if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
-        return _relaunch(args.nproc_per_node)
+        raise ValueError(f"unknown algorithm {args.algorithm!r}; available: {TRAINERS.names()} (see `shardforge list`)")
+    # Models and tokenizers are local directories: never a Hub lookup (set HF_HUB_OFFLINE=0 to allow one).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     trainer = TRAINERS.get(args.algorithm)
     data = apply_overrides(load_yaml(args.config), args.overrides)
-    summary = trainer.run(build_config(trainer.config_cls, data))
+    config = build_config(trainer.config_cls, data)
+    if "WORLD_SIZE" not in os.environ:  # the launching process: check everything before any rank starts
+        from shardforge.algorithms.preflight import preflight
+
+        if args.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be >= 1")
+        preflight(config, args.nproc_per_node, trainer.row_fields)
+        if args.nproc_per_node > 1:
+            from shardforge.algorithms.launch import relaunch
+
+            return relaunch(args.nproc_per_node, argv, debug=args.debug)
+    summary = trainer.run(config)
     log.info("done: %s", summary)
     from shardforge.mesh import destroy_distributed
 
     destroy_distributed()
     return 0
+
+
+def _report(exc: BaseException) -> int:
+    """One concise error on rank 0 (stderr); other ranks stay quiet. Returns the exit code."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        user_error = isinstance(exc, (ValueError, TypeError, OSError, FloatingPointError))
+        message = str(exc) if user_error else f"{type(exc).__name__}: {exc}"
+        hint = "" if user_error else " (rerun with --debug for the traceback)"
+        sys.stderr.write(f"shardforge: error: {message}{hint}\n")
+    return 1
 
 
 def _list() -> int:
@@ -124,20 +166,35 @@ def _list() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     bad = [a for a in extra if "=" not in a or a.startswith("-")]
     if bad or (extra and args.command != "train"):
-        parser.error(f"unrecognized arguments: {' '.join(bad or extra)} (overrides look like key=value)")
+        hint = "overrides look like key=value" if args.command == "train" else f"`{args.command}` takes no key=value"
+        parser.error(f"unrecognized arguments: {' '.join(bad or extra)} ({hint}; see shardforge {args.command} -h)")
     args.overrides = extra
     setup_logging(args.log_level)
+    try:
+        return _dispatch(args, argv)
+    except Exception as exc:
+        if args.debug:
+            raise
+        return _report(exc)
+
+
+def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "list":
         return _list()
     if args.command == "train":
-        return _train(args)
+        return _train(args, argv)
     if args.command == "demo":
-        from shardforge.algorithms.demos.demo import run_demo
+        from shardforge.algorithms.demos.demo import prepare_demo, run_demo
 
+        if args.prepare_only:
+            assets = prepare_demo(args.out)
+            log.info("tiny model + tokenizer: %s; data: %s, %s", assets["model"], assets["train"], assets["eval"])
+            return 0
         run_demo(args.out, nproc=args.nproc_per_node, steps=args.steps)
         return 0
     if args.command == "demo-rl":

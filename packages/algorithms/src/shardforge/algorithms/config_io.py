@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import itertools
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -10,7 +14,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-__all__ = ["apply_overrides", "build_config", "config_to_dict", "load_yaml"]
+__all__ = ["apply_overrides", "build_config", "config_to_dict", "describe_config", "field_docs", "load_yaml"]
 
 T = TypeVar("T")
 
@@ -141,3 +145,46 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
 
 def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
+def field_docs(cls: type[Any]) -> dict[str, str]:
+    """The attribute docstrings (the string literal under each field) of a dataclass and its bases."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, after in itertools.pairwise(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def describe_config(cls: type[Any], prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """``(dotted key, type, default, docstring)`` for every field of a config dataclass, nested
+    sections expanded (``engine.optimizer.lr``); required keys have default ``(required)``."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    rows: list[tuple[str, str, str, str]] = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            rows.extend(describe_config(hint, f"{prefix}{f.name}."))  # type: ignore[arg-type]
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = repr(f.default_factory())
+        else:
+            default = "(required)"
+        type_name = getattr(hint, "__name__", None) if isinstance(hint, type) else None
+        rows.append((prefix + f.name, type_name or str(hint).replace("typing.", ""), default, docs.get(f.name, "")))
+    return rows

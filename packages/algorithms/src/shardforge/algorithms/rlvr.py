@@ -7,7 +7,6 @@ completion is the reference answer the reward function checks.
 from __future__ import annotations
 
 import inspect
-import json
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from shardforge.algorithms.batching import PackedBatch, pack_sequences
+from shardforge.algorithms.data.jsonl import read_jsonl
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS
 from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
 from shardforge.algorithms.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
@@ -24,6 +24,7 @@ from shardforge.algorithms.rollout.types import Rollout
 
 __all__ = [
     "BEHAVIOUR_LOGPROBS",
+    "PROMPT_ROW_FIELDS",
     "AdvantageEstimator",
     "PromptSet",
     "group_advantages",
@@ -34,6 +35,8 @@ __all__ = [
 AdvantageEstimator = str
 """An outcome estimator's name in `ADVANTAGE_ESTIMATORS` (grpo, dr_grpo, rloo, reinforce_plus_plus,
 reinforce_plus_plus_baseline, a user's) or its import path ``"package.module:function"``."""
+PROMPT_ROW_FIELDS = (("prompt", "completion"),)
+"""The row shape of a prompt file: the prompt and its reference answer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,17 +55,12 @@ def load_prompts(path: str | Path, tokenizer: Any, *, max_prompt_len: int | None
     """Read prompt/completion JSONL; prompts longer than ``max_prompt_len`` tokens are skipped
     (with a warning naming how many)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
     texts, refs, ids = [], [], []
     skipped = 0
     prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for number, row in read_jsonl(path, "prompt file", PROMPT_ROW_FIELDS):
         if not isinstance(row.get("prompt"), str) or not isinstance(row.get("completion"), str):
-            raise ValueError(f"line {number} of {path.name}: need string 'prompt' and 'completion' (the reference)")
+            raise ValueError(f"{path}:{number}: 'prompt' and 'completion' (the reference) must be strings")
         tokens = prefix + tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         if max_prompt_len is not None and len(tokens) > max_prompt_len:
             skipped += 1
@@ -73,7 +71,9 @@ def load_prompts(path: str | Path, tokenizer: Any, *, max_prompt_len: int | None
     if skipped:
         warnings.warn(f"skipped {skipped} prompt(s) of {path.name} longer than {max_prompt_len} tokens", stacklevel=2)
     if not texts:
-        raise ValueError(f"prompt file {str(path)!r} has no usable rows")
+        raise ValueError(
+            f"every prompt of {path} is longer than max_prompt_len={max_prompt_len} tokens; raise max_prompt_len"
+        )
     return PromptSet(texts, refs, ids)
 
 

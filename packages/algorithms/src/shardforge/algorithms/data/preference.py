@@ -4,7 +4,6 @@ one ``sequence_group`` id per pair, so the engine keeps a pair in one micro-batc
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,11 +13,14 @@ from typing import Any
 import torch
 
 from shardforge.algorithms.batching import SEQUENCE_GROUP, PackedBatch, pack_sequences
+from shardforge.algorithms.data.jsonl import read_jsonl
 
-__all__ = ["IS_CHOSEN", "PAIR_WEIGHT", "PreferencePair", "load_pairs", "pack_pairs"]
+__all__ = ["IS_CHOSEN", "PAIR_ROW_FIELDS", "PAIR_WEIGHT", "PreferencePair", "load_pairs", "pack_pairs"]
 
 IS_CHOSEN = "is_chosen"
 """Per-sequence [N] extra: 1 for a chosen response, 0 for a rejected one (pairs are consecutive)."""
+PAIR_ROW_FIELDS = (("prompt", "chosen", "rejected"),)
+"""The row shape of a preference file (see `shardforge.algorithms.data.jsonl.RowFields`)."""
 PAIR_WEIGHT = "pair_weight"
 """Per-sequence [N] extra: 1, or 0 for a placeholder pair that must not count."""
 
@@ -34,17 +36,12 @@ class PreferencePair:
 def load_pairs(path: str | Path, tokenizer: Any, *, max_seq_len: int | None = None) -> list[PreferencePair]:
     """Read and tokenise preference JSONL; malformed rows raise `ValueError` naming the line."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"preference file {str(path)!r} does not exist")
     prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     suffix = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     pairs, truncated = [], 0
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for number, row in read_jsonl(path, "preference file", PAIR_ROW_FIELDS):
         if not all(isinstance(row.get(k), str) for k in ("prompt", "chosen", "rejected")):
-            raise ValueError(f"line {number} of {path.name}: need string 'prompt', 'chosen' and 'rejected' fields")
+            raise ValueError(f"{path}:{number}: 'prompt', 'chosen' and 'rejected' must be strings")
         prompt = prefix + tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         sides = []
         for key in ("chosen", "rejected"):
@@ -54,8 +51,6 @@ def load_pairs(path: str | Path, tokenizer: Any, *, max_seq_len: int | None = No
                 ids = ids[-max_seq_len:]
             sides.append(ids)
         pairs.append(PreferencePair(sides[0], sides[1]))
-    if not pairs:
-        raise ValueError(f"preference file {str(path)!r} has no rows")
     if truncated:
         warnings.warn(
             f"{truncated} sequence(s) of {path.name} truncated to their last {max_seq_len} tokens", stacklevel=2

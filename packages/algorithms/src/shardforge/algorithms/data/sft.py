@@ -8,15 +8,19 @@ Accepted rows (one JSON object per line):
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shardforge.algorithms.batching import PackedBatch, pack_sequences
+from shardforge.algorithms.data.jsonl import read_jsonl
 
-__all__ = ["SFTExample", "load_sft_examples", "pack_examples", "tokenize_sft_row"]
+__all__ = ["SFT_ROW_FIELDS", "SFTExample", "load_sft_examples", "pack_examples", "tokenize_sft_row"]
+
+
+SFT_ROW_FIELDS = (("prompt", "completion"), ("messages",))
+"""The row shapes SFT accepts (see `shardforge.algorithms.data.jsonl.RowFields`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,48 +32,32 @@ class SFTExample:
 
 
 def load_sft_examples(path: str | Path, tokenizer: Any, *, max_seq_len: int | None = None) -> list[SFTExample]:
-    """Read and tokenise a JSONL file (with HF `datasets` when installed); validate every row first."""
+    """Read and tokenise a JSONL file; a malformed row is a `ValueError` naming the file and 1-based line."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
-    rows = _read_rows(path)
+    rows = read_jsonl(path, "dataset file", SFT_ROW_FIELDS)
     examples = []
-    truncated = 0
-    for index, row in enumerate(rows):
-        example = tokenize_sft_row(row, tokenizer, where=f"row {index} of {path.name}")
+    truncated = emptied = 0
+    for number, row in rows:
+        example = tokenize_sft_row(row, tokenizer, where=f"{path}:{number}")
         if max_seq_len is not None and len(example.input_ids) > max_seq_len:
             truncated += 1
             example = SFTExample(example.input_ids[:max_seq_len], example.loss_mask[:max_seq_len])
+            if not any(example.loss_mask):  # the cut removed every target token: nothing to learn
+                emptied += 1
+                continue
         examples.append(example)
     if not examples:
-        raise ValueError(f"dataset file {str(path)!r} has no rows")
+        raise ValueError(
+            f"all {len(rows)} rows of {path} lose every target token when truncated to max_seq_len={max_seq_len}; "
+            "raise max_seq_len or shorten the prompts"
+        )
     if truncated:
         warnings.warn(
-            f"{truncated} of {len(examples)} examples in {path.name} truncated to {max_seq_len} tokens", stacklevel=2
+            f"{truncated} of {len(rows)} examples in {path.name} truncated to max_seq_len={max_seq_len} tokens"
+            + (f"; {emptied} of them lost every target token and are skipped" if emptied else ""),
+            stacklevel=2,
         )
     return examples
-
-
-def _read_rows(path: Path) -> Any:
-    """The JSONL rows: HF `datasets` when importable, else the standard library's json, line by line.
-
-    `datasets` is optional at run time so the package runs where only torch + transformers are
-    installed (e.g. a GPU image without it; see docs/gpu.md). Both give dicts per row; a key missing
-    from a row reads as absent (``datasets`` fills it with None, which every reader treats alike)."""
-    try:
-        import datasets
-    except ImportError:
-        rows = []
-        with path.open() as handle:
-            for number, line in enumerate(handle, start=1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as err:
-                        raise ValueError(f"{path.name} line {number} is not valid JSON: {err}") from err
-        return rows
-    datasets.disable_progress_bars()
-    return datasets.load_dataset("json", data_files=str(path), split="train")
 
 
 def tokenize_sft_row(row: dict[str, Any], tokenizer: Any, *, where: str = "row") -> SFTExample:

@@ -27,13 +27,18 @@ SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 def build_char_tokenizer(out_dir: str | Path) -> Any:
     """A character-level HF fast tokenizer, saved with `save_pretrained`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
+    # BOS first, as training feeds it (`data.sft` prepends bos_token_id): a plain `tok(prompt)` +
+    # `model.generate` on an export then sees the same ids as training and our evaluation.
+    core.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
     )

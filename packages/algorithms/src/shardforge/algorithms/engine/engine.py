@@ -68,6 +68,8 @@ class TrainEngine(EngineIO):
         self.config = config or EngineConfig()
         self.head = make_head(self.config.head)
         self.hf_config = self.head.hf_config(load_hf_config(model))
+        # Training turns the KV cache off on the model (whose config may be this object); exports keep the base's.
+        self.base_use_cache = bool(getattr(self.hf_config, "use_cache", True))
         dims = ParallelDims.parse(dims) if isinstance(dims, str) else dims
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         # Everything that can be wrong with the inputs is checked before the first collective.

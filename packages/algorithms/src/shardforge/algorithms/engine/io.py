@@ -9,10 +9,14 @@ the adapters; engines with ``offload_when_idle`` bring their weights to the devi
 from __future__ import annotations
 
 import copy
+import json
 import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardforge.algorithms.engine.config import EngineConfig, parse_dtype
@@ -22,7 +26,7 @@ from shardforge.algorithms.engine.runners import Runner
 from shardforge.checkpoint_dcp import Checkpointer, TrainState
 from shardforge.weight_sync import PublishStats, WeightPublisher, WeightTransport
 
-__all__ = ["EngineIO", "replace_attn"]
+__all__ = ["EngineIO", "finish_hf_export", "replace_attn"]
 
 
 class EngineIO:
@@ -36,6 +40,7 @@ class EngineIO:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     step: int
     offload_state: OffloadState | None = None
+    base_use_cache: bool = True
 
     # ------------------------------------------------------------------ export
     @offloaded_between_calls
@@ -50,10 +55,11 @@ class EngineIO:
 
         Streams one parameter at a time to rank 0 (see `shardforge.checkpoint_dcp.export_hf`).
         """
+        config = replace_attn(self.hf_config, use_cache=self.base_use_cache)
         with lora.merged_weights(self.model, self.config):  # LoRA: the merged model
-            self.runner.export_hf(
-                out_dir, replace_attn(self.hf_config), tokenizer, parse_dtype(dtype) if dtype else None
-            )
+            self.runner.export_hf(out_dir, config, tokenizer, parse_dtype(dtype) if dtype else None)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            finish_hf_export(Path(out_dir), config)
 
     @offloaded_between_calls
     def export_lora(self, out_dir: str | os.PathLike[str], base_model_name_or_path: str | None = None) -> None:
@@ -114,8 +120,35 @@ class EngineIO:
         return state.data_state
 
 
-def replace_attn(hf_config: Any) -> Any:
-    """A copy of ``hf_config`` whose saved attention implementation is plain SDPA."""
+def replace_attn(hf_config: Any, *, use_cache: bool | None = None) -> Any:
+    """A copy of ``hf_config`` whose saved attention implementation is plain SDPA (and, when given,
+    the base model's ``use_cache``: training turns the KV cache off, ``generate`` wants it)."""
     config = copy.deepcopy(hf_config)
     config._attn_implementation = "sdpa"
+    if use_cache is not None:
+        config.use_cache = use_cache
     return config
+
+
+_LOAD_TIME_TOKENIZER_KEYS = ("is_local", "local_files_only")
+"""Keys `from_pretrained` records in a tokenizer's init kwargs that describe how *we* loaded it;
+saved, they would make a user's plain ``AutoTokenizer.from_pretrained(export)`` refuse the Hub."""
+
+
+def finish_hf_export(out_dir: Path, config: Any) -> None:
+    """What a plain HF user needs besides weights + config (rank 0): a ``generation_config.json``
+    (the base model's, else one derived from the config) and a tokenizer config without load-time keys."""
+    from transformers import GenerationConfig
+
+    source = Path(str(getattr(config, "_name_or_path", "") or ""))
+    if (source / "generation_config.json").is_file():
+        shutil.copyfile(source / "generation_config.json", out_dir / "generation_config.json")
+    elif not (out_dir / "generation_config.json").exists():
+        GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
+    tokenizer_config = out_dir / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        data = json.loads(tokenizer_config.read_text())
+        if any(key in data for key in _LOAD_TIME_TOKENIZER_KEYS):
+            for key in _LOAD_TIME_TOKENIZER_KEYS:
+                data.pop(key, None)
+            tokenizer_config.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")

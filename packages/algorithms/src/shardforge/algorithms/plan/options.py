@@ -44,6 +44,11 @@ def parse_memory(text: str | int | float) -> int:
     value = float(match.group(1)) * _UNITS[unit]
     if value <= 0:
         raise ValueError(f"memory must be positive, got {text!r}")
+    if not unit and value < 2**20:  # "--memory 80" meant 80 GiB, not 80 bytes
+        raise ValueError(
+            f"memory {text!r} has no unit and is under 1 MiB; write the unit, e.g. '{match.group(1)}GiB' or "
+            f"'{match.group(1)}GB'"
+        )
     return int(value)
 
 

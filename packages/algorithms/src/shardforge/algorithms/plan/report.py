@@ -78,20 +78,41 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
     )
 
 
-def _gib(n: float) -> str:
-    return f"{n / _GIB:.2f}"
+def _count(n: int) -> str:
+    """1234567 -> '1.23M' (B, M or K, so a tiny model is not '0.00B')."""
+    for suffix, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{suffix}"
+    return str(n)
+
+
+def table_unit(rows: list[MemoryEstimate]) -> tuple[str, int]:
+    """The largest binary unit in which the biggest total is >= 1 (tiny models print KiB, not 0.00)."""
+    largest = max((e.total for e in rows), default=0)
+    for name, size in (("GiB", _GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if largest >= size:
+            return name, size
+    return "B", 1
+
+
+def layout_string(dims: Any) -> str:
+    """A layout as the CLI's ``layout=`` accepts it, size-1 axes left out (``r64d16``, ``p2d4t2``)."""
+    axes = (("p", dims.pp), ("r", dims.dp_replicate), ("d", dims.dp_shard), ("c", dims.cp), ("t", dims.tp),
+            ("e", dims.ep), ("x", dims.etp))  # fmt: skip
+    return "".join(f"{letter}{size}" for letter, size in axes if size > 1 or letter == "d")
 
 
 def format_table(rows: list[MemoryEstimate], budget: int | None) -> str:
-    """A fixed-width table (GiB) of layouts and their predicted peak breakdown."""
-    header = ("layout", "params", "grads", "optim", "activ", "comm", "total", "peak at", "fits")
+    """A fixed-width table of layouts (in the CLI's form) and their predicted peak breakdown, in
+    the unit `table_unit` picks (named in the header)."""
+    unit, size = table_unit(rows)
+    header = ("layout", f"params {unit}", "grads", "optim", "activ", "comm", "total", "peak at", "fits")
     lines: list[tuple[str, ...]] = [header]
     for e in rows:
-        d = e.dims
-        layout = f"p{d.pp} r{d.dp_replicate} d{d.dp_shard} c{d.cp} t{d.tp}" + (f" e{d.ep}" if d.ep > 1 else "")
+        layout = layout_string(e.dims)
         fits = "-" if budget is None else ("yes" if e.total <= budget else "no")
         vals = (e.params, e.grads, e.optim, e.activations, e.comm, e.total)
-        lines.append((layout, *(_gib(v) for v in vals), e.phase, fits))
+        lines.append((layout, *(f"{v / size:.2f}" for v in vals), e.phase, fits))
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     out = [
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in lines
@@ -131,9 +152,9 @@ def run_plan(args: argparse.Namespace) -> int:
         else "none"
     )
     print(
-        f"{args.model}: {stats.num_params / 1e9:.2f}B params, world {args.world_size}, "
+        f"{args.model}: {_count(stats.num_params)} params, world {args.world_size}, "
         f"{result.timings['layouts']:.0f} valid layouts, {len(result.fitting)} fit the budget ({budget_text}); "
-        f"meta build {built - started:.2f}s, plan {result.seconds:.2f}s. Per-rank GiB at the predicted peak:"
+        f"meta build {built - started:.2f}s, plan {result.seconds:.2f}s. Per-rank memory at the predicted peak:"
     )
     print(format_table(shown, budget))
     if budget is not None and not result.fitting:

@@ -23,6 +23,8 @@ class TrainerSpec:
     """The frozen config dataclass the YAML is built into."""
     run: Callable[[Any], dict[str, Any]]
     """Train on every rank; return the run summary."""
+    row_fields: tuple[tuple[str, ...], ...] = ()
+    """The JSONL row shapes of train_file/eval_file, checked before launch (``()``: any JSON object)."""
 
 
 TRAINERS: Registry[TrainerSpec] = Registry("trainer")

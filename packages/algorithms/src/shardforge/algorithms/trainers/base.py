@@ -12,6 +12,7 @@ A trainer subclasses `TrainerConfig` (only its own fields; YAML keys are the fie
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -72,6 +73,11 @@ class TrainerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine settings (optimizer, schedule, dtype, micro-batch budget, ...)."""
 
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("log_every", 1), ("keep_last", 1), ("eval_every", 0), ("save_every", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid; it must be >= {low}")
+
 
 C = TypeVar("C", bound=TrainerConfig)
 
@@ -84,6 +90,14 @@ def load_tokenizer(config: TrainerConfig) -> Any:
     if not Path(tokenizer_dir).is_dir():
         raise FileNotFoundError(f"tokenizer directory {tokenizer_dir!r} does not exist")
     return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _previous_steps(config_json: Path) -> int | None:
+    """``steps`` of the run that last wrote ``config_json`` (None if there is none)."""
+    try:
+        return int(json.loads(config_json.read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def check_data_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
@@ -175,17 +189,30 @@ class Trainer(Generic[C]):
         self.tokenizer = load_tokenizer(config)
         self.load_data()
         engine = self.engine = self.build_engines()
+        previous_steps = _previous_steps(out / "config.json")
         if engine.is_main:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2))
+            # The engine's config as built (e.g. scheduler.total_steps resolved from steps).
+            resolved = dataclasses.replace(config, engine=engine.config)  # type: ignore[type-var]
+            (out / "config.json").write_text(json.dumps(config_to_dict(resolved), indent=2))
         data_state = self.data_state()
         checkpointers: dict[str, Checkpointer] = {}
-        if config.save_every > 0 or config.resume == "auto":
+        # resume=auto alone opens checkpointers only when a checkpoint directory exists (no empty dirs).
+        first_dir = out / next(iter(self.checkpoint_engines()))
+        if config.save_every > 0 or (config.resume == "auto" and first_dir.is_dir()):
             checkpointers = {
                 name: Checkpointer(out / name, keep_last=config.keep_last, async_mode=config.async_checkpoint)
                 for name in self.checkpoint_engines()
             }
         start, restored = self._resume(checkpointers, data_state)
+        if start and previous_steps not in (None, config.steps) and engine.is_main:
+            logger.warning(
+                "steps changed from %s (the previous run) to %d: training continues from step %d%s",
+                previous_steps,
+                config.steps,
+                start,
+                f" to {config.steps}" if start < config.steps else " but there is nothing left to train (export only)",
+            )
         if engine.is_main:
             truncate_metrics(out / "metrics.jsonl", start)
         metrics = MetricsLogger(out, enabled=engine.is_main)

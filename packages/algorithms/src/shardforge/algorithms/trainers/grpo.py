@@ -32,6 +32,7 @@ from shardforge.algorithms.objectives.rollout_correction import (
 )
 from shardforge.algorithms.rlvr import (
     BEHAVIOUR_LOGPROBS,
+    PROMPT_ROW_FIELDS,
     AdvantageEstimator,
     PromptSet,
     group_advantages,
@@ -344,5 +345,5 @@ def _train_step(
     return stats
 
 
-TRAINER = TrainerSpec(config_cls=GRPOConfig, run=run_grpo)
+TRAINER = TrainerSpec(config_cls=GRPOConfig, run=run_grpo, row_fields=PROMPT_ROW_FIELDS)
 """This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""

@@ -24,7 +24,7 @@ from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.objectives import KLEstimator, PPOActorConfig, PPOActorLossFn, PPOCriticConfig
-from shardforge.algorithms.rlvr import PromptSet, load_prompts, rollouts_to_batch
+from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, PromptSet, load_prompts, rollouts_to_batch
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
 from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
@@ -262,5 +262,5 @@ def _rollout_batch(
     return batch, rewards, lengths
 
 
-TRAINER = TrainerSpec(config_cls=PPOConfig, run=run_ppo)
+TRAINER = TrainerSpec(config_cls=PPOConfig, run=run_ppo, row_fields=PROMPT_ROW_FIELDS)
 """This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""

@@ -17,6 +17,7 @@ import torch
 from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.data import (
     IS_CHOSEN,
+    PAIR_ROW_FIELDS,
     PAIR_WEIGHT,
     GlobalBatchSampler,
     PreferencePair,
@@ -175,5 +176,5 @@ def evaluate_pairs(
     return {"loss": loss_sum / max(weight_sum, 1e-12), **result}
 
 
-TRAINER = TrainerSpec(config_cls=RMConfig, run=run_rm)
+TRAINER = TrainerSpec(config_cls=RMConfig, run=run_rm, row_fields=PAIR_ROW_FIELDS)
 """This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""

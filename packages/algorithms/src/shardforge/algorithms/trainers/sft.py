@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardforge.algorithms.data import GlobalBatchSampler, SFTExample, load_sft_examples, pack_examples
+from shardforge.algorithms.data import SFT_ROW_FIELDS, GlobalBatchSampler, SFTExample, load_sft_examples, pack_examples
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
@@ -96,5 +96,5 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
     return SFTTrainer(config).run()
 
 
-TRAINER = TrainerSpec(config_cls=SFTConfig, run=run_sft)
+TRAINER = TrainerSpec(config_cls=SFTConfig, run=run_sft, row_fields=SFT_ROW_FIELDS)
 """This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""

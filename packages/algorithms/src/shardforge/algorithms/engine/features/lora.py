@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -59,8 +60,11 @@ def export_lora(
     base_model_name_or_path: str | None = None,
 ) -> None:
     """Write the model's adapters in PEFT format (collective; rank 0 writes). The base model path
-    defaults to the one the engine was built from (``hf_config._name_or_path``)."""
+    defaults to the one the engine was built from (``hf_config._name_or_path``); a local one is
+    stored as an absolute path (``AutoPeftModelForCausalLM.from_pretrained`` resolves it from any cwd)."""
     if config.lora is None:
         raise ValueError("export_lora needs an engine built with engine.lora set (e.g. engine.lora.r=8)")
     base = base_model_name_or_path or getattr(hf_config, "_name_or_path", None) or None
+    if base and Path(base).exists():  # a local base: absolute, so the adapter loads from any directory
+        base = str(Path(base).resolve())
     save_peft_adapter(model, out_dir, config.lora, base_model_name_or_path=base)

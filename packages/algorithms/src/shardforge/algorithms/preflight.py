@@ -1,0 +1,94 @@
+"""Checks the `shardforge` CLI runs in the launching process, before torchrun starts any rank.
+
+Everything a user can get wrong and that needs no process group is checked here once, in
+seconds, so a mistake is one message instead of a traceback per rank 30 s later: the layout
+against ``--nproc-per-node``, the model/tokenizer directories (local only, never a Hub lookup),
+the engine's layout/feature checks, the JSONL files (file + 1-based line + expected fields),
+the output directory, and the batch sizes against the data-parallel size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from shardforge.algorithms.data.jsonl import RowFields, read_jsonl
+from shardforge.algorithms.engine.checks import check_engine
+from shardforge.algorithms.engine.loading import load_hf_config
+from shardforge.mesh import ParallelDims
+
+__all__ = ["check_layout_for_ranks", "check_output_dir", "preflight"]
+
+
+def preflight(config: Any, nproc: int, row_fields: RowFields = ()) -> ParallelDims:
+    """Raise `ValueError` / `FileNotFoundError` for the first problem; return the resolved layout."""
+    dims = check_layout_for_ranks(config.layout, nproc)
+    hf_config = None
+    for name in ("model", *(f.name for f in dataclasses.fields(config) if f.name.endswith("_model"))):
+        path = getattr(config, name)
+        if path is None:
+            continue
+        if not Path(path).exists():
+            raise FileNotFoundError(
+                f"{name}={path!r} does not exist (resolved: {Path(path).resolve()}); models are read from local "
+                "directories written by `save_pretrained` (`shardforge demo --prepare-only` makes a tiny one)"
+            )
+        loaded = load_hf_config(path)
+        hf_config = hf_config or loaded
+    tokenizer = getattr(config, "tokenizer", None)
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise FileNotFoundError(f"tokenizer={tokenizer!r} is not a directory; set it to a tokenizer directory or null")
+    check_engine(dims, hf_config, config.engine)
+    for name in ("train_file", "eval_file"):
+        path = getattr(config, name, None)
+        if path is not None:
+            read_jsonl(path, name.replace("_", " "), row_fields)
+    check_output_dir(config.output_dir)
+    _check_batch_sizes(config, dims)
+    return dims
+
+
+def check_layout_for_ranks(layout: str, nproc: int) -> ParallelDims:
+    """The layout resolved for ``nproc`` ranks; a mismatch names the ranks it needs and the fix."""
+    dims = ParallelDims.parse(layout)
+    try:
+        return dims.resolve(nproc)
+    except ValueError:
+        pass
+    fixed = dims.pp * dims.dp_replicate * dims.cp * dims.tp * (1 if dims.dp_shard == -1 else dims.dp_shard)
+    need = f"{fixed} ranks" if dims.dp_shard != -1 else f"a multiple of {fixed} ranks"
+    raise ValueError(
+        f"layout={layout!r} needs {need}, but --nproc-per-node is {nproc}; run with --nproc-per-node {fixed}, "
+        f"or pick a layout whose sizes multiply to {nproc} (e.g. layout=d{nproc}; 'd-1' gives FSDP the ranks the "
+        "other axes leave)"
+    )
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Refuse an output directory that is a file or whose nearest existing parent is not writable."""
+    path = Path(output_dir).absolute()
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise NotADirectoryError(f"output_dir={output_dir!r}: {str(probe)!r} exists and is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(f"output_dir={output_dir!r}: {str(probe)!r} is not writable; choose another output_dir")
+
+
+def _check_batch_sizes(config: Any, dims: ParallelDims) -> None:
+    dp = dims.dp
+    batch = getattr(config, "global_batch_size", None)
+    if batch is not None and batch < dp:
+        raise ValueError(
+            f"global_batch_size={batch} is smaller than the data-parallel size {dp} of layout {dims.to_string()}; "
+            f"use global_batch_size >= {dp}"
+        )
+    prompts = getattr(config, "prompts_per_step", None)
+    if prompts is not None and (prompts < 1 or prompts % dp):
+        raise ValueError(
+            f"prompts_per_step={prompts} must be a positive multiple of the data-parallel size {dp} "
+            f"(every rank samples whole groups); e.g. prompts_per_step={max(dp, prompts - prompts % dp)}"
+        )
