@@ -15,6 +15,7 @@ from shardforge.algorithms.objectives import (
     ppo_actor_loss,
     summarize_stats,
 )
+from shardforge.mesh.testing.parity import assert_counts_match
 
 VOCAB = 64
 LENGTHS = [3, 12, 5, 10, 4, 7]  # budget 16 -> several micro-batches, sequence order changes
@@ -93,5 +94,11 @@ def test_ppo_step_is_independent_of_micro_batching_and_matches_the_pure_loss(mod
         torch.testing.assert_close(small.model.get_parameter(name).detach(), p_big.detach(), rtol=0, atol=1e-5)
     stats_small, stats_big = summarize_stats(fn_small.pop_stats()), summarize_stats(fn_big.pop_stats())
     assert 0 < stats_big["clip_frac"] < 1
-    for key in ("clip_frac", "dual_clip_frac", "approx_kl", "num_tokens", "loss"):
+    assert stats_small["num_tokens"] == stats_big["num_tokens"]  # from the loss mask: exact
+    for key in ("approx_kl", "ratio", "pg_loss", "loss"):
         assert stats_small[key] == pytest.approx(stats_big[key], rel=1e-5, abs=1e-7), key
+    # Clip fractions count tokens past ratio = 1 +- eps; the two micro-batchings compute the
+    # log-probs with different matmul shapes, so a token at the threshold may change side: allow
+    # one boundary token (the continuous statistics above must agree). See docs/testing.md.
+    for key in ("clip_frac", "dual_clip_frac"):
+        assert_counts_match(stats_small[key], stats_big[key], stats_big["num_tokens"], boundary=1, context=(key,))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from shardforge.mesh.testing import get_rank_pool
+from shardforge.mesh.testing.parity import assert_close, assert_counts_match
 
 SEQS = [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12, 13, 14], [1, 4, 2], [1, 6, 6, 6, 7, 8, 9, 2], [1, 12, 2]]
 
@@ -145,8 +146,14 @@ def test_critic_step_world1_matches_fsdp2_tp2_cp2(lm_dir: str) -> None:
         sharded = get_rank_pool(2).run(_critic_steps, lm_dir, layout, timeout_s=300)[0]
         for a, b in zip(single["history"], sharded["history"], strict=True):
             # fp32, different reduction order (reduce-scatter, partial matmuls): rounding-level differences only.
-            for key in ("loss", "grad_norm", "value_clip_frac", "value_loss", "num_tokens"):
-                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (layout, key, a[key], b[key])
+            for key in ("loss", "grad_norm", "value_loss", "values"):
+                assert_close(a[key], b[key], rel=1e-5, context=(layout, key))
+            assert a["num_tokens"] == b["num_tokens"], (layout, a, b)  # from the loss masks: exact
+            # A token with |v - v_old| within rounding distance of value_clip may change side
+            # (the loss is continuous there): allow 2 boundary tokens. See docs/testing.md.
+            assert_counts_match(
+                a["value_clip_frac"], b["value_clip_frac"], a["num_tokens"], boundary=2, context=(layout,)
+            )
         assert sharded["weights"].keys() == single["weights"].keys() and "score.weight" in single["weights"]
         for key, value in sharded["weights"].items():
             torch.testing.assert_close(value, single["weights"][key], rtol=0, atol=2e-5, msg=f"{layout} {key}")
