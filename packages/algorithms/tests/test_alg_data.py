@@ -175,10 +175,10 @@ def test_load_sft_examples_without_datasets_installed(tmp_path, tokenizer, monke
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     assert load_sft_examples(path, tokenizer) == with_datasets
     bad = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2="}])
-    with pytest.raises(ValueError, match=r"row 1 of bad.jsonl has fields \['prompt'\]"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: the row has fields \['prompt'\]"):
         load_sft_examples(bad, tokenizer)
     (tmp_path / "broken.jsonl").write_text('{"prompt": "1=", "completion": "1"}\n{"prompt": \n')
-    with pytest.raises(ValueError, match=r"broken\.jsonl line 2 is not valid JSON"):
+    with pytest.raises(ValueError, match=r"broken\.jsonl:2: not valid JSON"):
         load_sft_examples(tmp_path / "broken.jsonl", tokenizer)
 
 
