@@ -13,7 +13,7 @@ so the first PPO ratio is exactly 1; the rollout engine's own log-probs are kept
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,9 +29,8 @@ from shardforge.algorithms.rlvr import (
     PromptSet,
     group_advantages,
     load_prompts,
-    rollouts_to_batch,
 )
-from shardforge.algorithms.rollout import Rollout, RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, load_reward_fn
 from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
 from shardforge.algorithms.rollout.sources import AsyncRollouts, RolloutSource, SampledBatch, SampleFn, SyncRollouts
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
@@ -43,6 +42,15 @@ from shardforge.algorithms.trainers.rl_common import (
     evaluate_accuracy,
     global_reward_stats,
     publish_version,
+)
+from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
+from shardforge.algorithms.workflows import (
+    PromptRow,
+    Workflow,
+    WorkflowConfig,
+    build_workflow,
+    run_episodes,
+    trajectories_to_batch,
 )
 from shardforge.weight_sync import DiskTransport
 
@@ -85,6 +93,8 @@ class GRPOConfig(TrainerConfig):
     """vLLM rollout engine options (rollout_engine=vllm only)."""
     eval_size: int | None = None
     """Evaluate on the first N held-out prompts (None = all)."""
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    """How a prompt becomes trajectories: rlvr (one response), multi_turn, tool_use or a user's workflow."""
 
 
 def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
@@ -114,25 +124,27 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
 
 
 def _sample_fn(
-    config: GRPOConfig, rollout: RolloutEngine, prompts: PromptSet, reward_fn: Any, engine: TrainEngine
+    config: GRPOConfig, rollout: RolloutEngine, prompts: PromptSet, workflow: Workflow, engine: TrainEngine
 ) -> SampleFn:
     sampler = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=config.seed)
     dp_rank, dp_size = engine.dp_rank, engine.dp_size
 
-    def sample(index: int) -> tuple[list[Rollout], torch.Tensor]:
+    def sample(index: int) -> tuple[list[Any], torch.Tensor]:
         indices = sampler.local_batch(index, dp_rank, dp_size)
         # The sampling seed depends only on (seed, batch index, dp rank): a resumed run, and the
         # asynchronous mode (batches generated on another thread), sample the same.
         params = SamplingParams(
-            n=config.group_size,
             max_new_tokens=config.max_new_tokens,
             temperature=config.temperature,
             seed=(config.seed * 1_000_003 + index) * 1_009 + dp_rank,
         )
-        rollouts = rollout.generate([prompts.ids[i] for i in indices], params)
-        texts = [prompts.texts[i] for i in indices]
-        references = [prompts.references[i] for i in indices]
-        return rollouts, score_rollouts(rollouts, texts, references, reward_fn)
+        rows = [
+            PromptRow(index=g, prompt=prompts.texts[i], reference=prompts.references[i], prompt_ids=prompts.ids[i])
+            for g, i in enumerate(indices)
+        ]
+        # Every (prompt, sample) is one concurrent episode; their generate calls are batched per round.
+        trajectories = run_episodes(workflow, rollout, rows, config.group_size, params)
+        return trajectories, torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
 
     return sample
 
@@ -148,6 +160,10 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         self.prompts = load_prompts(config.train_file, self.tokenizer, max_prompt_len=config.max_prompt_len)
         self.held_out = load_prompts(config.eval_file, self.tokenizer) if config.eval_file else None
         self.reward_fn = load_reward_fn(config.reward_fn)
+        budget = config.workflow.max_total_tokens or config.engine.max_tokens_per_microbatch
+        self.workflow = build_workflow(
+            replace(config.workflow, max_total_tokens=budget), self.tokenizer, self.reward_fn
+        )
 
     def build_engines(self) -> TrainEngine:
         config = self.config
@@ -176,7 +192,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         def publish(version: int | None) -> int:
             return publish_version(engine, transport, rollout, config.rollout_dtype, version)
 
-        sample_fn = _sample_fn(config, rollout, self.prompts, self.reward_fn, engine)
+        sample_fn = _sample_fn(config, rollout, self.prompts, self.workflow, engine)
         self.source: RolloutSource | None = None
         if config.async_rollouts:
             self.source = AsyncRollouts(
@@ -246,8 +262,9 @@ def _train_step(
     (async mode) uses the decoupled loss: the trainer's recomputed log-probs are the proximal
     policy, the rollout's the behaviour policy; a fresh batch uses plain PPO-clip."""
     started = time.perf_counter()
+    episode_stats = check_failed_episodes(sampled.rollouts, config.workflow.max_failed_fraction, engine)
     advantages = group_advantages(sampled.rewards, config.group_size, config.advantage)
-    batch = rollouts_to_batch(sampled.rollouts, advantages)
+    batch = trajectories_to_batch(sampled.rollouts, advantages)
     staleness = sampled.index - sampled.policy_step
     if config.recompute_logprobs:
         # Fresh batch: behaviour = proximal policy, so the decoupled weight would be exp(rounding
@@ -262,8 +279,9 @@ def _train_step(
     trainer_logprobs = batch.extras.get(PROXIMAL_LOGPROBS, batch.extras[OLD_LOGPROBS])
     gap = (trainer_logprobs - batch.extras[BEHAVIOUR_LOGPROBS])[mask]
     stats["behaviour_kl"] = float(gap.abs().mean()) if gap.numel() else 0.0
-    lengths = torch.tensor([len(r.response_ids) for r in sampled.rollouts], dtype=torch.float64)
+    lengths = torch.tensor([t.num_generated for t in sampled.rollouts], dtype=torch.float64)
     stats |= global_reward_stats(sampled.rewards.double(), lengths, engine)
+    stats |= episode_stats | workflow_stats(sampled.rollouts, engine)
     stats |= {
         "rollout_version": float(sampled.rollouts[0].version),
         "generate_s": sampled.generate_s,
