@@ -80,7 +80,7 @@ def tiny_chat_assets(root: str | Path, *, seed: int = 0, hidden: int = 32, layer
     chars = [chr(c) for c in range(32, 127)] + ["\n"]
     vocab = {tok: i for i, tok in enumerate(CHAT_SPECIALS + CHAT_MARKERS + chars)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("(?s)."), behavior="isolated")
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("(?m).|\n"), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_SPECIALS])
     core.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAT_MARKERS])
