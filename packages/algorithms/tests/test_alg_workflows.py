@@ -82,7 +82,7 @@ class ScriptedEngine:
                     finished=True,
                     version=self.version,
                     text=self.script[turn],
-                )  # fmt: skip
+                )
             )
         return outs
 
@@ -101,7 +101,12 @@ def test_multi_turn_is_token_in_token_out_and_logprobs_match_the_trainer(chat: d
     engine = HFRolloutEngine(chat["model"], tokenizer)
     calls: list[list[list[int]]] = []
     generate = engine.generate
-    engine.generate = lambda prompts, params: calls.append([list(p) for p in prompts]) or generate(prompts, params)  # type: ignore[method-assign]
+
+    def recording_generate(prompts: Any, params: SamplingParams) -> list[Rollout]:
+        calls.append([list(p) for p in prompts])
+        return generate(prompts, params)
+
+    engine.generate = recording_generate  # type: ignore[method-assign]
     rows = _rows(tokenizer, ["what is 6*7?", "and 40+2?"])
     params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=4)
     trajectories = run_episodes(workflow, engine, rows, 2, params)
@@ -116,7 +121,7 @@ def test_multi_turn_is_token_in_token_out_and_logprobs_match_the_trainer(chat: d
             assert t.token_ids[: len(fed)] == fed
         # The template is not prefix-stable: re-rendering the conversation gives other ids.
         messages = [{"role": "user", "content": rows[t.group].prompt}]
-        rendered = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": "x"}], tokenize=False)
+        rendered = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": "x"}], tokenize=False)
         assert "<think></think>" in rendered
         assert sum(t.loss_mask) == sum(turn.generated for turn in t.turns)
         assert {v for v, m in zip(t.versions, t.loss_mask) if m} == {0}
