@@ -213,7 +213,7 @@ def test_tool_timeout_and_max_turns(chat: dict[str, Any]) -> None:
     code = json.dumps({"name": "python", "arguments": {"code": "while True: pass"}})
     tools = load_tools(["python"])
     name, result = asyncio.run(run_tool_call(code, tools, timeout_s=0.5))
-    assert name == "python" and result.error == "timeout" and "killed" in result.content
+    assert name == "python" and result.error == "timeout" and "timed out after 0.5s" in result.content
     call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
     t = _tool_episode(chat, [call] * 4)
     assert t.stop_reason == "max_turns" and t.reward == 0.0 and t.tool_calls == 4 and len(t.turns) == 4
@@ -312,6 +312,9 @@ def test_grpo_multi_turn_from_config_resumes_and_recomputes_behaviour_logprobs(
 def test_grpo_fails_past_max_failed_fraction(chat: dict[str, Any], tmp_path: Path) -> None:
     from shardforge.algorithms.trainers.grpo import run_grpo
 
-    overrides = {"reward_fn": "wf_user_mod:broken", "steps": 1, "resume": "never"}
-    with pytest.raises(RuntimeError, match=r"4 of 4 episodes crashed .*max_failed_fraction=0"):
+    overrides = {"reward_fn": "wf_user_mod:broken", "steps": 1, "resume": "never", "workflow.max_failed_fraction": 0.5}
+    with pytest.raises(RuntimeError, match=r"4 of 4 episodes crashed .*max_failed_fraction=0.5"):
         run_grpo(_grpo_config(chat, tmp_path / "f", **overrides))
+    # The default (0) raises the episode's own error, as before workflows (no group is dropped).
+    with pytest.raises(RuntimeError, match=r"^the reward function raised on prompt '\d\+\d=\?'"):
+        run_grpo(_grpo_config(chat, tmp_path / "g", **(overrides | {"workflow.max_failed_fraction": 0})))

@@ -143,7 +143,9 @@ def _sample_fn(
             for g, i in enumerate(indices)
         ]
         # Every (prompt, sample) is one concurrent episode; their generate calls are batched per round.
-        trajectories = run_episodes(workflow, rollout, rows, config.group_size, params)
+        # max_failed_fraction=0: a crash raises as it is (no group is dropped).
+        drop = config.workflow.max_failed_fraction > 0
+        trajectories = run_episodes(workflow, rollout, rows, config.group_size, params, drop_failed=drop)
         return trajectories, torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
 
     return sample

@@ -57,15 +57,27 @@ class EpisodeList(list[Trajectory]):
 
 
 def run_episodes(
-    workflow: Workflow, engine: RolloutEngine, rows: Sequence[PromptRow], group_size: int, params: SamplingParams
+    workflow: Workflow,
+    engine: RolloutEngine,
+    rows: Sequence[PromptRow],
+    group_size: int,
+    params: SamplingParams,
+    *,
+    drop_failed: bool = True,
 ) -> EpisodeList:
     """Run ``group_size`` episodes per row concurrently (``params.n`` must be 1; ``params.seed`` fixes
-    the samples); trajectories come back grouped by row, in sample order."""
-    return asyncio.run(_run(workflow, engine, rows, group_size, params))
+    the samples); trajectories come back grouped by row, in sample order. ``drop_failed=False``:
+    the first crashed episode's exception is raised (nothing is dropped)."""
+    return asyncio.run(_run(workflow, engine, rows, group_size, params, drop_failed))
 
 
 async def _run(
-    workflow: Workflow, engine: RolloutEngine, rows: Sequence[PromptRow], group_size: int, params: SamplingParams
+    workflow: Workflow,
+    engine: RolloutEngine,
+    rows: Sequence[PromptRow],
+    group_size: int,
+    params: SamplingParams,
+    drop_failed: bool,
 ) -> EpisodeList:
     queue = RequestQueue(engine, params)
     ids = list(range(len(rows) * group_size))
@@ -87,7 +99,7 @@ async def _run(
             if not isinstance(r, BaseException) and len(r) != 1
         ]
         for error in errors:
-            if not isinstance(error, Exception):
+            if not isinstance(error, Exception) or not drop_failed:
                 raise error
         if errors:
             kept.num_failed += len(errors)

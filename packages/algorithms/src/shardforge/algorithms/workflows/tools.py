@@ -189,9 +189,11 @@ async def python(code: str, timeout_s: float = 5.0) -> str:
     try:
         stdout, stderr = await asyncio.wait_for(process.communicate(), timeout_s)
     except TimeoutError:
-        process.kill()
-        await process.wait()
         raise ToolTimeout(f"python timed out after {timeout_s:g}s (killed)") from None
+    finally:  # also when the caller's own deadline cancels us: never leave the process running
+        if process.returncode is None:
+            process.kill()
+            await asyncio.shield(process.wait())
     out = stdout.decode(errors="replace")[-2000:]
     if process.returncode:
         raise RuntimeError(f"exit code {process.returncode}: {stderr.decode(errors='replace')[-500:]}")
