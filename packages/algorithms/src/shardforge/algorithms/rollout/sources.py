@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from shardforge.algorithms.batching.collectives import all_reduce_max
 from shardforge.algorithms.rollout import Rollout, RolloutEngine
+from shardforge.algorithms.rollout.trajectory import Trajectory
 
 __all__ = [
     "AsyncRollouts",
@@ -54,8 +55,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-SampleFn = Callable[[int], tuple[list[Rollout], torch.Tensor]]
-"""batch index -> (this rank's rollouts, their rewards), with the rollout engine's current weights."""
+SampleFn = Callable[[int], tuple[list[Any], torch.Tensor]]
+"""batch index -> (this rank's rollouts or workflow trajectories, their rewards), with the rollout
+engine's current weights."""
 PublishFn = Callable[[int | None], int]
 """weight-sync version (None = the first of this run) -> the published version (collective)."""
 
@@ -72,7 +74,8 @@ class SampledBatch:
     """Batch index = the step that trains on it."""
     policy_step: int
     """The weights that generated it: the policy after this many optimiser steps."""
-    rollouts: list[Rollout]
+    rollouts: list[Any]
+    """`Rollout` s, or `Trajectory` s from a workflow."""
     rewards: torch.Tensor
     """[len(rollouts)] float32."""
     generate_s: float = 0.0
@@ -296,7 +299,9 @@ class AsyncRollouts:
 
 def _encode(batch: SampledBatch) -> dict[str, Any]:
     rollouts = [
-        {
+        r.to_state()
+        if isinstance(r, Trajectory)
+        else {
             "prompt_index": r.prompt_index,
             "prompt_ids": r.prompt_ids,
             "response_ids": r.response_ids,
@@ -334,7 +339,7 @@ def _decode(state: dict[str, Any] | None, start: int, dp_rank: int, dp_size: int
         batches[item["index"]] = SampledBatch(
             index=item["index"],
             policy_step=item["policy_step"],
-            rollouts=[Rollout(**r) for r in item["rollouts"]],
+            rollouts=[Trajectory.from_state(r) if "loss_mask" in r else Rollout(**r) for r in item["rollouts"]],
             rewards=torch.tensor(item["rewards"], dtype=torch.float32),
         )
     return batches

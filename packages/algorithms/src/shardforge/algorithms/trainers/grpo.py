@@ -15,7 +15,7 @@ by ``rollout_correction`` (`shardforge.algorithms.objectives.rollout_correction`
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -37,9 +37,8 @@ from shardforge.algorithms.rlvr import (
     PromptSet,
     group_advantages,
     load_prompts,
-    rollouts_to_batch,
 )
-from shardforge.algorithms.rollout import Rollout, RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, load_reward_fn
 from shardforge.algorithms.rollout.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, GenerateRoundFn
 from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
 from shardforge.algorithms.rollout.sources import AsyncRollouts, RolloutSource, SampledBatch, SyncRollouts
@@ -53,6 +52,15 @@ from shardforge.algorithms.trainers.rl_common import (
     evaluate_accuracy,
     global_reward_stats,
     publish_version,
+)
+from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
+from shardforge.algorithms.workflows import (
+    PromptRow,
+    Workflow,
+    WorkflowConfig,
+    build_workflow,
+    run_episodes,
+    trajectories_to_batch,
 )
 from shardforge.weight_sync import DiskTransport
 
@@ -97,6 +105,8 @@ class GRPOConfig(TrainerConfig):
     """vLLM rollout engine options (rollout_engine=vllm only)."""
     eval_size: int | None = None
     """Evaluate on the first N held-out prompts (None = all)."""
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    """How a prompt becomes trajectories: rlvr (one response), multi_turn, tool_use or a user's workflow."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     """DAPO dynamic sampling: drop zero-variance groups (raw reward), backfill up to max_rounds rounds."""
 
@@ -158,13 +168,13 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
 
 
 def _sample_fn(
-    config: GRPOConfig, rollout: RolloutEngine, prompts: PromptSet, reward_fn: Any, engine: TrainEngine
+    config: GRPOConfig, rollout: RolloutEngine, prompts: PromptSet, workflow: Workflow, engine: TrainEngine
 ) -> GenerateRoundFn:
     # Round 0 is the step's batch; dynamic sampling's backfill round r draws from its own stream.
     samplers: dict[int, GlobalBatchSampler] = {}
     dp_rank, dp_size = engine.dp_rank, engine.dp_size
 
-    def sample(index: int, round_: int) -> tuple[list[Rollout], torch.Tensor]:
+    def sample(index: int, round_: int) -> tuple[list[Any], torch.Tensor]:
         if round_ not in samplers:
             seed = config.seed + 7_919 * round_
             samplers[round_] = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=seed)
@@ -172,15 +182,19 @@ def _sample_fn(
         # The sampling seed depends only on (seed, batch index, round, dp rank): a resumed run, and
         # the asynchronous mode (batches generated on another thread), sample the same.
         params = SamplingParams(
-            n=config.group_size,
             max_new_tokens=config.max_new_tokens,
             temperature=config.temperature,
             seed=(config.seed * 1_000_003 + index) * 1_009 + dp_rank + 104_729 * round_,
         )
-        rollouts = rollout.generate([prompts.ids[i] for i in indices], params)
-        texts = [prompts.texts[i] for i in indices]
-        references = [prompts.references[i] for i in indices]
-        return rollouts, score_rollouts(rollouts, texts, references, reward_fn)
+        rows = [
+            PromptRow(index=g, prompt=prompts.texts[i], reference=prompts.references[i], prompt_ids=prompts.ids[i])
+            for g, i in enumerate(indices)
+        ]
+        # Every (prompt, sample) is one concurrent episode; their generate calls are batched per round.
+        # max_failed_fraction=0: a crash raises as it is (no group is dropped).
+        drop = config.workflow.max_failed_fraction > 0
+        trajectories = run_episodes(workflow, rollout, rows, config.group_size, params, drop_failed=drop)
+        return trajectories, torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
 
     return sample
 
@@ -196,6 +210,10 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         self.prompts = load_prompts(config.train_file, self.tokenizer, max_prompt_len=config.max_prompt_len)
         self.held_out = load_prompts(config.eval_file, self.tokenizer) if config.eval_file else None
         self.reward_fn = load_reward_fn(config.reward_fn)
+        budget = config.workflow.max_total_tokens or config.engine.max_tokens_per_microbatch
+        self.workflow = build_workflow(
+            replace(config.workflow, max_total_tokens=budget), self.tokenizer, self.reward_fn
+        )
 
     def build_engines(self) -> TrainEngine:
         config = self.config
@@ -224,10 +242,10 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         def publish(version: int | None) -> int:
             return publish_version(engine, transport, rollout, config.rollout_dtype, version)
 
-        generate_round = _sample_fn(config, rollout, self.prompts, self.reward_fn, engine)
+        generate_round = _sample_fn(config, rollout, self.prompts, self.workflow, engine)
         self.dynamic: DynamicSampler | None = None
 
-        def sample_fn(index: int) -> tuple[list[Rollout], torch.Tensor]:
+        def sample_fn(index: int) -> tuple[list[Any], torch.Tensor]:
             return generate_round(index, 0) if self.dynamic is None else self.dynamic(index)
 
         if config.dynamic_sampling.enabled:
@@ -308,9 +326,10 @@ def _train_step(
     behaviour policy), for fresh batches (kernel/precision mismatch) and stale ones (async mode,
     decoupled PPO) alike. Bypass mode anchors the ratio on the engine's log-probs instead."""
     started = time.perf_counter()
-    lengths = torch.tensor([len(r.response_ids) for r in sampled.rollouts], dtype=torch.float64)
+    episode_stats = check_failed_episodes(sampled.rollouts, config.workflow.max_failed_fraction, engine)
+    lengths = torch.tensor([t.num_generated for t in sampled.rollouts], dtype=torch.float64)
     advantages = group_advantages(sampled.rewards, config.group_size, config.advantage, response_lengths=lengths)
-    batch = rollouts_to_batch(sampled.rollouts, advantages)
+    batch = trajectories_to_batch(sampled.rollouts, advantages)
     staleness = sampled.index - sampled.policy_step
     correction: dict[str, float] = {}
     if config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute:
@@ -328,6 +347,7 @@ def _train_step(
     # Bypass: the loss's ratio pi/behav before the step is the mismatch itself (k1 of behav -> pi).
     stats |= correction or {"rollout_corr/kl_k1": stats["actor/approx_kl"]}
     stats |= global_reward_stats(sampled.rewards.double(), lengths, engine)
+    stats |= episode_stats | workflow_stats(sampled.rollouts, engine)
     stats |= {
         "rollout_version": float(sampled.rollouts[0].version),
         "generate_s": sampled.generate_s,

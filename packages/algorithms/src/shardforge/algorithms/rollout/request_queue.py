@@ -1,0 +1,115 @@
+"""Many concurrent episodes, one rollout engine: a request queue that batches their generate calls.
+
+Every episode runs as an asyncio task and asks for one continuation at a time
+(``await handle.generate(token_ids)``). The queue holds the requests and sends them to the engine
+as ONE batched ``generate`` call as soon as every live episode is waiting on it (an episode that
+is running a tool is not waiting yet; an episode that ended no longer counts). So 32 three-turn
+episodes cost about three batched ``generate`` calls instead of 96 single ones.
+
+Rounds, not timers, decide the batches: round r holds the requests of every episode still alive
+at its r-th generation, in episode order, sampled with a seed derived from (seed, r). Which
+samples an episode gets therefore never depends on how long a tool took or on thread timing:
+runs are reproducible, resumable and the same under every data-parallel layout. Round 0 uses
+``seed`` itself, so single-turn episodes sample exactly what one ``generate(prompts, n)`` call
+with that seed samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from shardforge.algorithms.rollout.types import Rollout, RolloutEngine, SamplingParams
+
+__all__ = ["EpisodeHandle", "RequestQueue"]
+
+
+@dataclass(slots=True)
+class _Request:
+    episode: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    future: asyncio.Future[Rollout]
+
+
+class EpisodeHandle:
+    """What a workflow's episode sees of the rollout engine: ``await generate(token_ids)``."""
+
+    def __init__(self, queue: RequestQueue, episode: int) -> None:
+        self.queue, self.episode = queue, episode
+
+    @property
+    def params(self) -> SamplingParams:
+        """The sampling parameters of this batch (``max_new_tokens`` = the per-turn budget)."""
+        return self.queue.params
+
+    async def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int | None = None) -> Rollout:
+        """One sampled continuation of ``prompt_ids`` (token ids in, token ids + log-probs out)."""
+        return await self.queue.submit(self.episode, prompt_ids, max_new_tokens or self.queue.params.max_new_tokens)
+
+
+class RequestQueue:
+    """Batches the generate requests of concurrent episodes into round-wise engine calls.
+
+    Args:
+        engine: any `RolloutEngine` (its ``generate`` takes token-id prompts).
+        params: sampling parameters; ``n`` must be 1 (a group is ``n`` episodes), ``seed`` seeds round 0.
+    """
+
+    def __init__(self, engine: RolloutEngine, params: SamplingParams) -> None:
+        if params.n != 1:
+            raise ValueError(f"RequestQueue samples one continuation per request; got n={params.n} (run n episodes)")
+        self.engine, self.params = engine, params
+        self._pending: list[_Request] = []
+        self._live: set[int] = set()
+        self.rounds = 0
+        """Batched engine calls made so far (one per round and distinct ``max_new_tokens``)."""
+        self.generate_calls = 0
+
+    def reserve(self, episodes: Sequence[int]) -> None:
+        """Count ``episodes`` as live before any of them starts (else the first request would be sent alone)."""
+        self._live.update(episodes)
+
+    @contextlib.asynccontextmanager
+    async def episode(self, episode: int) -> AsyncIterator[EpisodeHandle]:
+        """A live episode for the duration of the block: its requests are sent in rounds; on exit it no
+        longer holds a round back."""
+        self._live.add(episode)
+        try:
+            yield EpisodeHandle(self, episode)
+        finally:
+            self._live.discard(episode)
+            self._maybe_flush()
+
+    async def submit(self, episode: int, prompt_ids: Sequence[int], max_new_tokens: int) -> Rollout:
+        if episode not in self._live:
+            raise RuntimeError(f"episode {episode} generates outside `async with queue.episode({episode})`")
+        future: asyncio.Future[Rollout] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Request(episode, list(prompt_ids), max_new_tokens, future))
+        self._maybe_flush()
+        return await future
+
+    def _maybe_flush(self) -> None:
+        if not self._pending or len(self._pending) < len(self._live):
+            return
+        requests = sorted(self._pending, key=lambda r: r.episode)
+        self._pending = []
+        seed = self.params.seed
+        if seed is not None and self.rounds:
+            seed = (seed * 1_000_003 + self.rounds) % (2**63)
+        self.rounds += 1
+        for budget in sorted({r.max_new_tokens for r in requests}):
+            batch = [r for r in requests if r.max_new_tokens == budget]
+            params = dataclasses.replace(self.params, max_new_tokens=budget, seed=seed)
+            try:
+                self.generate_calls += 1
+                outputs = self.engine.generate([r.prompt_ids for r in batch], params)
+            except Exception as error:  # every waiting episode fails with the engine's error
+                for r in batch:
+                    r.future.set_exception(error)
+                continue
+            for r, out in zip(batch, outputs, strict=True):
+                r.future.set_result(out)

@@ -1,0 +1,154 @@
+"""Run a batch of episode groups concurrently on one rollout engine, drop crashed groups, and pack
+the surviving trajectories for the trainer.
+
+Every (row, sample) pair is one asyncio task; their generate calls are batched by a
+`RequestQueue` (one engine call per round, not one per episode). An episode that raises (a tool
+bug, an engine error, a reward function error) is logged and dropped together with its whole group
+(a group's advantages compare its samples); the trainer counts the failures across ranks and fails
+the step past ``workflow.max_failed_fraction``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from shardforge.algorithms.batching import PackedBatch, pack_sequences
+from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
+from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS
+from shardforge.algorithms.rollout.request_queue import RequestQueue
+from shardforge.algorithms.rollout.trajectory import Trajectory
+from shardforge.algorithms.rollout.types import RolloutEngine, SamplingParams
+from shardforge.algorithms.workflows.base import PromptRow, Workflow
+
+__all__ = [
+    "ERROR_KINDS",
+    "STOP_REASONS",
+    "EpisodeList",
+    "episode_counts",
+    "run_episodes",
+    "trajectories_to_batch",
+]
+
+logger = logging.getLogger(__name__)
+
+ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "exception", "timeout")
+"""Tool error kinds counted in the metrics (see `shardforge.algorithms.workflows.tools`)."""
+STOP_REASONS = ("eos", "max_new_tokens", "correct", "answer", "max_turns", "max_tokens")
+"""Episode stop reasons counted in the metrics (anything else counts as ``other``)."""
+
+
+class EpisodeList(list[Trajectory]):
+    """The kept trajectories of one rank's batch (groups in row order) and what happened to the rest."""
+
+    num_episodes: int = 0
+    """Episodes run (kept + dropped)."""
+    num_failed: int = 0
+    """Episodes that raised (their groups are dropped)."""
+    num_dropped: int = 0
+    """Episodes dropped with a failed group (including the failed ones)."""
+    first_error: str = ""
+    """The first crash, for the error message when the step fails."""
+    generate_calls: int = 0
+    """Batched engine calls the episodes needed."""
+
+
+def run_episodes(
+    workflow: Workflow,
+    engine: RolloutEngine,
+    rows: Sequence[PromptRow],
+    group_size: int,
+    params: SamplingParams,
+    *,
+    drop_failed: bool = True,
+) -> EpisodeList:
+    """Run ``group_size`` episodes per row concurrently (``params.n`` must be 1; ``params.seed`` fixes
+    the samples); trajectories come back grouped by row, in sample order. ``drop_failed=False``:
+    the first crashed episode's exception is raised (nothing is dropped)."""
+    return asyncio.run(_run(workflow, engine, rows, group_size, params, drop_failed))
+
+
+async def _run(
+    workflow: Workflow,
+    engine: RolloutEngine,
+    rows: Sequence[PromptRow],
+    group_size: int,
+    params: SamplingParams,
+    drop_failed: bool,
+) -> EpisodeList:
+    queue = RequestQueue(engine, params)
+    ids = list(range(len(rows) * group_size))
+    queue.reserve(ids)
+
+    async def episode(index: int) -> list[Trajectory]:
+        async with queue.episode(index) as handle:
+            return await workflow.run_episode(handle, rows[index // group_size])
+
+    results = await asyncio.gather(*(episode(i) for i in ids), return_exceptions=True)
+    kept = EpisodeList()
+    kept.num_episodes, kept.generate_calls = len(ids), queue.generate_calls
+    for g in range(len(rows)):
+        group = results[g * group_size : (g + 1) * group_size]
+        errors: list[BaseException] = [r for r in group if isinstance(r, BaseException)]
+        errors += [
+            ValueError(f"the workflow returned {len(r)} trajectories for one episode; GRPO needs exactly 1")
+            for r in group
+            if not isinstance(r, BaseException) and len(r) != 1
+        ]
+        for error in errors:
+            if not isinstance(error, Exception) or not drop_failed:
+                raise error
+        if errors:
+            kept.num_failed += len(errors)
+            kept.num_dropped += group_size
+            message = f"{type(errors[0]).__name__}: {errors[0]}"
+            kept.first_error = kept.first_error or message
+            logger.warning(
+                "dropped the group of prompt %r: %d episode(s) failed; first: %s", rows[g].prompt, len(errors), message
+            )
+            continue
+        kept += [r[0] for r in group if not isinstance(r, BaseException)]
+    return kept
+
+
+def episode_counts(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Local sums for the metrics (fixed keys, so ranks can all-reduce them in one call)."""
+    counts = {"episodes": float(len(trajectories)), "turns": 0.0, "tool_calls": 0.0, "generated_tokens": 0.0}
+    counts |= {f"tool_errors/{kind}": 0.0 for kind in ERROR_KINDS}
+    counts |= {f"stop/{reason}": 0.0 for reason in (*STOP_REASONS, "other")}
+    for t in trajectories:
+        counts["turns"] += len(t.turns)
+        counts["tool_calls"] += t.tool_calls
+        counts["generated_tokens"] += t.num_generated
+        for kind in t.tool_errors:
+            key = f"tool_errors/{kind}"
+            counts[key if key in counts else "tool_errors/exception"] += 1
+        reason = f"stop/{t.stop_reason}"
+        counts[reason if reason in counts else "stop/other"] += 1
+    return counts
+
+
+def trajectories_to_batch(trajectories: Sequence[Trajectory], advantages: torch.Tensor) -> PackedBatch:
+    """Pack trajectories; the loss mask is each trajectory's (model tokens only).
+
+    Extras ([T], on the masked tokens, 0 elsewhere): ``advantages`` (the trajectory's advantage),
+    ``old_logprobs`` and ``behaviour_logprobs`` (both the rollout engine's log-probs; a trainer may
+    overwrite ``old_logprobs`` with recomputed ones). Tool output, user turns and template markers
+    have mask 0: no advantage, no loss, no KL, no value target.
+    """
+    if len(trajectories) != advantages.numel():
+        raise ValueError(f"{len(trajectories)} trajectories but {advantages.numel()} advantages")
+    batch = pack_sequences([t.token_ids for t in trajectories], [[float(m) for m in t.loss_mask] for t in trajectories])
+    adv = torch.zeros(batch.num_tokens)
+    behaviour = torch.zeros(batch.num_tokens)
+    bounds = batch.cu_seqlens.tolist()
+    for i, t in enumerate(trajectories):
+        start, end = bounds[i], bounds[i] + len(t.token_ids)
+        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+        adv[start:end] = torch.where(mask, float(advantages[i]), 0.0)
+        behaviour[start:end] = torch.where(mask, torch.tensor(t.logprobs, dtype=torch.float32), 0.0)
+    batch.extras = {ADVANTAGES: adv, OLD_LOGPROBS: behaviour.clone(), BEHAVIOUR_LOGPROBS: behaviour}
+    return batch
