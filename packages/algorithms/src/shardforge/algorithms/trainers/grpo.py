@@ -23,7 +23,7 @@ import torch
 from shardforge.algorithms.batching.collectives import all_reduce_stats
 from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
-from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorConfig, PPOActorLossFn, summarize_stats
+from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
 from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
 from shardforge.algorithms.objectives.rollout_correction import (
     ROLLOUT_CORRECTIONS,
@@ -40,14 +40,15 @@ from shardforge.algorithms.rlvr import (
 )
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, load_reward_fn
 from shardforge.algorithms.rollout.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, GenerateRoundFn
-from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
+from shardforge.algorithms.rollout.factory import build_rollout_engine
 from shardforge.algorithms.rollout.sources import AsyncRollouts, RolloutSource, SampledBatch, SyncRollouts
-from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.trainers import TrainerSpec
-from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
+from shardforge.algorithms.trainers.base import Trainer
 from shardforge.algorithms.trainers.common import with_total_steps
 from shardforge.algorithms.trainers.rl_common import (
+    RLTrainerConfig,
     check_eval_split,
+    check_rollout_batch,
     dynamic_sampling_stats,
     evaluate_accuracy,
     global_reward_stats,
@@ -68,43 +69,19 @@ __all__ = ["GRPOConfig", "GRPOTrainer", "run_grpo"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class GRPOConfig(TrainerConfig):
-    """Everything `shardforge train grpo` needs (shared fields: `TrainerConfig`)."""
+class GRPOConfig(RLTrainerConfig):
+    """Everything `shardforge train grpo` needs (shared fields: `TrainerConfig`, `RLTrainerConfig`)."""
 
-    steps: int = 20
-    """Optimizer steps (one rollout batch each)."""
-    prompts_per_step: int = 16
-    """Prompts per step across all data-parallel ranks (a multiple of the dp size)."""
     group_size: int = 8
     """Samples per prompt."""
-    max_new_tokens: int = 8
-    """Generation budget per response."""
-    max_prompt_len: int | None = None
-    """Skip prompts longer than this many tokens (None = keep all; they must fit the budget)."""
-    temperature: float = 1.0
-    """Sampling temperature of the rollouts."""
     advantage: AdvantageEstimator = "grpo"
     """Outcome estimator in ADVANTAGE_ESTIMATORS: grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline), opo, grpo_passk."""
-    reward_fn: str = "exact_match"
-    """'exact_match' or 'package.module:function' -> fn(prompt, response, reference) -> float."""
-    actor: PPOActorConfig = field(default_factory=PPOActorConfig)
-    """PPO loss options (clip ranges, dual clip, aggregation, ...)."""
-    recompute_logprobs: bool = True
-    """Recompute old log-probs with the trainer before the update; false = rollout_correction.mode=bypass."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Importance weights trainer/engine on every batch (mode, cap, band, batch_normalize); see the docs."""
     async_rollouts: bool = False
     """Generate the next batch in a background thread while the current step trains (decoupled PPO loss)."""
     max_staleness: int = 1
     """Async mode: batch k is generated with the weights after step max(k - max_staleness, 0); 0 = on-policy."""
-    rollout_dtype: str = "float32"
-    """Dtype of the rollout model and of the published weights."""
-    rollout_engine: RolloutEngineKind = "hf"
-    """'hf' (embedded generate in every trainer process) or 'vllm' (optional extra; see `vllm`)."""
-    vllm: VLLMOptions = field(default_factory=VLLMOptions)
-    """vLLM rollout engine options (rollout_engine=vllm only)."""
-    eval_size: int | None = None
-    """Evaluate on the first N held-out prompts (None = all)."""
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     """How a prompt becomes trajectories: rlvr (one response), multi_turn, tool_use or a user's workflow."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
@@ -122,13 +99,8 @@ class GRPOConfig(TrainerConfig):
 
 
 def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
-    if config.prompts_per_step < 1 or config.prompts_per_step % dp_size:
-        raise ValueError(
-            f"prompts_per_step={config.prompts_per_step} must be a positive multiple of the data-parallel size "
-            f"{dp_size} (every rank samples whole groups)"
-        )
-    if config.group_size < 1:
-        raise ValueError(f"group_size={config.group_size} must be >= 1")
+    budget = config.engine.max_tokens_per_microbatch
+    check_rollout_batch(config, prompts, dp_size, budget, f"engine.max_tokens_per_microbatch={budget}")
     if config.advantage != "dr_grpo" and config.group_size < 2:
         raise ValueError(f"advantage={config.advantage!r} needs group_size >= 2 (it compares samples of a prompt)")
     if config.max_staleness < 0:
@@ -157,13 +129,6 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
             f"actor.behav_weight_cap={config.actor.behav_weight_cap} is not used by GRPO: the behaviour weight of "
             "every batch is rollout_correction's; e.g. AReaL's cap-5 mask is "
             "rollout_correction: {mode: token_mis, high: 5.0}, a cap-5 truncation {mode: token_tis, cap: 5.0}"
-        )
-    longest = max(len(p) for p in prompts.ids) + config.max_new_tokens
-    budget = config.engine.max_tokens_per_microbatch
-    if longest > budget:
-        raise ValueError(
-            f"the longest prompt + max_new_tokens is {longest} tokens but engine.max_tokens_per_microbatch={budget}; "
-            f"raise the budget or set max_prompt_len to skip long prompts"
         )
 
 

@@ -23,17 +23,18 @@ import torch
 from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
-from shardforge.algorithms.objectives import KLEstimator, PPOActorConfig, PPOActorLossFn, PPOCriticConfig
+from shardforge.algorithms.objectives import KLEstimator, PPOActorLossFn, PPOCriticConfig
 from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, PromptSet, load_prompts, rollouts_to_batch
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
-from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
-from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
+from shardforge.algorithms.rollout.factory import build_rollout_engine
 from shardforge.algorithms.trainers import TrainerSpec
-from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
+from shardforge.algorithms.trainers.base import Trainer
 from shardforge.algorithms.trainers.common import with_total_steps
 from shardforge.algorithms.trainers.ppo_update import ShiftedCriticLossFn, ppo_update, prepare_ppo_batch
 from shardforge.algorithms.trainers.rl_common import (
+    RLTrainerConfig,
     check_eval_split,
+    check_rollout_batch,
     evaluate_accuracy,
     global_reward_stats,
     publish_to_rollout,
@@ -44,29 +45,17 @@ __all__ = ["PPOConfig", "PPOTrainer", "ShiftedCriticLossFn", "run_ppo"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PPOConfig(TrainerConfig):
-    """Everything `shardforge train ppo` needs (shared fields: `TrainerConfig`; ``engine`` is the actor's)."""
+class PPOConfig(RLTrainerConfig):
+    """Everything `shardforge train ppo` needs (shared fields: `TrainerConfig`, `RLTrainerConfig`; ``engine`` is the actor's)."""
 
     critic_model: str | None = None
     """Critic start: a reward-model / value-model directory or an LM directory (new head); None = model."""
     reference_model: str | None = None
     """Frozen reference policy for the KL-in-reward term; None = model. Built only when kl_coef > 0."""
-    steps: int = 20
-    """PPO iterations (one rollout batch each)."""
     update_epochs: int = 2
     """Optimizer steps of the actor and of the critic per rollout batch (clipping acts from the second)."""
-    prompts_per_step: int = 16
-    """Prompts per step across all data-parallel ranks (a multiple of the dp size)."""
     group_size: int = 1
     """Samples per prompt."""
-    max_new_tokens: int = 8
-    """Generation budget per response."""
-    max_prompt_len: int | None = None
-    """Skip prompts longer than this many tokens."""
-    temperature: float = 1.0
-    """Sampling temperature of the rollouts."""
-    reward_fn: str = "exact_match"
-    """'exact_match' or 'package.module:function' -> fn(prompt, response, reference) -> float."""
     gamma: float = 1.0
     """GAE discount."""
     lam: float = 0.95
@@ -81,43 +70,21 @@ class PPOConfig(TrainerConfig):
     """Keep the reference policy's weights in host memory except during its forward (on an accelerator
     this frees its whole footprint for the actor; a no-op on CPU). The critic's equivalent is
     ``critic_engine.offload_when_idle``."""
-    actor: PPOActorConfig = field(default_factory=PPOActorConfig)
-    """Actor PPO loss options."""
     critic: PPOCriticConfig = field(default_factory=PPOCriticConfig)
     """Critic loss options (value clip, mse/huber)."""
-    recompute_logprobs: bool = True
-    """Recompute old log-probs with the trainer before the update (else use the rollout's)."""
-    rollout_dtype: str = "float32"
-    """Dtype of the rollout model and of the published weights."""
-    rollout_engine: RolloutEngineKind = "hf"
-    """'hf' (embedded generate in every trainer process) or 'vllm' (optional extra; see `vllm`)."""
-    vllm: VLLMOptions = field(default_factory=VLLMOptions)
-    """vLLM rollout engine options (rollout_engine=vllm only)."""
-    eval_size: int | None = None
-    """Evaluate on the first N held-out prompts (None = all)."""
     critic_engine: EngineConfig = field(default_factory=EngineConfig)
     """Critic engine settings (head is forced to "value")."""
 
 
 def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
-    if config.prompts_per_step < 1 or config.prompts_per_step % dp_size:
-        raise ValueError(
-            f"prompts_per_step={config.prompts_per_step} must be a positive multiple of the data-parallel size "
-            f"{dp_size}"
-        )
+    budget = min(config.engine.max_tokens_per_microbatch, config.critic_engine.max_tokens_per_microbatch)
+    check_rollout_batch(
+        config, prompts, dp_size, budget, f"the smaller max_tokens_per_microbatch of engine/critic_engine is {budget}"
+    )
     if config.update_epochs < 1:
         raise ValueError(f"update_epochs={config.update_epochs} must be >= 1")
-    if config.group_size < 1:
-        raise ValueError(f"group_size={config.group_size} must be >= 1")
     if config.kl_coef < 0:
         raise ValueError(f"kl_coef={config.kl_coef} must be >= 0")
-    longest = max(len(p) for p in prompts.ids) + config.max_new_tokens
-    budget = min(config.engine.max_tokens_per_microbatch, config.critic_engine.max_tokens_per_microbatch)
-    if longest > budget:
-        raise ValueError(
-            f"the longest prompt + max_new_tokens is {longest} tokens but the smaller max_tokens_per_microbatch of "
-            f"engine/critic_engine is {budget}; raise it or set max_prompt_len to skip long prompts"
-        )
 
 
 class PPOTrainer(Trainer[PPOConfig]):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -12,19 +13,74 @@ import torch.distributed as dist
 
 from shardforge.algorithms.batching.collectives import all_reduce_max, all_reduce_sum, broadcast_floats
 from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.objectives import PPOActorConfig
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, exact_match_reward
-from shardforge.algorithms.rollout.factory import PublishedRolloutEngine
+from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, RolloutEngineKind
+from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
+from shardforge.algorithms.trainers.base import TrainerConfig
 from shardforge.weight_sync import DiskTransport
 
 __all__ = [
+    "RLTrainerConfig",
     "check_eval_split",
+    "check_rollout_batch",
     "dynamic_sampling_stats",
     "evaluate_accuracy",
     "global_reward_stats",
     "publish_to_rollout",
     "publish_version",
 ]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RLTrainerConfig(TrainerConfig):
+    """The fields every RL trainer (GRPO, PPO) shares: prompts, sampling, rewards, rollout engine, actor loss."""
+
+    steps: int = 20
+    """Optimizer steps / iterations (one rollout batch each)."""
+    prompts_per_step: int = 16
+    """Prompts per step across all data-parallel ranks (a multiple of the dp size)."""
+    group_size: int = 8
+    """Samples per prompt."""
+    max_new_tokens: int = 8
+    """Generation budget per response."""
+    max_prompt_len: int | None = None
+    """Skip prompts longer than this many tokens (None = keep all; they must fit the budget)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts."""
+    reward_fn: str = "exact_match"
+    """'exact_match' or 'package.module:function' -> fn(prompt, response, reference) -> float."""
+    actor: PPOActorConfig = field(default_factory=PPOActorConfig)
+    """Actor PPO loss options (clip ranges, dual clip, aggregation, policy loss, ...)."""
+    recompute_logprobs: bool = True
+    """Recompute old log-probs with the trainer before the update (else use the rollout's)."""
+    rollout_dtype: str = "float32"
+    """Dtype of the rollout model and of the published weights."""
+    rollout_engine: RolloutEngineKind = "hf"
+    """'hf' (embedded generate in every trainer process) or 'vllm' (optional extra; see `vllm`)."""
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    """vLLM rollout engine options (rollout_engine=vllm only)."""
+    eval_size: int | None = None
+    """Evaluate on the first N held-out prompts (None = all)."""
+
+
+def check_rollout_batch(config: RLTrainerConfig, prompts: PromptSet, dp_size: int, budget: int, where: str) -> None:
+    """Refuse a rollout batch that cannot be split over ``dp_size`` ranks or does not fit the token
+    ``budget`` (``where`` names the budget's setting and value in the message)."""
+    if config.prompts_per_step < 1 or config.prompts_per_step % dp_size:
+        raise ValueError(
+            f"prompts_per_step={config.prompts_per_step} must be a positive multiple of the data-parallel size "
+            f"{dp_size} (every rank samples whole groups)"
+        )
+    if config.group_size < 1:
+        raise ValueError(f"group_size={config.group_size} must be >= 1")
+    longest = max(len(p) for p in prompts.ids) + config.max_new_tokens
+    if longest > budget:
+        raise ValueError(
+            f"the longest prompt + max_new_tokens is {longest} tokens but {where}; "
+            "raise it or set max_prompt_len to skip long prompts"
+        )
 
 
 def publish_version(
