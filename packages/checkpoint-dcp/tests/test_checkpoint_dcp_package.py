@@ -26,6 +26,7 @@ def test_public_surface() -> None:
         "export_hf",
         "load_hf",
         "restore_rng_state",
+        "write_hf_dir",
         "write_safetensors_shards",
     }
     for name in pkg.__all__:

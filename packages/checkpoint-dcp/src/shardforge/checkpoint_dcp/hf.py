@@ -16,6 +16,7 @@ import copy
 import json
 import os
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-__all__ = ["export_hf", "load_hf", "write_safetensors_shards"]
+__all__ = ["export_hf", "load_hf", "write_hf_dir", "write_safetensors_shards"]
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -104,6 +105,43 @@ def write_safetensors_shards(
     writer.finish()
 
 
+def write_hf_dir(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | os.PathLike[str],
+    config: Any = None,
+    tokenizer: Any = None,
+    *,
+    max_shard_bytes: int = 2 * 1024**3,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write (name, CPU tensor) pairs as an HF model directory, atomically (single process).
+
+    The directory is assembled next to ``out_dir`` and renamed into place at the end, so a crash
+    leaves either the old export or the new one. ``config`` is saved with plain SDPA attention (and
+    ``dtype`` when given); floating-point tensors are cast to ``dtype`` on the way.
+    """
+    out = Path(out_dir)
+    tmp = out.with_name(f".{out.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    writer = _ShardWriter(tmp, max_shard_bytes)
+    for name, tensor in tensors:
+        writer.add(name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor)
+    writer.finish()
+    if config is not None:
+        hf_config = copy.deepcopy(config)
+        hf_config._attn_implementation = "sdpa"
+        if dtype is not None:
+            hf_config.dtype = dtype
+        hf_config.save_pretrained(str(tmp))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
 def export_hf(
     model: nn.Module,
     out_dir: str | os.PathLike[str],
@@ -122,41 +160,27 @@ def export_hf(
         max_shard_bytes: size limit of one safetensors file.
         dtype: cast floating-point tensors (e.g. ``torch.bfloat16``) while exporting.
     """
-    out = Path(out_dir)
-    tmp = out.with_name(f".{out.name}.tmp")
     is_main = _rank() == 0
-    if is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
     keep = _canonical_keys(model)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
-    writer = _ShardWriter(tmp, max_shard_bytes) if is_main else None
-    for name, value in state.items():
-        if name not in keep:
-            continue
-        if not isinstance(value, torch.Tensor):
-            continue
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        if writer is not None:
-            tensor = full.detach().to("cpu")
-            if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(dtype)
-            writer.add(name, tensor.clone() if tensor.data_ptr() == full.data_ptr() else tensor)
-        del full
-    if writer is not None:
-        writer.finish()
-        hf_config = copy.deepcopy(config if config is not None else getattr(model, "config", None))
-        if hf_config is not None:
-            hf_config._attn_implementation = "sdpa"
-            if dtype is not None:
-                hf_config.dtype = dtype
-            hf_config.save_pretrained(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+
+    def full_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        # Every rank gathers every entry (full_tensor is collective); rank 0 yields them.
+        for name, value in state.items():
+            if name not in keep or not isinstance(value, torch.Tensor):
+                continue
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if is_main:
+                tensor = full.detach().to("cpu")
+                yield name, tensor.clone() if tensor.data_ptr() == full.data_ptr() else tensor
+            del full
+
+    if is_main:
+        config = config if config is not None else getattr(model, "config", None)
+        write_hf_dir(full_tensors(), out_dir, config, tokenizer, max_shard_bytes=max_shard_bytes, dtype=dtype)
+    else:
+        for _ in full_tensors():
+            pass
     _barrier()
 
 

@@ -15,11 +15,8 @@ backward, so the step equals the non-pipelined one whatever the micro-batch coun
 
 from __future__ import annotations
 
-import copy
 import os
-import shutil
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -273,32 +270,13 @@ class PipelineRunner:
         return state if dist.get_rank() == 0 else {}
 
     def export_hf(self, out_dir: str | os.PathLike[str], config: Any, tokenizer: Any, dtype: Any) -> None:
-        """Stream the gathered tensors into safetensors on rank 0."""
-        from shardforge.checkpoint_dcp import write_safetensors_shards
-
-        out = Path(out_dir)
-        tmp = out.with_name(f".{out.name}.tmp")
-
-        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in self.full_tensors():
-                yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        """Stream the tensors relayed to rank 0 into an HF directory (`checkpoint_dcp.write_hf_dir`)."""
+        from shardforge.checkpoint_dcp import write_hf_dir
 
         if dist.get_rank() == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-            write_safetensors_shards(tensors(), tmp)
-            hf_config = copy.deepcopy(config)
-            if dtype is not None:
-                hf_config.dtype = dtype
-            hf_config.save_pretrained(str(tmp))
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(tmp))
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)
+            write_hf_dir(self.full_tensors(), out_dir, config, tokenizer, dtype=dtype)
         else:
-            for _ in tensors():
+            for _ in self.full_tensors():  # the other ranks' sends
                 pass
         dist.barrier()
 
