@@ -20,6 +20,7 @@ the HF class, the TP plan and the per-token output, and never branch on ``config
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
@@ -140,7 +141,7 @@ def _model_inputs(
     return kwargs, tensors[2:]
 
 
-class Head:
+class Head(ABC):
     """What the engine builds on the decoder, and its per-token output (see the module docstring)."""
 
     name: ClassVar[str]
@@ -155,27 +156,31 @@ class Head:
     """LM heads: log-probs and entropies are those of softmax(logits / T). RL trainers set T to the
     rollout temperature so ratios compare the distribution the samples came from."""
 
+    @abstractmethod
     def hf_config(self, hf_config: Any) -> Any:
         """The HF config of the model this head builds (a copy when it changes anything)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def model_class(self) -> Any:
         """The HF auto class to build from a config (meta-device construction)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def materialize(self, source: Any, hf_config: Any, *, dtype: torch.dtype, attn: str, seed: int) -> Any:
         """The full model on CPU (rank 0): from ``source`` (a directory) or from the config with ``seed``."""
-        raise NotImplementedError
+        ...
 
     def tp_plan(self, model: nn.Module, *, sequence_parallel: bool) -> dict[str, Any] | None:
         """The TP plan (None = the family's default plan)."""
         return None
 
+    @abstractmethod
     def outputs(
         self, model: nn.Module, ctx: ParallelContext, mb: PackedBatch, *, entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[T] per-token outputs of micro-batch ``mb`` (differentiable) and, if asked, [T] entropies."""
-        raise NotImplementedError
+        ...
 
 
 class LMHead(Head):
