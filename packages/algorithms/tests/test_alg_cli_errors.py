@@ -205,3 +205,20 @@ def test_run_writes_resolved_schedule_no_empty_checkpoints_and_logs_changed_step
     assert main(["train", "sft", "--config", config, "steps=3", "export_hf_at_end=false"]) == 0
     out_text = capsys.readouterr().out
     assert "steps changed from 2 (the previous run) to 3: training continues from step 2 to 3" in out_text
+
+
+def test_launcher_prints_the_first_failing_ranks_line_whichever_rank_it_was(tmp_path, monkeypatch):
+    # CI saw rank 1 fail first and the agent stop rank 0 (-15) before rank 0 could print: the
+    # launcher must print rank 1's line, once, not "rank 0 exited with code -15".
+    from shardforge.algorithms.launch import ERROR_DIR_ENV, first_rank_error, write_rank_error
+
+    monkeypatch.delenv(ERROR_DIR_ENV, raising=False)
+    assert write_rank_error("x\n") is False  # nobody listening: the caller prints itself
+    monkeypatch.setenv(ERROR_DIR_ENV, str(tmp_path))
+    assert first_rank_error(tmp_path) is None
+    monkeypatch.setenv("RANK", "1")
+    assert write_rank_error("shardforge: error: from rank 1\n")
+    monkeypatch.setenv("RANK", "0")
+    assert write_rank_error("shardforge: error: from rank 0, later\n")
+    assert first_rank_error(tmp_path) == "shardforge: error: from rank 1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0.json", "rank-1.json"]

@@ -140,12 +140,20 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _report(exc: BaseException) -> int:
-    """One concise error on rank 0 (stderr); other ranks stay quiet. Returns the exit code."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        user_error = isinstance(exc, (ValueError, TypeError, OSError, FloatingPointError))
-        message = str(exc) if user_error else f"{type(exc).__name__}: {exc}"
-        hint = "" if user_error else " (rerun with --debug for the traceback)"
-        sys.stderr.write(f"shardforge: error: {message}{hint}\n")
+    """One concise error line; returns the exit code.
+
+    Under our own relaunch every rank hands its line to the launcher (`launch.write_rank_error`),
+    which prints the first one: the rank that failed first may not be rank 0, and rank 0 may be
+    stopped by the agent before it could print. Under an external torchrun rank 0 prints.
+    """
+    from shardforge.algorithms.launch import write_rank_error
+
+    user_error = isinstance(exc, (ValueError, TypeError, OSError, FloatingPointError))
+    message = str(exc) if user_error else f"{type(exc).__name__}: {exc}"
+    hint = "" if user_error else " (rerun with --debug for the traceback)"
+    line = f"shardforge: error: {message}{hint}\n"
+    if not write_rank_error(line) and int(os.environ.get("RANK", "0")) == 0:
+        sys.stderr.write(line)
     return 1
 
 

@@ -3,19 +3,28 @@
 torchrun's elastic agent runs here (not in a child process), so a SIGTERM or Ctrl-C sent to
 the `shardforge` command reaches the agent, which forwards SIGTERM to every rank and waits for
 them (the ranks stop at a step boundary and save a checkpoint, see `trainers.base`); nothing is
-left running. A failed rank is reported in one line (rank 0 has already printed the error); the
-agent's ChildFailedError block and logs appear only with ``--debug``.
+left running. A failed run is reported in one line: each failing rank writes its error line to a
+file in a directory this process owns (``SHARDFORGE_ERROR_DIR``), and the earliest one is printed
+(the first failure is the cause; the agent then stops the other ranks, rank 0 included, which is
+why rank 0 cannot print it itself). The agent's ChildFailedError block and logs appear only with
+``--debug``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from shardforge.algorithms.log import get_logger
 
-__all__ = ["relaunch", "strip_nproc"]
+__all__ = ["relaunch", "strip_nproc", "write_rank_error"]
+
+ERROR_DIR_ENV = "SHARDFORGE_ERROR_DIR"
 
 log = get_logger(__name__)
 
@@ -34,6 +43,33 @@ def strip_nproc(argv: list[str]) -> list[str]:
     return cleaned
 
 
+def write_rank_error(line: str) -> bool:
+    """Hand this rank's error line to the launching `shardforge` process; False if none is listening."""
+    directory = os.environ.get(ERROR_DIR_ENV)
+    if not directory or not os.path.isdir(directory):
+        return False
+    rank = os.environ.get("RANK", "0")
+    record = {"rank": int(rank), "time": time.time(), "line": line}
+    tmp = Path(directory) / f".rank-{rank}.tmp"
+    tmp.write_text(json.dumps(record))
+    tmp.replace(Path(directory) / f"rank-{rank}.json")  # atomic: the launcher never reads half a record
+    return True
+
+
+def first_rank_error(directory: str | Path) -> str | None:
+    """The error line of the rank that failed first (by wall time, then rank), if any wrote one."""
+    records = []
+    for path in Path(directory).glob("rank-*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not records:
+        return None
+    first = min(records, key=lambda r: (r["time"], r["rank"]))
+    return str(first["line"])
+
+
 def relaunch(nproc: int, argv: list[str], *, debug: bool = False) -> int:
     """Run ``python -m shardforge.algorithms.cli argv`` on ``nproc`` ranks; return the exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -47,19 +83,26 @@ def relaunch(nproc: int, argv: list[str], *, debug: bool = False) -> int:
     args = parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "-m", "shardforge.algorithms.cli", *strip_nproc(argv)]
     )
-    try:
-        run(args)
-    except ChildFailedError as exc:
-        if debug:
-            raise
-        rank, failure = min(exc.failures.items())
-        if rank != 0 or failure.exitcode < 0:  # rank 0 prints its own error; anything else gets a line here
-            sys.stderr.write(
-                f"shardforge: rank {rank} exited with code {failure.exitcode}; rerun with --debug for every "
-                "rank's traceback\n"
-            )
-        return failure.exitcode if failure.exitcode > 0 else 1
-    except SignalException as exc:
-        log.warning("stopped by %s; every rank has exited", exc.sigval.name)
-        return 128 + int(exc.sigval)
+    with tempfile.TemporaryDirectory(prefix="shardforge-errors-") as error_dir:
+        os.environ[ERROR_DIR_ENV] = error_dir  # inherited by every rank
+        try:
+            run(args)
+        except ChildFailedError as exc:
+            if debug:
+                raise
+            line = first_rank_error(error_dir)
+            # no rank wrote a line (a crash, a kill): name the rank that failed first
+            rank, failure = min(exc.failures.items(), key=lambda item: (item[1].exitcode < 0, item[0]))
+            if line is None:
+                line = (
+                    f"shardforge: rank {rank} exited with code {failure.exitcode}; rerun with --debug for "
+                    "every rank's traceback\n"
+                )
+            sys.stderr.write(line)
+            return failure.exitcode if failure.exitcode > 0 else 1
+        except SignalException as exc:
+            log.warning("stopped by %s; every rank has exited", exc.sigval.name)
+            return 128 + int(exc.sigval)
+        finally:
+            os.environ.pop(ERROR_DIR_ENV, None)
     return 0
