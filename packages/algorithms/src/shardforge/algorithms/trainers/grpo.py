@@ -6,7 +6,8 @@ optimiser step rank 0 publishes the new weights with weight-sync's `DiskTranspor
 verified versions under ``output_dir/weights``) and every rank's rollout engine switches to
 it, so step k+1 samples from the policy after update k (synchronous, on-policy). Old
 log-probs are recomputed by the training engine before the update (``recompute_logprobs``),
-so the first PPO ratio is exactly 1; the rollout engine's own log-probs are kept as
+so the first PPO ratio is exactly 1 (when that is redundant, synchronous rollouts with one update
+per batch, they are the training forward's, detached: ``reuse_training_logprobs``); the rollout engine's own log-probs are kept as
 ``behaviour_logprobs``, and every batch (fresh or stale) is corrected for the gap between the two
 by ``rollout_correction`` (`shardforge.algorithms.objectives.rollout_correction`; metrics
 ``rollout_corr/*``, and ``behaviour_kl`` = mean |trainer - engine|).
@@ -14,6 +15,7 @@ by ``rollout_correction`` (`shardforge.algorithms.objectives.rollout_correction`
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -25,10 +27,12 @@ from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
 from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
+from shardforge.algorithms.objectives.on_policy import OnPolicyActorLossFn, correction_fits_in_loss, has_dropout
 from shardforge.algorithms.objectives.rollout_correction import (
     ROLLOUT_CORRECTIONS,
     RolloutCorrectionConfig,
     apply_rollout_correction,
+    summarize_correction_stats,
 )
 from shardforge.algorithms.rlvr import (
     BEHAVIOUR_LOGPROBS,
@@ -67,6 +71,8 @@ from shardforge.weight_sync import DiskTransport
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "run_grpo"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GRPOConfig(RLTrainerConfig):
@@ -86,6 +92,10 @@ class GRPOConfig(RLTrainerConfig):
     """How a prompt becomes trajectories: rlvr (one response), multi_turn, tool_use or a user's workflow."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     """DAPO dynamic sampling: drop zero-variance groups (raw reward), backfill up to max_rounds rounds."""
+    reuse_training_logprobs: bool = True
+    """Skip the old-log-prob recompute when it is redundant (synchronous rollouts: one update per batch, on-policy;
+    no dropout; rollout_correction none/bypass/*_tis without batch_normalize) and take them from the training
+    forward, detached, as TRL and verl do; false: always recompute. See docs/packages/algorithms-rl.md."""
 
     def __post_init__(self) -> None:
         # An unknown estimator is a config error, not a failure at the first step.
@@ -236,6 +246,9 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         else:
             self.source = SyncRollouts(rollout, sample_fn, publish)
         self.actor = PPOActorLossFn(config.actor)
+        if _reuse_training_logprobs(config, engine):
+            self.actor = OnPolicyActorLossFn(config.actor, config.rollout_correction)
+            log.info("old log-probs: from the training forward (one update per on-policy batch; no recompute pass)")
 
     def train_step(self, step: int) -> dict[str, float]:
         assert self.source is not None
@@ -283,6 +296,21 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
     return GRPOTrainer(config).run()
 
 
+def _reuse_training_logprobs(config: GRPOConfig, engine: TrainEngine) -> bool:
+    """Whether the old log-probs the recompute pass would give are the training forward's: one
+    synchronous (on-policy) update per batch with the same weights, no dropout (train-mode forward
+    = eval-mode forward), and a rollout correction that can run inside the loss."""
+    mode = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode)
+    return (
+        config.reuse_training_logprobs
+        and config.recompute_logprobs
+        and getattr(mode, "recompute", True)
+        and not config.async_rollouts
+        and correction_fits_in_loss(config.rollout_correction)
+        and not has_dropout(engine.hf_config)
+    )
+
+
 def _train_step(
     sampled: SampledBatch, config: GRPOConfig, engine: TrainEngine, actor: PPOActorLossFn, step_started: float
 ) -> dict[str, float]:
@@ -297,7 +325,8 @@ def _train_step(
     batch = trajectories_to_batch(sampled.rollouts, advantages)
     staleness = sampled.index - sampled.policy_step
     correction: dict[str, float] = {}
-    if config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute:
+    recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
+    if config.recompute_logprobs and recompute and not isinstance(actor, OnPolicyActorLossFn):
         batch.extras[OLD_LOGPROBS] = engine.forward(batch)
         mask = batch.loss_mask != 0
         gap = (batch.extras[OLD_LOGPROBS] - batch.extras[BEHAVIOUR_LOGPROBS])[mask]
@@ -308,6 +337,11 @@ def _train_step(
     forwarded = time.perf_counter()
     stats = engine.train_batch(batch, actor, actor.loss_weight)
     actor_stats = all_reduce_stats(actor.pop_stats(), engine.dp_group, engine.device)
+    if isinstance(actor, OnPolicyActorLossFn):  # the correction ran inside the loss, per micro-batch
+        local = actor.pop_correction_stats()
+        gap, count = local.pop("behaviour_gap"), float(local["num_tokens"])
+        correction["behaviour_kl"] = float(gap) / count if count else 0.0  # this rank's, as when recomputed
+        correction |= summarize_correction_stats(all_reduce_stats(local, engine.dp_group, engine.device))
     stats |= {f"actor/{k}": v for k, v in summarize_stats(actor_stats).items()}
     # Bypass: the loss's ratio pi/behav before the step is the mismatch itself (k1 of behav -> pi).
     stats |= correction or {"rollout_corr/kl_k1": stats["actor/approx_kl"]}
