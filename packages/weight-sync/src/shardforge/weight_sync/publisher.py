@@ -92,7 +92,8 @@ class WeightPublisher:
             self.bucket_bytes,
             src_rank=self.src_rank,
             dtype=self.dtype,
-            ring=2 if self.reuse_buffers else 0,
+            # A transport that keeps buckets past send (InProcessTransport) needs a fresh buffer each.
+            ring=2 if self.reuse_buffers and not getattr(self.transport, "keeps_buckets", False) else 0,
         )
         if not self.is_sender:
             for _ in buckets:

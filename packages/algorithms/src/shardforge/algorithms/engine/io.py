@@ -75,12 +75,14 @@ class EngineIO:
         bucket_bytes: int = 256 * 1024**2,
         dtype: str | torch.dtype | None = None,
         src_rank: int = 0,
+        checksums: bool | str | None = "crc32",
     ) -> PublishStats | None:
         """Push the current weights to inference engines through ``transport`` (weight-sync).
 
         Collective over all ranks; ``transport`` is needed on ``src_rank`` only (None elsewhere).
         Tensors are gathered bucket by bucket in HF naming, cast to ``dtype`` (e.g. "bf16") before
-        they move. ``version`` defaults to the engine's step. Returns stats on ``src_rank``.
+        they move. ``version`` defaults to the engine's step. ``checksums``: per-tensor checksums
+        in the manifest (None: none, e.g. for an in-process receiver). Returns stats on ``src_rank``.
         """
         publisher = WeightPublisher(
             self.model,
@@ -88,6 +90,7 @@ class EngineIO:
             bucket_bytes=bucket_bytes,
             dtype=parse_dtype(dtype) if dtype is not None else None,
             src_rank=src_rank,
+            checksums=checksums,
         )
         with lora.merged_weights(self.model, self.config):  # LoRA: publish merged HF weights
             return publisher.publish(self.step if version is None else version)

@@ -58,6 +58,7 @@ from shardforge.algorithms.trainers.rl_common import (
     global_reward_stats,
     publish_version,
 )
+from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
 from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
 from shardforge.algorithms.workflows import (
     PromptRow,
@@ -95,7 +96,10 @@ class GRPOConfig(RLTrainerConfig):
     reuse_training_logprobs: bool = True
     """Skip the old-log-prob recompute when it is redundant (synchronous rollouts: one update per batch, on-policy;
     no dropout; rollout_correction none/bypass/*_tis without batch_normalize) and take them from the training
-    forward, detached, as TRL and verl do; false: always recompute. See docs/packages/algorithms-rl.md."""
+    forward, detached, as TRL and verl do; false: always recompute. See docs/packages/algorithms-grpo.md."""
+    publish_in_memory: bool = True
+    """At world size 1 with the embedded HF rollout engine (synchronous), hand the new weights to it in memory
+    instead of a weight-sync version on disk (output_dir/weights); false: always through disk."""
 
     def __post_init__(self) -> None:
         # An unknown estimator is a config error, not a failure at the first step.
@@ -214,7 +218,11 @@ class GRPOTrainer(Trainer[GRPOConfig]):
             dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
         )  # fmt: skip
 
+        receiver = in_process_receiver(rollout, enabled=config.publish_in_memory, asynchronous=config.async_rollouts)
+
         def publish(version: int | None) -> int:
+            if receiver is not None:  # same process: no disk round trip
+                return publish_in_process(engine, receiver, config.rollout_dtype, version)
             return publish_version(engine, transport, rollout, config.rollout_dtype, version)
 
         generate_round = _sample_fn(config, rollout, self.prompts, self.workflow, engine)
