@@ -131,6 +131,9 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             from shardforge.algorithms.launch import relaunch
 
             return relaunch(args.nproc_per_node, argv, debug=args.debug)
+    from shardforge.algorithms.threads import set_process_threads
+
+    set_process_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
     summary = trainer.run(config)
     log.info("done: %s", summary)
     from shardforge.mesh import destroy_distributed
