@@ -10,9 +10,11 @@ Ranking of the layouts that fit (lower is better, in order):
    rank adds per-layer or per-micro-batch communication that data parallelism does not);
 2. tp, then pp, then cp (TP's per-layer all-gathers / reduce-scatters are the heaviest traffic,
    then the pipeline bubble, then CP's all-to-alls);
-3. more dp_replicate (smaller FSDP groups: all-gathers span fewer ranks); a replicate-only layout
-   counts as one FSDP group, since the engine shards it over the replicas;
-4. lower predicted peak memory (headroom).
+3. DDP before FSDP (a replicate-only layout run as DDP, `plan.ddp`: one bucketed all-reduce per
+   step instead of per-layer all-gathers and reduce-scatters), proposed when it fits;
+4. more dp_replicate (smaller FSDP groups: all-gathers span fewer ranks); a replicate-only layout
+   run as FSDP counts as one FSDP group, since the engine shards it over the replicas;
+5. lower predicted peak memory (headroom).
 Layouts that do not fit follow, by predicted peak.
 """
 
@@ -22,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardforge.algorithms.plan.ddp import ddp_applies, estimate_ddp_memory
 from shardforge.algorithms.plan.memory import MemoryEstimate, estimate_memory
 from shardforge.algorithms.plan.options import PlanOptions
 from shardforge.algorithms.plan.stats import ModelStats
@@ -68,12 +71,12 @@ def enumerate_layouts(stats: ModelStats, world_size: int, opts: PlanOptions) -> 
     return out
 
 
-def rank_key(est: MemoryEstimate) -> tuple[int, int, int, int, int, int]:
+def rank_key(est: MemoryEstimate) -> tuple[int, int, int, int, int, int, int]:
     d = est.dims
-    # Replicate-only layouts (dp_shard x cp = 1) are sharded over the replicas by the engine: plain
-    # FSDP, no HSDP benefit, so they rank as one FSDP group.
+    # Replicate-only layouts (dp_shard x cp = 1) run as FSDP are sharded over the replicas by the engine:
+    # plain FSDP, no HSDP benefit, so they rank as one FSDP group.
     replicas = d.dp_replicate if d.dp_shard * d.cp > 1 else 1
-    return (d.tp * d.cp * d.pp, d.tp, d.pp, d.cp, -replicas, est.total)
+    return (d.tp * d.cp * d.pp, d.tp, d.pp, d.cp, est.data_parallel != "ddp", -replicas, est.total)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +121,7 @@ def plan_layouts(
         candidates = enumerate_layouts(stats, world_size, opts)
     enumerated = time.perf_counter()
     estimates = [estimate_memory(stats, dims, opts) for dims in candidates]
+    estimates += [estimate_ddp_memory(stats, dims, opts) for dims in candidates if ddp_applies(dims, opts)]
     fits = [e for e in estimates if budget is None or e.total <= budget]
     fitting = sorted(fits, key=rank_key)
     too_big = sorted((e for e in estimates if budget is not None and e.total > budget), key=lambda e: e.total)

@@ -51,6 +51,8 @@ class MemoryEstimate:
     """Host bytes (params, grads, optimizer state) under cpu_offload."""
     state: dict[str, int] = field(default_factory=dict)
     """Whole-step sizes on the device: params, grads, optim (grads whether or not alive at the peak)."""
+    data_parallel: str = "fsdp"
+    """How data parallelism holds the model: "fsdp" (sharded) or "ddp" (a replica per rank; `plan.ddp`)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -65,6 +67,7 @@ class MemoryEstimate:
             "pp_rank": self.pp_rank,
             "host": self.host,
             "state": dict(self.state),
+            "data_parallel": self.data_parallel,
         }
 
 

@@ -109,7 +109,7 @@ def format_table(rows: list[MemoryEstimate], budget: int | None) -> str:
     header = ("layout", f"params {unit}", "grads", "optim", "activ", "comm", "total", "peak at", "fits")
     lines: list[tuple[str, ...]] = [header]
     for e in rows:
-        layout = layout_string(e.dims)
+        layout = layout_string(e.dims) + (" ddp" if getattr(e, "data_parallel", "fsdp") == "ddp" else "")
         fits = "-" if budget is None else ("yes" if e.total <= budget else "no")
         vals = (e.params, e.grads, e.optim, e.activations, e.comm, e.total)
         lines.append((layout, *(f"{v / size:.2f}" for v in vals), e.phase, fits))
@@ -157,6 +157,11 @@ def run_plan(args: argparse.Namespace) -> int:
         f"meta build {built - started:.2f}s, plan {result.seconds:.2f}s. Per-rank memory at the predicted peak:"
     )
     print(format_table(shown, budget))
+    if any(getattr(e, "data_parallel", "fsdp") == "ddp" for e in shown):
+        print(
+            "'rN ddp': layout=rN engine.data_parallel=ddp (a whole model per rank, gradients all-reduced in buckets; "
+            "'rN' alone is FSDP over the N replicas)"
+        )
     if budget is not None and not result.fitting:
         print("nothing fits: try activation checkpointing (--ac full), more ranks, --cpu-offload or LoRA")
     if len(rows) > len(shown):
