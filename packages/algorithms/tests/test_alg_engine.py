@@ -297,3 +297,17 @@ def test_ddp_is_refused_on_sharded_layouts():
         )
     with pytest.raises(ValueError, match="unknown data_parallel 'zero'"):
         EngineConfig(data_parallel="zero")  # type: ignore[arg-type]
+
+
+def test_world1_warns_about_settings_only_fsdp_applies(caplog):
+    # One process builds a plain model: compute_dtype and cpu_offload would do nothing silently.
+    with caplog.at_level("WARNING", logger="shardforge.algorithms.engine.engine"):
+        TrainEngine(tiny_config(), "d1", EngineConfig(compute_dtype="bfloat16", cpu_offload=True))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "engine.compute_dtype=bfloat16" in warnings[0] and "engine.cpu_offload=true" in warnings[0]
+    assert "--nproc-per-node" in warnings[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shardforge.algorithms.engine.engine"):
+        TrainEngine(tiny_config(), "d1", EngineConfig(compute_dtype="float32"))  # same as param_dtype: nothing lost
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

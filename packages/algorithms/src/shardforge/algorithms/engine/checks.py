@@ -8,11 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardforge.algorithms.engine.config import EngineConfig
+from shardforge.algorithms.engine.config import EngineConfig, parse_dtype
 from shardforge.algorithms.engine.heads import make_head
 from shardforge.mesh import ParallelDims
 
-__all__ = ["check_engine", "check_features", "check_layout", "check_pipeline", "stages_per_rank"]
+__all__ = [
+    "check_engine",
+    "check_features",
+    "check_layout",
+    "check_pipeline",
+    "ignored_without_fsdp",
+    "stages_per_rank",
+]
 
 
 def check_engine(dims: ParallelDims, hf_config: Any, config: EngineConfig) -> None:
@@ -64,6 +71,20 @@ def _check_ddp(dims: ParallelDims, config: EngineConfig) -> None:
         )
     if config.cpu_offload:
         raise ValueError("engine.data_parallel=ddp keeps the model on the device: cpu_offload needs data_parallel=fsdp")
+
+
+def ignored_without_fsdp(config: EngineConfig) -> list[str]:
+    """Settings that only the FSDP wrapper applies, set here to something that would change a run.
+
+    A single process builds a plain module (no FSDP wrapper), so these do nothing there; the engine
+    warns with this list instead of ignoring them silently.
+    """
+    ignored = []
+    if config.compute_dtype and parse_dtype(config.compute_dtype) != parse_dtype(config.param_dtype):
+        ignored.append(f"engine.compute_dtype={config.compute_dtype} (the model computes in {config.param_dtype})")
+    if config.cpu_offload:
+        ignored.append("engine.cpu_offload=true (weights, gradients and optimizer state stay where the model is)")
+    return ignored
 
 
 def check_layout(dims: ParallelDims, hf_config: Any) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from shardforge.algorithms.batching import PackedBatch, all_reduce_sum
 from shardforge.algorithms.engine.build import build_model
-from shardforge.algorithms.engine.checks import check_engine, check_features
+from shardforge.algorithms.engine.checks import check_engine, check_features, ignored_without_fsdp
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.engine.context import ParallelContext
 from shardforge.algorithms.engine.features.moe import register_moe_checkpoint_hooks
@@ -33,7 +33,10 @@ from shardforge.algorithms.engine.io import EngineIO
 from shardforge.algorithms.engine.loading import load_hf_config
 from shardforge.algorithms.engine.optim import build_optimizer, build_scheduler
 from shardforge.algorithms.objectives.sft import sft_loss, token_count
+from shardforge.algorithms.log import get_logger
 from shardforge.mesh import ParallelDims, build_mesh, current_device, init_distributed
+
+log = get_logger(__name__)
 
 __all__ = ["LossFn", "LossWeightFn", "TrainEngine"]
 
@@ -81,6 +84,13 @@ class TrainEngine(EngineIO):
             init_distributed(timeout_s=self.config.dist_timeout_s)
             mesh = build_mesh(self.dims)
         self.ctx = ParallelContext(dims=self.dims, mesh=mesh, device=current_device(), config=self.config)
+        if mesh is None and (ignored := ignored_without_fsdp(self.config)):
+            log.warning(
+                "a single process trains a plain model without the FSDP wrapper, so these settings have no effect: "
+                "%s. Run with 2 or more ranks (--nproc-per-node) to use them, or set engine.param_dtype to train "
+                "in another dtype",
+                "; ".join(ignored),
+            )
         self.model, self.runner = build_model(self.ctx, self.head, self.hf_config, model)
         self.optimizer = build_optimizer(self.model, self.config.optimizer)
         register_moe_checkpoint_hooks(self.model, self.optimizer)  # expert-TP optimizer states in DCP

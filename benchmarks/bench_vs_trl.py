@@ -1,0 +1,246 @@
+"""shardforge vs TRL 1.16 SFT on the same model, tokens, batch order, optimiser and cores.
+
+What runs (``nox -s bench_trl``: the workspace plus ``trl`` and ``accelerate`` pinned, in its own venv):
+
+* the demo's tiny Qwen3 (3.2M weights, char tokenizer) and addition data, made locally;
+* shardforge: ``shardforge train sft`` as a user runs it (2 processes: ``layout=r2
+  engine.data_parallel=ddp``, the layout the planner proposes for a model this small; 1 process:
+  world 1), constant learning rate, no eval, no HF export;
+* TRL: ``trl.SFTTrainer`` (benchmarks/trl_sft_worker.py) under ``torchrun`` (DDP over gloo) or
+  alone, on the rows shardforge's own SFT loader tokenised (same ids, same completion masks), read
+  in shardforge's global-batch order, so step k of both trains on the same sequences; padded
+  batches (TRL's default: HF SDPA ignores packed position ids in transformers 5);
+* one intra-op thread per process on both sides; the runs alternate A, B, A, B for ``ROUNDS``
+  rounds so both see the same machine load.
+
+Reported per configuration: real (non-pad) tokens/s over the steps after ``WARMUP`` (the wall
+time between optimizer-step ends, so data loading and logging count on both sides), the time
+from launching the command to the end of the first step (start-up), min and median of the
+paired per-round ratios, the 1-minute load average at each run, and both tools' first-step
+losses (same weights, same data: they must agree, or the comparison is of different work).
+
+Without ``trl`` installed (``nox -s benchmarks``) it prints how to run it and exits 0.
+Run: ``nox -s bench_trl`` (about 10 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common
+
+NAME = "sft_vs_trl"
+HERE = Path(__file__).resolve().parent
+ROUNDS = int(os.environ.get("BENCH_TRL_ROUNDS", "3"))
+STEPS = 12
+WARMUP = 2
+GLOBAL_BATCH = 64
+LR = 1e-3
+WEIGHT_DECAY = 0.0
+MAX_GRAD_NORM = 1.0
+SEED = 0
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+def prepare(root: Path) -> dict[str, Any]:
+    """Demo model + data; the TRL rows in shardforge's batch order; per-step real token counts."""
+    from transformers import AutoTokenizer
+
+    from shardforge.algorithms.data import GlobalBatchSampler, load_sft_examples
+    from shardforge.algorithms.demos.demo import prepare_demo
+
+    assets = prepare_demo(root / "demo")
+    tokenizer = AutoTokenizer.from_pretrained(str(assets["model"]))
+    examples = load_sft_examples(assets["train"], tokenizer)
+    sampler = GlobalBatchSampler(len(examples), GLOBAL_BATCH, seed=SEED)
+    order = [i for step in range(STEPS) for i in sampler.global_batch(step)]
+    rows = root / "trl_rows.jsonl"
+    with rows.open("w") as fh:
+        for i in order:
+            ex = examples[i]
+            fh.write(json.dumps({"input_ids": ex.input_ids, "completion_mask": [int(m) for m in ex.loss_mask]}) + "\n")
+    tokens = [sum(len(examples[i].input_ids) for i in sampler.global_batch(s)) for s in range(STEPS)]
+    return {"model": str(assets["model"]), "train": str(assets["train"]), "rows": str(rows), "tokens": tokens}
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def run_ours(assets: dict[str, Any], nproc: int, out: Path) -> dict[str, Any]:
+    layout = "r2" if nproc == 2 else "d1"
+    config = out / "config.json"  # YAML is a superset of JSON
+    config.write_text(
+        json.dumps(
+            {
+                "model": assets["model"],
+                "train_file": assets["train"],
+                "output_dir": str(out / "run"),
+                "layout": layout,
+                "steps": STEPS,
+                "global_batch_size": GLOBAL_BATCH,
+                "log_every": 1,
+                "seed": SEED,
+                "export_hf_at_end": False,
+                "resume": "never",
+                "progress": False,
+                "engine": {
+                    "data_parallel": "ddp" if nproc == 2 else "fsdp",
+                    "seed": SEED,
+                    "optimizer": {"lr": LR, "weight_decay": WEIGHT_DECAY, "max_grad_norm": MAX_GRAD_NORM},
+                    "scheduler": {"kind": "constant", "warmup_steps": 0},
+                },
+            }
+        )
+    )
+    command = [sys.executable, "-m", "shardforge.algorithms.cli", "train", "sft", "--config", str(config),
+               "--nproc-per-node", str(nproc)]  # fmt: skip
+    load = _load()
+    launched = time.time()
+    subprocess.run(command, check=True, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r.get("split", "train") == "train"]
+    return {"launched": launched, "step_end": [r["time"] for r in train], "loss": [r["loss"] for r in train],
+            "load": load}  # fmt: skip
+
+
+def run_trl(assets: dict[str, Any], nproc: int, out: Path) -> dict[str, Any]:
+    args = out / "args.json"
+    result = out / "trl.json"
+    args.write_text(
+        json.dumps(
+            {
+                "model": assets["model"],
+                "rows": assets["rows"],
+                "output_dir": str(out / "trl_out"),
+                "steps": STEPS,
+                "global_batch_size": GLOBAL_BATCH,
+                "lr": LR,
+                "weight_decay": WEIGHT_DECAY,
+                "max_grad_norm": MAX_GRAD_NORM,
+                "seed": SEED,
+                "out": str(result),
+            }
+        )
+    )
+    worker = str(HERE / "trl_sft_worker.py")
+    if nproc == 1:
+        command = [sys.executable, worker, str(args)]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   worker, str(args)]  # fmt: skip
+    load = _load()
+    launched = time.time()
+    subprocess.run(command, check=True, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    record = json.loads(result.read_text())
+    return {"launched": launched, "step_end": record["step_end"], "loss": record["loss"], "load": load}
+
+
+def summarise(run: dict[str, Any], tokens: list[int]) -> dict[str, float]:
+    ends = run["step_end"]
+    if len(ends) != STEPS:
+        raise RuntimeError(f"expected {STEPS} step ends, got {len(ends)}")
+    timed = sum(tokens[WARMUP:]) / (ends[-1] - ends[WARMUP - 1])
+    return {"tokens_per_s": timed, "startup_s": ends[0] - run["launched"], "first_loss": run["loss"][0],
+            "load": run["load"]}  # fmt: skip
+
+
+def _run_checked(label: str, fn: Any, *args: Any) -> dict[str, Any]:
+    try:
+        return fn(*args)
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"[{NAME}] {label} failed (exit {exc.returncode}):\n{(exc.stderr or '')[-3000:]}") from None
+
+
+def main() -> int:
+    if importlib.util.find_spec("trl") is None:
+        print(f"[{NAME}] skipped: trl is not installed here; run `nox -s bench_trl` (its own venv with trl)")
+        return 0
+    import trl
+
+    started = time.perf_counter()
+    info = _common.machine_info()
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
+        root = Path(tmp)
+        assets = prepare(root)
+        for nproc in (2, 1):
+            key = f"{nproc}proc"
+            results[key] = {"shardforge": [], "trl": []}
+            for index in range(ROUNDS):
+                order = ("shardforge", "trl") if index % 2 == 0 else ("trl", "shardforge")
+                for tool in order:
+                    out = root / f"{key}-{tool}-{index}"
+                    out.mkdir()
+                    fn = run_ours if tool == "shardforge" else run_trl
+                    run = summarise(_run_checked(f"{tool} {key}", fn, assets, nproc, out), assets["tokens"])
+                    results[key][tool].append(run)
+                    print(f"[{NAME}] {key} round {index + 1} {tool}: {run['tokens_per_s']:,.0f} tok/s, "
+                          f"start-up {run['startup_s']:.1f} s, first loss {run['first_loss']:.4f}, "
+                          f"load {run['load']:.1f}", flush=True)  # fmt: skip
+    summary: dict[str, Any] = {}
+    for key, tools in results.items():
+        ours, theirs = tools["shardforge"], tools["trl"]
+        speed = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
+        startup = [a["startup_s"] / b["startup_s"] for a, b in zip(ours, theirs)]
+        loss_gap = max(abs(a["first_loss"] - b["first_loss"]) / abs(b["first_loss"]) for a, b in zip(ours, theirs))
+        summary[key] = {
+            "tokens_per_s": {t: statistics.median(r["tokens_per_s"] for r in rs) for t, rs in tools.items()},
+            "startup_s": {t: statistics.median(r["startup_s"] for r in rs) for t, rs in tools.items()},
+            "speed_ratio_min": min(speed),
+            "speed_ratio_median": statistics.median(speed),
+            "startup_ratio_median": statistics.median(startup),
+            "first_loss_rel_gap": loss_gap,
+            "loads": [r["load"] for rs in tools.values() for r in rs],
+        }
+    payload = {
+        "benchmark": NAME,
+        "description": "SFT: shardforge (r2 DDP / world 1) vs TRL SFTTrainer (DDP gloo / 1 process), alternated",
+        "trl": trl.__version__,
+        "steps": STEPS,
+        "warmup": WARMUP,
+        "global_batch": GLOBAL_BATCH,
+        "rounds": ROUNDS,
+        "summary": summary,
+        "runs": results,
+        "machine": info,
+        "date": _common.today(),
+        "seconds": time.perf_counter() - started,
+    }
+    json_path = _common.write_json(NAME, payload)
+    targets = {"2proc": 1.2, "1proc": 1.0}
+    for key, s in summary.items():
+        target = targets[key]
+        _common.upsert_result_row(
+            benchmark=f"{NAME}_{key}",
+            metric=(
+                f"SFT real tokens/s, {key[0]} process(es) x 1 thread, shardforge vs TRL {trl.__version__}; "
+                f"median of {ROUNDS} paired rounds (start-up ratio {s['startup_ratio_median']:.2f}, first-loss gap "
+                f"{s['first_loss_rel_gap']:.1e}, load {min(s['loads']):.1f}-{max(s['loads']):.1f})"
+            ),
+            ours=f"{s['tokens_per_s']['shardforge']:,.0f}",
+            baseline=f"{s['tokens_per_s']['trl']:,.0f}",
+            ratio=f"{s['speed_ratio_median']:.2f} (min {s['speed_ratio_min']:.2f})",
+            target=_common.target_cell(f">= {target}x", s["speed_ratio_median"] >= target),
+            machine=_common.machine_label(info),
+        )
+        print(f"[{NAME}] {key}: {s['speed_ratio_median']:.2f}x TRL tokens/s (min {s['speed_ratio_min']:.2f}), "
+              f"start-up {s['startup_s']['shardforge']:.1f} s vs {s['startup_s']['trl']:.1f} s, "
+              f"first-loss gap {s['first_loss_rel_gap']:.1e}", flush=True)  # fmt: skip
+    print(f"[{NAME}] wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

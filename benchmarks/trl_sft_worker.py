@@ -1,0 +1,92 @@
+"""TRL side of bench_vs_trl.py: one `trl.SFTTrainer` run on pre-tokenised rows, in the given order.
+
+Launched by bench_vs_trl.py as ``python trl_sft_worker.py ARGS.json`` (one process) or under
+``torchrun --standalone --nproc-per-node 2`` (DDP over gloo, as `accelerate` sets it up for CPU
+processes). The rows (``input_ids`` + ``completion_mask``, tokenised by shardforge's own SFT
+loader) are in shardforge's global-batch order and read sequentially, so step k of both tools
+trains on the same sequences from the same weights with the same AdamW, clipping and constant
+learning rate. Rank 0 writes the wall-clock time of every optimizer step's end and the logged
+losses to ``ARGS["out"]``.
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.time()  # before the heavy imports: start-up is measured from the process start
+
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+
+def main(args_file: str) -> None:
+    import torch
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    args: dict[str, Any] = json.loads(Path(args_file).read_text())
+    torch.manual_seed(args["seed"])
+    rows = [json.loads(line) for line in Path(args["rows"]).read_text().splitlines()]
+    dataset = Dataset.from_list(rows)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    tokenizer = AutoTokenizer.from_pretrained(args["model"])
+    model = AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32, attn_implementation="sdpa")
+
+    record: dict[str, Any] = {"process_start": STARTED, "step_end": [], "loss": [], "world": world}
+
+    class Timer(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, _args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            record["step_end"].append(time.time())
+
+        def on_log(self, _args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+            if logs and "loss" in logs:
+                record["loss"].append(float(logs["loss"]))
+
+    class InOrderSFTTrainer(SFTTrainer):  # type: ignore[misc]
+        """Reads the rows in the order given (shardforge's batch order) instead of shuffling."""
+
+        def _get_train_sampler(self, *a: Any, **k: Any) -> SequentialSampler:
+            return SequentialSampler(self.train_dataset)
+
+    config = SFTConfig(
+        output_dir=args["output_dir"],
+        per_device_train_batch_size=args["global_batch_size"] // world,
+        gradient_accumulation_steps=1,
+        max_steps=args["steps"],
+        learning_rate=args["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=args["weight_decay"],
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=args["max_grad_norm"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=args["seed"],
+        completion_only_loss=True,
+        padding_free=False,  # HF SDPA ignores packed position_ids in transformers 5: padding is the correct mode
+        max_length=None,
+        disable_tqdm=True,
+        ddp_backend="gloo" if world > 1 else None,
+    )
+    trainer = InOrderSFTTrainer(
+        model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[Timer()]
+    )
+    trainer.train()
+    if rank == 0:
+        record["process_end"] = time.time()
+        Path(args["out"]).write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
