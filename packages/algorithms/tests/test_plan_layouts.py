@@ -126,3 +126,22 @@ def test_cli_unknown_preset(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="presets"):
         main(["--debug", "plan", "nope-7b", "--world-size", "8", "--seq-len", "128"])
     assert load_model_config("qwen3-30b-a3b").num_experts == 128
+
+
+def test_one_refused_layout_among_several_is_reported_and_the_others_planned(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    stats = _stats()
+    result = plan_layouts(stats, 8, OPTS, layouts=["d8", "d2t4", "d4t2"])
+    assert sorted(e.dims.to_string() for e in result.fitting) == sorted(
+        ParallelDims.parse(t).resolve(8).to_string() for t in ("d8", "d4t2")
+    )
+    assert [layout for layout, _ in result.rejected] == ["d2t4"] and "tp=4 must divide" in result.rejected[0][1]
+    assert result.as_dict()["rejected"][0]["layout"] == "d2t4"
+
+    from shardforge.algorithms.cli import main
+
+    assert main(["plan", "qwen3-8b", "--world-size", "8", "--seq-len", "128", "--layout", "d8", "--layout", "t3"]) == 0
+    out = capsys.readouterr().out
+    assert "layout t3 not planned:" in out and "divisible" in out
+    assert "d8" in out.split("layout t3")[0]  # d8's row is still in the table

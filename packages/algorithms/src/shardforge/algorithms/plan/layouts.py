@@ -89,9 +89,12 @@ class PlanResult:
     world_size: int
     seconds: float
     timings: dict[str, float] = field(default_factory=dict)
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+    """Layouts asked for by name that the engine would refuse: (layout, why)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "rejected": [{"layout": layout, "error": why} for layout, why in self.rejected],
             "world_size": self.world_size,
             "budget_bytes": self.budget,
             "seconds": self.seconds,
@@ -111,12 +114,19 @@ def plan_layouts(
 ) -> PlanResult:
     """Predict every valid layout (or just ``layouts``) and rank those within ``budget`` bytes."""
     started = time.perf_counter()
-    if layouts:
+    rejected: list[tuple[str, str]] = []
+    if layouts:  # one refused layout is reported with its reason; the others are still planned
         candidates = []
         for text in layouts:
-            dims = ParallelDims.parse(text).resolve(world_size)
-            validate_for_engine(dims, stats, opts)
+            try:
+                dims = ParallelDims.parse(text).resolve(world_size)
+                validate_for_engine(dims, stats, opts)
+            except ValueError as exc:
+                rejected.append((text, str(exc)))
+                continue
             candidates.append(dims)
+        if not candidates:
+            raise ValueError("; ".join(f"layout {text}: {why}" for text, why in rejected))
     else:
         candidates = enumerate_layouts(stats, world_size, opts)
     enumerated = time.perf_counter()
@@ -133,4 +143,5 @@ def plan_layouts(
         world_size=world_size,
         seconds=done - started,
         timings={"enumerate_s": enumerated - started, "estimate_s": done - enumerated, "layouts": len(estimates)},
+        rejected=rejected,
     )

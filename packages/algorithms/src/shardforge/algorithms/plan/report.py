@@ -157,6 +157,8 @@ def run_plan(args: argparse.Namespace) -> int:
         f"meta build {built - started:.2f}s, plan {result.seconds:.2f}s. Per-rank memory at the predicted peak:"
     )
     print(format_table(shown, budget))
+    for layout, why in result.rejected:
+        print(f"layout {layout} not planned: {why}")
     if any(getattr(e, "data_parallel", "fsdp") == "ddp" for e in shown):
         print(
             "'rN ddp': layout=rN engine.data_parallel=ddp (a whole model per rank, gradients all-reduced in buckets; "
