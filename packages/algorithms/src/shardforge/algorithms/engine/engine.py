@@ -32,8 +32,8 @@ from shardforge.algorithms.engine.heads import make_head
 from shardforge.algorithms.engine.io import EngineIO
 from shardforge.algorithms.engine.loading import load_hf_config
 from shardforge.algorithms.engine.optim import build_optimizer, build_scheduler
-from shardforge.algorithms.objectives.sft import sft_loss, token_count
 from shardforge.algorithms.log import get_logger
+from shardforge.algorithms.objectives.sft import sft_loss, token_count
 from shardforge.mesh import ParallelDims, build_mesh, current_device, init_distributed
 
 log = get_logger(__name__)
