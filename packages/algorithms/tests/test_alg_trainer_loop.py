@@ -115,3 +115,20 @@ def test_ppo_exports_lora_adapters(assets: dict[str, Any], tmp_path: Path) -> No
     summary = _run("ppo", _config("ppo", assets, tmp_path, **overrides))
     assert summary["lora_dir"] == str(tmp_path / "lora")
     assert (tmp_path / "lora" / "adapter_config.json").is_file()
+
+
+def test_damaged_newest_checkpoint_is_named_and_latest_valid_resumes_from_the_previous(
+    assets: dict[str, Any], tmp_path: Path
+) -> None:
+    from shardforge.checkpoint_dcp import CorruptCheckpointError
+
+    _run("sft", _config("sft", assets, tmp_path))  # checkpoints at steps 1 and 2
+    step_dir = tmp_path / "checkpoints" / "step_00000002"
+    data = sorted(step_dir.glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[:16])  # what a full disk or a partial copy leaves
+    with pytest.raises(CorruptCheckpointError) as info:
+        _run("sft", _config("sft", assets, tmp_path, steps=3))
+    assert str(data) in str(info.value) and "resume=latest_valid" in str(info.value)
+    summary = _run("sft", _config("sft", assets, tmp_path, steps=3, resume="latest_valid"))
+    assert summary["resumed_from"] == 1
+    assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3]

@@ -288,3 +288,41 @@ def test_async_save_returns_only_after_staging_completes(tmp_path: Path, monkeyp
     got = _empty()
     assert ckpt.load(got) == 1
     _assert_equal(got, _state(1.0))
+
+
+# ---------------------------------------------------------------------------------------------- damage
+def _truncate_data_file(step_dir: Path) -> Path:
+    data = sorted(p for p in step_dir.iterdir() if p.suffix == ".distcp")[0]
+    data.write_bytes(data.read_bytes()[:10])
+    return data
+
+
+def test_truncated_data_file_is_named_and_latest_valid_step_skips_it(tmp_path: Path) -> None:
+    from shardforge.checkpoint_dcp import CorruptCheckpointError, verify_files
+
+    ckpt = Checkpointer(tmp_path / "ckpts", keep_last=None)
+    ckpt.save(1, _state(1.0))
+    ckpt.save(2, _state(2.0))
+    verify_files(ckpt.path(2))  # intact: no error
+    damaged = _truncate_data_file(ckpt.path(2))
+    with pytest.raises(CorruptCheckpointError) as info:
+        ckpt.load(_empty())
+    message = str(info.value)
+    assert str(damaged) in message and "truncated" in message
+    assert "resume=latest_valid" in message and "newest older step: 1" in message
+    assert ckpt.latest_step() == 2 and ckpt.latest_valid_step() == 1
+    state = _empty()
+    assert ckpt.load(state, step=ckpt.latest_valid_step()) == 1
+    _assert_equal(state, _state(1.0))
+
+
+def test_unreadable_index_is_named_and_no_valid_step_left(tmp_path: Path) -> None:
+    from shardforge.checkpoint_dcp import CorruptCheckpointError
+
+    ckpt = Checkpointer(tmp_path / "ckpts", keep_last=None)
+    ckpt.save(3, _state(3.0))
+    index = ckpt.path(3) / ".metadata"
+    index.write_bytes(index.read_bytes()[:7])
+    with pytest.raises(CorruptCheckpointError, match=r"\.metadata cannot be read .*no older committed checkpoint"):
+        ckpt.load(_empty())
+    assert ckpt.latest_valid_step() is None

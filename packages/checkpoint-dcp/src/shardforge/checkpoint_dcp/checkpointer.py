@@ -20,6 +20,7 @@ before the next save, before a load, and in `close()`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -34,9 +35,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from shardforge.checkpoint_dcp.validate import check_compatible
+from shardforge.checkpoint_dcp.validate import CorruptCheckpointError, check_compatible, verify_files
 
 __all__ = ["COMMIT_MARKER", "AsyncMode", "Checkpointer"]
+
+logger = logging.getLogger(__name__)
 
 AsyncMode = Literal["off", "async", "async_pinned"]
 COMMIT_MARKER = "COMMITTED"
@@ -114,6 +117,17 @@ class Checkpointer:
         """The newest committed step, or None if there is none."""
         steps = self.committed_steps()
         return steps[-1] if steps else None
+
+    def latest_valid_step(self) -> int | None:
+        """The newest committed step whose files pass `verify_files`; each skipped one is logged."""
+        for step in reversed(self.committed_steps()):
+            try:
+                verify_files(self.path(step))
+            except CorruptCheckpointError as exc:
+                logger.warning("skipping a damaged checkpoint: %s", exc)
+                continue
+            return step
+        return None
 
     def path(self, step: int) -> Path:
         return self.root / _step_dir(step)
@@ -220,6 +234,17 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"no committed checkpoint for step {step} under {self.root} (committed steps: {self.committed_steps()})"
             )
+        try:
+            verify_files(path)
+        except CorruptCheckpointError as exc:
+            older = [s for s in self.committed_steps() if s < step]
+            hint = (
+                f"; resume from the previous one with resume=latest_valid (newest older step: {older[-1]}), or delete "
+                f"{path}"
+                if older
+                else f"; no older committed checkpoint exists under {self.root}: delete {path} to start over"
+            )
+            raise CorruptCheckpointError(f"{exc}{hint}") from exc
         check_compatible(dict(state), path)
         loaded = dict(state)
         dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(path)))

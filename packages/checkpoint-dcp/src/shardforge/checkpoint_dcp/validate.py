@@ -11,9 +11,42 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-__all__ = ["check_compatible", "checkpoint_tensor_shapes"]
+__all__ = ["CorruptCheckpointError", "check_compatible", "checkpoint_tensor_shapes", "verify_files"]
 
 _MAX_LISTED = 20
+
+
+class CorruptCheckpointError(ValueError):
+    """A committed checkpoint whose files cannot be what its index says (names the file)."""
+
+
+def verify_files(path: str | Path) -> None:
+    """Raise `CorruptCheckpointError` naming the file if ``path``'s index or data files are unreadable.
+
+    Checks that ``.metadata`` unpickles and that every data file it points at exists and is at
+    least as long as the byte ranges it indexes: what a crash, a full disk or a partial copy leaves.
+    DCP keeps no checksums, so flipped bytes inside a file of the right length are not detected.
+    """
+    path = Path(path)
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # a truncated pickle raises EOFError, UnpicklingError, ...
+        raise CorruptCheckpointError(
+            f"checkpoint {path}: its index {path / '.metadata'} cannot be read ({type(exc).__name__}: {exc})"
+        ) from exc
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for relative, size in sorted(needed.items()):
+        file = path / relative
+        if not file.is_file():
+            raise CorruptCheckpointError(f"checkpoint {path}: data file {file} is missing")
+        actual = file.stat().st_size
+        if actual < size:
+            raise CorruptCheckpointError(
+                f"checkpoint {path}: data file {file} is truncated ({actual} bytes; its index needs {size})"
+            )
 
 
 def checkpoint_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:

@@ -62,8 +62,10 @@ class TrainerConfig:
     """Write an HF model directory to output_dir/hf (and LoRA adapters to output_dir/lora) at the end."""
     save_every: int = 0
     """Save a DCP checkpoint to output_dir/checkpoints every this many steps (0 = never)."""
-    resume: Literal["auto", "never"] = "auto"
-    """auto: continue from the newest committed checkpoint in output_dir/checkpoints, if any."""
+    resume: Literal["auto", "latest_valid", "never"] = "auto"
+    """auto: continue from the newest committed checkpoint in output_dir/checkpoints, if any (a damaged one
+    is an error naming the file). latest_valid: the same, but skip damaged checkpoints (each logged) and
+    continue from the newest intact one. never: start from step 0."""
     keep_last: int = 2
     """Committed checkpoints to keep."""
     async_checkpoint: Literal["off", "async", "async_pinned"] = "off"
@@ -199,7 +201,7 @@ class Trainer(Generic[C]):
         checkpointers: dict[str, Checkpointer] = {}
         # resume=auto alone opens checkpointers only when a checkpoint directory exists (no empty dirs).
         first_dir = out / next(iter(self.checkpoint_engines()))
-        if config.save_every > 0 or (config.resume == "auto" and first_dir.is_dir()):
+        if config.save_every > 0 or (config.resume != "never" and first_dir.is_dir()):
             checkpointers = {
                 name: Checkpointer(out / name, keep_last=config.keep_last, async_mode=config.async_checkpoint)
                 for name in self.checkpoint_engines()
@@ -264,10 +266,16 @@ class Trainer(Generic[C]):
         return summary
 
     def _resume(self, checkpointers: dict[str, Checkpointer], data_state: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        if not checkpointers or self.config.resume != "auto":
+        if not checkpointers or self.config.resume == "never":
             return 0, {}
         (first, main), *others = self.checkpoint_engines().items()
-        saved = main.load(checkpointers[first])
+        if self.config.resume == "latest_valid":  # the same decision on every rank: the files are shared
+            valid = checkpointers[first].latest_valid_step()
+            if valid is None:
+                return 0, {}
+            saved = main.load(checkpointers[first], step=valid)
+        else:
+            saved = main.load(checkpointers[first])
         if saved is None:
             return 0, {}
         check_data_state(saved, data_state)
