@@ -9,7 +9,9 @@ What runs (``nox -s bench_trl``: the workspace plus ``trl`` and ``accelerate`` p
 * TRL: ``trl.SFTTrainer`` (benchmarks/trl_sft_worker.py) under ``torchrun`` (DDP over gloo) or
   alone, on the rows shardforge's own SFT loader tokenised (same ids, same completion masks), read
   in shardforge's global-batch order, so step k of both trains on the same sequences; padded
-  batches (TRL's default: HF SDPA ignores packed position ids in transformers 5);
+  batches (TRL's default: HF SDPA ignores packed position ids in transformers 5); fp32 on both
+  sides (TRL's SFTConfig defaults to bf16=True, CPU autocast that is ~20x slower on a CPU
+  without native bf16, so the worker sets bf16=False);
 * one intra-op thread per process on both sides; the runs alternate A, B, A, B for ``ROUNDS``
   rounds so both see the same machine load.
 

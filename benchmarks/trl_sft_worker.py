@@ -74,6 +74,10 @@ def main(args_file: str) -> None:
         dataloader_num_workers=0,
         seed=args["seed"],
         completion_only_loss=True,
+        # TRL's SFTConfig defaults to bf16=True: CPU autocast to bf16, ~20x slower per step on a CPU without
+        # native bf16 (measured on the AMD EPYC CI machine) and not what shardforge runs (fp32). Same precision.
+        bf16=False,
+        fp16=False,
         padding_free=False,  # HF SDPA ignores packed position_ids in transformers 5: padding is the correct mode
         max_length=None,
         disable_tqdm=True,
