@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 from typing import Any
 
@@ -135,10 +136,12 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
     set_process_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
     summary = trainer.run(config)
-    log.info("done: %s", summary)
     from shardforge.mesh import destroy_distributed
 
     destroy_distributed()
+    if "stopped_by" in summary:  # SIGTERM / Ctrl-C: checkpoint saved at a step boundary
+        return 128 + int(getattr(signal, summary["stopped_by"]))
+    log.info("done: %s", summary)
     return 0
 
 

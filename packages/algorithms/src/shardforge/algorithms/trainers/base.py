@@ -27,6 +27,7 @@ from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.loggers import MetricsLogger, truncate_metrics
 from shardforge.algorithms.trainers.common import progress_bar
+from shardforge.algorithms.trainers.stop import StopSignal
 from shardforge.checkpoint_dcp import Checkpointer
 
 __all__ = ["Trainer", "TrainerConfig", "check_data_state", "load_tokenizer"]
@@ -202,10 +203,7 @@ class Trainer(Generic[C]):
         # resume=auto alone opens checkpointers only when a checkpoint directory exists (no empty dirs).
         first_dir = out / next(iter(self.checkpoint_engines()))
         if config.save_every > 0 or (config.resume != "never" and first_dir.is_dir()):
-            checkpointers = {
-                name: Checkpointer(out / name, keep_last=config.keep_last, async_mode=config.async_checkpoint)
-                for name in self.checkpoint_engines()
-            }
+            checkpointers = self._checkpointers()
         start, restored = self._resume(checkpointers, data_state)
         if start and previous_steps not in (None, config.steps) and engine.is_main:
             logger.warning(
@@ -222,6 +220,7 @@ class Trainer(Generic[C]):
         if start:
             summary["resumed_from"] = start
         bar = None
+        stop = StopSignal()  # SIGTERM/SIGINT: finish the step, save, leave the loop (trainers/stop.py)
         try:
             self.setup(start, restored)
             if self.eval_at_start and self.has_eval():
@@ -229,6 +228,7 @@ class Trainer(Generic[C]):
                 metrics.log(start, result, split="eval")
                 summary |= self.eval_summary(result, at_start=True)
             bar = progress_bar(config.steps, start, engine.is_main and config.progress, self.name)
+            stop.__enter__()
             for step in range(start, config.steps):
                 stats = self.train_step(step)
                 if not math.isfinite(stats["loss"]):
@@ -242,28 +242,48 @@ class Trainer(Generic[C]):
                 if bar is not None:
                     bar.set_postfix(**self.postfix(stats))
                     bar.update(1)
-                if checkpointers and config.save_every > 0 and ((step + 1) % config.save_every == 0 or last):
+                signum = stop.requested(engine.device)
+                due = config.save_every > 0 and ((step + 1) % config.save_every == 0 or last)
+                if (checkpointers and due) or signum:
+                    checkpointers = checkpointers or self._checkpointers()
                     state = data_state | self.extra_state()
                     for name, target in self.checkpoint_engines().items():
                         target.save(checkpointers[name], state)
+                if signum:  # every rank saw it at this step (all-reduced): stop here, resumable
+                    summary |= {"stopped_by": StopSignal.name(signum), "stopped_at_step": step + 1}
+                    logger.warning(
+                        "%s: stopped after step %d, checkpoint saved to %s; rerun the same command to resume",
+                        StopSignal.name(signum),
+                        step + 1,
+                        checkpointers[next(iter(checkpointers))].path(step + 1),
+                    )
+                    break
                 if self.has_eval() and ((config.eval_every and (step + 1) % config.eval_every == 0) or last):
                     result = self.evaluate()
                     metrics.log(step + 1, result, split="eval")
                     summary |= self.eval_summary(result, at_start=False)
         finally:
+            stop.__exit__()
             self.close()
             if bar is not None:
                 bar.close()
             metrics.close()
         for checkpointer in checkpointers.values():
             checkpointer.close()
-        if config.export_hf_at_end:
+        if config.export_hf_at_end and "stopped_by" not in summary:
             self._export(summary)
         if engine.is_main:
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
         if dist.is_initialized():
             dist.barrier()
         return summary
+
+    def _checkpointers(self) -> dict[str, Checkpointer]:
+        config = self.config
+        return {
+            name: Checkpointer(self.out / name, keep_last=config.keep_last, async_mode=config.async_checkpoint)
+            for name in self.checkpoint_engines()
+        }
 
     def _resume(self, checkpointers: dict[str, Checkpointer], data_state: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         if not checkpointers or self.config.resume == "never":

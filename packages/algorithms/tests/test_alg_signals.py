@@ -1,0 +1,100 @@
+"""SIGTERM to `shardforge train`: every rank stops at the same step boundary, saves a checkpoint,
+exits; the command exits 128+15, no process of it is left, and rerunning resumes (issue 24)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardforge.algorithms.testing import tiny_assets
+from shardforge.checkpoint_dcp import COMMIT_MARKER
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return tiny_assets(tmp_path_factory.mktemp("signals"), max_operand=9, num_eval=10)
+
+
+def _session_processes(sid: int) -> list[int]:
+    """PIDs (other than zombies) whose session id is ``sid``: the command and everything it started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        state, session = fields[0], int(fields[3])
+        if session == sid and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _train_records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("split") == "train"]
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find left-over processes")
+def test_sigterm_saves_a_checkpoint_at_a_step_boundary_and_leaves_no_process(tmp_path, assets):
+    out = tmp_path / "run"
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(assets["model"]),
+                "train_file": str(assets["train"]),
+                "output_dir": str(out),
+                "global_batch_size": 4,
+                "steps": 100000,  # runs until the signal
+                "progress": False,
+                "export_hf_at_end": True,
+                "engine": {"max_tokens_per_microbatch": 64},
+            }
+        )
+    )
+    command = [sys.executable, "-m", "shardforge.algorithms.cli", "train", "sft", "--config", str(config),
+               "--nproc-per-node", "2"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not _train_records(out) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert proc.poll() is None and _train_records(out), proc.stderr.read().decode() if proc.stderr else ""
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+    deadline = time.monotonic() + 30  # the ranks were reaped by the agent; allow the kernel a moment
+    while _session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _session_processes(proc.pid) == []
+    summary = json.loads((out / "summary.json").read_text())
+    stopped = summary["stopped_at_step"]
+    assert summary["stopped_by"] == "SIGTERM" and stopped >= 1
+    assert (out / "checkpoints" / f"step_{stopped:08d}" / COMMIT_MARKER).is_file()
+    assert not (out / "hf").exists()  # a stop is not the end of training: no export
+    # The same command with a finite step count resumes from the saved step.
+    data = yaml.safe_load(config.read_text()) | {"steps": stopped + 1}
+    config.write_text(yaml.safe_dump(data))
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from"] == stopped and "stopped_by" not in summary
+    assert [r["step"] for r in _train_records(out)][-1] == stopped + 1
