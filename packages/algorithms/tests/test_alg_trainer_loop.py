@@ -7,6 +7,7 @@ the registry names, wherever its module lives."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -132,3 +133,20 @@ def test_damaged_newest_checkpoint_is_named_and_latest_valid_resumes_from_the_pr
     summary = _run("sft", _config("sft", assets, tmp_path, steps=3, resume="latest_valid"))
     assert summary["resumed_from"] == 1
     assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("name", ["sft", "grpo"])
+def test_sequences_longer_than_the_models_positions_are_refused(
+    name: str, assets: dict[str, Any], tmp_path: Path
+) -> None:
+    import shutil
+
+    model = tmp_path / "short_model"
+    shutil.copytree(assets["model"], model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 6  # the addition rows are ~10 tokens
+    (model / "config.json").write_text(json.dumps(config))
+    expected = "max_position_embeddings=6" + (" (longest" if name == "sft" else "")
+    with pytest.raises(ValueError, match=re.escape(expected)) as info:
+        _run(name, _config(name, {**assets, "model": str(model)}, tmp_path / "out"))
+    assert ("max_seq_len" if name == "sft" else "max_prompt_len") in str(info.value)

@@ -8,7 +8,7 @@ from typing import Any
 
 from shardforge.algorithms.engine.config import EngineConfig
 
-__all__ = ["progress_bar", "with_total_steps"]
+__all__ = ["check_max_positions", "progress_bar", "with_total_steps"]
 
 
 def with_total_steps(engine: EngineConfig, steps: int) -> EngineConfig:
@@ -25,3 +25,17 @@ def progress_bar(total: int, initial: int, enabled: bool, desc: str) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)
+
+
+def check_max_positions(hf_config: Any, lengths: list[int], what: str, fix: str) -> None:
+    """Refuse sequences longer than the model's ``max_position_embeddings`` (they would train on
+    positions the model was never given, silently). ``what`` names the sequences, ``fix`` the remedy."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or not lengths:
+        return
+    longer = [n for n in lengths if n > limit]
+    if longer:
+        raise ValueError(
+            f"{len(longer)} of {len(lengths)} {what} are longer than the model's max_position_embeddings={limit} "
+            f"(longest: {max(longer)} tokens); {fix}"
+        )

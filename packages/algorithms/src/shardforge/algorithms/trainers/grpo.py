@@ -52,6 +52,7 @@ from shardforge.algorithms.trainers.common import with_total_steps
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
     check_eval_split,
+    check_prompt_positions,
     check_rollout_batch,
     dynamic_sampling_stats,
     evaluate_accuracy,
@@ -198,6 +199,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         config = self.config
         engine = TrainEngine(config.model, config.layout, with_total_steps(config.engine, config.steps))
         _validate(config, self.prompts, engine.dp_size)
+        check_prompt_positions(config, self.prompts, engine.hf_config)
         check_eval_split(config, len(self.held_out) if self.held_out is not None else None, engine.dp_size)
         if config.temperature > 0:  # train on the distribution the rollouts sample from
             engine.logprob_temperature = config.temperature

@@ -34,6 +34,7 @@ from shardforge.algorithms.trainers.ppo_update import ShiftedCriticLossFn, ppo_u
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
     check_eval_split,
+    check_prompt_positions,
     check_rollout_batch,
     evaluate_accuracy,
     global_reward_stats,
@@ -105,6 +106,7 @@ class PPOTrainer(Trainer[PPOConfig]):
         total = config.steps * config.update_epochs
         actor = TrainEngine(config.model, config.layout, with_total_steps(config.engine, total))
         _validate(config, self.prompts, actor.dp_size)
+        check_prompt_positions(config, self.prompts, actor.hf_config)
         check_eval_split(config, len(self.held_out) if self.held_out is not None else None, actor.dp_size)
         critic_config = dataclasses.replace(with_total_steps(config.critic_engine, total), head="value")
         self.critic = TrainEngine(config.critic_model or config.model, config.layout, critic_config)

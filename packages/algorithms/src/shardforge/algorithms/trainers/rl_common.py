@@ -19,11 +19,13 @@ from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, exact_m
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, RolloutEngineKind
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.trainers.base import TrainerConfig
+from shardforge.algorithms.trainers.common import check_max_positions
 from shardforge.weight_sync import DiskTransport
 
 __all__ = [
     "RLTrainerConfig",
     "check_eval_split",
+    "check_prompt_positions",
     "check_rollout_batch",
     "dynamic_sampling_stats",
     "evaluate_accuracy",
@@ -81,6 +83,13 @@ def check_rollout_batch(config: RLTrainerConfig, prompts: PromptSet, dp_size: in
             f"the longest prompt + max_new_tokens is {longest} tokens but {where}; "
             "raise it or set max_prompt_len to skip long prompts"
         )
+
+
+def check_prompt_positions(config: RLTrainerConfig, prompts: PromptSet, hf_config: Any) -> None:
+    """Prompt + max_new_tokens must fit the model's positions (a lower bound for multi-turn episodes)."""
+    lengths = [len(ids) + config.max_new_tokens for ids in prompts.ids]
+    fix = f"set max_prompt_len to skip long prompts or lower max_new_tokens={config.max_new_tokens}"
+    check_max_positions(hf_config, lengths, "prompts (+ max_new_tokens)", fix)
 
 
 def publish_version(

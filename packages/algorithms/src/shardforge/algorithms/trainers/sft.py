@@ -9,7 +9,7 @@ from shardforge.algorithms.data import SFT_ROW_FIELDS, GlobalBatchSampler, SFTEx
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
-from shardforge.algorithms.trainers.common import with_total_steps
+from shardforge.algorithms.trainers.common import check_max_positions, with_total_steps
 
 __all__ = ["SFTConfig", "SFTTrainer", "run_sft"]
 
@@ -58,7 +58,12 @@ class SFTTrainer(Trainer[SFTConfig]):
 
     def build_engines(self) -> TrainEngine:
         config = self.config
-        return TrainEngine(config.model, config.layout, with_total_steps(config.engine, config.steps))
+        engine = TrainEngine(config.model, config.layout, with_total_steps(config.engine, config.steps))
+        for examples, name in ((self.train, config.train_file), (self.held_out, config.eval_file)):
+            if examples is not None:
+                fix = "set max_seq_len to at most that to truncate them (rows left without targets are skipped)"
+                check_max_positions(engine.hf_config, [len(e.input_ids) for e in examples], f"examples in {name}", fix)
+        return engine
 
     def data_state(self) -> dict[str, Any]:
         config = self.config
