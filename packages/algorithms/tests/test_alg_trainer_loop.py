@@ -150,3 +150,16 @@ def test_sequences_longer_than_the_models_positions_are_refused(
     with pytest.raises(ValueError, match=re.escape(expected)) as info:
         _run(name, _config(name, {**assets, "model": str(model)}, tmp_path / "out"))
     assert ("max_seq_len" if name == "sft" else "max_prompt_len") in str(info.value)
+
+
+def test_every_run_ends_with_curves_and_shows_eval_metrics_in_the_log(
+    assets: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("matplotlib")
+    config = _config("sft", assets, tmp_path, eval_every=1, eval_file=assets["train"], eval_batch_size=4)
+    with caplog.at_level("INFO", logger="shardforge.algorithms.trainers.base"):
+        summary = _run("sft", config)
+    png = tmp_path / "curves.png"
+    assert summary["curves"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    evals = [r.getMessage() for r in caplog.records if " eval: " in r.getMessage()]
+    assert [m.split(" eval:")[0] for m in evals] == ["step 1", "step 2"] and "loss " in evals[0]

@@ -6,10 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardforge.algorithms.loggers.base import MetricsSink
+from shardforge.algorithms.loggers.curves import write_curves
 from shardforge.algorithms.loggers.jsonl import JsonlLogger, read_metrics, truncate_metrics
 from shardforge.algorithms.loggers.tensorboard import TensorBoardLogger
 
-__all__ = ["JsonlLogger", "MetricsLogger", "MetricsSink", "TensorBoardLogger", "read_metrics", "truncate_metrics"]
+__all__ = [
+    "JsonlLogger",
+    "MetricsLogger",
+    "MetricsSink",
+    "TensorBoardLogger",
+    "read_metrics",
+    "truncate_metrics",
+    "write_curves",
+]
 
 
 class MetricsLogger:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
-from shardforge.algorithms.loggers import MetricsLogger, truncate_metrics
+from shardforge.algorithms.loggers import MetricsLogger, truncate_metrics, write_curves
 from shardforge.algorithms.trainers.common import progress_bar
 from shardforge.algorithms.trainers.stop import StopSignal
 from shardforge.checkpoint_dcp import Checkpointer
@@ -227,6 +227,7 @@ class Trainer(Generic[C]):
                 result = self.evaluate()
                 metrics.log(start, result, split="eval")
                 summary |= self.eval_summary(result, at_start=True)
+                self._log_eval(start, result)
             bar = progress_bar(config.steps, start, engine.is_main and config.progress, self.name)
             stop.__enter__()
             for step in range(start, config.steps):
@@ -262,6 +263,7 @@ class Trainer(Generic[C]):
                     result = self.evaluate()
                     metrics.log(step + 1, result, split="eval")
                     summary |= self.eval_summary(result, at_start=False)
+                    self._log_eval(step + 1, result)
         finally:
             stop.__exit__()
             self.close()
@@ -273,10 +275,19 @@ class Trainer(Generic[C]):
         if config.export_hf_at_end and "stopped_by" not in summary:
             self._export(summary)
         if engine.is_main:
+            curves = write_curves(out / "metrics.jsonl", out / "curves.png", f"{self.name} {out.name}")
+            if curves is not None:
+                summary["curves"] = str(curves)
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
         if dist.is_initialized():
             dist.barrier()
         return summary
+
+    def _log_eval(self, step: int, result: dict[str, float]) -> None:
+        """The eval metrics in the terminal (main rank; the progress bar shows the training ones)."""
+        if self.engine.is_main:
+            shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, (int, float)))
+            logger.info("step %d eval: %s", step, shown)
 
     def _checkpointers(self) -> dict[str, Checkpointer]:
         config = self.config
