@@ -18,6 +18,7 @@ def test_public_surface() -> None:
         "COMMIT_MARKER",
         "AsyncMode",
         "Checkpointer",
+        "CorruptCheckpointError",
         "TrainState",
         "capture_rng_state",
         "check_compatible",
@@ -26,6 +27,7 @@ def test_public_surface() -> None:
         "export_hf",
         "load_hf",
         "restore_rng_state",
+        "verify_files",
         "write_hf_dir",
         "write_safetensors_shards",
     }
