@@ -18,6 +18,7 @@ the grouped matmul, tiled MLP and AC apply) and moves it to the device.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -65,6 +66,8 @@ def build_model(ctx: ParallelContext, head: Head, hf_config: Any, source: Any) -
     return it with the runner for that layout. Collective over every rank."""
     attn = register_packed_attention()
     config = ctx.config
+    if ctx.distributed:
+        quiet_dtensor_multi_collective_hint()
     reference = None
     if ctx.is_main:
         reference = head.materialize(source, hf_config, dtype=ctx.param_dtype, attn=attn, seed=config.seed)
@@ -86,6 +89,7 @@ def build_model(ctx: ParallelContext, head: Head, hf_config: Any, source: Any) -
         sp = config.sequence_parallel
         plan = lora.tp_plan(model, head.tp_plan(model, sequence_parallel=sp), config)
         apply_tensor_parallel(model, ctx.mesh.get("tp"), plan=plan, sequence_parallel=sp)
+        _embedding_output_not_a_view(model)
     efsdp_mesh = apply_moe(model, ctx.dims, ctx.mesh)  # EP / expert TP (MoE models only)
     _tile_mlps(model, ctx)
     if ctx.dims.pp > 1:
@@ -108,4 +112,53 @@ def build_model(ctx: ParallelContext, head: Head, hf_config: Any, source: Any) -
     del reference, full, buffers
     if ddp:  # DDP needs real tensors: replicate after the load (rank 0's weights are already everywhere)
         apply_replicate(model, ctx.mesh.get("dp_replicate"))
+    if not isinstance(head, LMHead):
+        _value_output_not_a_view(model)
     return model, SPMDRunner(model, ctx, head, moe_training(model, hf_config, ctx))
+
+
+def _own_output(module: nn.Module, args: Any, output: Any) -> Any:
+    is_view = isinstance(output, torch.Tensor) and bool(output._is_view())
+    return output.clone() if is_view else output
+
+
+def _embedding_output_not_a_view(model: nn.Module) -> None:
+    """TP's vocab-parallel embedding returns ``DTensor.to_local()``, a view; FSDP2 then warns on every
+    step that an in-place op on it would skip its all-gather. Hand FSDP a copy instead (one [T, hidden]
+    tensor per step). Registered after TP's output hook and before FSDP's, so it runs between them."""
+    embedding: Any = model.get_input_embeddings()  # type: ignore[operator]  # an HF PreTrainedModel
+    if isinstance(embedding, nn.Module):
+        embedding.register_forward_hook(_own_output)
+
+
+def _value_output_not_a_view(model: nn.Module) -> None:
+    """A value / reward head's ``score`` Linear maps [1, T, hidden] to [1, T, 1] through a 2-D matmul,
+    so its output is a view, which the FSDP root then returns (and warns about every step). A copy
+    of [T] floats avoids it; the score module runs before the root's post-forward hook."""
+    score = getattr(model, "score", None)
+    if isinstance(score, nn.Module):
+        score.register_forward_hook(_own_output)
+
+
+_DTENSOR_HINTS = ("sequential all_reduce operations will be performed", "sequential all_gather operations will be")
+
+
+class _DropDTensorHint(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(hint in message for hint in _DTENSOR_HINTS)
+
+
+def quiet_dtensor_multi_collective_hint() -> None:
+    """Drop exactly DTensor's "N sequential all_reduce / all_gather operations" hint (once per rank per
+    shape, at the first grad-norm clip and the first full-state gather of a 2-D (dp_shard x tp) layout).
+
+    It is a latency hint, and its "may give inconsistent results between ranks" does not apply here:
+    every all_reduce / all_gather hands all members of its group the same bytes, and every rank runs
+    the same sequence, so all ranks end with identical values. Proven by
+    integration_tests/test_sft_layouts.py::test_sft_matches_world1[fsdp2xtp2] (losses and weights vs
+    one process) and the grad-norm equality in test_rl_layouts.py. Any other DTensor message still shows.
+    """
+    target = logging.getLogger("torch.distributed.tensor._redistribute")
+    if not any(isinstance(f, _DropDTensorHint) for f in target.filters):
+        target.addFilter(_DropDTensorHint())
