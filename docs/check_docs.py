@@ -1,5 +1,9 @@
 """Check the markdown docs: every relative link and every backticked repo path must exist.
 
+``path/to/test_file.py::test_name`` must name a file that defines ``test_name``. Paths under
+``benchmarks/out/`` are outputs the benchmarks write (git-ignored), so a clean clone has none of
+them: they are not checked.
+
 Run by `nox -s docs`. Exits non-zero listing the broken references.
 """
 
@@ -11,6 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+GENERATED = ("benchmarks/out/",)
 PATHLIKE = re.compile(r"`((?:packages|docs|examples|benchmarks|integration_tests)/[^`\s]*)`")
 
 
@@ -24,10 +29,13 @@ def check(md: Path) -> list[str]:
         if not path.exists():
             problems.append(f"{md.relative_to(ROOT)}: broken link {target}")
     for target in PATHLIKE.findall(text):
-        if any(ch in target for ch in "*{}<>"):
+        if any(ch in target for ch in "*{}<>") or target.startswith(GENERATED):
             continue
-        if not (ROOT / target).exists():
-            problems.append(f"{md.relative_to(ROOT)}: referenced path {target} does not exist")
+        path, _, test = target.partition("::")
+        if not (ROOT / path).exists():
+            problems.append(f"{md.relative_to(ROOT)}: referenced path {path} does not exist")
+        elif test and not re.search(rf"def {re.escape(test.split('[')[0])}\(", (ROOT / path).read_text()):
+            problems.append(f"{md.relative_to(ROOT)}: {path} defines no {test.split('[')[0]}")
     return problems
 
 
