@@ -222,3 +222,19 @@ def test_launcher_prints_the_first_failing_ranks_line_whichever_rank_it_was(tmp_
     assert write_rank_error("shardforge: error: from rank 0, later\n")
     assert first_rank_error(tmp_path) == "shardforge: error: from rank 1\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0.json", "rank-1.json"]
+
+
+def test_dry_run_prints_config_layout_memory_and_rows_and_starts_nothing(tmp_path, assets, capsys):
+    config = config_file(tmp_path, assets, eval_file=str(assets["eval"]))
+    code = main(["train", "sft", "--config", config, "--nproc-per-node", "2", "--dry-run", "layout=d2", "steps=7"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert '"steps": 7' in out and '"layout": "d2"' in out  # overrides applied
+    assert "layout: d2 -> " in out and "over 2 rank(s)" in out
+    assert "predicted per-rank memory" in out and "total" in out
+    train_rows = sum(1 for line in open(assets["train"]) if line.strip())
+    assert f"({train_rows} rows)" in out and "eval_file:" in out
+    assert not (tmp_path / "run").exists()  # nothing was started or written
+    # still refused when something is wrong, before printing anything
+    code = main(["train", "sft", "--config", config, "--nproc-per-node", "3", "--dry-run", "layout=d2"])
+    assert code == 1

@@ -83,6 +83,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     train.add_argument("--config", required=True, help="YAML config file")
     train.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check everything, print the resolved config, layout, predicted memory and data row counts; train nothing",
+    )
     train.epilog = "Any further key=value arguments override config entries, e.g. engine.optimizer.lr=1e-3"
     demo = sub.add_parser("demo", help="run the end-to-end CPU demo")
     demo.add_argument("--out", default="outputs/demo", help="output directory")
@@ -127,7 +132,12 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
         if args.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be >= 1")
-        preflight(config, args.nproc_per_node, trainer.row_fields)
+        dims = preflight(config, args.nproc_per_node, trainer.row_fields)
+        if args.dry_run:
+            from shardforge.algorithms.dryrun import dry_run_report
+
+            sys.stdout.write(dry_run_report(config, dims, args.nproc_per_node) + "\n")
+            return 0
         if args.nproc_per_node > 1:
             from shardforge.algorithms.launch import relaunch
 
