@@ -163,3 +163,17 @@ def test_every_run_ends_with_curves_and_shows_eval_metrics_in_the_log(
     assert summary["curves"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     evals = [r.getMessage() for r in caplog.records if " eval: " in r.getMessage()]
     assert [m.split(" eval:")[0] for m in evals] == ["step 1", "step 2"] and "loss " in evals[0]
+
+
+def test_profile_writes_a_chrome_trace_of_the_chosen_steps(assets: dict[str, Any], tmp_path: Path) -> None:
+    config = _config("sft", assets, tmp_path, steps=3, **{"profile.enabled": "true", "profile.start_step": 2})
+    _run("sft", config)
+    traces = sorted((tmp_path / "profile").iterdir())
+    assert [t.name for t in traces] == ["rank0_steps2-3.json"]
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any("aten::" in str(e.get("name", "")) for e in events)  # operators were recorded
+    off = _config("sft", assets, tmp_path / "off")
+    _run("sft", off)
+    assert not (tmp_path / "off" / "profile").exists()
+    with pytest.raises(ValueError, match=re.escape("profile.start_step=0")):
+        _config("sft", assets, tmp_path, **{"profile.start_step": 0})

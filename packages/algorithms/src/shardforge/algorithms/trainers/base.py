@@ -27,6 +27,7 @@ from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.loggers import MetricsLogger, truncate_metrics, write_curves
 from shardforge.algorithms.trainers.common import progress_bar
+from shardforge.algorithms.trainers.profiling import ProfileConfig, StepProfiler
 from shardforge.algorithms.trainers.stop import StopSignal
 from shardforge.checkpoint_dcp import Checkpointer
 
@@ -75,6 +76,8 @@ class TrainerConfig:
     """Show a progress bar on rank 0."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine settings (optimizer, schedule, dtype, micro-batch budget, ...)."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """torch.profiler traces of chosen steps and ranks (trainers/profiling.py), off by default."""
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("log_every", 1), ("keep_last", 1), ("eval_every", 0), ("save_every", 0)):
@@ -221,6 +224,7 @@ class Trainer(Generic[C]):
             summary["resumed_from"] = start
         bar = None
         stop = StopSignal()  # SIGTERM/SIGINT: finish the step, save, leave the loop (trainers/stop.py)
+        profiler = StepProfiler(config.profile, out, dist.get_rank() if dist.is_initialized() else 0)
         try:
             self.setup(start, restored)
             if self.eval_at_start and self.has_eval():
@@ -231,7 +235,9 @@ class Trainer(Generic[C]):
             bar = progress_bar(config.steps, start, engine.is_main and config.progress, self.name)
             stop.__enter__()
             for step in range(start, config.steps):
+                profiler.before_step(step + 1)
                 stats = self.train_step(step)
+                profiler.after_step(step + 1)
                 if not math.isfinite(stats["loss"]):
                     raise FloatingPointError(
                         f"{self.name.upper()} loss became {stats['loss']} at step {step + 1}; lower the learning rate"
@@ -266,6 +272,7 @@ class Trainer(Generic[C]):
                     self._log_eval(step + 1, result)
         finally:
             stop.__exit__()
+            profiler.close()
             self.close()
             if bar is not None:
                 bar.close()

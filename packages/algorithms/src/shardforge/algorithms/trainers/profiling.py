@@ -1,0 +1,93 @@
+"""``profile:`` — torch.profiler traces of chosen training steps, one Chrome trace per rank.
+
+Open a trace in https://ui.perfetto.dev or chrome://tracing. CPU activity is always recorded;
+CUDA kernels too when a GPU is present.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ProfileConfig", "StepProfiler"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileConfig:
+    """Which steps and ranks to trace (``profile.enabled=true profile.start_step=5``)."""
+
+    enabled: bool = False
+    """Record a torch.profiler trace of ``steps`` training steps starting at ``start_step``."""
+    start_step: int = 2
+    """First traced step (1-based; the default skips the first step's warm-up)."""
+    steps: int = 2
+    """How many consecutive steps to trace."""
+    ranks: tuple[int, ...] | None = None
+    """Global ranks that record (None = every rank)."""
+    record_shapes: bool = False
+    """Record operator input shapes (bigger traces)."""
+    profile_memory: bool = False
+    """Record tensor allocations and frees."""
+    with_stack: bool = False
+    """Record Python stacks (much bigger traces)."""
+
+    def __post_init__(self) -> None:
+        if self.start_step < 1 or self.steps < 1:
+            raise ValueError(
+                f"profile.start_step={self.start_step} and profile.steps={self.steps} must both be >= 1 "
+                "(start_step counts training steps from 1)"
+            )
+
+
+class StepProfiler:
+    """Starts torch.profiler before step ``start_step`` and writes the trace after the last traced step
+    (or at `close` when the run ends or stops first) to ``out_dir/profile/rank{R}_steps{A}-{B}.json``."""
+
+    def __init__(self, config: ProfileConfig, out_dir: Path, rank: int) -> None:
+        self.config = config
+        self.dir = Path(out_dir) / "profile"
+        self.rank = rank
+        self.active = config.enabled and (config.ranks is None or rank in config.ranks)
+        self._profiler: Any = None
+        self._first = 0
+        self._last = 0
+        self.trace: Path | None = None
+
+    def before_step(self, step: int) -> None:
+        """``step`` is the 1-based number of the step about to run."""
+        if not self.active or self._profiler is not None or step != self.config.start_step:
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._profiler = profile(
+            activities=activities,
+            record_shapes=self.config.record_shapes,
+            profile_memory=self.config.profile_memory,
+            with_stack=self.config.with_stack,
+        )
+        self._profiler.__enter__()
+        self._first = step
+
+    def after_step(self, step: int) -> None:
+        if self._profiler is None:
+            return
+        self._last = step
+        if step >= self.config.start_step + self.config.steps - 1:
+            self.close()
+
+    def close(self) -> None:
+        if self._profiler is None:
+            return
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.trace = self.dir / f"rank{self.rank}_steps{self._first}-{max(self._last, self._first)}.json"
+        profiler.export_chrome_trace(str(self.trace))
+        self.active = False
+        logger.info("profiler trace of steps %d-%d: %s", self._first, max(self._last, self._first), self.trace)
