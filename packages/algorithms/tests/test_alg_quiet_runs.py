@@ -54,3 +54,12 @@ def test_normal_run_prints_no_torch_warnings(algorithm, nproc, layout, assets, t
     assert result.returncode == 0, result.stderr
     output = result.stdout + result.stderr
     assert not [n for n in NOISE if n in output], output
+    # Every rank's messages also land in output_dir/logs/rank{R}.log (the console shows rank 0 only).
+    logs = tmp_path / "run" / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == [f"rank{r}.log" for r in range(nproc)]
+    for rank in range(nproc):
+        assert (
+            f"rank{rank} INFO shardforge.algorithms.trainers.base: rank {rank} of {nproc}: layout"
+            in (logs / f"rank{rank}.log").read_text()
+        )
+    assert f"rank {nproc - 1} of {nproc}" not in result.stdout  # the console stays rank 0's

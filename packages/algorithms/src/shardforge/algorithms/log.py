@@ -13,8 +13,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
-__all__ = ["RankZeroFilter", "get_logger", "setup_logging"]
+__all__ = ["RankZeroFilter", "get_logger", "rank_log_file", "setup_logging"]
 
 _ROOT = "shardforge"
 _FORMAT = "[shardforge] %(message)s"
@@ -65,3 +68,30 @@ def setup_logging(level: int | str = "INFO") -> logging.Logger:
     logger.setLevel(numeric)
     logger.propagate = False
     return logger
+
+
+class _LazyFileHandler(logging.FileHandler):
+    """Creates its directory and file at the first record (a run refused early leaves nothing behind)."""
+
+    def _open(self):  # type: ignore[no-untyped-def]
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
+@contextmanager
+def rank_log_file(directory: str | Path, rank: int | None = None) -> Iterator[Path]:
+    """While active, every record the ``shardforge`` logger emits on this rank also goes to
+    ``directory/rank{R}.log`` (appended, with time, rank and level), whatever the console shows:
+    the console prints rank 0 only, the files keep every rank's messages for debugging a hang or a
+    rank-specific error."""
+    rank = _rank() if rank is None else rank
+    path = Path(directory) / f"rank{rank}.log"
+    handler = _LazyFileHandler(path, mode="a", delay=True)  # nothing is created until a record comes
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger(_ROOT)
+    logger.addHandler(handler)
+    try:
+        yield path
+    finally:
+        logger.removeHandler(handler)
+        handler.close()

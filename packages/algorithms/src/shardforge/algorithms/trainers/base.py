@@ -25,6 +25,7 @@ import torch.distributed as dist
 from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
+from shardforge.algorithms.log import rank_log_file
 from shardforge.algorithms.loggers import MetricsLogger, truncate_metrics, write_curves
 from shardforge.algorithms.trainers.common import progress_bar
 from shardforge.algorithms.trainers.profiling import ProfileConfig, StepProfiler
@@ -190,11 +191,24 @@ class Trainer(Generic[C]):
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
-        """Train; return the summary (also written to output_dir/summary.json). Call on every rank."""
+        """Train; return the summary (also written to output_dir/summary.json). Call on every rank.
+
+        Every rank's log messages also go to output_dir/logs/rank{R}.log (the console shows rank 0)."""
+        with rank_log_file(self.out / "logs"):
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         config, out = self.config, self.out
         self.tokenizer = load_tokenizer(config)
         self.load_data()
         engine = self.engine = self.build_engines()
+        logger.info(
+            "rank %d of %d: layout %s on %s",
+            dist.get_rank() if dist.is_initialized() else 0,
+            dist.get_world_size() if dist.is_initialized() else 1,
+            engine.dims.to_string(),
+            engine.device,
+        )
         previous_steps = _previous_steps(out / "config.json")
         if engine.is_main:
             out.mkdir(parents=True, exist_ok=True)
