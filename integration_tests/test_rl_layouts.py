@@ -172,3 +172,23 @@ def test_rollout_correction_world1_vs_fsdp2(model_dir: str) -> None:
         assert a["num_tokens"] == b["num_tokens"], "the same tokens were masked"
     diffs = {k: float((single["weights"][k] - v).abs().max()) for k, v in sharded["weights"].items()}
     assert max(diffs.values()) <= WEIGHT_TOL
+
+
+def _behaviour_kl_on_rank() -> float:
+    import torch.distributed as dist
+
+    from shardforge.algorithms.objectives.rollout_correction import behaviour_kl
+
+    rank = dist.get_rank()
+    # Rank 0: 3 target tokens with |gap| 1 (and an untargeted one); rank 1: one token with |gap| 3.
+    old = torch.tensor([0.0, -1.0, -2.0, -3.0]) if rank == 0 else torch.tensor([0.0, -4.0])
+    behaviour = torch.tensor([5.0, 0.0, -3.0, -2.0]) if rank == 0 else torch.tensor([0.0, -1.0])
+    mask = torch.tensor([0.0, 1.0, 1.0, 1.0]) if rank == 0 else torch.tensor([0.0, 1.0])
+    return behaviour_kl(old, behaviour, mask, group=dist.group.WORLD)
+
+
+def test_behaviour_kl_is_the_global_token_mean_at_world_2() -> None:
+    """GRPO/PPO's ``behaviour_kl`` is the mean over every rank's target tokens (6 / 4 = 1.5), not
+    rank 0's mean (1.0) nor the mean of the ranks' means (2.0); the same on every rank."""
+    results = get_rank_pool(2).run(_behaviour_kl_on_rank, timeout_s=120)
+    assert results == [1.5, 1.5]

@@ -247,3 +247,22 @@ def test_ppo_config_refuses_what_it_cannot_do(chat: dict[str, Any], tmp_path: Pa
         run_ppo(_config(chat, tmp_path / "a", recompute_logprobs="false"))
     with pytest.raises(ValueError, match=r"dynamic_sampling .* needs group_size >= 2"):
         run_ppo(_config(chat, tmp_path / "b", group_size=1, **{"dynamic_sampling.enabled": "true"}))
+
+
+def test_ppo_dynamic_sampling_keeps_groups_with_signal(chat: dict[str, Any], tmp_path: Path) -> None:
+    from shardforge.algorithms.trainers.ppo import run_ppo
+
+    overrides = {
+        "workflow.name": "rlvr", "workflow.chat_template": "false", "reward_fn": "ppo_wf_mod:first_digit_even",
+        "dynamic_sampling.enabled": "true", "dynamic_sampling.max_rounds": 4, "group_size": 3, "steps": 2,
+    }  # fmt: skip
+    run_ppo(_config(chat, tmp_path / "ds", **overrides))
+    records = _records(tmp_path / "ds")
+    for r in records:
+        generated, kept = r["dynamic_sampling/groups_generated"], r["dynamic_sampling/groups_kept"]
+        filtered = r["dynamic_sampling/filtered_all_pass"] + r["dynamic_sampling/filtered_all_fail"]
+        assert generated == 2 * r["dynamic_sampling/rounds"], "every round draws prompts_per_step groups"
+        assert kept <= 2 and (kept < 2) == bool(r["dynamic_sampling/cap_hit"]) and filtered <= generated - kept
+        assert 0 < r["reward_mean"] < 1, "the step trains only on groups with reward variance"
+    assert sum(r["dynamic_sampling/filtered_all_fail"] for r in records) > 0, "the data exercises filtering"
+    assert any(r["dynamic_sampling/rounds"] > 1 for r in records), "and backfilling"

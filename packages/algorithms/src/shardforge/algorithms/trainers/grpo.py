@@ -24,7 +24,11 @@ from shardforge.algorithms.batching.collectives import all_reduce_stats
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
 from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
-from shardforge.algorithms.objectives.rollout_correction import ROLLOUT_CORRECTIONS, apply_rollout_correction
+from shardforge.algorithms.objectives.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    apply_rollout_correction,
+    behaviour_kl,
+)
 from shardforge.algorithms.rlvr import (
     BEHAVIOUR_LOGPROBS,
     PROMPT_ROW_FIELDS,
@@ -237,9 +241,10 @@ def _train_step(
     correction: dict[str, float] = {}
     if config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute:
         batch.extras[OLD_LOGPROBS] = engine.forward(batch)
-        mask = batch.loss_mask != 0
-        gap = (batch.extras[OLD_LOGPROBS] - batch.extras[BEHAVIOUR_LOGPROBS])[mask]
-        correction["behaviour_kl"] = float(gap.abs().mean()) if gap.numel() else 0.0
+        correction["behaviour_kl"] = behaviour_kl(
+            batch.extras[OLD_LOGPROBS], batch.extras[BEHAVIOUR_LOGPROBS], batch.loss_mask,
+            group=engine.dp_group, device=engine.device,
+        )  # fmt: skip
         correction |= apply_rollout_correction(
             batch, config.rollout_correction, old_key=OLD_LOGPROBS, group=engine.dp_group, device=engine.device
         )
