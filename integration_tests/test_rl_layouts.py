@@ -66,6 +66,36 @@ def _batch(old_logprobs: torch.Tensor | None) -> Any:
     return batch
 
 
+def _multi_turn_batch(old_logprobs: torch.Tensor | None) -> Any:
+    """Fixed multi-turn trajectories: prompt, then 1-3 (generated, environment) segments per episode;
+    environment tokens (tool results / user turns) have loss mask 0: no advantage, no loss."""
+    from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
+    from shardforge.algorithms.rlvr import group_advantages
+    from shardforge.algorithms.rollout.trajectory import Trajectory
+    from shardforge.algorithms.workflows import trajectories_to_batch
+
+    gen = torch.Generator().manual_seed(3)
+    trajectories = []
+    for g in range(GROUPS):
+        prompt = [1, *torch.randint(4, 20, (int(torch.randint(2, 5, (1,), generator=gen)),), generator=gen).tolist()]
+        for _ in range(GROUP_SIZE):
+            t = Trajectory(group=g, token_ids=list(prompt), loss_mask=[0] * len(prompt), logprobs=[0.0] * len(prompt),
+                           versions=[-1] * len(prompt))  # fmt: skip
+            for turn in range(int(torch.randint(1, 4, (1,), generator=gen))):
+                if turn:  # the environment's answer to the previous turn
+                    t.append(
+                        torch.randint(4, 20, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen).tolist()
+                    )
+                n = int(torch.randint(1, 4, (1,), generator=gen))
+                t.append(torch.randint(4, 20, (n,), generator=gen).tolist(), logprobs=[0.0] * n, version=0)
+            trajectories.append(t)
+    rewards = torch.randint(0, 2, (len(trajectories),), generator=gen).float()
+    batch = trajectories_to_batch(trajectories, group_advantages(rewards, GROUP_SIZE, "grpo"))
+    if old_logprobs is not None:
+        batch.extras[OLD_LOGPROBS] = old_logprobs
+    return batch
+
+
 def _actor() -> Any:
     from shardforge.algorithms.objectives import PPOActorConfig, PPOActorLossFn
 
@@ -73,7 +103,12 @@ def _actor() -> Any:
 
 
 def _train(
-    model_dir: str, layout: str, old_logprobs: torch.Tensor, correction: Any = None, behaviour: Any = None
+    model_dir: str,
+    layout: str,
+    old_logprobs: torch.Tensor,
+    correction: Any = None,
+    behaviour: Any = None,
+    multi_turn: bool = False,
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -85,7 +120,7 @@ def _train(
     engine = TrainEngine(
         model_dir, layout, EngineConfig(max_tokens_per_microbatch=24, optimizer=OptimizerConfig(lr=1e-2, eps=1e-6))
     )
-    batch = _batch(old_logprobs)
+    batch = _multi_turn_batch(old_logprobs) if multi_turn else _batch(old_logprobs)
     groups = list(range(GROUPS))[engine.dp_rank :: engine.dp_size]
     mine = batch.select([g * GROUP_SIZE + k for g in groups for k in range(GROUP_SIZE)])
     corrected: dict[str, float] = {}
@@ -172,3 +207,49 @@ def test_rollout_correction_world1_vs_fsdp2(model_dir: str) -> None:
         assert a["num_tokens"] == b["num_tokens"], "the same tokens were masked"
     diffs = {k: float((single["weights"][k] - v).abs().max()) for k, v in sharded["weights"].items()}
     assert max(diffs.values()) <= WEIGHT_TOL
+
+
+def _behaviour_kl_on_rank() -> float:
+    import torch.distributed as dist
+
+    from shardforge.algorithms.objectives.rollout_correction import behaviour_kl
+
+    rank = dist.get_rank()
+    # Rank 0: 3 target tokens with |gap| 1 (and an untargeted one); rank 1: one token with |gap| 3.
+    old = torch.tensor([0.0, -1.0, -2.0, -3.0]) if rank == 0 else torch.tensor([0.0, -4.0])
+    behaviour = torch.tensor([5.0, 0.0, -3.0, -2.0]) if rank == 0 else torch.tensor([0.0, -1.0])
+    mask = torch.tensor([0.0, 1.0, 1.0, 1.0]) if rank == 0 else torch.tensor([0.0, 1.0])
+    return behaviour_kl(old, behaviour, mask, group=dist.group.WORLD)
+
+
+def test_behaviour_kl_is_the_global_token_mean_at_world_2() -> None:
+    """GRPO/PPO's ``behaviour_kl`` is the mean over every rank's target tokens (6 / 4 = 1.5), not
+    rank 0's mean (1.0) nor the mean of the ranks' means (2.0); the same on every rank."""
+    results = get_rank_pool(2).run(_behaviour_kl_on_rank, timeout_s=120)
+    assert results == [1.5, 1.5]
+
+
+def test_grpo_multi_turn_steps_match_across_layouts(model_dir: str) -> None:
+    """GRPO steps on multi-turn trajectories (environment tokens between generated segments) give the
+    same losses, statistics and updates under world 1, FSDP 2 and FSDP 2 x TP 2 (tolerances above)."""
+    from shardforge.algorithms import TrainEngine
+
+    reference_engine = TrainEngine(model_dir, "d1")
+    batch = _multi_turn_batch(None)
+    env = (batch.loss_mask == 0) & (batch.position_ids > 0)
+    assert bool((env[1:] & (batch.loss_mask[:-1] != 0)).any()), "environment tokens follow generated ones"
+    noise = torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(4)) * 0.3
+    old = (reference_engine.forward(batch) - noise.abs()) * batch.loss_mask
+    del reference_engine
+    single = _train(model_dir, "d1", old, multi_turn=True)
+    assert single["history"][0]["clip_frac"] > 0, "the data exercises clipping"
+    for world, layout in ((2, "d2"), (4, "d2t2")):
+        sharded = get_rank_pool(world).run(_train, model_dir, layout, old, None, None, True, timeout_s=300)[0]
+        for step, (a, b) in enumerate(zip(single["history"], sharded["history"], strict=True)):
+            assert abs(a["loss"] - b["loss"]) <= LOSS_TOL, (layout, step, a["loss"], b["loss"])
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (layout, step, a, b)
+            assert a["num_tokens"] == b["num_tokens"], (layout, step)  # from the loss masks: exact
+            for key in ("approx_kl", "ratio", "pg_loss"):
+                assert abs(a[key] - b[key]) <= 1e-5, (layout, step, key, a[key], b[key])
+        diffs = {k: float((single["weights"][k] - v).abs().max()) for k, v in sharded["weights"].items()}
+        assert max(diffs.values()) <= WEIGHT_TOL, (layout, max(diffs.values()))

@@ -54,6 +54,7 @@ __all__ = [
     "RolloutCorrectionConfig",
     "RolloutCorrectionOutput",
     "apply_rollout_correction",
+    "behaviour_kl",
     "rollout_correction",
     "summarize_correction_stats",
 ]
@@ -359,3 +360,19 @@ def apply_rollout_correction(
     batch.extras[ROLLOUT_IS_WEIGHTS] = out.weights
     batch.loss_mask = out.loss_mask
     return summarize_correction_stats(all_reduce_stats(out.stats, group, device))
+
+
+def behaviour_kl(
+    old_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> float:
+    """Mean ``|old - behav|`` per target token over the global batch (all-reduced over ``group``, so
+    it does not depend on how the batch is split; 0.0 without target tokens). Collective with a group."""
+    mask = loss_mask != 0
+    gap = (old_logprobs.double() - behaviour_logprobs.double())[mask]
+    total, count = all_reduce_sum(gap.abs().sum(), gap.numel(), group=group, device=device)
+    return total / count if count > 0 else 0.0

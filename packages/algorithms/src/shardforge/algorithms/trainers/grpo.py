@@ -17,21 +17,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from shardforge.algorithms.batching.collectives import all_reduce_stats
-from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
 from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
 from shardforge.algorithms.objectives.on_policy import OnPolicyActorLossFn, correction_fits_in_loss, has_dropout
 from shardforge.algorithms.objectives.rollout_correction import (
     ROLLOUT_CORRECTIONS,
-    RolloutCorrectionConfig,
     apply_rollout_correction,
+    behaviour_kl,
     summarize_correction_stats,
 )
 from shardforge.algorithms.rlvr import (
@@ -42,8 +41,7 @@ from shardforge.algorithms.rlvr import (
     group_advantages,
     load_prompts,
 )
-from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, load_reward_fn
-from shardforge.algorithms.rollout.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, GenerateRoundFn
+from shardforge.algorithms.rollout import load_reward_fn
 from shardforge.algorithms.rollout.factory import build_rollout_engine
 from shardforge.algorithms.rollout.sources import AsyncRollouts, RolloutSource, SampledBatch, SyncRollouts
 from shardforge.algorithms.trainers import TrainerSpec
@@ -60,15 +58,9 @@ from shardforge.algorithms.trainers.rl_common import (
     publish_version,
 )
 from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
+from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
 from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
-from shardforge.algorithms.workflows import (
-    PromptRow,
-    Workflow,
-    WorkflowConfig,
-    build_workflow,
-    run_episodes,
-    trajectories_to_batch,
-)
+from shardforge.algorithms.workflows import trajectories_to_batch
 from shardforge.weight_sync import DiskTransport
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "run_grpo"]
@@ -84,16 +76,10 @@ class GRPOConfig(RLTrainerConfig):
     """Samples per prompt."""
     advantage: AdvantageEstimator = "grpo"
     """Outcome estimator in ADVANTAGE_ESTIMATORS: grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline), opo, grpo_passk."""
-    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    """Importance weights trainer/engine on every batch (mode, cap, band, batch_normalize); see the docs."""
     async_rollouts: bool = False
     """Generate the next batch in a background thread while the current step trains (decoupled PPO loss)."""
     max_staleness: int = 1
     """Async mode: batch k is generated with the weights after step max(k - max_staleness, 0); 0 = on-policy."""
-    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
-    """How a prompt becomes trajectories: rlvr (one response), multi_turn, tool_use or a user's workflow."""
-    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-    """DAPO dynamic sampling: drop zero-variance groups (raw reward), backfill up to max_rounds rounds."""
     reuse_training_logprobs: bool = True
     """Skip the old-log-prob recompute when it is redundant (synchronous rollouts: one update per batch, on-policy;
     no dropout; rollout_correction none/bypass/*_tis without batch_normalize) and take them from the training
@@ -147,38 +133,6 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
         )
 
 
-def _sample_fn(
-    config: GRPOConfig, rollout: RolloutEngine, prompts: PromptSet, workflow: Workflow, engine: TrainEngine
-) -> GenerateRoundFn:
-    # Round 0 is the step's batch; dynamic sampling's backfill round r draws from its own stream.
-    samplers: dict[int, GlobalBatchSampler] = {}
-    dp_rank, dp_size = engine.dp_rank, engine.dp_size
-
-    def sample(index: int, round_: int) -> tuple[list[Any], torch.Tensor]:
-        if round_ not in samplers:
-            seed = config.seed + 7_919 * round_
-            samplers[round_] = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=seed)
-        indices = samplers[round_].local_batch(index, dp_rank, dp_size)
-        # The sampling seed depends only on (seed, batch index, round, dp rank): a resumed run, and
-        # the asynchronous mode (batches generated on another thread), sample the same.
-        params = SamplingParams(
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.temperature,
-            seed=(config.seed * 1_000_003 + index) * 1_009 + dp_rank + 104_729 * round_,
-        )
-        rows = [
-            PromptRow(index=g, prompt=prompts.texts[i], reference=prompts.references[i], prompt_ids=prompts.ids[i])
-            for g, i in enumerate(indices)
-        ]
-        # Every (prompt, sample) is one concurrent episode; their generate calls are batched per round.
-        # max_failed_fraction=0: a crash raises as it is (no group is dropped).
-        drop = config.workflow.max_failed_fraction > 0
-        trajectories = run_episodes(workflow, rollout, rows, config.group_size, params, drop_failed=drop)
-        return trajectories, torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-
-    return sample
-
-
 class GRPOTrainer(Trainer[GRPOConfig]):
     """One PPO-clip update per rollout batch; batches come from a `RolloutSource` (sync or async)."""
 
@@ -190,10 +144,8 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         self.prompts = load_prompts(config.train_file, self.tokenizer, max_prompt_len=config.max_prompt_len)
         self.held_out = load_prompts(config.eval_file, self.tokenizer) if config.eval_file else None
         self.reward_fn = load_reward_fn(config.reward_fn)
-        budget = config.workflow.max_total_tokens or config.engine.max_tokens_per_microbatch
-        self.workflow = build_workflow(
-            replace(config.workflow, max_total_tokens=budget), self.tokenizer, self.reward_fn
-        )
+        budget = config.engine.max_tokens_per_microbatch
+        self.workflow = build_rl_workflow(config, self.tokenizer, self.reward_fn, budget)
 
     def build_engines(self) -> TrainEngine:
         config = self.config
@@ -227,18 +179,8 @@ class GRPOTrainer(Trainer[GRPOConfig]):
                 return publish_in_process(engine, receiver, config.rollout_dtype, version)
             return publish_version(engine, transport, rollout, config.rollout_dtype, version)
 
-        generate_round = _sample_fn(config, rollout, self.prompts, self.workflow, engine)
-        self.dynamic: DynamicSampler | None = None
-
-        def sample_fn(index: int) -> tuple[list[Any], torch.Tensor]:
-            return generate_round(index, 0) if self.dynamic is None else self.dynamic(index)
-
-        if config.dynamic_sampling.enabled:
-            local_groups = config.prompts_per_step // engine.dp_size
-            self.dynamic = DynamicSampler(
-                generate_round, group_size=config.group_size, target_groups=local_groups,
-                config=config.dynamic_sampling,
-            )  # fmt: skip
+        generate_round = workflow_round_fn(config, rollout, self.prompts, self.workflow, engine)
+        sample_fn, self.dynamic = make_sample_fn(config, generate_round, engine.dp_size)
         self.source: RolloutSource | None = None
         if config.async_rollouts:
             self.source = AsyncRollouts(
@@ -338,9 +280,10 @@ def _train_step(
     recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
     if config.recompute_logprobs and recompute and not isinstance(actor, OnPolicyActorLossFn):
         batch.extras[OLD_LOGPROBS] = engine.forward(batch)
-        mask = batch.loss_mask != 0
-        gap = (batch.extras[OLD_LOGPROBS] - batch.extras[BEHAVIOUR_LOGPROBS])[mask]
-        correction["behaviour_kl"] = float(gap.abs().mean()) if gap.numel() else 0.0
+        correction["behaviour_kl"] = behaviour_kl(
+            batch.extras[OLD_LOGPROBS], batch.extras[BEHAVIOUR_LOGPROBS], batch.loss_mask,
+            group=engine.dp_group, device=engine.device,
+        )  # fmt: skip
         correction |= apply_rollout_correction(
             batch, config.rollout_correction, old_key=OLD_LOGPROBS, group=engine.dp_group, device=engine.device
         )

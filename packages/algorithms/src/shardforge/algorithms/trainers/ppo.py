@@ -3,9 +3,12 @@
 Like GRPO (`shardforge.algorithms.trainers.grpo`: embedded rollout engine, weight publishing after each
 step, reward functions, eval) but the advantage comes from a critic: a value-head `TrainEngine`
 initialised from the policy checkpoint (new head) or from a reward-model directory. Each step:
-rollouts -> sequence rewards -> optional KL-in-reward against a frozen reference policy ->
-GAE on per-token values -> one actor step (PPO clip) and one critic step (value-clipped loss)
--> publish the actor's weights. See `shardforge.algorithms.trainers.ppo_update` for the update itself.
+trajectories from a workflow (``workflow.name``: rlvr, multi_turn, tool_use or a user's; with
+optional dynamic sampling) -> sequence rewards -> optional KL-in-reward against a frozen reference
+policy -> GAE on per-token values over the generated tokens only (tool results, user turns and
+template markers have loss mask 0: no value target, no advantage, no loss) -> rollout correction
+of the actor's batch (``rollout_correction``, as GRPO) -> actor steps (PPO clip) and critic steps
+(value-clipped loss) -> publish the actor's weights. See `shardforge.algorithms.trainers.ppo_update` for the update itself.
 The shared fields (layout applies to the actor, critic and reference engines; no pp for the
 critic) and the run loop are `shardforge.algorithms.trainers.base`.
 """
@@ -20,26 +23,35 @@ from typing import Any
 
 import torch
 
-from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.objectives import KLEstimator, PPOActorLossFn, PPOCriticConfig
-from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, PromptSet, load_prompts, rollouts_to_batch
-from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+from shardforge.algorithms.objectives.rollout_correction import ROLLOUT_CORRECTIONS
+from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, PromptSet, load_prompts
+from shardforge.algorithms.rollout import load_reward_fn
 from shardforge.algorithms.rollout.factory import build_rollout_engine
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
 from shardforge.algorithms.trainers.common import with_total_steps
-from shardforge.algorithms.trainers.ppo_update import ShiftedCriticLossFn, ppo_update, prepare_ppo_batch
+from shardforge.algorithms.trainers.ppo_update import (
+    ShiftedCriticLossFn,
+    correct_actor_batch,
+    ppo_update,
+    prepare_ppo_batch,
+)
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
     check_eval_split,
     check_prompt_positions,
     check_rollout_batch,
+    dynamic_sampling_stats,
     evaluate_accuracy,
     global_reward_stats,
     publish_to_rollout,
 )
+from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
+from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
+from shardforge.algorithms.workflows import trajectories_to_batch
 from shardforge.weight_sync import DiskTransport
 
 __all__ = ["PPOConfig", "PPOTrainer", "ShiftedCriticLossFn", "run_ppo"]
@@ -86,6 +98,28 @@ def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
         raise ValueError(f"update_epochs={config.update_epochs} must be >= 1")
     if config.kl_coef < 0:
         raise ValueError(f"kl_coef={config.kl_coef} must be >= 0")
+    mode = config.rollout_correction.mode
+    if not config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(mode).recompute and mode != "none":
+        raise ValueError(
+            f"recompute_logprobs=false leaves no trainer log-probs for rollout_correction.mode={mode!r}; set "
+            "rollout_correction.mode=bypass (the same as recompute_logprobs=false) or none, or keep recompute_logprobs=true"
+        )
+    if config.dynamic_sampling.enabled and config.group_size < 2:
+        raise ValueError(
+            f"dynamic_sampling drops groups whose rewards are all equal, so it needs group_size >= 2 (got "
+            f"{config.group_size}): raise group_size or set dynamic_sampling.enabled=false"
+        )
+    if config.dynamic_sampling.enabled and config.rollout_engine == "vllm" and config.vllm.placement == "rank0":
+        if dp_size > 1:
+            raise ValueError(
+                "dynamic_sampling with vllm.placement=rank0 and several data-parallel ranks is not supported: ranks "
+                "may run different numbers of generate calls; use vllm.placement=each_rank or rollout_engine=hf"
+            )
+    if config.actor.behav_weight_cap is not None:
+        raise ValueError(
+            f"actor.behav_weight_cap={config.actor.behav_weight_cap} is not used by PPO: the behaviour weight of "
+            "every batch is rollout_correction's (e.g. rollout_correction: {mode: token_mis, high: 5.0})"
+        )
 
 
 class PPOTrainer(Trainer[PPOConfig]):
@@ -99,7 +133,8 @@ class PPOTrainer(Trainer[PPOConfig]):
         self.prompts = load_prompts(config.train_file, self.tokenizer, max_prompt_len=config.max_prompt_len)
         self.held_out = load_prompts(config.eval_file, self.tokenizer) if config.eval_file else None
         self.reward_fn = load_reward_fn(config.reward_fn)
-        self.sampler = GlobalBatchSampler(len(self.prompts), config.prompts_per_step, seed=config.seed)
+        budget = min(config.engine.max_tokens_per_microbatch, config.critic_engine.max_tokens_per_microbatch)
+        self.workflow = build_rl_workflow(config, self.tokenizer, self.reward_fn, budget)
 
     def build_engines(self) -> TrainEngine:
         config = self.config
@@ -147,24 +182,38 @@ class PPOTrainer(Trainer[PPOConfig]):
         )  # fmt: skip
         self.version = publish_to_rollout(actor, self.transport, self.rollout, config.rollout_dtype)
         self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
+        generate_round = workflow_round_fn(config, self.rollout, self.prompts, self.workflow, actor)
+        self.sample, self.dynamic = make_sample_fn(config, generate_round, actor.dp_size)
 
     def train_step(self, step: int) -> dict[str, float]:
         config, actor, rollout = self.config, self.engine, self.rollout
         started = time.perf_counter()
-        batch, rewards, lengths = _rollout_batch(
-            step, config, actor, rollout, self.prompts, self.sampler, self.reward_fn
-        )
+        trajectories, rewards = self.sample(step)
         generated, served = time.perf_counter(), float(rollout.version)  # the version that sampled
-        stats = prepare_ppo_batch(
+        stats = check_failed_episodes(trajectories, config.workflow.max_failed_fraction, actor)
+        batch = trajectories_to_batch(trajectories, torch.zeros(len(trajectories)))  # advantages come from GAE
+        lengths = torch.tensor([t.num_generated for t in trajectories], dtype=torch.float64)
+        # Bypass (or recompute_logprobs=false): the engine's log-probs are the old ones, no correction.
+        recompute = config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
+        stats |= prepare_ppo_batch(
             batch, rewards, actor, self.critic, self.reference, gamma=config.gamma, lam=config.lam,
             kl_coef=config.kl_coef, kl_estimator=config.kl_estimator,
-            whiten_advantages=config.whiten_advantages, recompute_logprobs=config.recompute_logprobs,
+            whiten_advantages=config.whiten_advantages, recompute_logprobs=recompute,
         )  # fmt: skip
+        actor_batch = None
+        if recompute:
+            actor_batch, correction = correct_actor_batch(batch, config.rollout_correction, actor)
+            stats |= correction
         forwarded = time.perf_counter()
-        stats |= ppo_update(batch, actor, self.critic, self.actor_fn, self.critic_fn, epochs=config.update_epochs)
+        stats |= ppo_update(
+            batch, actor, self.critic, self.actor_fn, self.critic_fn, epochs=config.update_epochs,
+            actor_batch=actor_batch,
+        )  # fmt: skip
         began = time.perf_counter()
         self.version = publish_to_rollout(actor, self.transport, rollout, config.rollout_dtype, self.version)
-        stats |= global_reward_stats(rewards.double(), lengths, actor)
+        stats |= global_reward_stats(rewards.double(), lengths, actor) | workflow_stats(trajectories, actor)
+        if self.dynamic is not None:
+            stats |= dynamic_sampling_stats(self.dynamic.pop_stats(step), actor)
         stats |= {
             "weight_sync_s": time.perf_counter() - began,
             "rollout_version": served,
@@ -204,31 +253,6 @@ class PPOTrainer(Trainer[PPOConfig]):
 def run_ppo(config: PPOConfig) -> dict[str, Any]:
     """Train; return a summary (accuracy before/after, final reward). Call on every rank."""
     return PPOTrainer(config).run()
-
-
-def _rollout_batch(
-    step: int,
-    config: PPOConfig,
-    engine: TrainEngine,
-    rollout: RolloutEngine,
-    prompts: PromptSet,
-    sampler: GlobalBatchSampler,
-    reward_fn: Any,
-) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    indices = sampler.local_batch(step, engine.dp_rank, engine.dp_size)
-    params = SamplingParams(
-        n=config.group_size,
-        max_new_tokens=config.max_new_tokens,
-        temperature=config.temperature,
-        seed=(config.seed * 1_000_003 + step) * 1_009 + engine.dp_rank,  # resumed runs sample the same
-    )
-    rollouts = rollout.generate([prompts.ids[i] for i in indices], params)
-    rewards = score_rollouts(
-        rollouts, [prompts.texts[i] for i in indices], [prompts.references[i] for i in indices], reward_fn
-    )
-    batch = rollouts_to_batch(rollouts, torch.zeros(len(rollouts)))  # advantages come from GAE
-    lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float64)
-    return batch, rewards, lengths
 
 
 TRAINER = TrainerSpec(config_cls=PPOConfig, run=run_ppo, row_fields=PROMPT_ROW_FIELDS)

@@ -11,6 +11,7 @@ the data-parallel group, so the update does not depend on how the rollouts are s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -28,8 +29,14 @@ from shardforge.algorithms.objectives import (
     token_rewards,
 )
 from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS, OLD_VALUES, REF_LOGPROBS, RETURNS
+from shardforge.algorithms.objectives.rollout_correction import (
+    BEHAVIOUR_LOGPROBS,
+    RolloutCorrectionConfig,
+    apply_rollout_correction,
+    behaviour_kl,
+)
 
-__all__ = ["ShiftedCriticLossFn", "dp_reduce_stats", "ppo_update", "prepare_ppo_batch"]
+__all__ = ["ShiftedCriticLossFn", "correct_actor_batch", "dp_reduce_stats", "ppo_update", "prepare_ppo_batch"]
 
 
 class ShiftedCriticLossFn(PPOCriticLossFn):
@@ -114,6 +121,24 @@ def prepare_ppo_batch(
     }
 
 
+def correct_actor_batch(
+    batch: PackedBatch, config: RolloutCorrectionConfig, actor: TrainEngine
+) -> tuple[PackedBatch, dict[str, float]]:
+    """The actor's view of a prepared batch with rollout correction applied (``ROLLOUT_IS_WEIGHTS``,
+    rejected tokens out of its loss mask) and the global ``rollout_corr/*`` and ``behaviour_kl``
+    statistics (collective over the actor's dp group). The critic keeps ``batch``: a token rejected
+    for the policy gradient (an engine/trainer mismatch) still has a valid value target."""
+    actor_batch = dataclasses.replace(batch, extras=dict(batch.extras))
+    gap = behaviour_kl(
+        batch.extras[OLD_LOGPROBS], batch.extras[BEHAVIOUR_LOGPROBS], batch.loss_mask,
+        group=actor.dp_group, device=actor.device,
+    )  # fmt: skip
+    stats = apply_rollout_correction(
+        actor_batch, config, old_key=OLD_LOGPROBS, group=actor.dp_group, device=actor.device
+    )
+    return actor_batch, {"behaviour_kl": gap} | stats
+
+
 def ppo_update(
     batch: PackedBatch,
     actor: TrainEngine,
@@ -122,15 +147,17 @@ def ppo_update(
     critic_fn: ShiftedCriticLossFn,
     *,
     epochs: int = 1,
+    actor_batch: PackedBatch | None = None,
 ) -> dict[str, float]:
     """``epochs`` optimizer steps of each engine on a prepared batch (the first starts at ratio 1 and
     v = v_old, so clipping acts from the second on); return the last step's actor (``loss``,
     ``grad_norm``) and critic (``critic/loss``, ``critic/grad_norm``) results and the loss statistics
-    (``actor/*``, ``critic/*``: clip fractions, approx KL, value loss, ...) over all epochs."""
+    (``actor/*``, ``critic/*``: clip fractions, approx KL, value loss, ...) over all epochs.
+    ``actor_batch``: the actor's view of ``batch`` (`correct_actor_batch`); default ``batch``."""
     if epochs < 1:
         raise ValueError(f"epochs={epochs} must be >= 1")
     for _ in range(epochs):
-        stats = actor.train_batch(batch, actor_fn, actor_fn.loss_weight)
+        stats = actor.train_batch(actor_batch or batch, actor_fn, actor_fn.loss_weight)
         critic_step = critic.train_batch(batch, critic_fn, critic_fn.loss_weight)
     actor_stats = summarize_stats(dp_reduce_stats(actor_fn.pop_stats(), actor))
     stats |= {f"actor/{k}": v for k, v in actor_stats.items()}

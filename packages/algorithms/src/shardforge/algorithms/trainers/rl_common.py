@@ -14,12 +14,15 @@ import torch.distributed as dist
 from shardforge.algorithms.batching.collectives import all_reduce_max, all_reduce_sum, broadcast_floats
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import PPOActorConfig
+from shardforge.algorithms.objectives.rollout_correction import RolloutCorrectionConfig
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, exact_match_reward
+from shardforge.algorithms.rollout.dynamic_sampling import DynamicSamplingConfig
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, RolloutEngineKind
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.trainers.base import TrainerConfig
 from shardforge.algorithms.trainers.common import check_max_positions
+from shardforge.algorithms.workflows import WorkflowConfig
 from shardforge.weight_sync import DiskTransport
 
 __all__ = [
@@ -65,6 +68,12 @@ class RLTrainerConfig(TrainerConfig):
     """vLLM rollout engine options (rollout_engine=vllm only)."""
     eval_size: int | None = None
     """Evaluate on the first N held-out prompts (None = all)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights trainer/engine on every batch (mode, cap, band, batch_normalize); see the docs."""
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    """How a prompt becomes trajectories: rlvr (one response), multi_turn, tool_use or a user's workflow."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO dynamic sampling: drop zero-variance groups (raw reward), backfill up to max_rounds rounds."""
 
 
 def check_rollout_batch(config: RLTrainerConfig, prompts: PromptSet, dp_size: int, budget: int, where: str) -> None:

@@ -1,0 +1,78 @@
+"""How the RL trainers (GRPO, PPO) turn a step's prompts into trajectories: through a workflow
+(`shardforge.algorithms.workflows`), one generation round at a time, optionally wrapped in
+dynamic sampling (`shardforge.algorithms.rollout.dynamic_sampling`).
+
+Round 0 of batch ``index`` is the step's usual prompts (``GlobalBatchSampler(seed)``, this rank's
+share); dynamic sampling's backfill round r draws from its own prompt stream (seed ``seed + 7919 r``).
+The sampling seed depends only on (seed, batch index, round, dp rank), so a resumed run and the
+asynchronous mode (batches generated on another thread) sample the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from shardforge.algorithms.data import GlobalBatchSampler
+from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.rlvr import PromptSet
+from shardforge.algorithms.rollout import RolloutEngine, SamplingParams
+from shardforge.algorithms.rollout.dynamic_sampling import DynamicSampler, GenerateRoundFn
+from shardforge.algorithms.rollout.sources import SampleFn
+from shardforge.algorithms.trainers.rl_common import RLTrainerConfig
+from shardforge.algorithms.workflows import PromptRow, Workflow, build_workflow, run_episodes
+
+__all__ = ["build_rl_workflow", "make_sample_fn", "workflow_round_fn"]
+
+
+def build_rl_workflow(config: RLTrainerConfig, tokenizer: Any, reward_fn: Any, budget: int) -> Workflow:
+    """The configured workflow; episodes stop before ``workflow.max_total_tokens`` (default: ``budget``,
+    the trainer's micro-batch token budget, so every trajectory fits one micro-batch)."""
+    return build_workflow(
+        replace(config.workflow, max_total_tokens=config.workflow.max_total_tokens or budget), tokenizer, reward_fn
+    )
+
+
+def workflow_round_fn(
+    config: RLTrainerConfig, rollout: RolloutEngine, prompts: PromptSet, workflow: Workflow, engine: TrainEngine
+) -> GenerateRoundFn:
+    """(batch index, round) -> this rank's trajectories (``group_size`` consecutive per prompt) and raw rewards."""
+    samplers: dict[int, GlobalBatchSampler] = {}
+    dp_rank, dp_size = engine.dp_rank, engine.dp_size
+
+    def sample(index: int, round_: int) -> tuple[list[Any], torch.Tensor]:
+        if round_ not in samplers:
+            seed = config.seed + 7_919 * round_
+            samplers[round_] = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=seed)
+        indices = samplers[round_].local_batch(index, dp_rank, dp_size)
+        params = SamplingParams(
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            seed=(config.seed * 1_000_003 + index) * 1_009 + dp_rank + 104_729 * round_,
+        )
+        rows = [
+            PromptRow(index=g, prompt=prompts.texts[i], reference=prompts.references[i], prompt_ids=prompts.ids[i])
+            for g, i in enumerate(indices)
+        ]
+        # Every (prompt, sample) is one concurrent episode; their generate calls are batched per round.
+        # max_failed_fraction=0: a crash raises as it is (no group is dropped).
+        drop = config.workflow.max_failed_fraction > 0
+        trajectories = run_episodes(workflow, rollout, rows, config.group_size, params, drop_failed=drop)
+        return trajectories, torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+
+    return sample
+
+
+def make_sample_fn(
+    config: RLTrainerConfig, generate_round: GenerateRoundFn, dp_size: int
+) -> tuple[SampleFn, DynamicSampler | None]:
+    """The per-batch sampler: round 0 as it is, or dynamic sampling over rounds (returned too, for its stats)."""
+    if not config.dynamic_sampling.enabled:
+        return (lambda index: generate_round(index, 0)), None
+    dynamic = DynamicSampler(
+        generate_round, group_size=config.group_size, target_groups=config.prompts_per_step // dp_size,
+        config=config.dynamic_sampling,
+    )  # fmt: skip
+    return dynamic, dynamic
