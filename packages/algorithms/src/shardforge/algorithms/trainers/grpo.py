@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shardforge.algorithms.batching.collectives import all_reduce_stats
+from shardforge.algorithms.batching.collectives import all_reduce_stats, all_reduce_sum
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
 from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
@@ -292,8 +292,11 @@ def _train_step(
     actor_stats = all_reduce_stats(actor.pop_stats(), engine.dp_group, engine.device)
     if isinstance(actor, OnPolicyActorLossFn):  # the correction ran inside the loss, per micro-batch
         local = actor.pop_correction_stats()
-        gap, count = local.pop("behaviour_gap"), float(local["num_tokens"])
-        correction["behaviour_kl"] = float(gap) / count if count else 0.0  # this rank's, as when recomputed
+        # global over dp ranks, as the recompute path's `behaviour_kl` (one collective of two scalars)
+        gap, count = all_reduce_sum(
+            local.pop("behaviour_gap"), float(local["num_tokens"]), group=engine.dp_group, device=engine.device
+        )
+        correction["behaviour_kl"] = gap / count if count else 0.0
         correction |= summarize_correction_stats(all_reduce_stats(local, engine.dp_group, engine.device))
     stats |= {f"actor/{k}": v for k, v in summarize_stats(actor_stats).items()}
     # Bypass: the loss's ratio pi/behav before the step is the mismatch itself (k1 of behav -> pi).
