@@ -177,3 +177,47 @@ def test_profile_writes_a_chrome_trace_of_the_chosen_steps(assets: dict[str, Any
     assert not (tmp_path / "off" / "profile").exists()
     with pytest.raises(ValueError, match=re.escape("profile.start_step=0")):
         _config("sft", assets, tmp_path, **{"profile.start_step": 0})
+
+
+SINKS_MODULE = textwrap.dedent(
+    """
+    CALLS = []
+
+    class Flaky:
+        def log(self, step, values, split):
+            CALLS.append(step)
+            if step == 2:
+                raise ConnectionError("tracker went away")
+
+        def close(self):
+            pass
+
+    def flaky(out_dir, run_config):
+        assert run_config["steps"] == 3  # the run's config reaches the sink
+        return Flaky()
+
+    def broken(out_dir, run_config):
+        raise RuntimeError("no credentials")
+    """
+)
+
+
+def test_failing_loggers_are_reported_once_and_training_goes_on(
+    assets: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "loop_sinks_mod.py").write_text(SINKS_MODULE)
+    sys.path.insert(0, str(tmp_path))
+    import loop_sinks_mod  # type: ignore[import-not-found]
+
+    names = "[jsonl, 'loop_sinks_mod:flaky', 'loop_sinks_mod:broken']"
+    with caplog.at_level("WARNING", logger="shardforge.algorithms.loggers.registry"):
+        summary = _run("sft", _config("sft", assets, tmp_path / "run", steps=3, loggers=names))
+    assert summary["steps"] == 3
+    assert loop_sinks_mod.CALLS == [1, 2]  # disabled after its failure at step 2, not called at step 3
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2, warnings
+    assert "'loop_sinks_mod:broken' failed to start (RuntimeError: no credentials)" in warnings[0]
+    assert "'loop_sinks_mod:flaky' failed to log (ConnectionError: tracker went away)" in warnings[1]
+    assert [r["step"] for r in _records(tmp_path / "run")] == [1, 2, 3]  # jsonl kept logging
+    with pytest.raises(ValueError, match=r"unknown metrics logger 'nope'; registered: .*jsonl"):
+        _run("sft", _config("sft", assets, tmp_path / "bad", loggers="[nope]"))

@@ -41,6 +41,7 @@ _REGISTRY_MODULES = (
     "shardforge.algorithms.objectives",
     "shardforge.algorithms.rollout.factory",
     "shardforge.algorithms.rollout.reward_functions",
+    "shardforge.algorithms.loggers",
 )
 
 

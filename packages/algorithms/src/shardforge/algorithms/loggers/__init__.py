@@ -1,19 +1,24 @@
-"""Metrics loggers behind one interface (`MetricsSink`): JSONL and TensorBoard, written by the
-main rank only. `MetricsLogger` is what trainers hold."""
+"""Metrics loggers behind one interface (`MetricsSink`), selected by name (`LOGGERS`: jsonl,
+tensorboard, or a user's ``package.module:factory``), written by the main rank only, never fatal.
+`MetricsLogger` is what trainers hold."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from shardforge.algorithms.loggers.base import MetricsSink
 from shardforge.algorithms.loggers.curves import write_curves
 from shardforge.algorithms.loggers.jsonl import JsonlLogger, read_metrics, truncate_metrics
+from shardforge.algorithms.loggers.registry import LOGGERS, NeverFatal, build_sinks
 from shardforge.algorithms.loggers.tensorboard import TensorBoardLogger
 
 __all__ = [
+    "LOGGERS",
     "JsonlLogger",
     "MetricsLogger",
     "MetricsSink",
+    "NeverFatal",
     "TensorBoardLogger",
     "read_metrics",
     "truncate_metrics",
@@ -31,7 +36,11 @@ class MetricsLogger:
         enabled: bool = True,
         tensorboard: bool = True,
         sinks: list[MetricsSink] | None = None,
+        names: tuple[str, ...] | list[str] | None = None,
+        run_config: dict[str, Any] | None = None,
     ) -> None:
+        """``names`` (the ``loggers`` config key) picks sinks from `LOGGERS`, each wrapped in
+        `NeverFatal`; without it, jsonl (+ tensorboard)."""
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
         self.sinks: list[MetricsSink] = []
@@ -40,9 +49,9 @@ class MetricsLogger:
         if sinks is not None:
             self.sinks = list(sinks)
             return
-        self.sinks.append(JsonlLogger(self.path))
-        if tensorboard:
-            self.sinks.append(TensorBoardLogger(Path(out_dir) / "tensorboard"))
+        if names is None:
+            names = ("jsonl", "tensorboard") if tensorboard else ("jsonl",)
+        self.sinks = list(build_sinks(names, Path(out_dir), run_config or {}))
 
     def log(self, step: int, values: dict[str, float], *, split: str = "train") -> None:
         for sink in self.sinks:

@@ -77,6 +77,10 @@ class TrainerConfig:
     """Show a progress bar on rank 0."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine settings (optimizer, schedule, dtype, micro-batch budget, ...)."""
+    loggers: tuple[str, ...] = ("jsonl", "tensorboard")
+    """Metric sinks by name (`shardforge list` shows them; or a user's ``package.module:factory``). Rank 0
+    only; a sink that fails is reported once and disabled, training goes on. Keep jsonl: resume, curves.png
+    and the summary read metrics.jsonl."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """torch.profiler traces of chosen steps and ranks (trainers/profiling.py), off by default."""
 
@@ -232,7 +236,12 @@ class Trainer(Generic[C]):
             )
         if engine.is_main:
             truncate_metrics(out / "metrics.jsonl", start)
-        metrics = MetricsLogger(out, enabled=engine.is_main)
+        metrics = MetricsLogger(
+            out,
+            enabled=engine.is_main,
+            names=config.loggers,
+            run_config=config_to_dict(config) if engine.is_main else {},
+        )
         summary: dict[str, Any] = {"steps": config.steps, "output_dir": str(out), "layout": engine.dims.to_string()}
         if start:
             summary["resumed_from"] = start
