@@ -160,7 +160,10 @@ def _pp_rank(schedule: str, stages_per_rank: int, family: str) -> dict[str, Any]
     data = make_data()
     total_weight = data["weights"].sum()
 
+    calls: list[tuple[int, bool]] = []
+
     def loss_fn(logp: torch.Tensor, i: int) -> torch.Tensor:
+        calls.append((i, bool(torch.isfinite(logp).all())))
         return -(logp[0] * data["weights"][i]).sum() / total_weight
 
     kwargs = {k: data[k] for k in ("position_ids", "attention_mask", "labels")}
@@ -173,6 +176,8 @@ def _pp_rank(schedule: str, stages_per_rank: int, family: str) -> dict[str, Any]
         "loss": float(sum(float(x) for x in losses)) if losses else None,
         "grads": {n: p.grad.detach().clone() for n, p in merged.named_parameters() if p.grad is not None},
         "params": sorted(n for n, _ in merged.named_parameters()),
+        "loss_calls": calls,
+        "num_microbatches": int(data["input_ids"].shape[0]),
     }
 
 
@@ -181,6 +186,9 @@ def _check(results: list[dict[str, Any]], family: str = "qwen3") -> None:
     losses = [r["loss"] for r in results if r["loss"] is not None]
     assert len(losses) == 1, f"exactly one rank holds the last stage, got losses {losses}"
     assert losses[0] == pytest.approx(ref_loss, rel=1e-6)
+    # The caller's loss sees each real micro-batch once, never torch's metadata-inference placeholder call.
+    [calls] = [r["loss_calls"] for r in results if r["loss"] is not None]
+    assert sorted(calls) == [(i, True) for i in range(results[0]["num_microbatches"])], calls
     [logp] = [r["logp"] for r in results if r["logp"] is not None]
     torch.testing.assert_close(logp.reshape(ref_logp.shape), ref_logp, **TOL)
     owned = [n for r in results for n in r["params"]]

@@ -38,9 +38,9 @@ def group_units(groups: torch.Tensor) -> list[list[int]]:
 
 
 def grouped_microbatches(
-    batch: PackedBatch, max_tokens: int, *, group: dist.ProcessGroup | None = None
+    batch: PackedBatch, max_tokens: int, *, group: dist.ProcessGroup | None = None, min_count: int = 1
 ) -> list[tuple[list[int], PackedBatch | None]]:
-    """Like `split_microbatches`, but never separates sequences of one ``sequence_group``."""
+    """Like `split_microbatches` (also ``min_count``), but never separates sequences of one ``sequence_group``."""
     groups = batch.extras[SEQUENCE_GROUP]
     if tuple(groups.shape) != (batch.num_sequences,):
         raise ValueError(
@@ -54,7 +54,7 @@ def grouped_microbatches(
         bins = ffd_bins(unit_lengths, max_tokens)
     except ValueError as err:
         raise ValueError(f"a sequence group does not fit one micro-batch: {err}") from None
-    count = agree_max(len(bins), group)
+    count = agree_max(max(len(bins), min_count), group)
     while len(bins) < count:  # split the fullest bin of >1 unit, else add empty micro-batches
         splittable = [b for b in bins if len(b) > 1]
         if not splittable:

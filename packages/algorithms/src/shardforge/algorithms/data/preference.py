@@ -31,6 +31,10 @@ class PreferencePair:
 
     chosen: list[int]
     rejected: list[int]
+    chosen_prompt_len: int = 0
+    """Leading prompt tokens of ``chosen`` (after any truncation); the rest is the response."""
+    rejected_prompt_len: int = 0
+    """Leading prompt tokens of ``rejected``."""
 
 
 def load_pairs(path: str | Path, tokenizer: Any, *, max_seq_len: int | None = None) -> list[PreferencePair]:
@@ -43,14 +47,17 @@ def load_pairs(path: str | Path, tokenizer: Any, *, max_seq_len: int | None = No
         if not all(isinstance(row.get(k), str) for k in ("prompt", "chosen", "rejected")):
             raise ValueError(f"{path}:{number}: 'prompt', 'chosen' and 'rejected' must be strings")
         prompt = prefix + tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        sides = []
+        sides, prompt_lens = [], []
         for key in ("chosen", "rejected"):
             ids = prompt + tokenizer(row[key], add_special_tokens=False)["input_ids"] + suffix
+            dropped = 0
             if max_seq_len is not None and len(ids) > max_seq_len:
                 truncated += 1
+                dropped = len(ids) - max_seq_len
                 ids = ids[-max_seq_len:]
             sides.append(ids)
-        pairs.append(PreferencePair(sides[0], sides[1]))
+            prompt_lens.append(max(len(prompt) - dropped, 0))
+        pairs.append(PreferencePair(sides[0], sides[1], prompt_lens[0], prompt_lens[1]))
     if truncated:
         warnings.warn(
             f"{truncated} sequence(s) of {path.name} truncated to their last {max_seq_len} tokens", stacklevel=2
@@ -58,10 +65,25 @@ def load_pairs(path: str | Path, tokenizer: Any, *, max_seq_len: int | None = No
     return pairs
 
 
-def pack_pairs(pairs: Sequence[PreferencePair], indices: Sequence[int], *, weight: float = 1.0) -> PackedBatch:
-    """Pack pairs ``indices`` as [chosen_0, rejected_0, chosen_1, ...] with pair extras."""
+def pack_pairs(
+    pairs: Sequence[PreferencePair], indices: Sequence[int], *, weight: float = 1.0, responses_only: bool = False
+) -> PackedBatch:
+    """Pack pairs ``indices`` as [chosen_0, rejected_0, chosen_1, ...] with pair extras.
+
+    ``responses_only``: the loss mask marks only response tokens as targets (DPO sums their
+    log-probs); otherwise every token after the first is a target (a reward model reads one score).
+    """
     sequences = [ids for i in indices for ids in (pairs[i].chosen, pairs[i].rejected)]
-    batch = pack_sequences(sequences)
+    masks = None
+    if responses_only:
+        masks = []
+        for i in indices:
+            for ids, prompt_len in (
+                (pairs[i].chosen, pairs[i].chosen_prompt_len),
+                (pairs[i].rejected, pairs[i].rejected_prompt_len),
+            ):
+                masks.append([0.0] * prompt_len + [1.0] * (len(ids) - prompt_len))
+    batch = pack_sequences(sequences, masks)
     n = len(sequences)
     batch.extras = {
         SEQUENCE_GROUP: torch.arange(n, dtype=torch.long) // 2,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardforge.algorithms.batching import PackedBatch, all_reduce_sum
+from shardforge.algorithms.batching import PackedBatch, all_reduce_stats, all_reduce_sum, stat_kind
 from shardforge.algorithms.engine.build import build_model
 from shardforge.algorithms.engine.checks import check_engine, check_features, ignored_without_fsdp
 from shardforge.algorithms.engine.config import EngineConfig
@@ -147,6 +147,18 @@ class TrainEngine(EngineIO):
     def all_reduce_sum(self, *values: torch.Tensor | float, group: dist.ProcessGroup | None) -> list[float]:
         """Sum scalars over ``group`` with this engine's device rule (identity without a group)."""
         return all_reduce_sum(*values, group=group, device=self.device)
+
+    def reduce_loss_stats(self, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A loss function's statistics summed over the global batch (by name: sums, ``*_max``, ``*_min``).
+
+        Counts each data-parallel replica once: TP/CP ranks hold copies, and with pp > 1 only the last
+        stage's ranks computed the loss. Every rank must pass the same keys; every rank gets the result.
+        """
+        counts, group = self.runner.stats_report()
+        if not counts:
+            neutral = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+            stats = {k: torch.full((), neutral[stat_kind(k)], dtype=torch.float64) for k in stats}
+        return all_reduce_stats(stats, group, self.device)
 
     # ------------------------------------------------------------------ compute
     @offloaded_between_calls

@@ -24,7 +24,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardforge.algorithms.batching import PackedBatch, sequence_start_mask, split_microbatches
+from shardforge.algorithms.batching import (
+    SEQUENCE_GROUP,
+    PackedBatch,
+    grouped_microbatches,
+    sequence_start_mask,
+    split_microbatches,
+)
 from shardforge.algorithms.engine.checks import stages_per_rank
 from shardforge.algorithms.engine.context import ParallelContext
 from shardforge.algorithms.engine.heads import LMHead
@@ -147,7 +153,10 @@ class PipelineRunner:
         ctx = self.ctx
         pp, budget = ctx.dims.pp, ctx.config.max_tokens_per_microbatch
         minimum = ctx.config.pp_num_microbatches or pp * stages_per_rank(ctx.config)
-        mbs = split_microbatches(batch, budget, group=ctx.world_group, min_count=minimum)
+        if SEQUENCE_GROUP in batch.extras:  # keep groups (e.g. chosen/rejected pairs) in one micro-batch
+            mbs = grouped_microbatches(batch, budget, group=ctx.world_group, min_count=minimum)
+        else:
+            mbs = split_microbatches(batch, budget, group=ctx.world_group, min_count=minimum)
         count = valid_num_microbatches(ctx.config.pp_schedule, pp, len(mbs))
         mbs = mbs + [([], None)] * (count - len(mbs))
         empty = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.int32))
@@ -191,6 +200,9 @@ class PipelineRunner:
         if max_norm:
             return clip_grad_norm_(params, max_norm, pp_mesh=self.pp_mesh)
         return total_grad_norm(params, pp_mesh=self.pp_mesh)
+
+    def stats_report(self) -> tuple[bool, dist.ProcessGroup | None]:
+        return self._reports_stats(), self.ctx.world_group
 
     def report_step(self, loss_sum: float, num_tokens: int) -> Report:
         loss = loss_sum if self._reports_stats() else 0.0

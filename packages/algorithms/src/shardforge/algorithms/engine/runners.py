@@ -67,6 +67,10 @@ class Runner(Protocol):
 
     def report_step(self, loss_sum: float, num_tokens: int) -> Report: ...
 
+    def stats_report(self) -> tuple[bool, dist.ProcessGroup | None]:
+        """Whether this rank's loss-function statistics count, and the group that sums them globally."""
+        ...
+
     def forward(self, batch: PackedBatch) -> torch.Tensor: ...
 
     def eval_sums(self, batch: PackedBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> Report: ...
@@ -131,6 +135,9 @@ class SPMDRunner:
 
     def report_step(self, loss_sum: float, num_tokens: int) -> Report:
         return Report((loss_sum, float(num_tokens)), self.ctx.dp_group)
+
+    def stats_report(self) -> tuple[bool, dist.ProcessGroup | None]:
+        return True, self.ctx.dp_group  # TP/CP ranks hold copies: sum over data-parallel ranks only
 
     def _outputs(self, mb: PackedBatch | None) -> torch.Tensor:
         return self.head.outputs(self.model, self.ctx, mb if mb is not None else dummy_microbatch(), entropy=False)[0]

@@ -45,6 +45,12 @@ from shardforge.algorithms.objectives.ppo import (
     PPOActorConfig,
     ppo_actor_loss,
 )
+from shardforge.algorithms.objectives.preference import (
+    PREFERENCE_LOSSES,
+    PreferenceLossConfig,
+    preference_loss,
+    sequence_logprobs,
+)
 from shardforge.algorithms.objectives.rewards import RewardShapingConfig, overlong_penalty, shape_rewards, token_rewards
 from shardforge.algorithms.objectives.rollout_correction import (
     ROLLOUT_CORRECTIONS,
@@ -61,6 +67,7 @@ __all__ = [
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
+    "PREFERENCE_LOSSES",
     "ROLLOUT_CORRECTIONS",
     "Aggregation",
     "GroupAdvantageFn",
@@ -74,6 +81,7 @@ __all__ = [
     "PPOCriticLossFn",
     "PolicyLossFn",
     "PolicyLossTerms",
+    "PreferenceLossConfig",
     "RewardShapingConfig",
     "RolloutCorrectionConfig",
     "aggregation_coefficients",
@@ -96,6 +104,7 @@ __all__ = [
     "overlong_penalty",
     "ppo_actor_loss",
     "ppo_critic_loss",
+    "preference_loss",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "reinforce_pp_outcome_advantages",
@@ -103,6 +112,7 @@ __all__ = [
     "remax_advantages",
     "rloo_advantages",
     "rollout_correction",
+    "sequence_logprobs",
     "shape_rewards",
     "summarize_correction_stats",
     "summarize_stats",

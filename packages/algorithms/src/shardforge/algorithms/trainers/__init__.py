@@ -40,3 +40,6 @@ TRAINERS.register_lazy(
 TRAINERS.register_lazy(
     "grpo", "shardforge.algorithms.trainers.grpo:TRAINER", "GRPO / Dr. GRPO / RLOO on verifiable rewards"
 )
+TRAINERS.register_lazy(
+    "dpo", "shardforge.algorithms.trainers.dpo:TRAINER", "DPO / IPO / hinge / SimPO on preference pairs"
+)
