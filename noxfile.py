@@ -45,8 +45,9 @@ PACKAGES = (
     "lora",
     "algorithms",
 )
-# peft: the LoRA parity tests use it as the reference implementation (packages/lora, algorithms).
-TEST_TOOLS = ("pytest", "cloudpickle", "peft")
+# peft: the LoRA parity tests use it as the reference implementation (packages/lora, algorithms);
+# math-verify: the math_verify reward's tests (an optional extra of algorithms).
+TEST_TOOLS = ("pytest", "cloudpickle", "peft", "math-verify")
 # One intra-op thread per process by default (rank pools run several processes on few cores).
 # The suite must not depend on it: SHARDFORGE_TEST_THREADS=2 nox -s tests runs it with 2
 # threads, which changes the reduction order of CPU kernels (see docs/testing.md).

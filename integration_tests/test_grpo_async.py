@@ -158,7 +158,7 @@ def _failing_run(assets: dict[str, Any], out: Path, limit: int, fail_rank: int, 
     import async_rewards_mod  # type: ignore[import-not-found]
 
     async_rewards_mod.CALLS, async_rewards_mod.LIMIT, async_rewards_mod.FAIL_RANK = 0, limit, fail_rank
-    overrides = {"steps": 3, "export_hf_at_end": False} | overrides
+    overrides = {"steps": 3, "export_hf_at_end": False, "reward.on_error": "raise"} | overrides
     try:
         _run(assets, out, reward_fn="async_rewards_mod:fails_later", **overrides)
     except Exception as exc:  # the test inspects what each rank raised

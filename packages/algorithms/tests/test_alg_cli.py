@@ -38,8 +38,8 @@ def write_config(path, **entries):
 
 # ------------------------------------------------------------------------------------------ argument errors
 def test_unknown_algorithm_exits(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown algorithm 'dpo'; available: \['grpo', 'ppo', 'rm', 'sft'\]"):
-        main(["--debug", "train", "dpo", "--config", write_config(tmp_path / "c.yaml")])
+    with pytest.raises(ValueError, match=r"unknown algorithm 'orpo'; available: \['dpo', 'grpo', 'ppo', 'rm', 'sft'\]"):
+        main(["--debug", "train", "orpo", "--config", write_config(tmp_path / "c.yaml")])
 
 
 @pytest.mark.parametrize("algorithm", ["rm", "ppo"])
@@ -182,8 +182,8 @@ def test_list_imports_no_vllm_code():
 
 
 def test_unknown_trainer_lists_registered_ones(tmp_path, capsys):
-    with pytest.raises(ValueError, match=r"unknown algorithm 'dpo'; available: \['grpo', 'ppo', 'rm', 'sft'\]"):
-        main(["--debug", "--log-level", "debug", "train", "dpo", "--config", write_config(tmp_path / "c.yaml")])
+    with pytest.raises(ValueError, match=r"unknown algorithm 'orpo'; available: \['dpo', 'grpo', 'ppo', 'rm', 'sft'\]"):
+        main(["--debug", "--log-level", "debug", "train", "orpo", "--config", write_config(tmp_path / "c.yaml")])
     with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
         main(["train", "nope", "--debug", "--log-level", "WARNING", "--config", write_config(tmp_path / "c.yaml")])
 

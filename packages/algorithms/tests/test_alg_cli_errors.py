@@ -141,7 +141,7 @@ def test_output_dir_under_a_file_is_refused(tmp_path, assets, capsys):
 def test_unknown_key_and_unknown_algorithm_are_one_line(tmp_path, assets, capsys):
     config = config_file(tmp_path, assets)
     assert_one_line_error(*run_cli(capsys, "train", "sft", "--config", config, "stepz=3"), "unknown config key(s)")
-    assert_one_line_error(*run_cli(capsys, "train", "dpo", "--config", config), "unknown algorithm 'dpo'")
+    assert_one_line_error(*run_cli(capsys, "train", "orpo", "--config", config), "unknown algorithm 'orpo'")
 
 
 def test_debug_shows_the_traceback(tmp_path, assets):

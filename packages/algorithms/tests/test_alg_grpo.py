@@ -178,7 +178,9 @@ def test_grpo_config_errors(assets: dict[str, Any], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_tokens_per_microbatch=8"):
         run_grpo(_config(assets, tmp_path / "d", **{"engine.max_tokens_per_microbatch": 8}))
     with pytest.raises(RuntimeError, match="reward function raised"):
-        run_grpo(_config(assets, tmp_path / "e", reward_fn="rewards_mod:raises", steps=1))
+        run_grpo(
+            _config(assets, tmp_path / "e", reward_fn="rewards_mod:raises", steps=1, **{"reward.on_error": "raise"})
+        )
     with pytest.warns(UserWarning, match="skipped .* longer than 5 tokens"):
         prompts = load_prompts(assets["eval"], assets["tokenizer"], max_prompt_len=5)
     assert all(len(p) <= 5 for p in prompts.ids)

@@ -312,7 +312,8 @@ def test_grpo_multi_turn_from_config_resumes_and_recomputes_behaviour_logprobs(
 def test_grpo_fails_past_max_failed_fraction(chat: dict[str, Any], tmp_path: Path) -> None:
     from shardforge.algorithms.trainers.grpo import run_grpo
 
-    overrides = {"reward_fn": "wf_user_mod:broken", "steps": 1, "resume": "never", "workflow.max_failed_fraction": 0.5}
+    overrides = {"reward_fn": "wf_user_mod:broken", "steps": 1, "resume": "never", "workflow.max_failed_fraction": 0.5,
+                 "reward.on_error": "raise"}  # fmt: skip
     with pytest.raises(RuntimeError, match=r"4 of 4 episodes crashed .*max_failed_fraction=0.5"):
         run_grpo(_grpo_config(chat, tmp_path / "f", **overrides))
     # The default (0) raises the episode's own error, as before workflows (no group is dropped).

@@ -90,6 +90,16 @@ def _parser() -> argparse.ArgumentParser:
         help="check everything, print the resolved config, layout, predicted memory and data row counts; train nothing",
     )
     train.epilog = "Any further key=value arguments override config entries, e.g. engine.optimizer.lr=1e-3"
+    evaluate = sub.add_parser(
+        "eval",
+        help="evaluate a model on held-out prompts (greedy accuracy, avg@n, pass@k)",
+        description="Evaluate with a YAML config (keys: `shardforge eval --config x.yaml --dry-run`) plus overrides.",
+    )
+    evaluate.add_argument("--config", required=True, help="YAML config file (model, eval_files, eval_sampling, ...)")
+    evaluate.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
+    evaluate.add_argument("--dry-run", action="store_true", help="check everything and print the resolved config")
+    evaluate.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
+    evaluate.epilog = "Any further key=value arguments override config entries, e.g. eval_sampling.samples=8"
     demo = sub.add_parser("demo", help="run the end-to-end CPU demo")
     demo.add_argument("--out", default="outputs/demo", help="output directory")
     demo.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
@@ -121,13 +131,20 @@ def _version() -> str:
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from shardforge.algorithms.config_io import apply_overrides, build_config, load_yaml
 
-    if args.algorithm not in TRAINERS:
+    if args.command == "eval":
+        from shardforge.algorithms.trainers.eval_run import EVAL as trainer
+    elif args.algorithm not in TRAINERS:
         raise ValueError(f"unknown algorithm {args.algorithm!r}; available: {TRAINERS.names()} (see `shardforge list`)")
+    else:
+        trainer = TRAINERS.get(args.algorithm)
     # Models and tokenizers are local directories: never a Hub lookup (set HF_HUB_OFFLINE=0 to allow one).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    trainer = TRAINERS.get(args.algorithm)
     data = apply_overrides(load_yaml(args.config), args.overrides)
     config = build_config(trainer.config_cls, data)
+    for path in getattr(config, "eval_files", ()):  # eval: every file is checked before any rank starts
+        from shardforge.algorithms.data.jsonl import read_jsonl
+
+        read_jsonl(path, "eval file", trainer.row_fields)
     if "WORLD_SIZE" not in os.environ:  # the launching process: check everything before any rank starts
         from shardforge.algorithms.preflight import preflight
 
@@ -195,8 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     bad = [a for a in extra if "=" not in a or a.startswith("-")]
-    if bad or (extra and args.command != "train"):
-        hint = "overrides look like key=value" if args.command == "train" else f"`{args.command}` takes no key=value"
+    if bad or (extra and args.command not in ("train", "eval")):
+        hint = (
+            "overrides look like key=value"
+            if args.command in ("train", "eval")
+            else f"`{args.command}` takes no key=value"
+        )
         parser.error(f"unrecognized arguments: {' '.join(bad or extra)} ({hint}; see shardforge {args.command} -h)")
     args.overrides = extra
     setup_logging(args.log_level)
@@ -211,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "list":
         return _list()
-    if args.command == "train":
+    if args.command in ("train", "eval"):
         return _train(args, argv)
     if args.command == "demo":
         from shardforge.algorithms.demos.demo import prepare_demo, run_demo

@@ -81,5 +81,7 @@ def dry_run_report(config: Any, dims: ParallelDims, nproc: int) -> str:
         path = getattr(config, name, None)
         if path is not None:
             lines.append(f"  {name}: {path} ({_rows(path)} rows)")
+    for path in getattr(config, "eval_files", ()):
+        lines.append(f"  eval_files: {path} ({_rows(path)} rows)")
     lines.append("dry run: nothing was started (drop --dry-run to train)")
     return "\n".join(lines)

@@ -47,6 +47,23 @@ def exact_match_reward(prompt: str, response: str, reference: str) -> float:
 
 
 REWARD_FUNCTIONS.add("exact-match", exact_match_reward, doc="alias of exact_match")
+_MATH = "shardforge.algorithms.rollout.math_reward"
+REWARD_FUNCTIONS.register_lazy(
+    "math_verify",
+    f"{_MATH}:MATH_VERIFY",
+    "math-verify equivalence of the final answer (last \\boxed{} first); [math] extra",
+)
+REWARD_FUNCTIONS.register_lazy(
+    "math_verify_strict",
+    f"{_MATH}:MATH_VERIFY_STRICT",
+    "math-verify, only a \\boxed{} answer counts (else unparseable)",
+)
+REWARD_FUNCTIONS.register_lazy(
+    "boxed_format", f"{_MATH}:boxed_format_reward", "1.0 when the response has a \\boxed{} answer"
+)
+REWARD_FUNCTIONS.register_lazy(
+    "think_format", f"{_MATH}:think_format_reward", "1.0 for <think>...</think> followed by an answer"
+)
 
 
 def load_reward_fn(spec: str | RewardFn) -> RewardFn:
@@ -79,7 +96,13 @@ def score_rollouts(
     references: Sequence[str],
     reward_fn: RewardFn,
 ) -> torch.Tensor:
-    """[len(rollouts)] float32 rewards; raises with the offending prompt/response on failure."""
+    """[len(rollouts)] float32 rewards; raises with the offending prompt/response on failure.
+
+    A `GuardedReward` scores the batch concurrently under its timeout and error policy."""
+    score_many = getattr(reward_fn, "score_many", None)
+    if score_many is not None:
+        items = [(prompts[r.prompt_index], r.text, references[r.prompt_index]) for r in rollouts]
+        return torch.tensor(score_many(items), dtype=torch.float32)
     rewards = []
     for rollout in rollouts:
         prompt, reference = prompts[rollout.prompt_index], references[rollout.prompt_index]

@@ -41,7 +41,6 @@ from shardforge.algorithms.rlvr import (
     group_advantages,
     load_prompts,
 )
-from shardforge.algorithms.rollout import load_reward_fn
 from shardforge.algorithms.rollout.factory import build_rollout_engine
 from shardforge.algorithms.rollout.sources import AsyncRollouts, RolloutSource, SampledBatch, SyncRollouts
 from shardforge.algorithms.trainers import TrainerSpec
@@ -49,14 +48,16 @@ from shardforge.algorithms.trainers.base import Trainer
 from shardforge.algorithms.trainers.common import with_total_steps
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
+    build_reward_fn,
     check_eval_split,
     check_prompt_positions,
     check_rollout_batch,
     dynamic_sampling_stats,
-    evaluate_accuracy,
     global_reward_stats,
     publish_version,
+    reward_call_stats,
 )
+from shardforge.algorithms.trainers.rl_eval import evaluate_prompts
 from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
 from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
 from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
@@ -143,7 +144,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         config = self.config
         self.prompts = load_prompts(config.train_file, self.tokenizer, max_prompt_len=config.max_prompt_len)
         self.held_out = load_prompts(config.eval_file, self.tokenizer) if config.eval_file else None
-        self.reward_fn = load_reward_fn(config.reward_fn)
+        self.reward_fn = build_reward_fn(config)
         budget = config.engine.max_tokens_per_microbatch
         self.workflow = build_rl_workflow(config, self.tokenizer, self.reward_fn, budget)
 
@@ -209,6 +210,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         stats = _train_step(sampled, self.config, self.engine, self.actor, step_started)
         if self.dynamic is not None:
             stats |= dynamic_sampling_stats(self.dynamic.pop_stats(sampled.index), self.engine)
+        stats |= reward_call_stats(self.reward_fn, self.engine)
         began = time.perf_counter()
         self.source.publish(step + 1)
         stats["weight_sync_s"] = time.perf_counter() - began
@@ -228,11 +230,10 @@ class GRPOTrainer(Trainer[GRPOConfig]):
     def evaluate(self) -> dict[str, float]:
         assert self.held_out is not None and self.source is not None
         config = self.config
-        accuracy = evaluate_accuracy(
-            self.rollout, self.held_out, self.engine, config.max_new_tokens, config.eval_size,
-            runner=self.source.evaluate,
+        return evaluate_prompts(
+            self.rollout, self.held_out, self.engine, self.reward_fn, config.eval_sampling, config.max_new_tokens,
+            config.eval_size, runner=self.source.evaluate,
         )  # fmt: skip
-        return {"accuracy": accuracy}
 
     def eval_summary(self, result: dict[str, float], at_start: bool) -> dict[str, Any]:
         return {"accuracy_start" if at_start else "accuracy_end": result["accuracy"]}
@@ -241,6 +242,8 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         source: RolloutSource | None = getattr(self, "source", None)
         if source is not None:
             source.close()
+        if hasattr(self, "reward_fn"):
+            self.reward_fn.close()
 
 
 def run_grpo(config: GRPOConfig) -> dict[str, Any]:

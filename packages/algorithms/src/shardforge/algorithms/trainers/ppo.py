@@ -28,7 +28,6 @@ from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.objectives import KLEstimator, PPOActorLossFn, PPOCriticConfig
 from shardforge.algorithms.objectives.rollout_correction import ROLLOUT_CORRECTIONS
 from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, PromptSet, load_prompts
-from shardforge.algorithms.rollout import load_reward_fn
 from shardforge.algorithms.rollout.factory import build_rollout_engine
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
@@ -41,14 +40,16 @@ from shardforge.algorithms.trainers.ppo_update import (
 )
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
+    build_reward_fn,
     check_eval_split,
     check_prompt_positions,
     check_rollout_batch,
     dynamic_sampling_stats,
-    evaluate_accuracy,
     global_reward_stats,
     publish_to_rollout,
+    reward_call_stats,
 )
+from shardforge.algorithms.trainers.rl_eval import evaluate_prompts
 from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
 from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
 from shardforge.algorithms.workflows import trajectories_to_batch
@@ -132,7 +133,7 @@ class PPOTrainer(Trainer[PPOConfig]):
         config = self.config
         self.prompts = load_prompts(config.train_file, self.tokenizer, max_prompt_len=config.max_prompt_len)
         self.held_out = load_prompts(config.eval_file, self.tokenizer) if config.eval_file else None
-        self.reward_fn = load_reward_fn(config.reward_fn)
+        self.reward_fn = build_reward_fn(config)
         budget = min(config.engine.max_tokens_per_microbatch, config.critic_engine.max_tokens_per_microbatch)
         self.workflow = build_rl_workflow(config, self.tokenizer, self.reward_fn, budget)
 
@@ -214,6 +215,7 @@ class PPOTrainer(Trainer[PPOConfig]):
         stats |= global_reward_stats(rewards.double(), lengths, actor) | workflow_stats(trajectories, actor)
         if self.dynamic is not None:
             stats |= dynamic_sampling_stats(self.dynamic.pop_stats(step), actor)
+        stats |= reward_call_stats(self.reward_fn, actor)
         stats |= {
             "weight_sync_s": time.perf_counter() - began,
             "rollout_version": served,
@@ -236,14 +238,22 @@ class PPOTrainer(Trainer[PPOConfig]):
     def evaluate(self) -> dict[str, float]:
         assert self.held_out is not None
         config = self.config
-        return {
-            "accuracy": evaluate_accuracy(
-                self.rollout, self.held_out, self.engine, config.max_new_tokens, config.eval_size
-            )
-        }
+        return evaluate_prompts(
+            self.rollout,
+            self.held_out,
+            self.engine,
+            self.reward_fn,
+            config.eval_sampling,
+            config.max_new_tokens,
+            config.eval_size,
+        )
 
     def eval_summary(self, result: dict[str, float], at_start: bool) -> dict[str, Any]:
         return {"accuracy_start" if at_start else "accuracy_end": result["accuracy"]}
+
+    def close(self) -> None:
+        if hasattr(self, "reward_fn"):
+            self.reward_fn.close()
 
     def export_extra(self, summary: dict[str, Any]) -> None:
         self.critic.export_hf(self.out / "critic_hf", tokenizer=self.tokenizer)

@@ -4,7 +4,6 @@ global reward statistics, the held-out split check."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,27 +13,31 @@ import torch.distributed as dist
 from shardforge.algorithms.batching.collectives import all_reduce_max, all_reduce_sum, broadcast_floats
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import PPOActorConfig
+from shardforge.algorithms.objectives.rewards import RewardShapingConfig
 from shardforge.algorithms.objectives.rollout_correction import RolloutCorrectionConfig
 from shardforge.algorithms.rlvr import PromptSet
-from shardforge.algorithms.rollout import RolloutEngine, SamplingParams, exact_match_reward
 from shardforge.algorithms.rollout.dynamic_sampling import DynamicSamplingConfig
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, RolloutEngineKind
+from shardforge.algorithms.rollout.reward_functions import load_reward_fn
+from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.trainers.base import TrainerConfig
 from shardforge.algorithms.trainers.common import check_max_positions
+from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig
 from shardforge.algorithms.workflows import WorkflowConfig
 from shardforge.weight_sync import DiskTransport
 
 __all__ = [
     "RLTrainerConfig",
+    "build_reward_fn",
     "check_eval_split",
     "check_prompt_positions",
     "check_rollout_batch",
     "dynamic_sampling_stats",
-    "evaluate_accuracy",
     "global_reward_stats",
     "publish_to_rollout",
     "publish_version",
+    "reward_call_stats",
 ]
 
 
@@ -56,6 +59,11 @@ class RLTrainerConfig(TrainerConfig):
     """Sampling temperature of the rollouts."""
     reward_fn: str = "exact_match"
     """'exact_match' or 'package.module:function' -> fn(prompt, response, reference) -> float."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How reward functions run: timeout_s, max_concurrency, on_error (zero: a failed call scores 0.0, counted)."""
+    reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
+    """After scoring: DAPO overlong penalty (overlong_max_length, overlong_cache_length, overlong_factor), scale, clip."""
+
     actor: PPOActorConfig = field(default_factory=PPOActorConfig)
     """Actor PPO loss options (clip ranges, dual clip, aggregation, policy loss, ...)."""
     recompute_logprobs: bool = True
@@ -68,6 +76,8 @@ class RLTrainerConfig(TrainerConfig):
     """vLLM rollout engine options (rollout_engine=vllm only)."""
     eval_size: int | None = None
     """Evaluate on the first N held-out prompts (None = all)."""
+    eval_sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
+    """Sampled held-out evaluation (samples, temperature, pass_k, ...): avg@n and pass@k next to greedy accuracy."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Importance weights trainer/engine on every batch (mode, cap, band, batch_normalize); see the docs."""
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
@@ -166,31 +176,17 @@ def global_reward_stats(rewards: torch.Tensor, lengths: torch.Tensor, engine: Tr
     }
 
 
-def evaluate_accuracy(
-    rollout: RolloutEngine,
-    prompts: PromptSet,
-    engine: TrainEngine,
-    max_new_tokens: int,
-    limit: int | None,
-    *,
-    runner: Callable[[Callable[[RolloutEngine], float]], float] | None = None,
-) -> float:
-    """Greedy exact-match accuracy on held-out prompts, split across data-parallel ranks.
+def build_reward_fn(config: RLTrainerConfig | Any) -> GuardedReward:
+    """``config.reward_fn`` behind ``config.reward``'s timeout, concurrency limit and error policy."""
+    return GuardedReward(load_reward_fn(config.reward_fn), config.reward, name=config.reward_fn)
 
-    ``runner`` runs the local generation (e.g. `AsyncRollouts.evaluate`, on the thread that owns
-    the rollout engine); the reduction across ranks always happens here, on the calling thread."""
-    count = len(prompts) if limit is None else min(limit, len(prompts))
-    mine = list(range(count))[engine.dp_rank :: engine.dp_size]
 
-    def local_correct(engine_: RolloutEngine) -> float:
-        if not mine:
-            return 0.0
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
-        outs = engine_.generate([prompts.ids[i] for i in mine], params)
-        return float(sum(exact_match_reward("", o.text, prompts.references[mine[o.prompt_index]]) for o in outs))
-
-    correct = local_correct(rollout) if runner is None else runner(local_correct)
-    return all_reduce_sum(correct, group=engine.dp_group, device=engine.device)[0] / count
+def reward_call_stats(reward_fn: GuardedReward, engine: TrainEngine) -> dict[str, float]:
+    """``reward/calls|failures|timeouts|nonfinite`` since the last call, summed over the data-parallel group."""
+    local = reward_fn.pop_stats()
+    names = sorted(local)
+    return dict(zip(names, all_reduce_sum(*(local[n] for n in names), group=engine.dp_group, device=engine.device),
+                    strict=True))  # fmt: skip
 
 
 def dynamic_sampling_stats(local: dict[str, float], engine: TrainEngine) -> dict[str, float]:

@@ -17,6 +17,7 @@ import torch
 
 from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.objectives.rewards import RewardShapingConfig, shape_rewards
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams
 from shardforge.algorithms.rollout.dynamic_sampling import DynamicSampler, GenerateRoundFn
@@ -68,11 +69,24 @@ def workflow_round_fn(
 def make_sample_fn(
     config: RLTrainerConfig, generate_round: GenerateRoundFn, dp_size: int
 ) -> tuple[SampleFn, DynamicSampler | None]:
-    """The per-batch sampler: round 0 as it is, or dynamic sampling over rounds (returned too, for its stats)."""
-    if not config.dynamic_sampling.enabled:
-        return (lambda index: generate_round(index, 0)), None
-    dynamic = DynamicSampler(
-        generate_round, group_size=config.group_size, target_groups=config.prompts_per_step // dp_size,
-        config=config.dynamic_sampling,
-    )  # fmt: skip
-    return dynamic, dynamic
+    """The per-batch sampler: round 0 as it is, or dynamic sampling over rounds (returned too, for its stats).
+    ``reward_shaping`` (DAPO overlong penalty, scale, clip) applies after sampling: dynamic sampling
+    filters on the raw rewards."""
+    dynamic = None
+    sample_fn: SampleFn = lambda index: generate_round(index, 0)  # noqa: E731
+    if config.dynamic_sampling.enabled:
+        dynamic = DynamicSampler(
+            generate_round, group_size=config.group_size, target_groups=config.prompts_per_step // dp_size,
+            config=config.dynamic_sampling,
+        )  # fmt: skip
+        sample_fn = dynamic
+    if config.reward_shaping == RewardShapingConfig():
+        return sample_fn, dynamic
+    raw_fn = sample_fn
+
+    def shaped(index: int) -> tuple[list[Any], torch.Tensor]:
+        trajectories, rewards = raw_fn(index)
+        generated = torch.tensor([sum(1 for m in t.loss_mask if m) for t in trajectories], dtype=torch.float32)
+        return trajectories, shape_rewards(rewards, config.reward_shaping, response_lengths=generated)
+
+    return shaped, dynamic
