@@ -43,3 +43,8 @@ TRAINERS.register_lazy(
 TRAINERS.register_lazy(
     "dpo", "shardforge.algorithms.trainers.dpo:TRAINER", "DPO / IPO / hinge / SimPO on preference pairs"
 )
+TRAINERS.register_lazy(
+    "distill",
+    "shardforge.algorithms.trainers.distill:TRAINER",
+    "on-policy distillation: teacher's per-token reverse KL",
+)

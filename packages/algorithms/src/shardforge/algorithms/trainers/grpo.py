@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.batching.collectives import all_reduce_stats, all_reduce_sum
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
@@ -139,6 +141,8 @@ class GRPOTrainer(Trainer[GRPOConfig]):
 
     name = "grpo"
     eval_at_start = True
+    advantage_hook: Callable[[PackedBatch], dict[str, float]] | None = None
+    """Rewrites a packed batch's advantages before the update (on-policy distillation); returns stats."""
 
     def load_data(self) -> None:
         config = self.config
@@ -207,7 +211,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         assert self.source is not None
         step_started = time.perf_counter()
         sampled = self.source.batch(step)
-        stats = _train_step(sampled, self.config, self.engine, self.actor, step_started)
+        stats = _train_step(sampled, self.config, self.engine, self.actor, step_started, self.advantage_hook)
         if self.dynamic is not None:
             stats |= dynamic_sampling_stats(self.dynamic.pop_stats(sampled.index), self.engine)
         stats |= reward_call_stats(self.reward_fn, self.engine)
@@ -267,7 +271,12 @@ def _reuse_training_logprobs(config: GRPOConfig, engine: TrainEngine) -> bool:
 
 
 def _train_step(
-    sampled: SampledBatch, config: GRPOConfig, engine: TrainEngine, actor: PPOActorLossFn, step_started: float
+    sampled: SampledBatch,
+    config: GRPOConfig,
+    engine: TrainEngine,
+    actor: PPOActorLossFn,
+    step_started: float,
+    advantage_hook: Callable[[PackedBatch], dict[str, float]] | None = None,
 ) -> dict[str, float]:
     """One PPO update on a sampled batch. The trainer's recomputed log-probs anchor the PPO ratio
     (the proximal policy); the rollout correction weights every token by trainer/engine (the
@@ -290,8 +299,10 @@ def _train_step(
         correction |= apply_rollout_correction(
             batch, config.rollout_correction, old_key=OLD_LOGPROBS, group=engine.dp_group, device=engine.device
         )
+    hooked = advantage_hook(batch) if advantage_hook is not None else {}
     forwarded = time.perf_counter()
     stats = engine.train_batch(batch, actor, actor.loss_weight)
+    stats |= hooked
     actor_stats = all_reduce_stats(actor.pop_stats(), engine.dp_group, engine.device)
     if isinstance(actor, OnPolicyActorLossFn):  # the correction ran inside the loss, per micro-batch
         local = actor.pop_correction_stats()
