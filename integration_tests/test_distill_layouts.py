@@ -79,5 +79,7 @@ def test_distill_step_matches_world1_under_fsdp2(models: dict[str, str]) -> None
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor(sharded["norms"]), torch.tensor(single["norms"]), rtol=1e-5, atol=0)
     for name, value in single["weights"].items():
-        torch.testing.assert_close(sharded["weights"][name], value, rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            sharded["weights"][name], value, rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
     assert single["losses"][0] != single["losses"][1]  # the first update changed the student

@@ -43,7 +43,7 @@ def test_bad_coefficients_are_refused(tmp_path: Path) -> None:
     base = {"model": "m", "teacher_model": "t", "train_file": "x", "output_dir": str(tmp_path)}
     with pytest.raises(ValueError, match="not both 0"):
         build_config(DistillConfig, base | {"distill_coef": 0.0})
-    with pytest.raises(ValueError, match="missing required config key.*teacher_model"):
+    with pytest.raises(ValueError, match=r"missing required config key.*teacher_model"):
         build_config(DistillConfig, {k: v for k, v in base.items() if k != "teacher_model"})
 
 
@@ -77,10 +77,10 @@ def test_student_equal_to_teacher_has_zero_reverse_kl(tmp_path: Path) -> None:
 
 
 def test_distillation_moves_the_student_towards_the_teacher(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
     from shardforge.algorithms.testing import tiny_assets
     from shardforge.algorithms.trainers.distill import run_distill
-
-    from transformers import AutoModelForCausalLM
 
     student = tiny_assets(tmp_path / "s", seed=1, tokenizer_dir="model")
     teacher_dir = tiny_assets(tmp_path / "t", seed=9, tokenizer_dir="model", data=False)["model"]
