@@ -51,18 +51,17 @@ def _config(tmp_path: Path, assets, name: str, **entries) -> Path:
     return path
 
 
+def start_node(algorithm: str, config: Path, rank: int, endpoint: str, nproc: int = 1) -> subprocess.Popen:
+    command = [*CLI, "train", algorithm, "--config", str(config), "--nproc-per-node", str(nproc), "--nnodes", "2",
+               "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--rdzv-conf", "join_timeout=120"]  # fmt: skip
+    return subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def run_two_nodes(algorithm: str, config: Path, nproc: int = 1, attempts: int = 3) -> list[str]:
     """Start node 1 then node 0 on a fresh port; a port taken in between (rare) is retried on another."""
     for _ in range(attempts):
         endpoint = f"127.0.0.1:{_free_port()}"
-        nodes = [
-            subprocess.Popen(
-                [*CLI, "train", algorithm, "--config", str(config), "--nproc-per-node", str(nproc), "--nnodes", "2",
-                 "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--rdzv-conf", "join_timeout=120"],
-                env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            )  # fmt: skip
-            for rank in (1, 0)
-        ]
+        nodes = [start_node(algorithm, config, rank, endpoint, nproc) for rank in (1, 0)]
         try:
             errors = [node.communicate(timeout=300)[1] for node in nodes]
         finally:
@@ -98,9 +97,10 @@ def assert_same_run(single: Path, multi: Path, steps: int) -> None:
     assert ref_weights.keys() == weights.keys()
     for name, tensor in ref_weights.items():
         torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
-    assert json.loads((multi / "summary.json").read_text())["layout"] == json.loads(
-        (single / "summary.json").read_text()
-    )["layout"]
+    assert (
+        json.loads((multi / "summary.json").read_text())["layout"]
+        == json.loads((single / "summary.json").read_text())["layout"]
+    )
 
 
 def test_two_node_sft_reproduces_the_single_node_run(tmp_path, assets):
@@ -119,14 +119,7 @@ def test_preflight_checks_the_global_world_on_every_node_before_the_rendezvous(t
     node's command refuses in one line at once, neither waits for the other at the rendezvous."""
     config = _config(tmp_path, assets, "bad", layout="d4")
     endpoint = f"127.0.0.1:{_free_port()}"
-    nodes = [
-        subprocess.Popen(
-            [*CLI, "train", "sft", "--config", str(config), "--nnodes", "2", "--node-rank", str(rank),
-             "--rdzv-endpoint", endpoint, "--rdzv-conf", "join_timeout=120"],
-            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        for rank in (0, 1)
-    ]
+    nodes = [start_node("sft", config, rank, endpoint) for rank in (0, 1)]
     errors = [node.communicate(timeout=300)[1] for node in nodes]
     for node, err in zip(nodes, errors):
         lines = [line for line in err.splitlines() if line.strip() and "Loading weights" not in line]

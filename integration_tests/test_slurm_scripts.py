@@ -34,7 +34,9 @@ code=0
 for pid in "${pids[@]}"; do wait "$pid" || code=$?; done
 exit $code
 """
-FAKE_SCONTROL = '#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && [ "$3" = "fake[1-2]" ] && printf "127.0.0.1\\nfake2\\n"\n'
+FAKE_SCONTROL = (
+    '#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && [ "$3" = "fake[1-2]" ] && printf "127.0.0.1\\nfake2\\n"\n'
+)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +128,7 @@ def test_sbatch_on_a_real_slurm(tmp_path, assets):
     config = _config(tmp_path, {"model": str(assets["model"]), "train_file": str(assets["train"]),
                                 "output_dir": "ignored", "global_batch_size": 4, "steps": 2, "progress": False,
                                 "engine": {"max_tokens_per_microbatch": 64}})  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"} | {
         "CONFIG": str(config), "OUT": str(out), "NPROC_PER_NODE": "2", "RDZV_PORT": str(_free_port()),
         "SHARDFORGE": SHARDFORGE, "HF_HUB_OFFLINE": "1",
     }  # fmt: skip

@@ -121,7 +121,7 @@ def test_auto_detects_a_multi_node_srun_step_but_not_a_one_node_job(fake_scontro
 def test_slurm_launcher_errors_name_the_fix(fake_scontrol, monkeypatch):
     with pytest.raises(ValueError, match="--ntasks-per-node=1"):
         _spec("--launcher", "slurm", env=_slurm_env(0, SLURM_NTASKS="8"))
-    with pytest.raises(ValueError, match="needs SLURM_JOB_ID, SLURM_NNODES, SLURM_NODEID.*run it under srun"):
+    with pytest.raises(ValueError, match=r"needs SLURM_JOB_ID, SLURM_NNODES, SLURM_NODEID.*run it under srun"):
         _spec("--launcher", "slurm", env={})
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(ValueError, match="pass --rdzv-endpoint HOST:PORT explicitly"):
