@@ -46,6 +46,7 @@ def _config(tmp_path: Path, assets, name: str, **entries) -> Path:
         "progress": False,
         "engine": {"max_tokens_per_microbatch": 64},
     } | entries
+    data = {key: value for key, value in data.items() if value is not None}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -125,3 +126,14 @@ def test_preflight_checks_the_global_world_on_every_node_before_the_rendezvous(t
         lines = [line for line in err.splitlines() if line.strip() and "Loading weights" not in line]
         assert node.returncode == 1 and lines and lines[-1].startswith("shardforge: error: "), err
         assert "needs 4 ranks" in lines[-1] and "is 2" in lines[-1] and "Traceback" not in err, err
+
+
+def test_two_node_grpo_reproduces_the_single_node_run(tmp_path, assets):
+    """Rollouts (seeded per rank), rewards, advantages and updates: the same whichever node a rank is on."""
+    rl = {"global_batch_size": None, "steps": 3, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3}
+    single = _config(tmp_path, assets, "single", **rl)
+    result = subprocess.run([*CLI, "train", "grpo", "--config", str(single), "--nproc-per-node", "2"],
+                            env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_nodes("grpo", _config(tmp_path, assets, "multi", **rl))
+    assert_same_run(tmp_path / "single", tmp_path / "multi", steps=3)
