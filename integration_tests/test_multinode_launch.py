@@ -52,17 +52,21 @@ def _config(tmp_path: Path, assets, name: str, **entries) -> Path:
     return path
 
 
-def start_node(algorithm: str, config: Path, rank: int, endpoint: str, nproc: int = 1) -> subprocess.Popen:
+def start_node(
+    algorithm: str, config: Path, rank: int, endpoint: str, nproc: int = 1, extra: tuple[str, ...] = (), env=None
+) -> subprocess.Popen:
     command = [*CLI, "train", algorithm, "--config", str(config), "--nproc-per-node", str(nproc), "--nnodes", "2",
-               "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--rdzv-conf", "join_timeout=120"]  # fmt: skip
-    return subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--rdzv-conf", "join_timeout=120", *extra]  # fmt: skip
+    return subprocess.Popen(command, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def run_two_nodes(algorithm: str, config: Path, nproc: int = 1, attempts: int = 3) -> list[str]:
+def run_two_nodes(
+    algorithm: str, config: Path, nproc: int = 1, attempts: int = 3, extra: tuple[str, ...] = (), env=None
+) -> list[str]:
     """Start node 1 then node 0 on a fresh port; a port taken in between (rare) is retried on another."""
     for _ in range(attempts):
         endpoint = f"127.0.0.1:{_free_port()}"
-        nodes = [start_node(algorithm, config, rank, endpoint, nproc) for rank in (1, 0)]
+        nodes = [start_node(algorithm, config, rank, endpoint, nproc, extra, env) for rank in (1, 0)]
         try:
             errors = [node.communicate(timeout=300)[1] for node in nodes]
         finally:
@@ -137,3 +141,20 @@ def test_two_node_grpo_reproduces_the_single_node_run(tmp_path, assets):
     assert result.returncode == 0, result.stderr[-3000:]
     run_two_nodes("grpo", _config(tmp_path, assets, "multi", **rl))
     assert_same_run(tmp_path / "single", tmp_path / "multi", steps=3)
+
+
+def test_a_killed_rank_restarts_every_rank_on_both_nodes_and_resumes(tmp_path, assets):
+    """--max-restarts 1: rank 1 (node 1) is SIGKILLed after step 3; both agents restart their ranks,
+    which resume from the step-2 checkpoint; the finished run equals an uninterrupted one."""
+    steps = {"steps": 6, "save_every": 2}
+    single = _config(tmp_path, assets, "single", **steps)
+    result = subprocess.run([*CLI, "train", "sft", "--config", str(single), "--nproc-per-node", "2"],
+                            env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    marker = tmp_path / "killed-once"
+    env = ENV | {"SHARDFORGE_FAULT_KILL": f"1:3:{marker}"}
+    run_two_nodes("sft", _config(tmp_path, assets, "multi", **steps), extra=("--max-restarts", "1"), env=env)
+    assert marker.read_text() == "killed rank 1 after step 3\n"  # the kill happened
+    summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
+    assert summary["resumed_from"] == 2, summary
+    assert_same_run(tmp_path / "single", tmp_path / "multi", steps=6)
