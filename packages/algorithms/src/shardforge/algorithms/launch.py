@@ -69,6 +69,11 @@ def relaunch(spec: LaunchSpec, argv: list[str], *, debug: bool = False) -> int:
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if spec.max_restarts > 0:
+        # By default the agents share their rendezvous TCPStore with the ranks, and it outlives a restart:
+        # the restarted ranks then read the dead ranks' gloo/NCCL addresses from it ("Connection refused").
+        # torch's opt-out gives every restart round a fresh store.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if not debug:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         logging.getLogger("torch.distributed.run").setLevel(logging.CRITICAL)
