@@ -213,3 +213,20 @@ def gpu(session: nox.Session) -> None:
                     *TEST_TOOLS)  # fmt: skip
     session.install("--no-build-isolation", "--no-deps", *[a for n in PACKAGES for a in ("-e", f"packages/{n}")])
     session.run("bash", "benchmarks/gpu/run.sh", *(session.posargs or ["all"]), external=True, env={"PYTHON": "python"})
+
+
+@nox.session(python=PYTHON)
+def slurm(session: nox.Session) -> None:
+    """examples/slurm/*.sbatch submitted to a real one-node Slurm (not part of `tests`: needs root).
+
+    Starts munged + slurmctld + slurmd from Debian's slurm-wlm with
+    integration_tests/slurm/start_local_slurm.sh unless SLURM_CONF already points at a running one.
+    """
+    _install_workspace(session)
+    env = dict(THREAD_ENV)
+    if "SLURM_CONF" not in os.environ:
+        out = session.run("bash", "integration_tests/slurm/start_local_slurm.sh", external=True, silent=True)
+        env["SLURM_CONF"] = str(out).strip().splitlines()[-1]
+    env["PATH"] = f"{Path(session.bin)}:{os.environ['PATH']}"
+    args = session.posargs or ["-q", "-ra", "integration_tests/test_slurm_scripts.py"]
+    session.run("python", "-m", "pytest", *args, env=env)

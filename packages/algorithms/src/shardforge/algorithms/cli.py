@@ -1,6 +1,7 @@
 """The `shardforge` command line.
 
     shardforge [--log-level INFO] [--debug] train sft|rm|ppo|grpo --config examples/sft_tiny.yaml [--nproc-per-node N] key=value ...
+    shardforge train sft --config c.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint node01:29400
     shardforge train sft --help   (every config key with its type, default and description)
     shardforge list        (every registry: trainers, losses, estimators, rewards, rollout engines, ...)
     shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600] [--prepare-only]
@@ -84,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     train.add_argument("--config", required=True, help="YAML config file")
     train.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
+    from shardforge.algorithms.multinode import add_launch_arguments
+
+    add_launch_arguments(train)
     train.add_argument(
         "--dry-run",
         action="store_true",
@@ -146,20 +150,20 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
         read_jsonl(path, "eval file", trainer.row_fields)
     if "WORLD_SIZE" not in os.environ:  # the launching process: check everything before any rank starts
+        from shardforge.algorithms.multinode import launch_spec
         from shardforge.algorithms.preflight import preflight
 
-        if args.nproc_per_node < 1:
-            raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be >= 1")
-        dims = preflight(config, args.nproc_per_node, trainer.row_fields)
+        spec = launch_spec(args)  # --nnodes/--node-rank/--rdzv-endpoint or Slurm's environment
+        dims = preflight(config, spec.world_size, trainer.row_fields)
         if args.dry_run:
             from shardforge.algorithms.dryrun import dry_run_report
 
-            sys.stdout.write(dry_run_report(config, dims, args.nproc_per_node) + "\n")
+            sys.stdout.write(dry_run_report(config, dims, spec.world_size) + "\n")
             return 0
-        if args.nproc_per_node > 1:
+        if spec.needs_agent:
             from shardforge.algorithms.launch import relaunch
 
-            return relaunch(args.nproc_per_node, argv, debug=args.debug)
+            return relaunch(spec, argv, debug=args.debug)
     from shardforge.algorithms.threads import set_process_threads
 
     set_process_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))

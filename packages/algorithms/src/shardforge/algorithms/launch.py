@@ -21,26 +21,13 @@ import time
 from pathlib import Path
 
 from shardforge.algorithms.log import get_logger
+from shardforge.algorithms.multinode import LaunchSpec, strip_launch_args
 
-__all__ = ["relaunch", "strip_nproc", "write_rank_error"]
+__all__ = ["relaunch", "write_rank_error"]
 
 ERROR_DIR_ENV = "SHARDFORGE_ERROR_DIR"
 
 log = get_logger(__name__)
-
-
-def strip_nproc(argv: list[str]) -> list[str]:
-    """``argv`` without ``--nproc-per-node N`` / ``--nproc-per-node=N``."""
-    cleaned: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--nproc-per-node":
-            skip = True
-        elif not arg.startswith("--nproc-per-node="):
-            cleaned.append(arg)
-    return cleaned
 
 
 def write_rank_error(line: str) -> bool:
@@ -70,19 +57,27 @@ def first_rank_error(directory: str | Path) -> str | None:
     return str(first["line"])
 
 
-def relaunch(nproc: int, argv: list[str], *, debug: bool = False) -> int:
-    """Run ``python -m shardforge.algorithms.cli argv`` on ``nproc`` ranks; return the exit code."""
+def relaunch(spec: LaunchSpec, argv: list[str], *, debug: bool = False) -> int:
+    """Run ``python -m shardforge.algorithms.cli argv`` on this node's ranks of ``spec``; return the exit code.
+
+    Across nodes each node's agent prints the first error of its own ranks (a rank that failed
+    because a peer on another node died says so: look for the first error among the nodes).
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if spec.max_restarts > 0:
+        # By default the agents share their rendezvous TCPStore with the ranks, and it outlives a restart:
+        # the restarted ranks then read the dead ranks' gloo/NCCL addresses from it ("Connection refused").
+        # torch's opt-out gives every restart round a fresh store.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if not debug:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         logging.getLogger("torch.distributed.run").setLevel(logging.CRITICAL)
-    args = parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "-m", "shardforge.algorithms.cli", *strip_nproc(argv)]
-    )
+    args = parse_args([*spec.torchrun_args(), "-m", "shardforge.algorithms.cli", *strip_launch_args(argv)])
     with tempfile.TemporaryDirectory(prefix="shardforge-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir  # inherited by every rank
         try:
@@ -100,6 +95,15 @@ def relaunch(nproc: int, argv: list[str], *, debug: bool = False) -> int:
                 )
             sys.stderr.write(line)
             return failure.exitcode if failure.exitcode > 0 else 1
+        except RendezvousError as exc:
+            if debug:
+                raise
+            sys.stderr.write(
+                f"shardforge: error: rendezvous at {spec.rdzv_endpoint} (id {spec.rdzv_id!r}, {spec.nnodes} nodes) "
+                f"failed: {type(exc).__name__}: {exc}; check that every node runs the same --nnodes/--rdzv-endpoint/"
+                "--rdzv-id, that the endpoint host:port is reachable from every node (firewall), see docs/multinode.md\n"
+            )
+            return 1
         except SignalException as exc:
             log.warning("stopped by %s; every rank has exited", exc.sigval.name)
             return 128 + int(exc.sigval)

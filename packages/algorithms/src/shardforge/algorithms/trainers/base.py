@@ -28,6 +28,7 @@ from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.log import rank_log_file
 from shardforge.algorithms.loggers import MetricsLogger, truncate_metrics, write_curves
 from shardforge.algorithms.trainers.common import progress_bar
+from shardforge.algorithms.trainers.fault_injection import kill_if_requested
 from shardforge.algorithms.trainers.profiling import ProfileConfig, StepProfiler
 from shardforge.algorithms.trainers.stop import StopSignal
 from shardforge.checkpoint_dcp import Checkpointer
@@ -279,6 +280,7 @@ class Trainer(Generic[C]):
                     state = data_state | self.extra_state()
                     for name, target in self.checkpoint_engines().items():
                         target.save(checkpointers[name], state)
+                kill_if_requested(step + 1)  # tests only: SHARDFORGE_FAULT_KILL
                 if signum:  # every rank saw it at this step (all-reduced): stop here, resumable
                     summary |= {"stopped_by": StopSignal.name(signum), "stopped_at_step": step + 1}
                     logger.warning(
