@@ -32,7 +32,8 @@ class SourceConfig:
 
     source: str
     """A local file (.jsonl, .json, .parquet, .csv), a `save_to_disk` directory, a folder of data files, or
-    an HF dataset name such as ``openai/gsm8k`` (offline: must already be in the `datasets` cache)."""
+    an HF dataset name such as ``openai/gsm8k`` (offline: must already be in the `datasets` cache). CSV
+    columns are read as text."""
     split: str = "train"
     """Split to read (HF names, `save_to_disk` DatasetDicts and data folders); ignored for a single file."""
     subset: str | None = None
@@ -179,7 +180,9 @@ def _load_dataset(spec: SourceConfig, path: Path) -> Any:
                     f"data source {spec.label!r}: unknown file type {path.suffix!r}; "
                     f"use .jsonl, {', '.join(_FILE_BUILDERS)} or a dataset directory"
                 )
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
+            # CSV has no types: read every column as text ("12" stays a completion, not an int).
+            extra = {"features": _csv_text_features(path), "keep_default_na": False} if builder == "csv" else {}
+            return datasets.load_dataset(builder, data_files=str(path), split="train", **extra)
         if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
             loaded = datasets.load_from_disk(str(path))
             if isinstance(loaded, datasets.DatasetDict):
@@ -200,3 +203,13 @@ def _load_dataset(spec: SourceConfig, path: Path) -> Any:
             "save_to_disk directory, a folder of data files, or an HF dataset name already in the local "
             "datasets cache (runs are offline: HF_HUB_OFFLINE=1)"
         ) from None
+
+
+def _csv_text_features(path: Path) -> Any:
+    import csv
+
+    import datasets
+
+    with path.open(newline="", encoding="utf-8") as handle:
+        header = next(csv.reader(handle), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
