@@ -83,7 +83,11 @@ def dry_run_report(config: Any, dims: ParallelDims, nproc: int) -> str:
     total = sum(s.weight for s in mix)
     for role, source in labelled_sources(config):
         rows = _rows(source.source) if is_plain_jsonl(source) else len(read_source(source))
-        share = f", weight {source.weight:g} = {source.weight / total:.0%} of samples" if role.startswith("data.mix") else ""
+        share = (
+            f", weight {source.weight:g} = {source.weight / total:.0%} of samples"
+            if role.startswith("data.mix")
+            else ""
+        )
         label = f" [{source.name}]" if source.name else ""
         lines.append(f"  {role}{label}: {source.describe()} ({rows} rows{share})")
     lines.append("dry run: nothing was started (drop --dry-run to train)")
