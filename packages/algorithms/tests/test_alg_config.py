@@ -162,10 +162,11 @@ def test_unknown_nested_key_names_the_section():
 
 
 def test_missing_required_keys_raise():
-    with pytest.raises(
-        ValueError, match=r"missing required config key\(s\) \['train_file', 'output_dir'\] in SFTConfig"
-    ):
+    with pytest.raises(ValueError, match=r"missing required config key\(s\) \['output_dir'\] in SFTConfig"):
         build_config(SFTConfig, {"model": "m"})
+    # SFT takes its data from train_file or data.train/data.mix: one of them is required.
+    with pytest.raises(ValueError, match=r"SFTConfig needs training data: set train_file: <path.jsonl>, data.train"):
+        build_config(SFTConfig, {"model": "m", "output_dir": "o"})
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from shardforge.algorithms.config_io import config_to_dict
+from shardforge.algorithms.data.config import labelled_sources
+from shardforge.algorithms.data.sources import is_plain_jsonl, read_source
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.mesh import ParallelDims
 
@@ -77,10 +79,17 @@ def dry_run_report(config: Any, dims: ParallelDims, nproc: int) -> str:
     except Exception as exc:
         lines.append(f"predicted memory: not available ({type(exc).__name__}: {exc})")
     lines.append("data:")
-    for name in ("train_file", "eval_file"):
-        path = getattr(config, name, None)
-        if path is not None:
-            lines.append(f"  {name}: {path} ({_rows(path)} rows)")
+    mix = getattr(getattr(config, "data", None), "mix", ())
+    total = sum(s.weight for s in mix)
+    for role, source in labelled_sources(config):
+        rows = _rows(source.source) if is_plain_jsonl(source) else len(read_source(source))
+        share = (
+            f", weight {source.weight:g} = {source.weight / total:.0%} of samples"
+            if role.startswith("data.mix")
+            else ""
+        )
+        label = f" [{source.name}]" if source.name else ""
+        lines.append(f"  {role}{label}: {source.describe()} ({rows} rows{share})")
     for path in getattr(config, "eval_files", ()):
         lines.append(f"  eval_files: {path} ({_rows(path)} rows)")
     lines.append("dry run: nothing was started (drop --dry-run to train)")

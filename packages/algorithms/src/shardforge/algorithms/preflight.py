@@ -3,7 +3,8 @@
 Everything a user can get wrong and that needs no process group is checked here once, in
 seconds, so a mistake is one message instead of a traceback per rank 30 s later: the layout
 against ``--nproc-per-node``, the model/tokenizer directories (local only, never a Hub lookup),
-the engine's layout/feature checks, the JSONL files (file + 1-based line + expected fields),
+the engine's layout/feature checks, the data sources (JSONL: file + 1-based line + expected fields;
+others: source, row number and field),
 the output directory, and the batch sizes against the data-parallel size.
 """
 
@@ -14,7 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from shardforge.algorithms.data.config import labelled_sources
 from shardforge.algorithms.data.jsonl import RowFields, read_jsonl
+from shardforge.algorithms.data.sources import is_plain_jsonl, read_source
 from shardforge.algorithms.engine.checks import check_engine
 from shardforge.algorithms.engine.loading import load_hf_config
 from shardforge.mesh import ParallelDims
@@ -41,10 +44,11 @@ def preflight(config: Any, nproc: int, row_fields: RowFields = ()) -> ParallelDi
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise FileNotFoundError(f"tokenizer={tokenizer!r} is not a directory; set it to a tokenizer directory or null")
     check_engine(dims, hf_config, config.engine)
-    for name in ("train_file", "eval_file"):
-        path = getattr(config, name, None)
-        if path is not None:
-            read_jsonl(path, name.replace("_", " "), row_fields)
+    for role, source in labelled_sources(config):  # train_file/eval_file, or data.train/eval/mix sources
+        if is_plain_jsonl(source):
+            read_jsonl(source.source, role.replace("_", " "), row_fields)
+        else:
+            read_source(source, row_fields)
     check_output_dir(config.output_dir)
     _check_batch_sizes(config, dims)
     return dims

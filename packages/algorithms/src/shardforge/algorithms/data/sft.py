@@ -15,6 +15,7 @@ from typing import Any
 
 from shardforge.algorithms.batching import PackedBatch, pack_sequences
 from shardforge.algorithms.data.jsonl import read_jsonl
+from shardforge.algorithms.data.sources import SourceConfig, read_source
 
 __all__ = ["SFT_ROW_FIELDS", "SFTExample", "load_sft_examples", "pack_examples", "tokenize_sft_row"]
 
@@ -31,14 +32,21 @@ class SFTExample:
     loss_mask: list[float]
 
 
-def load_sft_examples(path: str | Path, tokenizer: Any, *, max_seq_len: int | None = None) -> list[SFTExample]:
-    """Read and tokenise a JSONL file; a malformed row is a `ValueError` naming the file and 1-based line."""
-    path = Path(path)
-    rows = read_jsonl(path, "dataset file", SFT_ROW_FIELDS)
+def load_sft_examples(
+    path: str | Path | SourceConfig, tokenizer: Any, *, max_seq_len: int | None = None
+) -> list[SFTExample]:
+    """Read and tokenise a JSONL file or a `SourceConfig` (data/sources.py); a malformed row is a `ValueError`
+    naming the file and 1-based line (a source: its name, row number and field)."""
+    if isinstance(path, SourceConfig):
+        rows = read_source(path, SFT_ROW_FIELDS)
+        path, sep = Path(path.label), " row "
+    else:
+        path, sep = Path(path), ":"
+        rows = read_jsonl(path, "dataset file", SFT_ROW_FIELDS)
     examples = []
     truncated = emptied = 0
     for number, row in rows:
-        example = tokenize_sft_row(row, tokenizer, where=f"{path}:{number}")
+        example = tokenize_sft_row(row, tokenizer, where=f"{path}{sep}{number}")
         if max_seq_len is not None and len(example.input_ids) > max_seq_len:
             truncated += 1
             example = SFTExample(example.input_ids[:max_seq_len], example.loss_mask[:max_seq_len])

@@ -18,11 +18,12 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import torch.distributed as dist
 
 from shardforge.algorithms.config_io import config_to_dict
+from shardforge.algorithms.data.config import DataConfig, check_data_fields
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.log import rank_log_file
@@ -44,14 +45,18 @@ class TrainerConfig:
 
     model: str
     """HF model directory to start from (config.json + safetensors)."""
-    train_file: str
-    """Training JSONL (rows, preference pairs or prompts, per trainer)."""
     output_dir: str
     """Metrics, TensorBoard logs, checkpoints and the exported model."""
+    train_file: str | None = None
+    """Training JSONL (rows, preference pairs or prompts, per trainer); required unless the trainer reads
+    ``data`` and data.train or data.mix is set."""
     tokenizer: str | None = None
     """Tokenizer directory; None = the model directory."""
     eval_file: str | None = None
     """Optional held-out JSONL for periodic evaluation."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Dataset sources beyond one JSONL path: files, save_to_disk dirs, HF names, weighted mixtures and a
+    chat-template override (docs/packages/algorithms-data.md); trainers with ``reads_data_sources``."""
     layout: str = "d-1"
     """Parallel layout, e.g. 'd2' (FSDP 2), 'r2d2' (HSDP); d-1 = all ranks FSDP."""
     steps: int = 100
@@ -85,7 +90,11 @@ class TrainerConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """torch.profiler traces of chosen steps and ranks (trainers/profiling.py), off by default."""
 
+    reads_data_sources: ClassVar[bool] = False
+    """True for trainers that load `data` sources (sft); the others read train_file/eval_file only."""
+
     def __post_init__(self) -> None:
+        check_data_fields(self, type(self).__name__, self.reads_data_sources)
         for name, low in (("steps", 1), ("log_every", 1), ("keep_last", 1), ("eval_every", 0), ("save_every", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; it must be >= {low}")
@@ -163,7 +172,7 @@ class Trainer(Generic[C]):
         raise NotImplementedError
 
     def has_eval(self) -> bool:
-        return self.config.eval_file is not None
+        return self.config.eval_file is not None or self.config.data.eval is not None
 
     eval_at_start = False
     """Also evaluate before the first step."""

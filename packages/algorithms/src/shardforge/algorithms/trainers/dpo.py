@@ -19,6 +19,7 @@ import torch
 from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.data import IS_CHOSEN, PAIR_ROW_FIELDS, PAIR_WEIGHT, GlobalBatchSampler, load_pairs
 from shardforge.algorithms.data.preference import PreferencePair, pack_pairs
+from shardforge.algorithms.data.config import required_train_file
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import summarize_stats
 from shardforge.algorithms.objectives.preference import (
@@ -152,12 +153,12 @@ class DPOTrainer(Trainer[DPOConfig]):
 
     def load_data(self) -> None:
         config = self.config
-        self.train = load_pairs(config.train_file, self.tokenizer, max_seq_len=config.max_seq_len)
+        self.train = load_pairs(required_train_file(config), self.tokenizer, max_seq_len=config.max_seq_len)
         self.held_out = (
             load_pairs(config.eval_file, self.tokenizer, max_seq_len=config.max_seq_len) if config.eval_file else None
         )
         budget = config.engine.max_tokens_per_microbatch
-        _check_pairs(self.train, budget, config.train_file)
+        _check_pairs(self.train, budget, required_train_file(config))
         if self.held_out is not None:
             _check_pairs(self.held_out, budget, str(config.eval_file))
         self.sampler = GlobalBatchSampler(len(self.train), config.global_batch_size, seed=config.seed)
@@ -170,7 +171,7 @@ class DPOTrainer(Trainer[DPOConfig]):
             raise ValueError(
                 f"global_batch_size={config.global_batch_size} pairs < data-parallel size {engine.dp_size}"
             )
-        for pairs, name in ((self.train, config.train_file), (self.held_out, config.eval_file)):
+        for pairs, name in ((self.train, required_train_file(config)), (self.held_out, config.eval_file)):
             if pairs is not None:
                 lengths = [max(len(p.chosen), len(p.rejected)) for p in pairs]
                 check_max_positions(

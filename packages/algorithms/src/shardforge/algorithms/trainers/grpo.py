@@ -25,6 +25,7 @@ import torch
 
 from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.batching.collectives import all_reduce_stats, all_reduce_sum
+from shardforge.algorithms.data.config import required_train_file
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
 from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
@@ -146,7 +147,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
 
     def load_data(self) -> None:
         config = self.config
-        self.prompts = load_prompts(config.train_file, self.tokenizer, max_prompt_len=config.max_prompt_len)
+        self.prompts = load_prompts(required_train_file(config), self.tokenizer, max_prompt_len=config.max_prompt_len)
         self.held_out = load_prompts(config.eval_file, self.tokenizer) if config.eval_file else None
         self.reward_fn = build_reward_fn(config)
         budget = config.engine.max_tokens_per_microbatch

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from shardforge.algorithms.data.config import required_train_file
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.objectives import KLEstimator, PPOActorLossFn, PPOCriticConfig
@@ -131,7 +132,7 @@ class PPOTrainer(Trainer[PPOConfig]):
 
     def load_data(self) -> None:
         config = self.config
-        self.prompts = load_prompts(config.train_file, self.tokenizer, max_prompt_len=config.max_prompt_len)
+        self.prompts = load_prompts(required_train_file(config), self.tokenizer, max_prompt_len=config.max_prompt_len)
         self.held_out = load_prompts(config.eval_file, self.tokenizer) if config.eval_file else None
         self.reward_fn = build_reward_fn(config)
         budget = min(config.engine.max_tokens_per_microbatch, config.critic_engine.max_tokens_per_microbatch)

@@ -24,6 +24,7 @@ from shardforge.algorithms.data import (
     load_pairs,
     pack_pairs,
 )
+from shardforge.algorithms.data.config import required_train_file
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import bradley_terry_loss, last_token_scores, summarize_stats
 from shardforge.algorithms.objectives.stats import merge_stats
@@ -109,12 +110,12 @@ class RMTrainer(Trainer[RMConfig]):
 
     def load_data(self) -> None:
         config = self.config
-        self.train = load_pairs(config.train_file, self.tokenizer, max_seq_len=config.max_seq_len)
+        self.train = load_pairs(required_train_file(config), self.tokenizer, max_seq_len=config.max_seq_len)
         self.held_out = (
             load_pairs(config.eval_file, self.tokenizer, max_seq_len=config.max_seq_len) if config.eval_file else None
         )
         budget = config.engine.max_tokens_per_microbatch
-        _check_lengths(self.train, budget, config.train_file)
+        _check_lengths(self.train, budget, required_train_file(config))
         if self.held_out is not None:
             _check_lengths(self.held_out, budget, str(config.eval_file))
         self.sampler = GlobalBatchSampler(len(self.train), config.global_batch_size, seed=config.seed)

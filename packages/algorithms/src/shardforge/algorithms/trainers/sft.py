@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from shardforge.algorithms.data import SFT_ROW_FIELDS, GlobalBatchSampler, SFTExample, load_sft_examples, pack_examples
+from shardforge.algorithms.data.config import apply_chat_template_override, eval_source, train_sources
+from shardforge.algorithms.data.mixture import MixtureSampler
+from shardforge.algorithms.data.sources import SourceConfig, is_plain_jsonl
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
@@ -24,6 +27,13 @@ class SFTConfig(TrainerConfig):
     """Truncate longer examples; None = keep (they must fit the micro-batch budget)."""
     eval_batch_size: int = 64
     """Sequences per eval batch."""
+
+    reads_data_sources: ClassVar[bool] = True
+
+
+def _arg(source: SourceConfig) -> str | SourceConfig:
+    """A plain local .jsonl path reads as before (errors as ``file:line``); anything else as a source."""
+    return source.source if is_plain_jsonl(source) else source
 
 
 def _check_lengths(examples: list[SFTExample], budget: int, name: str) -> None:
@@ -44,22 +54,35 @@ class SFTTrainer(Trainer[SFTConfig]):
 
     def load_data(self) -> None:
         config = self.config
-        self.train = load_sft_examples(config.train_file, self.tokenizer, max_seq_len=config.max_seq_len)
+        apply_chat_template_override(self.tokenizer, config.data.chat_template)
+        sources, held_out = train_sources(config), eval_source(config)
+        per_source = [load_sft_examples(_arg(s), self.tokenizer, max_seq_len=config.max_seq_len) for s in sources]
+        self.train = [e for examples in per_source for e in examples]
+        self.sizes = [len(x) for x in per_source]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(per_source))]
         self.held_out = (
-            load_sft_examples(config.eval_file, self.tokenizer, max_seq_len=config.max_seq_len)
-            if config.eval_file
-            else None
+            load_sft_examples(_arg(held_out), self.tokenizer, max_seq_len=config.max_seq_len) if held_out else None
         )
+        self.names = [s.label for s in sources]
         budget = config.engine.max_tokens_per_microbatch
-        _check_lengths(self.train, budget, config.train_file)
-        if self.held_out is not None:
-            _check_lengths(self.held_out, budget, str(config.eval_file))
-        self.sampler = GlobalBatchSampler(len(self.train), config.global_batch_size, seed=config.seed)
+        for examples, source in zip(per_source, sources):
+            _check_lengths(examples, budget, source.label)
+        if self.held_out is not None and held_out is not None:
+            _check_lengths(self.held_out, budget, held_out.label)
+        self.sampler: GlobalBatchSampler | MixtureSampler
+        if config.data.mix:
+            weights = [s.weight for s in sources]
+            self.sampler = MixtureSampler(
+                self.sizes, weights, config.global_batch_size, names=self.names, seed=config.seed
+            )
+        else:
+            self.sampler = GlobalBatchSampler(len(self.train), config.global_batch_size, seed=config.seed)
 
     def build_engines(self) -> TrainEngine:
         config = self.config
         engine = TrainEngine(config.model, config.layout, with_total_steps(config.engine, config.steps))
-        for examples, name in ((self.train, config.train_file), (self.held_out, config.eval_file)):
+        held_out = eval_source(config)
+        for examples, name in ((self.train, ", ".join(self.names)), (self.held_out, held_out and held_out.label)):
             if examples is not None:
                 fix = "set max_seq_len to at most that to truncate them (rows left without targets are skipped)"
                 check_max_positions(engine.hf_config, [len(e.input_ids) for e in examples], f"examples in {name}", fix)
@@ -67,11 +90,30 @@ class SFTTrainer(Trainer[SFTConfig]):
 
     def data_state(self) -> dict[str, Any]:
         config = self.config
-        return {"seed": config.seed, "global_batch_size": config.global_batch_size, "num_examples": len(self.train)}
+        state: dict[str, Any] = {
+            "seed": config.seed,
+            "global_batch_size": config.global_batch_size,
+            "num_examples": len(self.train),
+        }
+        if isinstance(self.sampler, MixtureSampler):
+            # Weights may change on resume (each source continues at its saved position); the sources may not.
+            state["mixture_sources"] = dict(zip(self.names, self.sizes))
+        return state
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"mixture": self.sampler.state_dict()} if isinstance(self.sampler, MixtureSampler) else {}
+
+    def setup(self, start: int, restored: dict[str, Any]) -> None:
+        if isinstance(self.sampler, MixtureSampler) and "mixture" in restored:
+            self.sampler.load_state_dict(restored["mixture"])
 
     def train_step(self, step: int) -> dict[str, float]:
         engine = self.engine
-        indices = self.sampler.local_batch(step, engine.dp_rank, engine.dp_size)
+        if isinstance(self.sampler, MixtureSampler):
+            pairs = self.sampler.local_batch(step, engine.dp_rank, engine.dp_size)
+            indices = [self.offsets[source] + row for source, row in pairs]
+        else:
+            indices = self.sampler.local_batch(step, engine.dp_rank, engine.dp_size)
         stats = engine.train_batch(pack_examples(self.train, indices))
         stats["tokens_per_s"] = stats["tokens"] / max(stats["step_time_s"], 1e-9)
         return stats
