@@ -47,6 +47,9 @@ PACKAGES = (
 )
 # peft: the LoRA parity tests use it as the reference implementation (packages/lora, algorithms).
 TEST_TOOLS = ("pytest", "cloudpickle", "peft")
+# The experiment trackers behind loggers: [wandb, mlflow] (shardforge-algorithms[trackers]); their tests
+# skip without them, but the tests session installs them so CI runs those tests (~17 s of install).
+TRACKERS = ("wandb", "mlflow-skinny", "sqlalchemy", "alembic")
 # One intra-op thread per process by default (rank pools run several processes on few cores).
 # The suite must not depend on it: SHARDFORGE_TEST_THREADS=2 nox -s tests runs it with 2
 # threads, which changes the reduction order of CPU kernels (see docs/testing.md).
@@ -79,7 +82,7 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """All package unit tests and the integration suite in one venv."""
-    _install_workspace(session)
+    _install_workspace(session, *TRACKERS)
     _pytest(session, "packages", "integration_tests")
 
 
