@@ -156,7 +156,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def benchmarks(session: nox.Session) -> None:
     """Run every benchmarks/bench_*.py; each writes JSON + PNG and a row in benchmarks/RESULTS.md."""
-    _install_workspace(session)
+    _install_workspace(session, *TRACKERS)  # bench_loggers.py times wandb and mlflow too
     scripts = session.posargs or sorted(glob.glob("benchmarks/bench_*.py"))
     for script in scripts:
         session.run("python", script, env=THREAD_ENV)
