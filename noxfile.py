@@ -48,6 +48,9 @@ PACKAGES = (
 # peft: the LoRA parity tests use it as the reference implementation (packages/lora, algorithms);
 # math-verify: the math_verify reward's tests (an optional extra of algorithms).
 TEST_TOOLS = ("pytest", "cloudpickle", "peft", "math-verify")
+# The experiment trackers behind loggers: [wandb, mlflow] (shardforge-algorithms[trackers]); their tests
+# skip without them, but the tests session installs them so CI runs those tests (~17 s of install).
+TRACKERS = ("wandb", "mlflow-skinny", "sqlalchemy", "alembic")
 # One intra-op thread per process by default (rank pools run several processes on few cores).
 # The suite must not depend on it: SHARDFORGE_TEST_THREADS=2 nox -s tests runs it with 2
 # threads, which changes the reduction order of CPU kernels (see docs/testing.md).
@@ -80,7 +83,7 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """All package unit tests and the integration suite in one venv."""
-    _install_workspace(session)
+    _install_workspace(session, *TRACKERS)
     _pytest(session, "packages", "integration_tests")
 
 
@@ -154,7 +157,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def benchmarks(session: nox.Session) -> None:
     """Run every benchmarks/bench_*.py; each writes JSON + PNG and a row in benchmarks/RESULTS.md."""
-    _install_workspace(session)
+    _install_workspace(session, *TRACKERS)  # bench_loggers.py times wandb and mlflow too
     scripts = session.posargs or sorted(glob.glob("benchmarks/bench_*.py"))
     for script in scripts:
         session.run("python", script, env=THREAD_ENV)

@@ -1,5 +1,5 @@
 """Metrics loggers behind one interface (`MetricsSink`), selected by name (`LOGGERS`: jsonl,
-tensorboard, or a user's ``package.module:factory``), written by the main rank only, never fatal.
+tensorboard, wandb, mlflow, or a user's ``package.module:factory``), written by the main rank only, never fatal.
 `MetricsLogger` is what trainers hold."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from shardforge.algorithms.loggers.curves import write_curves
 from shardforge.algorithms.loggers.jsonl import JsonlLogger, read_metrics, truncate_metrics
 from shardforge.algorithms.loggers.registry import LOGGERS, NeverFatal, build_sinks
 from shardforge.algorithms.loggers.tensorboard import TensorBoardLogger
+from shardforge.algorithms.loggers.tracking import TrackerConfig
 
 __all__ = [
     "LOGGERS",
@@ -20,6 +21,7 @@ __all__ = [
     "MetricsSink",
     "NeverFatal",
     "TensorBoardLogger",
+    "TrackerConfig",
     "read_metrics",
     "truncate_metrics",
     "write_curves",
@@ -53,6 +55,19 @@ class MetricsLogger:
             names = ("jsonl", "tensorboard") if tensorboard else ("jsonl",)
         self.sinks = list(build_sinks(names, Path(out_dir), run_config or {}))
 
+    def begin(self, start_step: int, run_info: dict[str, Any]) -> None:
+        """Start (``start_step`` 0) or continue (resume) the trackers' runs; ``run_info`` (layout, world
+        size) is recorded with the config as run parameters."""
+        for sink in self.sinks:
+            if isinstance(sink, NeverFatal):
+                sink.begin(start_step, run_info)
+
+    def finish(self, summary: dict[str, Any], artifacts: dict[str, Path]) -> None:
+        """Final metrics (``summary``) and artifact files/directories, for the sinks that take them."""
+        for sink in self.sinks:
+            if isinstance(sink, NeverFatal):
+                sink.finish(summary, artifacts)
+
     def log(self, step: int, values: dict[str, float], *, split: str = "train") -> None:
         for sink in self.sinks:
             sink.log(step, values, split)
@@ -60,3 +75,4 @@ class MetricsLogger:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+        self.sinks = []  # closing twice is a no-op

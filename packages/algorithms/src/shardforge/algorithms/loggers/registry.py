@@ -38,6 +38,18 @@ def _tensorboard(out_dir: Path, run_config: dict[str, Any]) -> MetricsSink:
     return TensorBoardLogger(Path(out_dir) / "tensorboard")
 
 
+LOGGERS.register_lazy(
+    "wandb",
+    "shardforge.algorithms.loggers.wandb_sink:wandb_logger",
+    "Weights & Biases run under output_dir/wandb (WANDB_MODE=offline works); resumed runs continue it",
+)
+LOGGERS.register_lazy(
+    "mlflow",
+    "shardforge.algorithms.loggers.mlflow_sink:mlflow_logger",
+    "MLflow run (default store sqlite:///<output_dir>/mlflow.db); resumed runs continue it",
+)
+
+
 class NeverFatal:
     """Wraps a sink: its first exception is logged once and the sink is disabled from then on."""
 
@@ -62,6 +74,26 @@ class NeverFatal:
             self.sink.log(step, values, split)
         except Exception as exc:
             self._fail("log", exc)
+
+    def begin(self, start_step: int, run_info: dict[str, Any]) -> None:
+        """Open the sink's run (optional hook: trackers start or continue their run here)."""
+        hook = getattr(self.sink, "begin", None)
+        if hook is None:
+            return
+        try:
+            hook(start_step, run_info)
+        except Exception as exc:
+            self._fail("start", exc)
+
+    def finish(self, summary: dict[str, Any], artifacts: dict[str, Path]) -> None:
+        """Final metrics and artifacts of a finished run (optional hook)."""
+        hook = getattr(self.sink, "finish", None)
+        if hook is None:
+            return
+        try:
+            hook(summary, artifacts)
+        except Exception as exc:
+            self._fail("log final metrics/artifacts", exc)
 
     def close(self) -> None:
         if self.sink is None:

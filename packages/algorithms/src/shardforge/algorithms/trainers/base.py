@@ -27,7 +27,7 @@ from shardforge.algorithms.data.config import DataConfig, check_data_fields
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.log import rank_log_file
-from shardforge.algorithms.loggers import MetricsLogger, truncate_metrics, write_curves
+from shardforge.algorithms.loggers import MetricsLogger, TrackerConfig, truncate_metrics, write_curves
 from shardforge.algorithms.trainers.common import progress_bar
 from shardforge.algorithms.trainers.fault_injection import kill_if_requested
 from shardforge.algorithms.trainers.profiling import ProfileConfig, StepProfiler
@@ -87,6 +87,9 @@ class TrainerConfig:
     """Metric sinks by name (`shardforge list` shows them; or a user's ``package.module:factory``). Rank 0
     only; a sink that fails is reported once and disabled, training goes on. Keep jsonl: resume, curves.png
     and the summary read metrics.jsonl."""
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    """Options of the wandb/mlflow loggers: project, run_name, tags, wandb_entity, wandb_mode,
+    mlflow_tracking_uri, log_artifacts (docs/packages/algorithms-tracking.md)."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """torch.profiler traces of chosen steps and ranks (trainers/profiling.py), off by default."""
 
@@ -252,6 +255,10 @@ class Trainer(Generic[C]):
             names=config.loggers,
             run_config=config_to_dict(config) if engine.is_main else {},
         )
+        metrics.begin(
+            start,
+            {"layout": engine.dims.to_string(), "world_size": dist.get_world_size() if dist.is_initialized() else 1},
+        )
         summary: dict[str, Any] = {"steps": config.steps, "output_dir": str(out), "layout": engine.dims.to_string()}
         if start:
             summary["resumed_from"] = start
@@ -304,22 +311,29 @@ class Trainer(Generic[C]):
                     metrics.log(step + 1, result, split="eval")
                     summary |= self.eval_summary(result, at_start=False)
                     self._log_eval(step + 1, result)
+        except BaseException:
+            metrics.close()  # trackers' runs end (as finished) with the error; the finish below is skipped
+            raise
         finally:
             stop.__exit__()
             profiler.close()
             self.close()
             if bar is not None:
                 bar.close()
+        try:
+            for checkpointer in checkpointers.values():
+                checkpointer.close()
+            if config.export_hf_at_end and "stopped_by" not in summary:
+                self._export(summary)
+            if engine.is_main:
+                curves = write_curves(out / "metrics.jsonl", out / "curves.png", f"{self.name} {out.name}")
+                if curves is not None:
+                    summary["curves"] = str(curves)
+                (out / "summary.json").write_text(json.dumps(summary, indent=2))
+                artifacts = {name: out / name for name in ("hf", "lora", "summary.json", "curves.png")}
+                metrics.finish(summary, artifacts)  # final metrics + HF export as tracker artifacts
+        finally:
             metrics.close()
-        for checkpointer in checkpointers.values():
-            checkpointer.close()
-        if config.export_hf_at_end and "stopped_by" not in summary:
-            self._export(summary)
-        if engine.is_main:
-            curves = write_curves(out / "metrics.jsonl", out / "curves.png", f"{self.name} {out.name}")
-            if curves is not None:
-                summary["curves"] = str(curves)
-            (out / "summary.json").write_text(json.dumps(summary, indent=2))
         if dist.is_initialized():
             dist.barrier()
         return summary

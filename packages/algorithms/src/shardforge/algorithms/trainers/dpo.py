@@ -18,8 +18,8 @@ import torch
 
 from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.data import IS_CHOSEN, PAIR_ROW_FIELDS, PAIR_WEIGHT, GlobalBatchSampler, load_pairs
-from shardforge.algorithms.data.preference import PreferencePair, pack_pairs
 from shardforge.algorithms.data.config import required_train_file
+from shardforge.algorithms.data.preference import PreferencePair, pack_pairs
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import summarize_stats
 from shardforge.algorithms.objectives.preference import (
