@@ -62,6 +62,19 @@ REWARD_FUNCTIONS.register_lazy(
     "boxed_format", f"{_MATH}:boxed_format_reward", "1.0 when the response has a \\boxed{} answer"
 )
 REWARD_FUNCTIONS.register_lazy(
+    "http_judge",
+    "shardforge.algorithms.rollout.http_reward:HTTPJudgeReward",
+    "remote judge over HTTP (OpenAI chat or JSON), retries + backoff; args: url, model, template, ...",
+)
+
+
+@REWARD_FUNCTIONS.register("zero")
+def zero_reward(prompt: str, response: str, reference: str) -> float:
+    """0.0 for every response (when a reward model or another term supplies the whole reward)."""
+    return 0.0
+
+
+REWARD_FUNCTIONS.register_lazy(
     "think_format", f"{_MATH}:think_format_reward", "1.0 for <think>...</think> followed by an answer"
 )
 

@@ -15,6 +15,7 @@ by ``rollout_correction`` (`shardforge.algorithms.objectives.rollout_correction`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -52,6 +53,7 @@ from shardforge.algorithms.trainers.common import with_total_steps
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
     build_reward_fn,
+    build_reward_model,
     check_eval_split,
     check_prompt_positions,
     check_rollout_batch,
@@ -161,6 +163,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         check_eval_split(config, len(self.held_out) if self.held_out is not None else None, engine.dp_size)
         if config.temperature > 0:  # train on the distribution the rollouts sample from
             engine.logprob_temperature = config.temperature
+        self.reward_model = build_reward_model(config, engine)
         return engine
 
     def data_state(self) -> dict[str, Any]:
@@ -212,7 +215,12 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         assert self.source is not None
         step_started = time.perf_counter()
         sampled = self.source.batch(step)
+        rm_stats: dict[str, float] = {}
+        if self.reward_model is not None:  # collective: here on every rank, not on the sampling thread
+            rewards, rm_stats = self.reward_model.add_scores(sampled.rewards, sampled.rollouts)
+            sampled = dataclasses.replace(sampled, rewards=rewards)
         stats = _train_step(sampled, self.config, self.engine, self.actor, step_started, self.advantage_hook)
+        stats |= rm_stats
         if self.dynamic is not None:
             stats |= dynamic_sampling_stats(self.dynamic.pop_stats(sampled.index), self.engine)
         stats |= reward_call_stats(self.reward_fn, self.engine)

@@ -42,6 +42,7 @@ from shardforge.algorithms.trainers.ppo_update import (
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
     build_reward_fn,
+    build_reward_model,
     check_eval_split,
     check_prompt_positions,
     check_rollout_batch,
@@ -153,6 +154,7 @@ class PPOTrainer(Trainer[PPOConfig]):
             if config.offload_reference:  # on the device only for its forward (cpu_offload would keep it on host)
                 ref_config = dataclasses.replace(ref_config, offload_when_idle=True, cpu_offload=False)
             self.reference = TrainEngine(config.reference_model or config.model, config.layout, ref_config)
+        self.reward_model = build_reward_model(config, actor)
         if config.temperature > 0:  # log-probs of the distribution the rollouts sample from (as GRPO)
             for policy in (actor, self.reference):
                 if policy is not None:
@@ -193,6 +195,9 @@ class PPOTrainer(Trainer[PPOConfig]):
         trajectories, rewards = self.sample(step)
         generated, served = time.perf_counter(), float(rollout.version)  # the version that sampled
         stats = check_failed_episodes(trajectories, config.workflow.max_failed_fraction, actor)
+        if self.reward_model is not None:
+            rewards, rm_stats = self.reward_model.add_scores(rewards, trajectories)
+            stats |= rm_stats
         batch = trajectories_to_batch(trajectories, torch.zeros(len(trajectories)))  # advantages come from GAE
         lengths = torch.tensor([t.num_generated for t in trajectories], dtype=torch.float64)
         # Bypass (or recompute_logprobs=false): the engine's log-probs are the old ones, no correction.

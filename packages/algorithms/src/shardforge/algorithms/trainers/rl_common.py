@@ -18,11 +18,12 @@ from shardforge.algorithms.objectives.rollout_correction import RolloutCorrectio
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout.dynamic_sampling import DynamicSamplingConfig
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, RolloutEngineKind
-from shardforge.algorithms.rollout.reward_functions import load_reward_fn
+from shardforge.algorithms.rollout.reward_compose import RewardTermConfig, build_reward
 from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.trainers.base import TrainerConfig
 from shardforge.algorithms.trainers.common import check_max_positions
+from shardforge.algorithms.trainers.model_rewards import RewardModelConfig, RewardModelScorer
 from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig
 from shardforge.algorithms.workflows import WorkflowConfig
 from shardforge.weight_sync import DiskTransport
@@ -30,6 +31,7 @@ from shardforge.weight_sync import DiskTransport
 __all__ = [
     "RLTrainerConfig",
     "build_reward_fn",
+    "build_reward_model",
     "check_eval_split",
     "check_prompt_positions",
     "check_rollout_batch",
@@ -59,6 +61,10 @@ class RLTrainerConfig(TrainerConfig):
     """Sampling temperature of the rollouts."""
     reward_fn: str = "exact_match"
     """'exact_match' or 'package.module:function' -> fn(prompt, response, reference) -> float."""
+    rewards: tuple[RewardTermConfig, ...] = ()
+    """A weighted sum of rewards, each ``{name, weight, args}`` (replaces reward_fn; see the catalogue)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A trained reward model scoring every rollout in the loop (path, weight, offload); added to the rewards."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """How reward functions run: timeout_s, max_concurrency, on_error (zero: a failed call scores 0.0, counted)."""
     reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
@@ -96,6 +102,16 @@ def check_rollout_batch(config: RLTrainerConfig, prompts: PromptSet, dp_size: in
         )
     if config.group_size < 1:
         raise ValueError(f"group_size={config.group_size} must be >= 1")
+    if config.rewards and config.reward_fn != "exact_match":
+        raise ValueError(
+            f"set reward_fn or rewards, not both (reward_fn={config.reward_fn!r}); add it to rewards as "
+            f"{{name: {config.reward_fn}, weight: 1.0}}"
+        )
+    if config.reward_model.path is not None and config.dynamic_sampling.enabled:
+        raise ValueError(
+            "dynamic_sampling filters groups on the rewards while sampling, before the reward model scores them "
+            "(collectively, in the training step): set dynamic_sampling.enabled=false or drop reward_model"
+        )
     longest = max(len(p) for p in prompts.ids) + config.max_new_tokens
     if longest > budget:
         raise ValueError(
@@ -177,16 +193,31 @@ def global_reward_stats(rewards: torch.Tensor, lengths: torch.Tensor, engine: Tr
 
 
 def build_reward_fn(config: RLTrainerConfig | Any) -> GuardedReward:
-    """``config.reward_fn`` behind ``config.reward``'s timeout, concurrency limit and error policy."""
-    return GuardedReward(load_reward_fn(config.reward_fn), config.reward, name=config.reward_fn)
+    """``config.rewards`` (a weighted sum) or ``config.reward_fn``, behind ``config.reward``'s timeout,
+    concurrency limit and error policy."""
+    rewards = getattr(config, "rewards", ())
+    fn = build_reward(config.reward_fn, rewards)
+    return GuardedReward(fn, config.reward, name=getattr(fn, "__name__", config.reward_fn))
+
+
+def build_reward_model(config: RLTrainerConfig, policy: TrainEngine) -> RewardModelScorer | None:
+    """The ``reward_model:`` scorer on the policy's layout (None when ``reward_model.path`` is unset)."""
+    if config.reward_model.path is None:
+        return None
+    return RewardModelScorer(config.reward_model, config.layout, config.engine, policy.hf_config.vocab_size)
 
 
 def reward_call_stats(reward_fn: GuardedReward, engine: TrainEngine) -> dict[str, float]:
     """``reward/calls|failures|timeouts|nonfinite`` since the last call, summed over the data-parallel group."""
     local = reward_fn.pop_stats()
     names = sorted(local)
-    return dict(zip(names, all_reduce_sum(*(local[n] for n in names), group=engine.dp_group, device=engine.device),
-                    strict=True))  # fmt: skip
+    summed = dict(zip(names, all_reduce_sum(*(local[n] for n in names), group=engine.dp_group, device=engine.device),
+                      strict=True))  # fmt: skip
+    scored = summed.pop("reward/terms_scored", None)  # rewards: per-term sums -> per-term means
+    if scored is None:
+        return summed
+    return {(k[: -len("_sum")] + "_mean" if k.endswith("_sum") else k): (v / max(scored, 1.0) if k.endswith("_sum") else v)
+            for k, v in summed.items()}  # fmt: skip
 
 
 def dynamic_sampling_stats(local: dict[str, float], engine: TrainEngine) -> dict[str, float]:
