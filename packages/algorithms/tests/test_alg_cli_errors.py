@@ -130,6 +130,12 @@ def test_prompts_per_step_must_split_across_ranks(tmp_path, assets, capsys):
     assert_one_line_error(code, err, "prompts_per_step=3 must be a positive multiple of the data-parallel size 2")
 
 
+def test_missing_reward_model_directory_names_the_key(tmp_path, assets, capsys):
+    config = rl_config(config_file(tmp_path, assets))
+    code, err = run_cli(capsys, "train", "grpo", "--config", config, f"reward_model.path={tmp_path / 'no-rm'}")
+    assert_one_line_error(code, err, "reward_model.path=", "does not exist")
+
+
 def test_output_dir_under_a_file_is_refused(tmp_path, assets, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -101,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--config", required=True, help="YAML config file (model, eval_files, eval_sampling, ...)")
     evaluate.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
+    add_launch_arguments(evaluate)
     evaluate.add_argument("--dry-run", action="store_true", help="check everything and print the resolved config")
     evaluate.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     evaluate.epilog = "Any further key=value arguments override config entries, e.g. eval_sampling.samples=8"

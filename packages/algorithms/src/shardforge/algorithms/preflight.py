@@ -31,6 +31,8 @@ def preflight(config: Any, nproc: int, row_fields: RowFields = ()) -> ParallelDi
     hf_config = None
     for name in ("model", *(f.name for f in dataclasses.fields(config) if f.name.endswith("_model"))):
         path = getattr(config, name)
+        if name == "reward_model":  # the RL trainers' ``reward_model:`` section holds its path
+            name, path = "reward_model.path", getattr(path, "path", None)
         if path is None:
             continue
         if not Path(path).exists():

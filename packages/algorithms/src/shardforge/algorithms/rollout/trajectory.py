@@ -53,6 +53,8 @@ class Trajectory:
     """Why the episode ended: answer, correct, max_turns, max_tokens, ..."""
     text: str = ""
     """Decoded text of the last model turn (for logs and evaluation)."""
+    baseline_reward: float | None = None
+    """ReMax: the (shaped) reward of the prompt's greedy episode, set by the trainer when advantage=remax."""
 
     def __post_init__(self) -> None:
         lengths = {len(self.token_ids), len(self.loss_mask), len(self.logprobs), len(self.versions)}

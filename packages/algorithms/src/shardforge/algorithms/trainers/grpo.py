@@ -110,6 +110,11 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
     check_rollout_batch(config, prompts, dp_size, budget, f"engine.max_tokens_per_microbatch={budget}")
     if config.advantage != "dr_grpo" and config.group_size < 2:
         raise ValueError(f"advantage={config.advantage!r} needs group_size >= 2 (it compares samples of a prompt)")
+    if config.advantage == "remax" and config.reward_model.path is not None:
+        raise ValueError(
+            "advantage=remax with reward_model is not supported yet: the greedy baseline episodes are scored by the "
+            "reward functions only; use another estimator (grpo, rloo) or drop reward_model"
+        )
     if config.max_staleness < 0:
         raise ValueError(f"max_staleness={config.max_staleness} must be >= 0 (0 = on-policy, no overlap)")
     recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
@@ -294,7 +299,12 @@ def _train_step(
     started = time.perf_counter()
     episode_stats = check_failed_episodes(sampled.rollouts, config.workflow.max_failed_fraction, engine)
     lengths = torch.tensor([t.num_generated for t in sampled.rollouts], dtype=torch.float64)
-    advantages = group_advantages(sampled.rewards, config.group_size, config.advantage, response_lengths=lengths)
+    baselines = None
+    if config.advantage == "remax":  # one greedy episode's reward per prompt (rl_sampling.set_greedy_baselines)
+        baselines = torch.tensor([t.baseline_reward for t in sampled.rollouts[:: config.group_size]])
+    advantages = group_advantages(
+        sampled.rewards, config.group_size, config.advantage, response_lengths=lengths, baseline_rewards=baselines
+    )
     batch = trajectories_to_batch(sampled.rollouts, advantages)
     staleness = sampled.index - sampled.policy_step
     correction: dict[str, float] = {}
@@ -325,6 +335,11 @@ def _train_step(
     # Bypass: the loss's ratio pi/behav before the step is the mismatch itself (k1 of behav -> pi).
     stats |= correction or {"rollout_corr/kl_k1": stats["actor/approx_kl"]}
     stats |= global_reward_stats(sampled.rewards.double(), lengths, engine)
+    if baselines is not None:
+        total, count = all_reduce_sum(
+            float(baselines.double().sum()), float(baselines.numel()), group=engine.dp_group, device=engine.device
+        )
+        stats["remax/baseline_mean"] = total / max(count, 1.0)
     stats |= episode_stats | workflow_stats(sampled.rollouts, engine)
     stats |= {
         "rollout_version": float(sampled.rollouts[0].version),

@@ -27,6 +27,7 @@ from shardforge.algorithms.data.config import required_train_file
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.objectives import KLEstimator, PPOActorLossFn, PPOCriticConfig
+from shardforge.algorithms.objectives.kl_control import KLControlConfig, KLController, build_kl_controller
 from shardforge.algorithms.objectives.rollout_correction import ROLLOUT_CORRECTIONS
 from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, PromptSet, load_prompts
 from shardforge.algorithms.rollout.factory import build_rollout_engine
@@ -82,6 +83,8 @@ class PPOConfig(RLTrainerConfig):
     """Per-token KL penalty to the reference policy, subtracted from the reward (0 = no reference)."""
     kl_estimator: KLEstimator = "k1"
     """KL estimator of the penalty (k1 = log pi - log pi_ref)."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """How kl_coef evolves (verl's algorithm.kl_ctrl): type fixed | adaptive, target_kl, horizon; kl_coef is the start."""
     offload_reference: bool = False
     """Keep the reference policy's weights in host memory except during its forward (on an accelerator
     this frees its whole footprint for the actor; a no-op on CPU). The critic's equivalent is
@@ -101,6 +104,16 @@ def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
         raise ValueError(f"update_epochs={config.update_epochs} must be >= 1")
     if config.kl_coef < 0:
         raise ValueError(f"kl_coef={config.kl_coef} must be >= 0")
+    if config.kl_ctrl.kl_coef not in (0.0, config.kl_coef):
+        raise ValueError(
+            f"kl_ctrl.kl_coef={config.kl_ctrl.kl_coef} differs from kl_coef={config.kl_coef}: set the (initial) "
+            "coefficient with kl_coef only"
+        )
+    if config.kl_ctrl.type != "fixed" and config.kl_coef == 0:
+        raise ValueError(
+            f"kl_ctrl.type={config.kl_ctrl.type!r} steers kl_coef, which is 0 (no reference model, no KL): "
+            "set kl_coef > 0 as the starting coefficient"
+        )
     mode = config.rollout_correction.mode
     if not config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(mode).recompute and mode != "none":
         raise ValueError(
@@ -186,6 +199,9 @@ class PPOTrainer(Trainer[PPOConfig]):
         )  # fmt: skip
         self.version = publish_to_rollout(actor, self.transport, self.rollout, config.rollout_dtype)
         self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
+        self.kl_ctrl: KLController = build_kl_controller(dataclasses.replace(config.kl_ctrl, kl_coef=config.kl_coef))
+        if "kl_coef" in restored:  # an adaptive coefficient continues where the checkpoint left it
+            self.kl_ctrl.value = float(restored["kl_coef"])
         generate_round = workflow_round_fn(config, self.rollout, self.prompts, self.workflow, actor)
         self.sample, self.dynamic = make_sample_fn(config, generate_round, actor.dp_size)
 
@@ -204,9 +220,12 @@ class PPOTrainer(Trainer[PPOConfig]):
         recompute = config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
         stats |= prepare_ppo_batch(
             batch, rewards, actor, self.critic, self.reference, gamma=config.gamma, lam=config.lam,
-            kl_coef=config.kl_coef, kl_estimator=config.kl_estimator,
+            kl_coef=self.kl_ctrl.value, kl_estimator=config.kl_estimator,
             whiten_advantages=config.whiten_advantages, recompute_logprobs=recompute,
         )  # fmt: skip
+        if self.reference is not None:  # the coefficient this step used, then the controller's move
+            stats["kl_coef"] = self.kl_ctrl.value
+            self.kl_ctrl.update(stats["kl_ref"], config.prompts_per_step * config.group_size)
         actor_batch = None
         if recompute:
             actor_batch, correction = correct_actor_batch(batch, config.rollout_correction, actor)
@@ -237,6 +256,9 @@ class PPOTrainer(Trainer[PPOConfig]):
 
     def step_summary(self, stats: dict[str, float]) -> dict[str, Any]:
         return {"reward_mean": stats["reward_mean"]}
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"kl_coef": self.kl_ctrl.value} if self.config.kl_ctrl.type != "fixed" else {}
 
     def postfix(self, stats: dict[str, float]) -> dict[str, str]:
         return {"reward": f"{stats['reward_mean']:.3f}", "vloss": f"{stats['critic/loss']:.3f}"}
