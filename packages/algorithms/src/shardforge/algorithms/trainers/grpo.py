@@ -45,7 +45,7 @@ from shardforge.algorithms.rlvr import (
     group_advantages,
     load_prompts,
 )
-from shardforge.algorithms.rollout.factory import build_rollout_engine
+from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, build_rollout_engine
 from shardforge.algorithms.rollout.sources import AsyncRollouts, RolloutSource, SampledBatch, SyncRollouts
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
@@ -193,7 +193,8 @@ class GRPOTrainer(Trainer[GRPOConfig]):
                 return publish_in_process(engine, receiver, config.rollout_dtype, version)
             return publish_version(engine, transport, rollout, config.rollout_dtype, version)
 
-        generate_round = workflow_round_fn(config, rollout, self.prompts, self.workflow, engine)
+        sampler = self.sampling_rollout(rollout)
+        generate_round = workflow_round_fn(config, sampler, self.prompts, self.workflow, engine)
         sample_fn, self.dynamic = make_sample_fn(config, generate_round, engine.dp_size)
         self.source: RolloutSource | None = None
         if config.async_rollouts:
@@ -215,6 +216,10 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         if _reuse_training_logprobs(config, engine):
             self.actor = OnPolicyActorLossFn(config.actor, config.rollout_correction)
             log.info("old log-probs: from the training forward (one update per on-policy batch; no recompute pass)")
+
+    def sampling_rollout(self, rollout: PublishedRolloutEngine) -> PublishedRolloutEngine:
+        """The engine the training samples come from: the policy's own (off-policy distillation: the teacher's)."""
+        return rollout
 
     def train_step(self, step: int) -> dict[str, float]:
         assert self.source is not None
