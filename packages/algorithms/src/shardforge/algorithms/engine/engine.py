@@ -185,6 +185,9 @@ class TrainEngine(EngineIO):
                 "the global batch has zero loss weight (no target tokens on any rank); check loss_mask "
                 "(e.g. completions are empty or were truncated away)"
             )
+        fixed = getattr(loss_fn, "fixed_loss_weight", None)  # token-sum: a constant W, not the batch's sum
+        if fixed is not None:
+            global_weight = float(fixed)
         # FSDP averages gradients over the dp_cp ranks; undo that so the sum is global.
         grad_scale = self.dims.dp_cp / global_weight
         loss_sum, extra = self.runner.forward_backward(mbs, loss_fn, grad_scale, wants_entropy=wants_entropy)
