@@ -90,9 +90,6 @@ class GRPOConfig(RLTrainerConfig):
     """Skip the old-log-prob recompute when it is redundant (synchronous rollouts: one update per batch, on-policy;
     no dropout; rollout_correction none/bypass/*_tis without batch_normalize) and take them from the training
     forward, detached, as TRL and verl do; false: always recompute. See docs/packages/algorithms-grpo.md."""
-    publish_in_memory: bool = True
-    """At world size 1 with the embedded HF rollout engine (synchronous), hand the new weights to it in memory
-    instead of a weight-sync version on disk (output_dir/weights); false: always through disk."""
 
     def __post_init__(self) -> None:
         # An unknown estimator is a config error, not a failure at the first step.

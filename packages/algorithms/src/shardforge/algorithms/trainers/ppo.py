@@ -53,6 +53,7 @@ from shardforge.algorithms.trainers.rl_common import (
     reward_call_stats,
 )
 from shardforge.algorithms.trainers.rl_eval import evaluate_prompts
+from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
 from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
 from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
 from shardforge.algorithms.workflows import trajectories_to_batch
@@ -197,13 +198,22 @@ class PPOTrainer(Trainer[PPOConfig]):
             config.rollout_engine, config.model, self.tokenizer, weights_root=weights_root,
             dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
         )  # fmt: skip
-        self.version = publish_to_rollout(actor, self.transport, self.rollout, config.rollout_dtype)
+        self.receiver = in_process_receiver(self.rollout, enabled=config.publish_in_memory, asynchronous=False)
+        self.version = self._publish(None)
         self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
         self.kl_ctrl: KLController = build_kl_controller(dataclasses.replace(config.kl_ctrl, kl_coef=config.kl_coef))
         if "kl_coef" in restored:  # an adaptive coefficient continues where the checkpoint left it
             self.kl_ctrl.value = float(restored["kl_coef"])
         generate_round = workflow_round_fn(config, self.rollout, self.prompts, self.workflow, actor)
         self.sample, self.dynamic = make_sample_fn(config, generate_round, actor.dp_size)
+
+    def _publish(self, version: int | None) -> int:
+        """Publish the actor as ``version`` (None: the first) and serve it; return the next version number.
+        In memory at world 1 with the embedded HF engine (``publish_in_memory``), else through disk."""
+        config = self.config
+        if self.receiver is not None:
+            return publish_in_process(self.engine, self.receiver, config.rollout_dtype, version) + 1
+        return publish_to_rollout(self.engine, self.transport, self.rollout, config.rollout_dtype, version)
 
     def train_step(self, step: int) -> dict[str, float]:
         config, actor, rollout = self.config, self.engine, self.rollout
@@ -236,7 +246,7 @@ class PPOTrainer(Trainer[PPOConfig]):
             actor_batch=actor_batch,
         )  # fmt: skip
         began = time.perf_counter()
-        self.version = publish_to_rollout(actor, self.transport, rollout, config.rollout_dtype, self.version)
+        self.version = self._publish(self.version)
         stats |= global_reward_stats(rewards.double(), lengths, actor) | workflow_stats(trajectories, actor)
         if self.dynamic is not None:
             stats |= dynamic_sampling_stats(self.dynamic.pop_stats(step), actor)

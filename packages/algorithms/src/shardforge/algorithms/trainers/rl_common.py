@@ -65,6 +65,9 @@ class RLTrainerConfig(TrainerConfig):
     """A weighted sum of rewards, each ``{name, weight, args}`` (replaces reward_fn; see the catalogue)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """A trained reward model scoring every rollout in the loop (path, weight, offload); added to the rewards."""
+    publish_in_memory: bool = True
+    """At world size 1 with the embedded HF rollout engine (synchronous), hand the new weights to it in memory
+    instead of a weight-sync version on disk (output_dir/weights); false: always through disk."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """How reward functions run: timeout_s, max_concurrency, on_error (zero: a failed call scores 0.0, counted)."""
     reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
