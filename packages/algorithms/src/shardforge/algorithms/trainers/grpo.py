@@ -29,7 +29,8 @@ from shardforge.algorithms.batching.collectives import all_reduce_stats, all_red
 from shardforge.algorithms.data.config import required_train_file
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
-from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
+from shardforge.algorithms.objectives.kl_control import KLController, build_kl_controller
+from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS, REF_LOGPROBS
 from shardforge.algorithms.objectives.on_policy import OnPolicyActorLossFn, correction_fits_in_loss, has_dropout
 from shardforge.algorithms.objectives.rollout_correction import (
     ROLLOUT_CORRECTIONS,
@@ -52,6 +53,7 @@ from shardforge.algorithms.trainers.base import Trainer
 from shardforge.algorithms.trainers.common import with_total_steps
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
+    build_reference,
     build_reward_fn,
     build_reward_model,
     check_eval_split,
@@ -112,6 +114,17 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
             "advantage=remax with reward_model is not supported yet: the greedy baseline episodes are scored by the "
             "reward functions only; use another estimator (grpo, rloo) or drop reward_model"
         )
+    kl_coef = config.actor.kl_coef
+    if config.kl_ctrl.kl_coef not in (0.0, kl_coef):
+        raise ValueError(
+            f"kl_ctrl.kl_coef={config.kl_ctrl.kl_coef} differs from actor.kl_coef={kl_coef}: GRPO's KL is in the loss; "
+            "set the (initial) coefficient with actor.kl_coef only"
+        )
+    if config.kl_ctrl.type != "fixed" and kl_coef == 0:
+        raise ValueError(
+            f"kl_ctrl.type={config.kl_ctrl.type!r} steers actor.kl_coef, which is 0 (no reference model, no KL): "
+            "set actor.kl_coef > 0 as the starting coefficient (e.g. 0.001 with actor.kl_estimator=k3)"
+        )
     if config.max_staleness < 0:
         raise ValueError(f"max_staleness={config.max_staleness} must be >= 0 (0 = on-policy, no overlap)")
     recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
@@ -166,6 +179,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         if config.temperature > 0:  # train on the distribution the rollouts sample from
             engine.logprob_temperature = config.temperature
         self.reward_model = build_reward_model(config, engine)
+        self.reference = build_reference(config, config.actor.kl_coef > 0)  # the KL term of the actor loss
         return engine
 
     def data_state(self) -> dict[str, Any]:
@@ -209,6 +223,11 @@ class GRPOTrainer(Trainer[GRPOConfig]):
             )
         else:
             self.source = SyncRollouts(rollout, sample_fn, publish)
+        self.kl_ctrl: KLController = build_kl_controller(
+            dataclasses.replace(config.kl_ctrl, kl_coef=config.actor.kl_coef)
+        )
+        if "kl_coef" in restored:  # an adaptive coefficient continues where the checkpoint left it
+            self.kl_ctrl.value = float(restored["kl_coef"])
         self.actor = PPOActorLossFn(config.actor)
         if _reuse_training_logprobs(config, engine):
             self.actor = OnPolicyActorLossFn(config.actor, config.rollout_correction)
@@ -226,7 +245,14 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         if self.reward_model is not None:  # collective: here on every rank, not on the sampling thread
             rewards, rm_stats = self.reward_model.add_scores(sampled.rewards, sampled.rollouts)
             sampled = dataclasses.replace(sampled, rewards=rewards)
-        stats = _train_step(sampled, self.config, self.engine, self.actor, step_started, self.advantage_hook)
+        if self.reference is not None:  # the coefficient this step uses (the controller's, when adaptive)
+            self.actor.config = dataclasses.replace(self.actor.config, kl_coef=self.kl_ctrl.value)
+        stats = _train_step(
+            sampled, self.config, self.engine, self.actor, step_started, self.advantage_hook, self.reference
+        )
+        if self.reference is not None:
+            stats["kl_coef"] = self.kl_ctrl.value
+            self.kl_ctrl.update(stats["actor/kl_ref"], self.config.prompts_per_step * self.config.group_size)
         stats |= rm_stats
         if self.dynamic is not None:
             stats |= dynamic_sampling_stats(self.dynamic.pop_stats(sampled.index), self.engine)
@@ -245,7 +271,10 @@ class GRPOTrainer(Trainer[GRPOConfig]):
 
     def extra_state(self) -> dict[str, Any]:
         state = self.source.checkpoint_state() if self.source is not None else {}
-        return {"async_rollouts": state} if state else {}
+        extra: dict[str, Any] = {"async_rollouts": state} if state else {}
+        if self.config.kl_ctrl.type != "fixed":
+            extra["kl_coef"] = self.kl_ctrl.value
+        return extra
 
     def evaluate(self) -> dict[str, float]:
         assert self.held_out is not None and self.source is not None
@@ -293,6 +322,7 @@ def _train_step(
     actor: PPOActorLossFn,
     step_started: float,
     advantage_hook: Callable[[PackedBatch], dict[str, float]] | None = None,
+    reference: TrainEngine | None = None,
 ) -> dict[str, float]:
     """One PPO update on a sampled batch. The trainer's recomputed log-probs anchor the PPO ratio
     (the proximal policy); the rollout correction weights every token by trainer/engine (the
@@ -308,6 +338,8 @@ def _train_step(
         sampled.rewards, config.group_size, config.advantage, response_lengths=lengths, baseline_rewards=baselines
     )
     batch = trajectories_to_batch(sampled.rollouts, advantages)
+    if reference is not None:  # actor.kl_coef > 0: the KL term of the loss against the frozen reference
+        batch.extras[REF_LOGPROBS] = reference.forward(batch)
     staleness = sampled.index - sampled.policy_step
     correction: dict[str, float] = {}
     recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute

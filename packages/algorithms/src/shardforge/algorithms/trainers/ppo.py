@@ -27,7 +27,7 @@ from shardforge.algorithms.data.config import required_train_file
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.objectives import KLEstimator, PPOActorLossFn, PPOCriticConfig
-from shardforge.algorithms.objectives.kl_control import KLControlConfig, KLController, build_kl_controller
+from shardforge.algorithms.objectives.kl_control import KLController, build_kl_controller
 from shardforge.algorithms.objectives.rollout_correction import ROLLOUT_CORRECTIONS
 from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, PromptSet, load_prompts
 from shardforge.algorithms.rollout.factory import build_rollout_engine
@@ -42,6 +42,7 @@ from shardforge.algorithms.trainers.ppo_update import (
 )
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
+    build_reference,
     build_reward_fn,
     build_reward_model,
     check_eval_split,
@@ -68,8 +69,6 @@ class PPOConfig(RLTrainerConfig):
 
     critic_model: str | None = None
     """Critic start: a reward-model / value-model directory or an LM directory (new head); None = model."""
-    reference_model: str | None = None
-    """Frozen reference policy for the KL-in-reward term; None = model. Built only when kl_coef > 0."""
     update_epochs: int = 2
     """Optimizer steps of the actor and of the critic per rollout batch (clipping acts from the second)."""
     group_size: int = 1
@@ -84,12 +83,6 @@ class PPOConfig(RLTrainerConfig):
     """Per-token KL penalty to the reference policy, subtracted from the reward (0 = no reference)."""
     kl_estimator: KLEstimator = "k1"
     """KL estimator of the penalty (k1 = log pi - log pi_ref)."""
-    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
-    """How kl_coef evolves (verl's algorithm.kl_ctrl): type fixed | adaptive, target_kl, horizon; kl_coef is the start."""
-    offload_reference: bool = False
-    """Keep the reference policy's weights in host memory except during its forward (on an accelerator
-    this frees its whole footprint for the actor; a no-op on CPU). The critic's equivalent is
-    ``critic_engine.offload_when_idle``."""
     critic: PPOCriticConfig = field(default_factory=PPOCriticConfig)
     """Critic loss options (value clip, mse/huber)."""
     critic_engine: EngineConfig = field(default_factory=EngineConfig)
@@ -162,17 +155,11 @@ class PPOTrainer(Trainer[PPOConfig]):
         check_eval_split(config, len(self.held_out) if self.held_out is not None else None, actor.dp_size)
         critic_config = dataclasses.replace(with_total_steps(config.critic_engine, total), head="value")
         self.critic = TrainEngine(config.critic_model or config.model, config.layout, critic_config)
-        self.reference = None
-        if config.kl_coef > 0:
-            ref_config = config.engine
-            if config.offload_reference:  # on the device only for its forward (cpu_offload would keep it on host)
-                ref_config = dataclasses.replace(ref_config, offload_when_idle=True, cpu_offload=False)
-            self.reference = TrainEngine(config.reference_model or config.model, config.layout, ref_config)
+        # KL in the reward (kl_coef) or in the actor loss (actor.kl_coef) needs the reference's log-probs
+        self.reference = build_reference(config, config.kl_coef > 0 or config.actor.kl_coef > 0)
         self.reward_model = build_reward_model(config, actor)
         if config.temperature > 0:  # log-probs of the distribution the rollouts sample from (as GRPO)
-            for policy in (actor, self.reference):
-                if policy is not None:
-                    policy.logprob_temperature = config.temperature
+            actor.logprob_temperature = config.temperature
         return actor
 
     def data_state(self) -> dict[str, Any]:

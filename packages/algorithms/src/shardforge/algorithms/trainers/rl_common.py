@@ -3,6 +3,7 @@ global reward statistics, the held-out split check."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from shardforge.algorithms.batching.collectives import all_reduce_max, all_reduce_sum, broadcast_floats
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import PPOActorConfig
+from shardforge.algorithms.objectives.kl_control import KLControlConfig
 from shardforge.algorithms.objectives.rewards import RewardShapingConfig
 from shardforge.algorithms.objectives.rollout_correction import RolloutCorrectionConfig
 from shardforge.algorithms.rlvr import PromptSet
@@ -30,6 +32,7 @@ from shardforge.weight_sync import DiskTransport
 
 __all__ = [
     "RLTrainerConfig",
+    "build_reference",
     "build_reward_fn",
     "build_reward_model",
     "check_eval_split",
@@ -68,6 +71,16 @@ class RLTrainerConfig(TrainerConfig):
     publish_in_memory: bool = True
     """At world size 1 with the embedded HF rollout engine (synchronous), hand the new weights to it in memory
     instead of a weight-sync version on disk (output_dir/weights); false: always through disk."""
+    reference_model: str | None = None
+    """Frozen reference policy for the KL terms (PPO's in-reward kl_coef, actor.kl_coef in the loss); None = model.
+    Built only when a KL coefficient is > 0."""
+    offload_reference: bool = False
+    """Keep the reference policy's weights in host memory except during its forward (on an accelerator
+    this frees its whole footprint for the actor; a no-op on CPU). PPO's critic equivalent is
+    ``critic_engine.offload_when_idle``."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """How the KL coefficient evolves (verl's algorithm.kl_ctrl: fixed | adaptive, target_kl, horizon): PPO's
+    in-reward kl_coef, GRPO's in-loss actor.kl_coef (the configured coefficient is the start)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """How reward functions run: timeout_s, max_concurrency, on_error (zero: a failed call scores 0.0, counted)."""
     reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
@@ -201,6 +214,20 @@ def build_reward_fn(config: RLTrainerConfig | Any) -> GuardedReward:
     rewards = getattr(config, "rewards", ())
     fn = build_reward(config.reward_fn, rewards)
     return GuardedReward(fn, config.reward, name=getattr(fn, "__name__", config.reward_fn))
+
+
+def build_reference(config: RLTrainerConfig, needed: bool) -> TrainEngine | None:
+    """The frozen reference policy (``reference_model`` or the model) when ``needed``, else None; it scores
+    at the rollout temperature, as the policy does, and is offloaded between forwards with ``offload_reference``."""
+    if not needed:
+        return None
+    ref_config = config.engine
+    if config.offload_reference:  # on the device only for its forward (cpu_offload would keep it on host)
+        ref_config = dataclasses.replace(ref_config, offload_when_idle=True, cpu_offload=False)
+    reference = TrainEngine(config.reference_model or config.model, config.layout, ref_config)
+    if config.temperature > 0:
+        reference.logprob_temperature = config.temperature
+    return reference
 
 
 def build_reward_model(config: RLTrainerConfig, policy: TrainEngine) -> RewardModelScorer | None:
