@@ -181,7 +181,7 @@ def test_grpo_adaptive_kl_coefficient_follows_the_controller_and_survives_resume
 def test_grpo_kl_controller_settings_are_checked(assets: dict[str, Any], tmp_path: Path) -> None:
     from shardforge.algorithms.trainers.grpo import run_grpo
 
-    with pytest.raises(ValueError, match="steers actor.kl_coef, which is 0"):
+    with pytest.raises(ValueError, match=r"steers actor\.kl_coef, which is 0"):
         run_grpo(_grpo_kl(assets, tmp_path / "a", **{"actor.kl_coef": 0.0, "kl_ctrl.type": "adaptive"}))
-    with pytest.raises(ValueError, match="set the \\(initial\\) coefficient with actor.kl_coef only"):
+    with pytest.raises(ValueError, match=r"set the \(initial\) coefficient with actor\.kl_coef only"):
         run_grpo(_grpo_kl(assets, tmp_path / "b", **{"kl_ctrl.kl_coef": 0.3}))
