@@ -30,7 +30,7 @@ from shardforge.algorithms.data.config import required_train_file
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
 from shardforge.algorithms.objectives.kl_control import KLController, build_kl_controller
-from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS, REF_LOGPROBS
+from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS
 from shardforge.algorithms.objectives.on_policy import OnPolicyActorLossFn, correction_fits_in_loss, has_dropout
 from shardforge.algorithms.objectives.rollout_correction import (
     ROLLOUT_CORRECTIONS,
@@ -353,9 +353,13 @@ def _train_step(
             batch, config.rollout_correction, old_key=OLD_LOGPROBS, group=engine.dp_group, device=engine.device
         )
     hooked = advantage_hook(batch) if advantage_hook is not None else {}
+    mask = batch.loss_mask != 0
+    signal, targets = all_reduce_sum(
+        (mask & (batch.extras[ADVANTAGES] != 0)).sum(), mask.sum(), group=engine.dp_group, device=engine.device
+    )  # the share of trained tokens with a learning signal (dynamic sampling drives it to 1)
     forwarded = time.perf_counter()
     stats = engine.train_batch(batch, actor, actor.loss_weight)
-    stats |= hooked
+    stats |= hooked | {"advantage_nonzero_frac": signal / max(targets, 1.0)}
     actor_stats = all_reduce_stats(actor.pop_stats(), engine.dp_group, engine.device)
     if isinstance(actor, OnPolicyActorLossFn):  # the correction ran inside the loss, per micro-batch
         local = actor.pop_correction_stats()
