@@ -101,6 +101,10 @@ class EngineConfig:
     """With tp > 1: shard activations on the sequence dim between blocks (Megatron SP)."""
     moe_aux_loss_weight: float | None = None
     """MoE models: weight of the global load-balancing loss; None = the HF config's router_aux_loss_coef."""
+    router_replay: bool = False
+    """MoE models: route each token of a batch that carries the rollout's recorded experts
+    (``extras["routed_experts"]``) to those experts (R3; the RL trainers record them on the embedded
+    HF engine). Not with cp > 1 or pp > 1."""
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     """How a layout that only replicates (``r`` > 1 with d = c = t = p = e = 1, e.g. ``r2``) holds the
     model. fsdp: parameters sharded over the replicas (least memory). ddp: a full copy per rank and

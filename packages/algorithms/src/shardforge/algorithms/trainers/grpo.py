@@ -62,6 +62,7 @@ from shardforge.algorithms.trainers.rl_common import (
     dynamic_sampling_stats,
     global_reward_stats,
     publish_version,
+    record_routing,
     reward_call_stats,
 )
 from shardforge.algorithms.trainers.rl_eval import evaluate_prompts
@@ -197,6 +198,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
             dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
         )  # fmt: skip
 
+        record_routing(config, rollout)
         receiver = in_process_receiver(rollout, enabled=config.publish_in_memory, asynchronous=config.async_rollouts)
 
         def publish(version: int | None) -> int:

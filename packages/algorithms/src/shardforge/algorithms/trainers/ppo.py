@@ -51,6 +51,7 @@ from shardforge.algorithms.trainers.rl_common import (
     dynamic_sampling_stats,
     global_reward_stats,
     publish_to_rollout,
+    record_routing,
     reward_call_stats,
 )
 from shardforge.algorithms.trainers.rl_eval import evaluate_prompts
@@ -185,6 +186,7 @@ class PPOTrainer(Trainer[PPOConfig]):
             config.rollout_engine, config.model, self.tokenizer, weights_root=weights_root,
             dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
         )  # fmt: skip
+        record_routing(config, self.rollout)
         self.receiver = in_process_receiver(self.rollout, enabled=config.publish_in_memory, asynchronous=False)
         self.version = self._publish(None)
         self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)

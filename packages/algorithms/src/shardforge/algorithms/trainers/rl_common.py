@@ -42,6 +42,7 @@ __all__ = [
     "global_reward_stats",
     "publish_to_rollout",
     "publish_version",
+    "record_routing",
     "reward_call_stats",
 ]
 
@@ -118,6 +119,11 @@ def check_rollout_batch(config: RLTrainerConfig, prompts: PromptSet, dp_size: in
         )
     if config.group_size < 1:
         raise ValueError(f"group_size={config.group_size} must be >= 1")
+    if config.engine.router_replay and config.rollout_engine != "hf":
+        raise ValueError(
+            f"engine.router_replay replays the routing the embedded HF engine records; rollout_engine="
+            f"{config.rollout_engine!r} does not record it yet: use rollout_engine=hf or router_replay=false"
+        )
     if config.rewards and config.reward_fn != "exact_match":
         raise ValueError(
             f"set reward_fn or rewards, not both (reward_fn={config.reward_fn!r}); add it to rewards as "
@@ -214,6 +220,12 @@ def build_reward_fn(config: RLTrainerConfig | Any) -> GuardedReward:
     rewards = getattr(config, "rewards", ())
     fn = build_reward(config.reward_fn, rewards)
     return GuardedReward(fn, config.reward, name=getattr(fn, "__name__", config.reward_fn))
+
+
+def record_routing(config: RLTrainerConfig, rollout: PublishedRolloutEngine) -> None:
+    """With ``engine.router_replay``, make the (embedded HF) rollout engine record every token's experts."""
+    if config.engine.router_replay:
+        getattr(rollout, "record_routing")()  # noqa: B009  (HFRolloutEngine: check_rollout_batch made sure)
 
 
 def build_reference(config: RLTrainerConfig, needed: bool) -> TrainEngine | None:
