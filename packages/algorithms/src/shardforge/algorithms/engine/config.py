@@ -112,7 +112,12 @@ class EngineConfig:
     state fits one device, because FSDP's per-layer all-gathers cost more than a small model's math).
     Other layouts always use FSDP/HSDP."""
     reshard_after_forward: bool = True
-    """FSDP: free gathered params after forward."""
+    """FSDP: free gathered params after forward (False: keep them until backward, ZeRO-2 like: less
+    communication, more memory; the last unit never reshards)."""
+    fsdp_layers_per_unit: int = 1
+    """FSDP: consecutive decoder layers per unit (fewer, larger all-gathers and reduce-scatters)."""
+    fsdp_forward_prefetch: int = 0
+    """FSDP: units whose all-gather is issued ahead in forward and backward (0 = FSDP2's defaults)."""
     cpu_offload: bool = False
     """FSDP: keep params/grads/optimizer state on CPU."""
     offload_when_idle: bool = False
