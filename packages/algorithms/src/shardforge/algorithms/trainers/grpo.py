@@ -129,12 +129,6 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
     if config.max_staleness < 0:
         raise ValueError(f"max_staleness={config.max_staleness} must be >= 0 (0 = on-policy, no overlap)")
     recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
-    if not config.recompute_logprobs and recompute and config.rollout_correction.mode != "none":
-        raise ValueError(
-            f"recompute_logprobs=false leaves no trainer log-probs for rollout_correction.mode="
-            f"{config.rollout_correction.mode!r}; set rollout_correction.mode=bypass (the same as "
-            "recompute_logprobs=false) or none, or keep recompute_logprobs=true"
-        )
     if config.async_rollouts and not (config.recompute_logprobs and recompute):
         raise ValueError(
             "async_rollouts needs recompute_logprobs=true and a rollout_correction.mode other than bypass: "

@@ -109,12 +109,6 @@ def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
             f"kl_ctrl.type={config.kl_ctrl.type!r} steers kl_coef, which is 0 (no reference model, no KL): "
             "set kl_coef > 0 as the starting coefficient"
         )
-    mode = config.rollout_correction.mode
-    if not config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(mode).recompute and mode != "none":
-        raise ValueError(
-            f"recompute_logprobs=false leaves no trainer log-probs for rollout_correction.mode={mode!r}; set "
-            "rollout_correction.mode=bypass (the same as recompute_logprobs=false) or none, or keep recompute_logprobs=true"
-        )
     if config.dynamic_sampling.enabled and config.group_size < 2:
         raise ValueError(
             f"dynamic_sampling drops groups whose rewards are all equal, so it needs group_size >= 2 (got "

@@ -16,7 +16,7 @@ from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import PPOActorConfig
 from shardforge.algorithms.objectives.kl_control import KLControlConfig
 from shardforge.algorithms.objectives.rewards import RewardShapingConfig
-from shardforge.algorithms.objectives.rollout_correction import RolloutCorrectionConfig
+from shardforge.algorithms.objectives.rollout_correction import ROLLOUT_CORRECTIONS, RolloutCorrectionConfig
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout.dynamic_sampling import DynamicSamplingConfig
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, RolloutEngineKind
@@ -119,6 +119,12 @@ def check_rollout_batch(config: RLTrainerConfig, prompts: PromptSet, dp_size: in
         )
     if config.group_size < 1:
         raise ValueError(f"group_size={config.group_size} must be >= 1")
+    mode = config.rollout_correction.mode
+    if not config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(mode).recompute and mode != "none":
+        raise ValueError(
+            f"recompute_logprobs=false leaves no trainer log-probs for rollout_correction.mode={mode!r}; set "
+            "rollout_correction.mode=bypass (the same as recompute_logprobs=false) or none, or keep recompute_logprobs=true"
+        )
     if config.engine.router_replay and config.rollout_engine != "hf":
         raise ValueError(
             f"engine.router_replay replays the routing the embedded HF engine records; rollout_engine="
