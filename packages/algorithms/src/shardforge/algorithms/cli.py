@@ -123,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     demo_kd.add_argument("--teacher-steps", type=int, default=600, help="SFT steps of the teacher")
     demo_kd.add_argument("--student-steps", type=int, default=150, help="SFT steps of the student before the split")
     demo_kd.add_argument("--extra-steps", type=int, default=100, help="steps of each continuation (SFT / distill)")
+    demo_kd.add_argument("--teacher", default=None, help="reuse this teacher HF dir (e.g. an earlier run's teacher/hf)")
     sub.add_parser("list", help="list every registry (trainers, losses, estimators, ...) with its names")
     from shardforge.algorithms.plan.report import add_plan_parser
 
@@ -259,7 +260,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
 
         run_distill_demo(
             args.out, nproc=args.nproc_per_node, teacher_steps=args.teacher_steps,
-            student_steps=args.student_steps, extra_steps=args.extra_steps,
+            student_steps=args.student_steps, extra_steps=args.extra_steps, teacher_dir=args.teacher,
         )  # fmt: skip
         return 0
     if args.command == "demo-rl":

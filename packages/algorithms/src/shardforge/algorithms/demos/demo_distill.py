@@ -42,9 +42,10 @@ def run_distill_demo(
     teacher_steps: int = 600,
     student_steps: int = 150,
     extra_steps: int = 100,
-    student_hidden: int = 64,
+    student_hidden: int = 128,
     student_layers: int = 2,
     seed: int = 0,
+    teacher_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run the four stages and return the held-out accuracies (also in ``demo_distill_result.json``)."""
     out = Path(out_dir)
@@ -58,7 +59,12 @@ def run_distill_demo(
         student_init, AutoTokenizer.from_pretrained(str(tokenizer_dir)),
         hidden=student_hidden, layers=student_layers, seed=seed + 1,
     )  # fmt: skip
-    teacher = _sft(nproc, assets["model"], assets, out / "teacher", teacher_steps)
+    if teacher_dir is not None:  # an earlier run's teacher (e.g. this demo's out/teacher/hf): skip its SFT
+        teacher = Path(teacher_dir)
+        if not (teacher / "config.json").is_file():
+            raise FileNotFoundError(f"--teacher {teacher} is not an HF model directory (no config.json)")
+    else:
+        teacher = _sft(nproc, assets["model"], assets, out / "teacher", teacher_steps)
     student = _sft(nproc, student_init, assets, out / "student_sft", student_steps)
     baseline = _sft(nproc, student, assets, out / "student_sft_more", extra_steps)
     distill_dir = out / "student_distill"
