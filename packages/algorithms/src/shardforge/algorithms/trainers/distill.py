@@ -61,6 +61,9 @@ class DistillConfig(GRPOConfig):
     """Weight of the per-token reverse-KL advantage (teacher - student log-prob)."""
     task_reward_coef: float = 0.0
     """Weight of the outcome-reward advantage (0 = pure distillation)."""
+    kl_baseline: Literal["none", "mean"] = "none"
+    """on_policy: subtract the global batch's mean per-token reverse KL from every token's (a constant
+    baseline: the gradient's expectation is unchanged, its variance smaller); none = the raw estimate."""
     offload_teacher: bool = False
     """Keep the teacher's weights in host memory except during its forward (an accelerator memory saver)."""
 
@@ -160,12 +163,15 @@ class DistillTrainer(GRPOTrainer):
         advantages, reverse_kl = distill_advantages(
             batch, teacher, distill_coef=config.distill_coef, task_reward_coef=config.task_reward_coef
         )
-        batch.extras[ADVANTAGES] = advantages
         mask = batch.loss_mask != 0
         kl_sum, teacher_sum, count = all_reduce_sum(
             reverse_kl.double().sum(), teacher.double()[mask].sum(), mask.sum(),
             group=self.engine.dp_group, device=self.engine.device,
         )  # fmt: skip
+        if config.kl_baseline == "mean":  # A_t + coef * mean_KL: only the deviation from the batch's mean pushes
+            shift = config.distill_coef * kl_sum / max(count, 1.0)
+            advantages = torch.where(mask, advantages + shift, advantages)
+        batch.extras[ADVANTAGES] = advantages
         return {
             "distill/reverse_kl": kl_sum / max(count, 1.0),
             "distill/teacher_logprob": teacher_sum / max(count, 1.0),
