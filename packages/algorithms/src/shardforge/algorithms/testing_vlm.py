@@ -61,9 +61,13 @@ def build_vlm_tokenizer() -> Any:
     return tokenizer
 
 
-def tiny_qwen2_5_vl_config(tokenizer: Any, *, hidden: int = 32, layers: int = 2, vision_depth: int = 2) -> Any:
+def tiny_qwen2_5_vl_config(
+    tokenizer: Any, *, hidden: int = 32, layers: int = 2, vision_depth: int = 2, initializer_range: float = 0.02
+) -> Any:
     """A Qwen2.5-VL config: ``layers`` text layers of width ``hidden``, a ``vision_depth``-block vision
-    tower (patch 14, 2x2 merge: a 56x56 image is 16 patches and 4 image tokens)."""
+    tower (patch 14, 2x2 merge: a 56x56 image is 16 patches and 4 image tokens). A larger
+    ``initializer_range`` (e.g. 0.2) makes an untrained model's outputs depend visibly on positions and
+    images (parity tests); the default 0.02 gives near-uniform outputs that train quickly."""
     from transformers import Qwen2_5_VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VLM_SPECIALS}
@@ -74,17 +78,19 @@ def tiny_qwen2_5_vl_config(tokenizer: Any, *, hidden: int = 32, layers: int = 2,
         # head_dim 8 -> 4 rotary frequencies, split over (temporal, height, width)
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
         "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<pad>"],
+        "initializer_range": initializer_range,
     }  # fmt: skip
     vision = {
         "depth": vision_depth, "hidden_size": hidden, "intermediate_size": hidden * 2, "num_heads": 2,
         "out_hidden_size": hidden, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-        "window_size": 56, "fullatt_block_indexes": [vision_depth - 1],
+        "window_size": 56, "fullatt_block_indexes": [vision_depth - 1], "initializer_range": initializer_range,
     }  # fmt: skip
     return Qwen2_5_VLConfig(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<pad>"],
+        initializer_range=initializer_range,
     )  # fmt: skip
 
 
@@ -121,6 +127,7 @@ def tiny_vlm_assets(
     num_train: int = 12,
     num_eval: int = 4,
     data_seed: int = 1,
+    initializer_range: float = 0.02,
     sizes: tuple[tuple[int, int], ...] = ((56, 56), (84, 56), (56, 84)),
 ) -> dict[str, Any]:
     """Build a tiny Qwen2.5-VL (weights from ``seed``), its tokenizer + image processor, and colour
@@ -138,7 +145,9 @@ def tiny_vlm_assets(
     tokenizer = build_vlm_tokenizer()
     # 28x28 (one merged token) .. 28*28*16 pixels (16 image tokens) per image keeps sequences short.
     image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 16)
-    config = tiny_qwen2_5_vl_config(tokenizer, hidden=hidden, layers=layers, vision_depth=vision_depth)
+    config = tiny_qwen2_5_vl_config(
+        tokenizer, hidden=hidden, layers=layers, vision_depth=vision_depth, initializer_range=initializer_range
+    )
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).save_pretrained(str(model_dir))
     tokenizer.save_pretrained(str(model_dir))
