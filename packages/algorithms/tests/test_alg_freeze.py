@@ -90,7 +90,7 @@ def test_unknown_prefix_lists_module_names(lm_dir: str) -> None:
     with pytest.raises(ValueError, match=r"\['model.vision'\] matches no parameter.*'model.layers'"):
         TrainEngine(lm_dir, "d1", EngineConfig(freeze_module_prefix=("model.vision",)))
     # Whole name components only: "model.layer" is not "model.layers".
-    with pytest.raises(ValueError, match="model.layer'"):
+    with pytest.raises(ValueError, match=r"model\.layer'"):
         TrainEngine(lm_dir, "d1", EngineConfig(freeze_module_prefix=("model.layer",)))
     with pytest.raises(ValueError, match="list of module names"):
         EngineConfig(freeze_module_prefix="model.visual")  # type: ignore[arg-type]

@@ -48,7 +48,10 @@ def test_assets_load_with_hf_auto_classes(vlm: dict[str, Any]) -> None:
 
     model = AutoModelForImageTextToText.from_pretrained(vlm["model"])
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
-    assert AutoTokenizer.from_pretrained(vlm["model"]).convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
+    assert (
+        AutoTokenizer.from_pretrained(vlm["model"]).convert_tokens_to_ids("<|image_pad|>")
+        == model.config.image_token_id
+    )
     assert AutoImageProcessor.from_pretrained(vlm["model"]).merge_size == 2
     examples = _examples(vlm)
     # Rows with two images carry two grids; every image token has a vision-tower output to fill it.
@@ -94,10 +97,10 @@ def _sft_steps(model_dir: str, train: str, layout: str, freeze: tuple[str, ...])
     from shardforge.algorithms.data.vlm import load_vlm_examples, pack_vlm_examples
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    examples = load_vlm_examples(train, tokenizer, AutoImageProcessor.from_pretrained(model_dir), image_token="<|image_pad|>")
-    config = EngineConfig(
-        optimizer=OptimizerConfig(lr=3e-3), max_tokens_per_microbatch=96, freeze_module_prefix=freeze
+    examples = load_vlm_examples(
+        train, tokenizer, AutoImageProcessor.from_pretrained(model_dir), image_token="<|image_pad|>"
     )
+    config = EngineConfig(optimizer=OptimizerConfig(lr=3e-3), max_tokens_per_microbatch=96, freeze_module_prefix=freeze)
     engine = TrainEngine(model_dir, layout, config)
     mine = list(range(engine.dp_rank, len(examples), engine.dp_size))
     batch = pack_vlm_examples(examples, mine)

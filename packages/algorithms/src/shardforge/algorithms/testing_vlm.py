@@ -85,12 +85,15 @@ def tiny_qwen2_5_vl_config(
         "out_hidden_size": hidden, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
         "window_size": 56, "fullatt_block_indexes": [vision_depth - 1], "initializer_range": initializer_range,
     }  # fmt: skip
+    # Generic PretrainedConfig attributes the typed signature does not list (generation and weight init read them).
+    common: dict[str, Any] = {
+        "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<pad>"],
+        "initializer_range": initializer_range,
+    }  # fmt: skip
     return Qwen2_5_VLConfig(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<pad>"],
-        initializer_range=initializer_range,
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False, **common,
     )  # fmt: skip
 
 
@@ -113,7 +116,9 @@ def make_color_rows(image_dir: Path, count: int, *, seed: int, sizes: tuple[tupl
             parts.append({"type": "image", "image": str(path)})
             names.append(name)
         parts.append({"type": "text", "text": "colour?" if len(names) == 1 else "colours?"})
-        rows.append({"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": " ".join(names)}]})
+        rows.append(
+            {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": " ".join(names)}]}
+        )
     return rows
 
 

@@ -30,6 +30,7 @@ from shardforge.algorithms.data.jsonl import read_jsonl
 
 __all__ = ["VLM_GRIDS", "VLM_PIXELS", "VLMExample", "load_vlm_examples", "pack_vlm_examples", "tokenize_vlm_row"]
 
+
 @dataclass(frozen=True, slots=True)
 class VLMExample:
     """One tokenised image+text example."""
@@ -82,7 +83,13 @@ def _expand(text: str, image_token: str, counts: list[int], where: str) -> str:
 
 
 def tokenize_vlm_row(
-    row: dict[str, Any], tokenizer: Any, image_processor: Any, *, image_token: str, where: str = "row", base: Path | None = None
+    row: dict[str, Any],
+    tokenizer: Any,
+    image_processor: Any,
+    *,
+    image_token: str,
+    where: str = "row",
+    base: Path | None = None,
 ) -> VLMExample:
     """Tokenise one image+text chat row (loss on assistant turns); a `ValueError` names a malformed row."""
     messages = row.get("messages")
@@ -128,7 +135,9 @@ def load_vlm_examples(path: str | Path, tokenizer: Any, image_processor: Any, *,
     path = Path(path)
     rows = read_jsonl(path, "dataset file", (("messages",),))
     return [
-        tokenize_vlm_row(row, tokenizer, image_processor, image_token=image_token, where=f"{path}:{n}", base=path.parent)
+        tokenize_vlm_row(
+            row, tokenizer, image_processor, image_token=image_token, where=f"{path}:{n}", base=path.parent
+        )
         for n, row in rows
     ]
 
