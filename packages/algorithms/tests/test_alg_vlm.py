@@ -141,3 +141,29 @@ def test_vlm_refuses_tp_cp_pp() -> None:
             check_engine(dims, config, EngineConfig())
     with pytest.raises(ValueError, match="head='lm' only"):
         check_engine(ParallelDims(dp_shard=2), config, EngineConfig(head="value"))
+
+
+def _mixed_steps(model_dir: str, train: str, layout: str) -> list[float]:
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.algorithms.data.vlm import load_vlm_examples, pack_vlm_examples, tokenize_vlm_row
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    image_rows = load_vlm_examples(train, tokenizer, processor, image_token="<|image_pad|>")[:2]
+    text_row = {"messages": [{"role": "user", "content": "say red"}, {"role": "assistant", "content": "red"}]}
+    text = tokenize_vlm_row(text_row, tokenizer, processor, image_token="<|image_pad|>")
+    examples = [*image_rows, text]
+    engine = TrainEngine(model_dir, layout, EngineConfig(optimizer=OptimizerConfig(lr=3e-3)))
+    # d2: rank 0 gets both image rows, rank 1 only the text row (its micro-batch runs the dummy image).
+    mine = [[0, 1], [2]][engine.dp_rank] if engine.dp_size == 2 else [0, 1, 2]
+    batch = pack_vlm_examples(examples, mine)
+    return [engine.train_batch(batch)["loss"] for _ in range(3)]
+
+
+def test_text_only_rank_joins_the_vision_collectives(vlm: dict[str, Any]) -> None:
+    single = _mixed_steps(vlm["model"], str(vlm["train"]), "d1")
+    sharded = get_rank_pool(2).run(_mixed_steps, vlm["model"], str(vlm["train"]), "d2", timeout_s=600)[0]
+    # The dummy image adds nothing to the loss or the gradients: same steps as one process (fp32 rounding).
+    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), rtol=1e-5, atol=0)
