@@ -10,6 +10,7 @@ from typing import Any
 
 from shardforge.algorithms.engine.config import EngineConfig, parse_dtype
 from shardforge.algorithms.engine.heads import make_head
+from shardforge.algorithms.engine.vision import check_vlm
 from shardforge.mesh import ParallelDims
 from shardforge.moe_ep import MOE_FAMILIES
 
@@ -26,6 +27,7 @@ __all__ = [
 def check_engine(dims: ParallelDims, hf_config: Any, config: EngineConfig) -> None:
     """Check a resolved layout and the engine's features against the model; raise `ValueError`."""
     check_features(dims, config)
+    check_vlm(dims, hf_config, config.head)
     check_layout(dims, hf_config)
     if dims.pp > 1:
         check_pipeline(dims, hf_config, config)

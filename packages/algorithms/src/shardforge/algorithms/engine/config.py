@@ -140,6 +140,10 @@ class EngineConfig:
     loss functions get per-position values [T]); see `shardforge.algorithms.engine.heads`."""
     dist_timeout_s: float = 600.0
     """Collective timeout: a hang becomes an error after this many seconds."""
+    freeze_module_prefix: tuple[str, ...] = ()
+    """Qualified module names whose parameters do not train (e.g. ``[model.visual]``, a VLM's vision
+    tower): no gradient, no optimizer state, no gradient communication. A prefix that matches no
+    parameter is an error that lists the model's module names."""
     lora: LoRAConfig | None = None
     """LoRA adapters (only they train; checkpoints hold only them); None = full fine-tuning.
     CLI: ``engine.lora.r=8 engine.lora.target_modules=[q_proj,v_proj]``. See docs/packages/lora.md."""
@@ -151,6 +155,11 @@ class EngineConfig:
             raise ValueError(f"tiled_mlp_shards={self.tiled_mlp_shards!r} must be an int >= 1 (1 = off)")
         if self.data_parallel not in ("fsdp", "ddp"):
             raise ValueError(f"unknown data_parallel {self.data_parallel!r}; valid: ['fsdp', 'ddp']")
+        if isinstance(self.freeze_module_prefix, str):
+            raise ValueError(
+                f"freeze_module_prefix must be a list of module names, got the string {self.freeze_module_prefix!r}; "
+                f"write [{self.freeze_module_prefix}]"
+            )
         if self.offload_when_idle and self.cpu_offload:
             raise ValueError(
                 "offload_when_idle and cpu_offload are exclusive: cpu_offload already keeps weights, grads and "
