@@ -17,7 +17,7 @@ import yaml
 
 pytest.importorskip("ray")
 
-from shardforge.algorithms.testing import tiny_assets  # noqa: E402
+from shardforge.algorithms.testing import tiny_assets
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
 for _var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):

@@ -274,7 +274,9 @@ class Trainer(Generic[C]):
         timeout_s = engine.config.dist_timeout_s
         dump_s = 0.9 * timeout_s if config.hang_dump_s is None else config.hang_dump_s
         watchdog = StepWatchdog(out / "logs", rank, dump_s if dist.is_initialized() else 0.0)  # trainers/watchdog.py
-        stop = StopSignal(watchdog.teardown_reason)  # SIGTERM/SIGINT: finish the step, save, leave the loop (trainers/stop.py)
+        stop = StopSignal(
+            watchdog.teardown_reason
+        )  # SIGTERM/SIGINT: finish the step, save, leave the loop (trainers/stop.py)
         profiler = StepProfiler(config.profile, out, rank)
         try:
             self.setup(start, restored)

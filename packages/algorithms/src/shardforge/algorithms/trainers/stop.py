@@ -13,6 +13,7 @@ raises at once (a rank stuck in Python code exits now, not at the agent's SIGKIL
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from collections.abc import Callable
@@ -24,6 +25,8 @@ import torch.distributed as dist
 from shardforge.algorithms.batching import all_reduce_max
 
 __all__ = ["StopSignal"]
+
+log = logging.getLogger(__name__)
 
 _HANDLED = (signal.SIGTERM, signal.SIGINT)
 
@@ -54,7 +57,9 @@ class StopSignal:
         self.received = self.received or signum
         reason = self.teardown() if self.teardown is not None else None
         if reason:
-            raise TimeoutError(f"{self.name(signum)} received while {reason}")
+            message = f"{self.name(signum)} received while {reason}: exiting now, not at a step boundary"
+            log.warning("%s", message)  # into this rank's log file: the launcher prints the first failure only
+            raise TimeoutError(message)
 
     def requested(self, device: Any = None) -> int:
         """The signal number if any rank received one (same answer on every rank), else 0."""
