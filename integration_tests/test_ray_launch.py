@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
 pytest.importorskip("ray")
 
@@ -31,7 +33,13 @@ def assets(tmp_path_factory):
     return tiny_assets(tmp_path_factory.mktemp("ray"), max_operand=9, num_eval=10)
 
 
+# The untrained tiny model never answers right (exact_match would be 0 everywhere, so every advantage and
+# loss 0): reward the response length, so advantages, losses and updates are non-zero and must match.
+LENGTH_REWARD = "def reward(prompt, response, reference):\n    return float(len(response))\n"
+
+
 def _config(tmp_path: Path, assets, name: str, **entries) -> Path:
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
     data = {
         "model": str(assets["model"]),
         "train_file": str(assets["train"]),
@@ -39,7 +47,8 @@ def _config(tmp_path: Path, assets, name: str, **entries) -> Path:
         "steps": 3,
         "prompts_per_step": 2,
         "group_size": 2,
-        "max_new_tokens": 3,
+        "max_new_tokens": 4,
+        "reward_fn": "length_reward:reward",
         "progress": False,
         "engine": {"max_tokens_per_microbatch": 64},
     } | entries
@@ -48,14 +57,27 @@ def _config(tmp_path: Path, assets, name: str, **entries) -> Path:
     return path
 
 
+def _env(config: Path) -> dict[str, str]:
+    """ENV with the reward module importable (by the driver and, inherited, by Ray's workers)."""
+    return ENV | {"PYTHONPATH": os.pathsep.join(filter(None, [str(config.parent), ENV.get("PYTHONPATH")]))}
+
+
 def _train(config: Path, *launch: str) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, "train", "grpo", "--config", str(config), "--nproc-per-node", "2", *launch],
-                          env=ENV, capture_output=True, text=True, timeout=900)  # fmt: skip
+                          env=_env(config), capture_output=True, text=True, timeout=900)  # fmt: skip
 
 
-def _losses(out: Path) -> list[tuple[int, float]]:
+def _metrics(out: Path) -> list[dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [(r["step"], r["loss"]) for r in rows if r.get("split") == "train"]
+    return [r for r in rows if r.get("split") == "train"]
+
+
+def _weights(hf_dir: Path) -> dict:
+    tensors: dict = {}
+    for path in sorted(hf_dir.glob("*.safetensors")):
+        tensors |= load_file(path)
+    assert tensors, f"no exported weights under {hf_dir}"
+    return tensors
 
 
 def test_grpo_under_ray_reproduces_the_torchrun_run(tmp_path, assets):
@@ -63,10 +85,20 @@ def test_grpo_under_ray_reproduces_the_torchrun_run(tmp_path, assets):
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
     ray_run = _train(_config(tmp_path, assets, "ray"), "--launcher", "ray")
     assert ray_run.returncode == 0, (ray_run.stdout[-3000:], ray_run.stderr[-3000:])
-    reference, curve = _losses(tmp_path / "torchrun"), _losses(tmp_path / "ray")
-    assert [s for s, _ in curve] == [s for s, _ in reference] == [1, 2, 3]
-    for (step, expected), (_, got) in zip(reference, curve):
-        assert abs(got - expected) <= 1e-6 * abs(expected), (step, got, expected)
+    reference, curve = _metrics(tmp_path / "torchrun"), _metrics(tmp_path / "ray")
+    assert [r["step"] for r in curve] == [r["step"] for r in reference] == [1, 2, 3]
+    assert any(r["loss"] != 0.0 for r in reference), reference  # the comparison is not vacuous
+    for expected, got in zip(reference, curve):
+        # the same rollouts (seeded per rank) and rewards ...
+        assert got["response_len_mean"] == expected["response_len_mean"], (got, expected)
+        assert got["reward_mean"] == expected["reward_mean"], (got, expected)
+        # ... so the same losses and updates
+        for key in ("loss", "grad_norm", "actor/entropy"):
+            assert abs(got[key] - expected[key]) <= 1e-6 * abs(expected[key]), (key, got[key], expected[key])
+    weights = [_weights(tmp_path / name / "hf") for name in ("torchrun", "ray")]
+    assert weights[0].keys() == weights[1].keys()
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(weights[1][name], tensor, rtol=1e-6, atol=1e-7, msg=name)
     # both ranks ran under Ray and logged their own line; the summary records the same layout
     assert "rank 1 of 2" in (tmp_path / "ray" / "logs" / "rank1.log").read_text()
     summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("torchrun", "ray")]
@@ -77,7 +109,7 @@ def test_a_stuck_rank_under_ray_ends_the_run_with_the_one_line_timeout_error(tmp
     """Rank 1 sleeps 400 s in step 2 (SHARDFORGE_FAULT_SLEEP, forwarded to the actors): rank 0's collective
     times out after 4 s, its one-line error (naming rank 1's frame) is the command's, rank 1 is killed."""
     config = _config(tmp_path, assets, "stuck", engine={"max_tokens_per_microbatch": 64, "dist_timeout_s": 4})
-    env = ENV | {"SHARDFORGE_FAULT_SLEEP": "1:2:400"}
+    env = _env(config) | {"SHARDFORGE_FAULT_SLEEP": "1:2:400"}
     result = subprocess.run([*CLI, "train", "grpo", "--config", str(config), "--nproc-per-node", "2", "--launcher",
                              "ray"], env=env, capture_output=True, text=True, timeout=350)  # fmt: skip
     lines = [line for line in result.stderr.splitlines() if line.startswith("shardforge")]
