@@ -165,7 +165,9 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         if spec.launcher == "ray":
             from shardforge.algorithms.ray_launch import launch_ray
 
-            return launch_ray(spec, argv, address=args.ray_address, debug=args.debug)
+            return launch_ray(
+                spec, argv, entry="shardforge.algorithms.cli:main", address=args.ray_address, debug=args.debug
+            )
         if spec.needs_agent:
             from shardforge.algorithms.launch import relaunch
 

@@ -17,11 +17,13 @@ See docs/multinode.md, "Ray".
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +52,13 @@ class _RankActor:
             port = int(sock.getsockname()[1])
         return str(ray.util.get_node_ip_address()), port
 
-    def run(self, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
-        """Run the command as one rank; return ``{"rank", "code", "line", "time"}``."""
+    def run(self, entry: str, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+        """Run ``entry(argv)`` (``module:function``, the CLI's ``main``) as one rank; return
+        ``{"rank", "code", "line", "time"}``."""
         from shardforge.algorithms import launch
-        from shardforge.algorithms.cli import main
 
+        module, _, name = entry.partition(":")
+        main: Callable[[list[str]], int] = getattr(importlib.import_module(module), name)
         os.environ.update(env)
         with tempfile.TemporaryDirectory(prefix="shardforge-rank-error-") as error_dir:
             os.environ[launch.ERROR_DIR_ENV] = error_dir  # this rank's one-line error lands here
@@ -81,8 +85,18 @@ def _bundle(world_size: int, ray: Any) -> dict[str, float]:
     return {"CPU": 1.0, "GPU": 1.0} if gpus >= world_size else {"CPU": 1.0}
 
 
-def launch_ray(spec: LaunchSpec, argv: list[str], *, address: str | None, debug: bool = False) -> int:
-    """Run ``shardforge`` ``argv`` on ``spec.world_size`` Ray actors; return the exit code."""
+def launch_ray(
+    spec: LaunchSpec,
+    argv: list[str],
+    *,
+    entry: str,
+    address: str | None,
+    debug: bool = False,
+) -> int:
+    """Run ``entry(argv)`` on ``spec.world_size`` Ray actors, one rank each; return the exit code.
+
+    ``entry`` is ``"module:function"`` (the CLI passes its ``main``; this module does not import the CLI,
+    and a function of ``__main__`` would not reach the actors by name)."""
     try:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -114,7 +128,7 @@ def launch_ray(spec: LaunchSpec, argv: list[str], *, address: str | None, debug:
         for index in range(world)
     ]
     try:
-        return _run_ranks(ray, actors, strip_launch_args(argv), bundle, debug)
+        return _run_ranks(ray, actors, entry, strip_launch_args(argv), bundle, debug)
     except KeyboardInterrupt:
         log.warning("interrupted: killing every rank")
         return 130
@@ -144,13 +158,20 @@ def _rank_env(index: int, ips: list[str], master: tuple[str, int], gpu: bool) ->
     return env
 
 
-def _run_ranks(ray: Any, actors: list[Any], argv: list[str], bundle: dict[str, float], debug: bool) -> int:
+def _run_ranks(
+    ray: Any,
+    actors: list[Any],
+    entry: str,
+    argv: list[str],
+    bundle: dict[str, float],
+    debug: bool,
+) -> int:
     places = ray.get([actor.where.remote() for actor in actors])
     ips = [ip for ip, _ in places]
     master = places[0]
     log.info("ray: %d ranks on %d node(s); rendezvous at %s:%d", len(actors), len(set(ips)), *master)
     pending = {
-        actor.run.remote(argv, _rank_env(index, ips, master, "GPU" in bundle)): index
+        actor.run.remote(entry, argv, _rank_env(index, ips, master, "GPU" in bundle)): index
         for index, actor in enumerate(actors)
     }
     results: list[dict[str, Any]] = []
