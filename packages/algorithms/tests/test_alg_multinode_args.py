@@ -126,3 +126,29 @@ def test_slurm_launcher_errors_name_the_fix(fake_scontrol, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(ValueError, match="pass --rdzv-endpoint HOST:PORT explicitly"):
         _spec("--launcher", "slurm", env=_slurm_env(0))
+
+
+def test_ray_launcher_places_nnodes_times_nproc_ranks_and_refuses_torchrun_only_flags():
+    spec = _spec("--launcher", "ray", "--nproc-per-node", "2", "--nnodes", "3")
+    assert spec.launcher == "ray" and spec.world_size == 6  # no --rdzv-endpoint needed: Ray places the ranks
+    assert _spec("--nproc-per-node", "2").launcher == "local"
+    for flags in (["--node-rank", "1"], ["--rdzv-endpoint", "h:1"], ["--rdzv-id", "x"], ["--max-restarts", "1"]):
+        with pytest.raises(ValueError, match="--launcher ray places every rank itself"):
+            _spec("--launcher", "ray", "--nnodes", "2", *flags)
+    with pytest.raises(ValueError, match="--ray-address needs --launcher ray"):
+        _spec("--ray-address", "auto")
+    argv = ["train", "grpo", "--config", "c.yaml", "--launcher", "ray", "--ray-address=auto", "--nproc-per-node", "2"]
+    assert strip_launch_args(argv) == ["train", "grpo", "--config", "c.yaml"]  # the ranks never see them
+
+
+def test_ray_rank_environment_is_torchruns():
+    from shardforge.algorithms.ray_launch import _rank_env
+
+    ips = ["10.0.0.1", "10.0.0.1", "10.0.0.2"]
+    env = _rank_env(2, ips, ("10.0.0.1", 1234), gpu=False)
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} == {
+        "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234",
+    }  # fmt: skip
+    assert _rank_env(1, ips, ("10.0.0.1", 1234), gpu=False)["LOCAL_RANK"] == "1"
+    assert _rank_env(1, ips, ("10.0.0.1", 1234), gpu=True)["LOCAL_RANK"] == "0"  # Ray shows it one GPU

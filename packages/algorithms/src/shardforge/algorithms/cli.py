@@ -2,6 +2,7 @@
 
     shardforge [--log-level INFO] [--debug] train sft|rm|ppo|grpo --config examples/sft_tiny.yaml [--nproc-per-node N] key=value ...
     shardforge train sft --config c.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint node01:29400
+    shardforge train grpo --config c.yaml --nproc-per-node 2 --launcher ray [--ray-address auto]
     shardforge train sft --help   (every config key with its type, default and description)
     shardforge list        (every registry: trainers, losses, estimators, rewards, rollout engines, ...)
     shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600] [--prepare-only]
@@ -168,6 +169,12 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
             sys.stdout.write(dry_run_report(config, dims, spec.world_size) + "\n")
             return 0
+        if spec.launcher == "ray":
+            from shardforge.algorithms.ray_launch import launch_ray
+
+            return launch_ray(
+                spec, argv, entry="shardforge.algorithms.cli:main", address=args.ray_address, debug=args.debug
+            )
         if spec.needs_agent:
             from shardforge.algorithms.launch import relaunch
 

@@ -6,7 +6,9 @@ machine that is ``torchrun --standalone``; across machines every node runs the s
 meet at the c10d store on HOST:PORT (the node whose address is HOST hosts it). Under Slurm
 (``--launcher slurm``, or inside a multi-node ``srun`` step) the node count, this node's rank, the
 endpoint host (the step's first node, from ``scontrol show hostnames``) and the rendezvous id (the
-job id) come from ``SLURM_*`` variables; flags given explicitly win. See docs/multinode.md.
+job id) come from ``SLURM_*`` variables; flags given explicitly win. ``--launcher ray`` runs the
+``--nnodes x --nproc-per-node`` ranks as Ray actors instead (`shardforge.algorithms.ray_launch`).
+See docs/multinode.md.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ __all__ = ["LaunchSpec", "add_launch_arguments", "launch_spec", "slurm_first_hos
 log = get_logger(__name__)
 
 DEFAULT_RDZV_PORT = 29400  # torchrun's default c10d port
-_LAUNCHERS = ("auto", "local", "slurm")
+_LAUNCHERS = ("auto", "local", "slurm", "ray")
 # Flags that only the launching process reads; the ranks get argv without them.
 _VALUE_FLAGS = (
     "--nproc-per-node",
@@ -36,6 +38,7 @@ _VALUE_FLAGS = (
     "--rdzv-conf",
     "--max-restarts",
     "--launcher",
+    "--ray-address",
 )
 
 
@@ -59,6 +62,8 @@ class LaunchSpec:
     """torchrun ``--rdzv-conf`` (e.g. ``join_timeout=900``: seconds to wait for every node)."""
     max_restarts: int = 0
     """Times the agents restart every rank after a failure (pair with ``resume=auto``)."""
+    launcher: str = "local"
+    """``ray``: the ranks run as Ray actors (`ray_launch`); otherwise through torchrun's agent."""
 
     @property
     def world_size(self) -> int:
@@ -103,7 +108,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--launcher",
         choices=_LAUNCHERS,
         default="auto",
-        help="slurm: take nnodes/node-rank/endpoint from SLURM_* (auto: inside a multi-node srun step)",
+        help="slurm: take nnodes/node-rank/endpoint from SLURM_* (auto: inside a multi-node srun step); "
+        "ray: run the nnodes x nproc-per-node ranks as Ray actors",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --launcher ray: the cluster to join (e.g. auto, or HOST:6379); default: RAY_ADDRESS or a local one",
     )
 
 
@@ -177,6 +188,16 @@ def launch_spec(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
         launcher = "slurm"
         log.info("inside a %s-node srun step: taking the node count, node rank and endpoint from SLURM_*",
                  env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES")))  # fmt: skip
+    if getattr(args, "ray_address", None) is not None and launcher != "ray":
+        raise ValueError(f"--ray-address needs --launcher ray (got --launcher {launcher})")
+    if launcher == "ray":
+        given = [flag for flag, value in (("--node-rank", node_rank), ("--rdzv-endpoint", endpoint),
+                                          ("--rdzv-id", rdzv_id)) if value is not None]  # fmt: skip
+        if given or args.max_restarts:
+            raise ValueError(
+                f"--launcher ray places every rank itself and restarts nothing: drop {given or ['--max-restarts']} "
+                "(Ray runs nnodes x nproc-per-node ranks in one placement group; docs/multinode.md, 'Ray')"
+            )
     if launcher == "slurm":
         slurm_nnodes, slurm_node_rank, slurm_host, slurm_id = _slurm_defaults(env)
         nnodes = slurm_nnodes if nnodes is None else nnodes
@@ -192,7 +213,7 @@ def launch_spec(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
         raise ValueError(f"--nnodes={nnodes} must be >= 1")
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"--node-rank={node_rank} is out of range for --nnodes={nnodes}; valid: 0..{nnodes - 1}")
-    if nnodes > 1 and endpoint is None:
+    if nnodes > 1 and endpoint is None and launcher != "ray":
         raise ValueError(
             f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (a host:port every node reaches, the same on "
             f"every node, e.g. the first node's address:{DEFAULT_RDZV_PORT})"
@@ -210,4 +231,5 @@ def launch_spec(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
         rdzv_backend=args.rdzv_backend,
         rdzv_conf=args.rdzv_conf,
         max_restarts=args.max_restarts,
+        launcher="ray" if launcher == "ray" else "local",
     )

@@ -29,9 +29,10 @@ from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.log import rank_log_file
 from shardforge.algorithms.loggers import MetricsLogger, TrackerConfig, truncate_metrics, write_curves
 from shardforge.algorithms.trainers.common import progress_bar
-from shardforge.algorithms.trainers.fault_injection import kill_if_requested
+from shardforge.algorithms.trainers.fault_injection import kill_if_requested, sleep_if_requested
 from shardforge.algorithms.trainers.profiling import ProfileConfig, StepProfiler
 from shardforge.algorithms.trainers.stop import StopSignal
+from shardforge.algorithms.trainers.watchdog import StepWatchdog, collective_timeout_error, is_collective_timeout
 from shardforge.checkpoint_dcp import Checkpointer
 
 __all__ = ["Trainer", "TrainerConfig", "check_data_state", "load_tokenizer"]
@@ -92,6 +93,10 @@ class TrainerConfig:
     mlflow_tracking_uri, log_artifacts (docs/packages/algorithms-tracking.md)."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """torch.profiler traces of chosen steps and ranks (trainers/profiling.py), off by default."""
+    hang_dump_s: float | None = None
+    """Write every thread's Python stack to output_dir/logs/stacks-rank{R}.txt when a step (or eval) runs longer
+    than this many seconds; None = 0.9 x engine.dist_timeout_s (before a peer's collective times out), 0 = off.
+    A collective timeout then names the stuck ranks (docs/multinode.md, 'When a run hangs')."""
 
     reads_data_sources: ClassVar[bool] = False
     """True for trainers that load `data` sources (sft); the others read train_file/eval_file only."""
@@ -101,6 +106,8 @@ class TrainerConfig:
         for name, low in (("steps", 1), ("log_every", 1), ("keep_last", 1), ("eval_every", 0), ("save_every", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid; it must be >= {low}")
+        if self.hang_dump_s is not None and self.hang_dump_s < 0:
+            raise ValueError(f"hang_dump_s={self.hang_dump_s} is invalid; use seconds > 0, 0 (off) or null (default)")
 
 
 C = TypeVar("C", bound=TrainerConfig)
@@ -263,8 +270,14 @@ class Trainer(Generic[C]):
         if start:
             summary["resumed_from"] = start
         bar = None
-        stop = StopSignal()  # SIGTERM/SIGINT: finish the step, save, leave the loop (trainers/stop.py)
-        profiler = StepProfiler(config.profile, out, dist.get_rank() if dist.is_initialized() else 0)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        timeout_s = engine.config.dist_timeout_s
+        dump_s = 0.9 * timeout_s if config.hang_dump_s is None else config.hang_dump_s
+        watchdog = StepWatchdog(out / "logs", rank, dump_s if dist.is_initialized() else 0.0)  # trainers/watchdog.py
+        stop = StopSignal(
+            watchdog.teardown_reason
+        )  # SIGTERM/SIGINT: finish the step, save, leave the loop (trainers/stop.py)
+        profiler = StepProfiler(config.profile, out, rank)
         try:
             self.setup(start, restored)
             if self.eval_at_start and self.has_eval():
@@ -275,6 +288,8 @@ class Trainer(Generic[C]):
             bar = progress_bar(config.steps, start, engine.is_main and config.progress, self.name)
             stop.__enter__()
             for step in range(start, config.steps):
+                watchdog.arm(step + 1)
+                sleep_if_requested(step + 1)  # tests only: SHARDFORGE_FAULT_SLEEP
                 profiler.before_step(step + 1)
                 stats = self.train_step(step)
                 profiler.after_step(step + 1)
@@ -307,14 +322,19 @@ class Trainer(Generic[C]):
                     )
                     break
                 if self.has_eval() and ((config.eval_every and (step + 1) % config.eval_every == 0) or last):
+                    watchdog.arm(step + 1, "eval")
                     result = self.evaluate()
                     metrics.log(step + 1, result, split="eval")
                     summary |= self.eval_summary(result, at_start=False)
                     self._log_eval(step + 1, result)
-        except BaseException:
+            watchdog.disarm()
+        except BaseException as exc:
             metrics.close()  # trackers' runs end (as finished) with the error; the finish below is skipped
+            if is_collective_timeout(exc) and watchdog.after_s > 0:
+                raise collective_timeout_error(exc, watchdog, timeout_s) from exc
             raise
         finally:
+            watchdog.close()
             stop.__exit__()
             profiler.close()
             self.close()

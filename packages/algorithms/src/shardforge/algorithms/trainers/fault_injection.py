@@ -1,8 +1,10 @@
-"""A test hook that kills one rank once, to prove ``--max-restarts`` + ``resume: auto`` recover.
+"""Test hooks: kill one rank once (``--max-restarts`` + ``resume: auto`` recover), or make one rank hang.
 
 ``SHARDFORGE_FAULT_KILL=RANK:STEP:MARKER`` makes global rank RANK send itself SIGKILL right after
 step STEP (after that step's checkpoint, if one is due), unless the file MARKER exists; it creates
-MARKER first, so the restarted ranks run on. Unset (always, outside tests) it does nothing.
+MARKER first, so the restarted ranks run on. ``SHARDFORGE_FAULT_SLEEP=RANK:STEP:SECONDS`` makes
+global rank RANK sleep SECONDS at the start of step STEP (a stuck rank: its peers' collective times
+out, trainers/watchdog.py). Unset (always, outside tests) they do nothing.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
-__all__ = ["FAULT_KILL_ENV", "kill_if_requested"]
+__all__ = ["FAULT_KILL_ENV", "FAULT_SLEEP_ENV", "kill_if_requested", "sleep_if_requested"]
 
 FAULT_KILL_ENV = "SHARDFORGE_FAULT_KILL"
+FAULT_SLEEP_ENV = "SHARDFORGE_FAULT_SLEEP"
 
 log = logging.getLogger(__name__)
 
@@ -29,3 +33,14 @@ def kill_if_requested(step: int) -> None:
     Path(marker).write_text(f"killed rank {rank} after step {step}\n")
     log.warning("%s: rank %s kills itself after step %d", FAULT_KILL_ENV, rank, step)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sleep_if_requested(step: int) -> None:
+    spec = os.environ.get(FAULT_SLEEP_ENV)
+    if not spec:
+        return
+    rank, at_step, seconds = spec.split(":", 2)
+    if int(os.environ.get("RANK", "0")) != int(rank) or step != int(at_step):
+        return
+    log.warning("%s: rank %s sleeps %s s in step %d", FAULT_SLEEP_ENV, rank, seconds, step)
+    time.sleep(float(seconds))

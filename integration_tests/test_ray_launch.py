@@ -1,0 +1,125 @@
+"""`shardforge train grpo --launcher ray` (issue 21): the 2 ranks as Ray actors in a placement group on
+a local CPU Ray cluster reproduce the torchrun run (same rollouts from the same seeds, so the same
+losses and weights), and a failing rank ends the run with its one-line error. Run by `nox -s ray`;
+skipped where Ray is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+pytest.importorskip("ray")
+
+from shardforge.algorithms.testing import tiny_assets
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+for _var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
+    ENV.pop(_var, None)
+ENV["RAY_USAGE_STATS_ENABLED"] = "0"
+CLI = [sys.executable, "-m", "shardforge.algorithms.cli"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return tiny_assets(tmp_path_factory.mktemp("ray"), max_operand=9, num_eval=10)
+
+
+# The untrained tiny model never answers right (exact_match would be 0 everywhere, so every advantage and
+# loss 0): reward the response length, so advantages, losses and updates are non-zero and must match.
+LENGTH_REWARD = "def reward(prompt, response, reference):\n    return float(len(response))\n"
+
+
+def _config(tmp_path: Path, assets, name: str, **entries) -> Path:
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
+    data = {
+        "model": str(assets["model"]),
+        "train_file": str(assets["train"]),
+        "output_dir": str(tmp_path / name),
+        "steps": 3,
+        "prompts_per_step": 2,
+        "group_size": 2,
+        "max_new_tokens": 4,
+        "reward_fn": "length_reward:reward",
+        "progress": False,
+        "engine": {"max_tokens_per_microbatch": 64},
+    } | entries
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _env(config: Path) -> dict[str, str]:
+    """ENV with the reward module importable (by the driver and, inherited, by Ray's workers)."""
+    return ENV | {"PYTHONPATH": os.pathsep.join(filter(None, [str(config.parent), ENV.get("PYTHONPATH")]))}
+
+
+def _train(config: Path, *launch: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, "train", "grpo", "--config", str(config), "--nproc-per-node", "2", *launch],
+                          env=_env(config), capture_output=True, text=True, timeout=900)  # fmt: skip
+
+
+def _metrics(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("split") == "train"]
+
+
+def _weights(hf_dir: Path) -> dict:
+    tensors: dict = {}
+    for path in sorted(hf_dir.glob("*.safetensors")):
+        tensors |= load_file(path)
+    assert tensors, f"no exported weights under {hf_dir}"
+    return tensors
+
+
+def test_grpo_under_ray_reproduces_the_torchrun_run(tmp_path, assets):
+    torchrun = _train(_config(tmp_path, assets, "torchrun"))
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    ray_run = _train(_config(tmp_path, assets, "ray"), "--launcher", "ray")
+    assert ray_run.returncode == 0, (ray_run.stdout[-3000:], ray_run.stderr[-3000:])
+    reference, curve = _metrics(tmp_path / "torchrun"), _metrics(tmp_path / "ray")
+    assert [r["step"] for r in curve] == [r["step"] for r in reference] == [1, 2, 3]
+    assert any(r["loss"] != 0.0 for r in reference), reference  # the comparison is not vacuous
+    for expected, got in zip(reference, curve):
+        # the same rollouts (seeded per rank) and rewards ...
+        assert got["response_len_mean"] == expected["response_len_mean"], (got, expected)
+        assert got["reward_mean"] == expected["reward_mean"], (got, expected)
+        # ... so the same losses and updates
+        for key in ("loss", "grad_norm", "actor/entropy"):
+            assert abs(got[key] - expected[key]) <= 1e-6 * abs(expected[key]), (key, got[key], expected[key])
+    weights = [_weights(tmp_path / name / "hf") for name in ("torchrun", "ray")]
+    assert weights[0].keys() == weights[1].keys()
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(weights[1][name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+    # both ranks ran under Ray and logged their own line; the summary records the same layout
+    assert "rank 1 of 2" in (tmp_path / "ray" / "logs" / "rank1.log").read_text()
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("torchrun", "ray")]
+    assert summaries[0]["layout"] == summaries[1]["layout"]
+
+
+def test_a_stuck_rank_under_ray_ends_the_run_with_the_one_line_timeout_error(tmp_path, assets):
+    """Rank 1 sleeps 400 s in step 2 (SHARDFORGE_FAULT_SLEEP, forwarded to the actors): rank 0's collective
+    times out after 4 s, its one-line error (naming rank 1's frame) is the command's, rank 1 is killed."""
+    config = _config(tmp_path, assets, "stuck", engine={"max_tokens_per_microbatch": 64, "dist_timeout_s": 4})
+    env = _env(config) | {"SHARDFORGE_FAULT_SLEEP": "1:2:400"}
+    result = subprocess.run([*CLI, "train", "grpo", "--config", str(config), "--nproc-per-node", "2", "--launcher",
+                             "ray"], env=env, capture_output=True, text=True, timeout=350)  # fmt: skip
+    lines = [line for line in result.stderr.splitlines() if line.startswith("shardforge")]
+    assert result.returncode == 1 and lines, (result.stdout[-3000:], result.stderr[-3000:])
+    assert lines[-1].startswith("shardforge: error: rank 0: a collective timed out after 4 s"), lines[-1]
+    assert "rank 1 in step 2 at sleep_if_requested" in lines[-1], lines[-1]
+
+
+def test_preflight_refuses_a_bad_layout_before_any_actor_starts(tmp_path, assets):
+    result = _train(_config(tmp_path, assets, "bad", layout="d4"), "--launcher", "ray")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and lines[-1].startswith("shardforge: error: "), result.stderr[-3000:]
+    assert "needs 4 ranks" in lines[-1] and "Traceback" not in result.stderr, lines[-1]

@@ -1,0 +1,207 @@
+"""`shardforge train ... --launcher ray`: the trainer's ranks as Ray actors in one placement group.
+
+Each rank is an actor (`_RankActor`) pinned to one bundle of a placement group (``{"CPU": 1}``, plus
+``{"GPU": 1}`` when the cluster has a GPU per rank). Rank 0's actor picks ``MASTER_ADDR`` (its node's
+IP) and a free ``MASTER_PORT``; every actor then sets the torchrun variables (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and runs the
+same `shardforge` command in-process as one rank, so the ranks meet in c10d's TCP store rendezvous
+exactly as under torchrun, and the run (seeds, data order, losses) is the same.
+
+Errors: each actor returns its exit code and its one-line error (`launch.write_rank_error`, into a
+directory of its own: Ray nodes share no filesystem). When the first rank fails the others are
+killed (they would only wait for the collective timeout) and the earliest error line is printed,
+as under torchrun. Ctrl-C kills every actor. Not supported under Ray: ``--max-restarts`` (use the
+torchrun launcher) and graceful stop at a step boundary (SIGTERM reaches only this driver).
+See docs/multinode.md, "Ray".
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from shardforge.algorithms.log import get_logger
+from shardforge.algorithms.multinode import LaunchSpec, strip_launch_args
+
+__all__ = ["launch_ray"]
+
+log = get_logger(__name__)
+
+# Variables a rank must not inherit from the driver's environment (they are set per rank).
+_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class _RankActor:
+    """One rank: answers where it runs, then runs `shardforge.algorithms.cli.main` with its rank variables."""
+
+    def where(self) -> tuple[str, int]:
+        """(node IP, a free port on that node)."""
+        import socket
+
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = int(sock.getsockname()[1])
+        return str(ray.util.get_node_ip_address()), port
+
+    def run(self, entry: str, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+        """Run ``entry(argv)`` (``module:function``, the CLI's ``main``) as one rank; return
+        ``{"rank", "code", "line", "time"}``."""
+        from shardforge.algorithms import launch
+
+        module, _, name = entry.partition(":")
+        main: Callable[[list[str]], int] = getattr(importlib.import_module(module), name)
+        os.environ.update(env)
+        with tempfile.TemporaryDirectory(prefix="shardforge-rank-error-") as error_dir:
+            os.environ[launch.ERROR_DIR_ENV] = error_dir  # this rank's one-line error lands here
+            try:
+                code = main(argv)
+            except SystemExit as exc:  # argparse errors, or a trainer's sys.exit
+                code = exc.code if isinstance(exc.code, int) else 1
+            record = _error_record(Path(error_dir))
+        return {"rank": int(env["RANK"]), "code": code, "line": record.get("line"), "time": record.get("time")}
+
+
+def _error_record(directory: Path) -> dict[str, Any]:
+    for path in directory.glob("rank-*.json"):
+        try:
+            return dict(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return {}
+
+
+def _bundle(world_size: int, ray: Any) -> dict[str, float]:
+    """One rank's resources: a CPU, and a GPU when the cluster has one per rank."""
+    gpus = float(ray.cluster_resources().get("GPU", 0.0))
+    return {"CPU": 1.0, "GPU": 1.0} if gpus >= world_size else {"CPU": 1.0}
+
+
+def launch_ray(
+    spec: LaunchSpec,
+    argv: list[str],
+    *,
+    entry: str,
+    address: str | None,
+    debug: bool = False,
+) -> int:
+    """Run ``entry(argv)`` on ``spec.world_size`` Ray actors, one rank each; return the exit code.
+
+    ``entry`` is ``"module:function"`` (the CLI passes its ``main``; this module does not import the CLI,
+    and a function of ``__main__`` would not reach the actors by name)."""
+    try:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    except ImportError as exc:
+        raise ValueError(
+            f"--launcher ray needs Ray ({exc}); install it with `pip install 'shardforge-algorithms[ray]'`"
+        ) from exc
+    world = spec.world_size
+    ray.init(address=address, log_to_driver=True, configure_logging=False)
+    bundle = _bundle(world, ray)
+    group = placement_group([dict(bundle) for _ in range(world)], strategy="PACK", name="shardforge-ranks")
+    ready, _ = ray.wait([group.ready()], timeout=120)
+    if not ready:
+        available = ray.cluster_resources()
+        remove_placement_group(group)
+        raise ValueError(
+            f"the Ray cluster cannot place {world} ranks of {bundle} each (it has CPU={available.get('CPU', 0):g}, "
+            f"GPU={available.get('GPU', 0):g}); lower --nproc-per-node/--nnodes or add nodes"
+        )
+    actor_cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0))(_RankActor)
+    actors = [
+        actor_cls.options(  # type: ignore[attr-defined]
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=index
+            ),
+            name=f"shardforge-rank-{index}",
+        ).remote()
+        for index in range(world)
+    ]
+    try:
+        return _run_ranks(ray, actors, entry, strip_launch_args(argv), bundle, debug)
+    except KeyboardInterrupt:
+        log.warning("interrupted: killing every rank")
+        return 130
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        remove_placement_group(group)
+        ray.shutdown()
+
+
+def _rank_env(index: int, ips: list[str], master: tuple[str, int], gpu: bool) -> dict[str, str]:
+    """torchrun's variables for rank ``index``; local rank/world from the ranks that share its node."""
+    same_node = [i for i, ip in enumerate(ips) if ip == ips[index]]
+    env = {
+        "RANK": str(index),
+        "WORLD_SIZE": str(len(ips)),
+        "LOCAL_RANK": str(same_node.index(index)),
+        "LOCAL_WORLD_SIZE": str(len(same_node)),
+        "MASTER_ADDR": master[0],
+        "MASTER_PORT": str(master[1]),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    # the driver's shardforge settings (and test hooks) reach every rank, wherever Ray placed it
+    env |= {key: value for key, value in os.environ.items() if key.startswith("SHARDFORGE_")}
+    if gpu:  # Ray shows each actor only its own GPU (CUDA_VISIBLE_DEVICES): it is device 0 there
+        env["LOCAL_RANK"] = "0"
+    return env
+
+
+def _run_ranks(
+    ray: Any,
+    actors: list[Any],
+    entry: str,
+    argv: list[str],
+    bundle: dict[str, float],
+    debug: bool,
+) -> int:
+    places = ray.get([actor.where.remote() for actor in actors])
+    ips = [ip for ip, _ in places]
+    master = places[0]
+    log.info("ray: %d ranks on %d node(s); rendezvous at %s:%d", len(actors), len(set(ips)), *master)
+    pending = {
+        actor.run.remote(entry, argv, _rank_env(index, ips, master, "GPU" in bundle)): index
+        for index, actor in enumerate(actors)
+    }
+    results: list[dict[str, Any]] = []
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        ref = done[0]
+        index = pending.pop(ref)
+        try:
+            result = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:  # the actor's process died (OOM, SIGKILL, a crash)
+            result = {"rank": index, "code": 1, "line": None, "time": time.time(), "died": str(exc)}
+        results.append(result)
+        if result["code"] != 0:  # the others would wait for the collective timeout: stop them now
+            for other in pending.values():
+                ray.kill(actors[other])
+            # let the killed ranks' refs settle, so their errors are not reported as the cause
+            ray.wait(list(pending), num_returns=len(pending), timeout=10)
+            break
+    failed = [r for r in results if r["code"] != 0]
+    if not failed:
+        return 0
+    with_line = [r for r in failed if r.get("line")]
+    if with_line:
+        first = min(with_line, key=lambda r: (r["time"], r["rank"]))
+        sys.stderr.write(str(first["line"]))
+    else:
+        first = failed[0]
+        detail = f": {first['died']}" if debug and "died" in first else ""
+        sys.stderr.write(
+            f"shardforge: rank {first['rank']} (a Ray actor) exited with code {first['code']}{detail}; rerun with "
+            "--debug for every rank's traceback\n"
+        )
+    return int(first["code"]) if int(first["code"]) > 0 else 1
