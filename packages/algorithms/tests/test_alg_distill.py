@@ -171,3 +171,19 @@ def test_off_policy_trains_the_student_by_nll_on_the_teachers_samples(tmp_path: 
     losses = [r["loss"] for r in records]
     assert losses[-1] < 0.5 * losses[0], losses  # the student learns the teacher's answers
     assert all(r["distill/teacher_logprob"] <= 0 for r in records)
+
+
+def test_kl_baseline_mean_centres_the_advantages(tmp_path: Path) -> None:
+    """kl_baseline=mean: A_t = -(KL_t - mean KL), so the token-mean advantage is 0; none: it is -mean KL."""
+    from shardforge.algorithms.testing import tiny_assets
+    from shardforge.algorithms.trainers.distill import run_distill
+
+    student = tiny_assets(tmp_path / "s", seed=1, tokenizer_dir="model")
+    teacher = tiny_assets(tmp_path / "t", seed=9, tokenizer_dir="model", data=False)["model"]
+    for baseline in ("none", "mean"):
+        run_distill(_config(student, teacher, tmp_path / baseline, steps=1, kl_baseline=baseline))
+    [raw], [centred] = _train_records(tmp_path / "none"), _train_records(tmp_path / "mean")
+    assert raw["distill/reverse_kl"] > 1e-3  # two random models disagree a little
+    assert raw["actor/advantages"] == pytest.approx(-raw["distill/reverse_kl"], rel=1e-5)
+    assert centred["distill/reverse_kl"] == pytest.approx(raw["distill/reverse_kl"], rel=1e-6)  # same samples
+    assert abs(centred["actor/advantages"]) < 1e-6
