@@ -133,14 +133,22 @@ def test_preflight_checks_the_global_world_on_every_node_before_the_rendezvous(t
 
 
 def test_two_node_grpo_reproduces_the_single_node_run(tmp_path, assets):
-    """Rollouts (seeded per rank), rewards, advantages and updates: the same whichever node a rank is on."""
-    rl = {"global_batch_size": None, "steps": 3, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3}
+    """Rollouts (seeded per rank), rewards, advantages and updates: the same whichever node a rank is on.
+    The reward is the response length: an untrained model scores 0 on exact match everywhere, which would
+    make every advantage, loss and update 0 and the comparison empty."""
+    (tmp_path / "length_reward.py").write_text(
+        "def reward(prompt, response, reference):\n    return float(len(response))\n"
+    )
+    env = dict(ENV, PYTHONPATH=os.pathsep.join(p for p in (str(tmp_path), ENV.get("PYTHONPATH", "")) if p))
+    rl = {"global_batch_size": None, "steps": 3, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3,
+          "reward_fn": "length_reward:reward"}  # fmt: skip
     single = _config(tmp_path, assets, "single", **rl)
     result = subprocess.run([*CLI, "train", "grpo", "--config", str(single), "--nproc-per-node", "2"],
-                            env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    run_two_nodes("grpo", _config(tmp_path, assets, "multi", **rl))
+    run_two_nodes("grpo", _config(tmp_path, assets, "multi", **rl), env=env)
     assert_same_run(tmp_path / "single", tmp_path / "multi", steps=3)
+    assert any(loss != 0.0 for _, loss in _train_losses(tmp_path / "single")), "the run must train something"
 
 
 def test_a_killed_rank_restarts_every_rank_on_both_nodes_and_resumes(tmp_path, assets):
