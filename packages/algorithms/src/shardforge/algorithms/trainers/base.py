@@ -94,7 +94,8 @@ class TrainerConfig:
     """torch.profiler traces of chosen steps and ranks (trainers/profiling.py), off by default."""
 
     reads_data_sources: ClassVar[bool] = False
-    """True for trainers that load `data` sources (sft); the others read train_file/eval_file only."""
+    """True for trainers that load `data` sources (sft, rm, dpo, grpo, ppo, distill); the others read
+    train_file/eval_file only."""
 
     def __post_init__(self) -> None:
         check_data_fields(self, type(self).__name__, self.reads_data_sources)
