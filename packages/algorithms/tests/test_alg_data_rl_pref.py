@@ -46,7 +46,9 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("rlpref")
     made = tiny_assets(root, seed=5, max_operand=9, num_eval=8)
     pairs = root / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": "x"}) + "\n" for i in range(6)))
+    pairs.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": "x"}) + "\n" for i in range(6))
+    )
     saved = root / "prefs_saved"  # another dataset's names for the same fields, as a DatasetDict on disk
     other = [{"context": f"{i}+2=", "good": str(i + 2), "bad": "y"} for i in range(5)]
     datasets.DatasetDict({"train": datasets.Dataset.from_list(other)}).save_to_disk(str(saved))
@@ -106,7 +108,9 @@ def test_rm_reads_mapped_columns_and_names_a_bad_row(tmp_path, assets):
     plain = load_pairs(assets["pairs"], tokenizer)
     assert len(pairs) == 5
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    assert pairs[0].chosen[: pairs[0].chosen_prompt_len] == bos + tokenizer("0+2=", add_special_tokens=False)["input_ids"]
+    assert (
+        pairs[0].chosen[: pairs[0].chosen_prompt_len] == bos + tokenizer("0+2=", add_special_tokens=False)["input_ids"]
+    )
     assert plain[0].chosen != pairs[0].chosen
     bad = tmp_path / "bad.parquet"
     datasets.Dataset.from_list([{"context": "1+1=", "good": "2", "bad": "x"}, {"context": "2+2=", "good": 4, "bad": "x"}]).to_parquet(str(bad))  # fmt: skip

@@ -18,7 +18,15 @@ from shardforge.algorithms.data.jsonl import read_jsonl
 from shardforge.algorithms.data.source_set import SourceSet, loader_arg
 from shardforge.algorithms.data.sources import SourceConfig, read_source
 
-__all__ = ["IS_CHOSEN", "PAIR_ROW_FIELDS", "PAIR_WEIGHT", "PreferencePair", "load_pair_data", "load_pairs", "pack_pairs"]
+__all__ = [
+    "IS_CHOSEN",
+    "PAIR_ROW_FIELDS",
+    "PAIR_WEIGHT",
+    "PreferencePair",
+    "load_pair_data",
+    "load_pairs",
+    "pack_pairs",
+]
 
 IS_CHOSEN = "is_chosen"
 """Per-sequence [N] extra: 1 for a chosen response, 0 for a rejected one (pairs are consecutive)."""

@@ -248,8 +248,7 @@ class Trainer(Generic[C]):
                 start,
                 f" to {config.steps}" if start < config.steps else " but there is nothing left to train (export only)",
             )
-        if engine.is_main:
-            truncate_metrics(out / "metrics.jsonl", start)
+        logged_until = truncate_metrics(out / "metrics.jsonl", start) if engine.is_main else None
         metrics = MetricsLogger(
             out,
             enabled=engine.is_main,
@@ -259,6 +258,7 @@ class Trainer(Generic[C]):
         metrics.begin(
             start,
             {"layout": engine.dims.to_string(), "world_size": dist.get_world_size() if dist.is_initialized() else 1},
+            logged_until=logged_until,
         )
         summary: dict[str, Any] = {"steps": config.steps, "output_dir": str(out), "layout": engine.dims.to_string()}
         if start:

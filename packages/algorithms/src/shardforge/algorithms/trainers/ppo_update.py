@@ -29,13 +29,13 @@ from shardforge.algorithms.objectives import (
     token_rewards,
 )
 from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS, OLD_VALUES, REF_LOGPROBS, RETURNS
-from shardforge.algorithms.trainers.profiling import phase
 from shardforge.algorithms.objectives.rollout_correction import (
     BEHAVIOUR_LOGPROBS,
     RolloutCorrectionConfig,
     apply_rollout_correction,
     behaviour_kl,
 )
+from shardforge.algorithms.trainers.profiling import phase
 
 __all__ = ["ShiftedCriticLossFn", "correct_actor_batch", "dp_reduce_stats", "ppo_update", "prepare_ppo_batch"]
 
