@@ -58,7 +58,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (root / "rlpref_rewards_mod.py").write_text(REWARD_MODULE)
     sys.path.insert(0, str(root))
     return {"model": str(made["model"]), "train": str(made["train"]), "pairs": str(pairs), "saved": str(saved),
-            "qa": str(qa), "qa_rows": rows}  # fmt: skip
+            "qa": str(qa), "qa_rows": rows, "tokenizer": made["tokenizer"]}  # fmt: skip
 
 
 def _pair_mix(assets: dict[str, Any]) -> list[dict[str, Any]]:
@@ -100,9 +100,8 @@ def test_rm_mixture_of_jsonl_and_save_to_disk_resumes_mid_mixture(tmp_path, asse
 
 def test_rm_reads_mapped_columns_and_names_a_bad_row(tmp_path, assets):
     from shardforge.algorithms.data import load_pairs
-    from shardforge.algorithms.demos.demo import build_char_tokenizer
 
-    tokenizer = build_char_tokenizer()
+    tokenizer = assets["tokenizer"]
     mapped = SourceConfig(source=assets["saved"], columns={"prompt": "context", "chosen": "good", "rejected": "bad"})
     pairs = load_pairs(mapped, tokenizer)
     plain = load_pairs(assets["pairs"], tokenizer)
@@ -113,8 +112,8 @@ def test_rm_reads_mapped_columns_and_names_a_bad_row(tmp_path, assets):
     )
     assert plain[0].chosen != pairs[0].chosen
     bad = tmp_path / "bad.parquet"
-    datasets.Dataset.from_list([{"context": "1+1=", "good": "2", "bad": "x"}, {"context": "2+2=", "good": 4, "bad": "x"}]).to_parquet(str(bad))  # fmt: skip
-    with pytest.raises(ValueError, match=r"bad.parquet row 2: field 'chosen' must be a string"):
+    datasets.Dataset.from_list([{"context": "1+1=", "good": "2", "bad": "x"}, {"context": "2+2=", "good": None, "bad": "x"}]).to_parquet(str(bad))  # fmt: skip
+    with pytest.raises(ValueError, match=r"bad.parquet row 2: .*\(field 'chosen' is empty\)"):
         load_pairs(SourceConfig(source=str(bad), columns={"prompt": "context", "chosen": "good", "rejected": "bad"}), tokenizer)  # fmt: skip
 
 
@@ -140,12 +139,11 @@ def test_grpo_trains_on_a_parquet_source_with_mapped_columns(tmp_path, assets):
 
 
 def test_rl_prompt_mixture_draws_both_sources_and_keeps_its_weights_on_resume(tmp_path, assets):
-    from shardforge.algorithms.demos.demo import build_char_tokenizer
     from shardforge.algorithms.trainers.base import check_data_state
 
     mix = [{"source": assets["train"], "name": "adds", "weight": 0.5}, {"source": assets["qa"], "name": "qa", "weight": 0.5, "columns": QA}]  # fmt: skip
     config = _grpo_config(assets, tmp_path, {"mix": mix})
-    data = load_prompt_data(config, build_char_tokenizer())
+    data = load_prompt_data(config, assets["tokenizer"])
     first = data.sizes[0]
     assert data.sizes[1] == len(assets["qa_rows"]) and len(data.prompts) == sum(data.sizes)
     sampler = data.sampler(8, seed=0)
@@ -155,6 +153,6 @@ def test_rl_prompt_mixture_draws_both_sources_and_keeps_its_weights_on_resume(tm
     assert again.local_batch(3, 0, 1) == sampler.local_batch(3, 0, 1)
     assert data.prompts.texts[drawn[0]] in {r["prompt"] for r in assets["qa_rows"]} | set(data.prompts.texts[:first])
     mix[1]["weight"] = 0.9
-    changed = load_prompt_data(_grpo_config(assets, tmp_path, {"mix": mix}), build_char_tokenizer())
+    changed = load_prompt_data(_grpo_config(assets, tmp_path, {"mix": mix}), assets["tokenizer"])
     with pytest.raises(ValueError, match=r"cannot resume.*mixture_sources"):
         check_data_state(data.data_state(), changed.data_state())
