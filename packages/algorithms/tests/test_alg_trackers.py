@@ -183,7 +183,7 @@ def test_resume_behind_the_last_logged_step_leaves_each_step_once_in_every_track
             items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
             if "train/loss" in items:
                 steps.append(record.history.step.num)
-    assert branch == {"run_id": run_id, "step": 3}  # the rewind: W&B drops history from step 3 on
+    assert branch == {"run_id": run_id, "step": 2}  # the rewind: W&B keeps history up to step 2
     assert steps == [3, 4]
 
     stored = json.loads((out / "trackers.json").read_text())["mlflow"]

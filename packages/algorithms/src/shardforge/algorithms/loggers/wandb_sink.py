@@ -45,14 +45,15 @@ class WandbLogger:
     def begin(self, start_step: int, run_info: dict[str, Any], *, logged_until: int | None = None) -> None:
         """Start the run, or continue the stored one when resuming (``start_step`` > 0). When the
         interrupted run logged steps past ``start_step`` (``logged_until``), the run is rewound
-        (``resume_from="<id>?_step=<start_step + 1>"``): W&B drops its history from that step on, so
-        the resumed steps replace the stale ones instead of being refused as non-monotonic."""
+        to ``start_step`` (``resume_from="<id>?_step=<start_step>"``): W&B keeps the history up to and
+        including that step and drops the rest, so the resumed steps replace the stale ones instead of
+        being refused as non-monotonic."""
         stored = load_run_id(self.out_dir, "wandb", start_step)
         rewind = stored is not None and logged_until is not None and logged_until > start_step
         resume: dict[str, Any] = {}
         if rewind:
             assert stored is not None
-            resume = {"resume_from": f"{stored['id']}?_step={start_step + 1}"}
+            resume = {"resume_from": f"{stored['id']}?_step={start_step}"}
         elif stored:
             resume = {"id": stored["id"], "resume": "allow"}
         run_dir = Path(os.environ.get("WANDB_DIR") or self.out_dir)
