@@ -44,7 +44,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _traced_run(name: str, model: str, train: str, root: str, out: str, layout: str) -> dict[str, set[str]]:
     """Run 2 traced steps of ``name``; return {trace file name: the shardforge/* range names in it}."""
-    if root not in sys.path:
+    if root not in sys.path:  # also in a pool rank's fresh interpreter
         sys.path.insert(0, root)
     engine = {"max_tokens_per_microbatch": 64, "optimizer": {"lr": 1e-3}}
     data: dict[str, Any] = {
@@ -73,6 +73,17 @@ def test_rl_trace_shows_every_phase(name: str, expected: set[str], assets: dict[
     assert list(found) == ["rank0_steps1-2.json"]
     assert found["rank0_steps1-2.json"] >= expected, found
     assert found["rank0_steps1-2.json"] <= set(PHASES)  # only the documented names
+
+
+@pytest.mark.slow  # ~110 s on the shared 2-core machine (pool start-up + 2 ranks), over the ~40 s budget
+def test_grpo_writes_a_trace_with_every_phase_per_rank_at_world_2(assets: dict[str, Any], tmp_path: Path) -> None:
+    from shardforge.mesh.testing import get_rank_pool
+
+    args = ("grpo", assets["model"], assets["train"], assets["root"], str(tmp_path), "d2")
+    found = get_rank_pool(2).run(_traced_run, *args, timeout_s=300)[0]
+    assert sorted(found) == ["rank0_steps1-2.json", "rank1_steps1-2.json"]
+    for names in found.values():
+        assert names >= GRPO_PHASES, found
 
 
 def test_unknown_phase_names_the_known_ones() -> None:
