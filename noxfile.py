@@ -111,6 +111,14 @@ def demo_rl(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def demo_distill(session: nox.Session) -> None:
+    """SFT teacher, small SFT student, then SFT-only vs on-policy distillation; prints held-out accuracies."""
+    _install_workspace(session)
+    out = session.posargs[0] if session.posargs else "outputs/demo_distill"
+    session.run("shardforge", "demo-distill", "--out", out, "--nproc-per-node", "2", env=THREAD_ENV)
+
+
+@nox.session(python=PYTHON)
 def isolation(session: nox.Session) -> None:
     """Each wheel alone in a fresh venv with only its declared deps: install, import, run its tests."""
     _install_torch(session)

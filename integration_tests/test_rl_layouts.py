@@ -253,3 +253,64 @@ def test_grpo_multi_turn_steps_match_across_layouts(model_dir: str) -> None:
                 assert abs(a[key] - b[key]) <= 1e-5, (layout, step, key, a[key], b[key])
         diffs = {k: float((single["weights"][k] - v).abs().max()) for k, v in sharded["weights"].items()}
         assert max(diffs.values()) <= WEIGHT_TOL, (layout, max(diffs.values()))
+
+
+def _grpo_step_on_rank(model_dir: str, layout: str, reuse: bool) -> dict[str, float]:
+    """One `grpo._train_step` on this rank's share of fixed rollouts whose behaviour log-probs are noise
+    (a large trainer/engine gap): old log-probs from the training forward (reuse) or a recompute pass."""
+    import time
+
+    import torch.distributed as dist
+
+    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.algorithms.config_io import build_config
+    from shardforge.algorithms.objectives import PPOActorLossFn
+    from shardforge.algorithms.objectives.on_policy import OnPolicyActorLossFn
+    from shardforge.algorithms.rollout.sources import SampledBatch
+    from shardforge.algorithms.trainers.grpo import GRPOConfig, _train_step
+
+    config = build_config(GRPOConfig, {
+        "model": model_dir, "train_file": "unused.jsonl", "output_dir": "unused", "group_size": GROUP_SIZE,
+        "prompts_per_step": GROUPS, "rollout_correction": {"mode": "token_tis"},
+    })  # fmt: skip
+    engine = TrainEngine(
+        model_dir, layout, EngineConfig(max_tokens_per_microbatch=24, optimizer=OptimizerConfig(lr=1e-2, eps=1e-6))
+    )
+    from shardforge.algorithms.rollout.trajectory import Trajectory
+
+    rollouts, rewards = _rollouts()
+    gen = torch.Generator().manual_seed(9)
+    trajectories = []
+    for r in rollouts:
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        t = Trajectory(group=r.prompt_index, token_ids=list(r.prompt_ids), loss_mask=[0] * p, logprobs=[0.0] * p,
+                       versions=[-1] * p)  # fmt: skip
+        t.append(r.response_ids, logprobs=(-3.0 * torch.rand(n, generator=gen)).tolist(), version=0)
+        trajectories.append(t)
+    groups = list(range(GROUPS))[engine.dp_rank :: engine.dp_size]
+    keep = [g * GROUP_SIZE + k for g in groups for k in range(GROUP_SIZE)]
+    sampled = SampledBatch(index=0, policy_step=0, rollouts=[trajectories[i] for i in keep], rewards=rewards[keep])
+    actor = OnPolicyActorLossFn(config.actor, config.rollout_correction) if reuse else PPOActorLossFn(config.actor)
+    stats = _train_step(sampled, config, engine, actor, time.perf_counter())
+    keys = ("behaviour_kl", "loss", "grad_norm", "rollout_corr/kl_k3", "rollout_corr/truncated_frac")
+    return {k: stats[k] for k in keys} if not dist.is_initialized() or dist.get_rank() == 0 else {}
+
+
+def test_grpo_step_behaviour_kl_and_loss_match_across_layouts_with_and_without_the_recompute(model_dir: str) -> None:
+    """The reuse-training-log-probs path reduces its in-loss correction statistics over dp like the recompute
+    path: world 1 and FSDP 2 give the same behaviour_kl, k3 mismatch and loss, each path and across paths."""
+    results = {
+        (layout, reuse): (
+            _grpo_step_on_rank(model_dir, layout, reuse)
+            if layout == "d1"
+            else get_rank_pool(2).run(_grpo_step_on_rank, model_dir, layout, reuse, timeout_s=300)[0]
+        )
+        for layout in ("d1", "d2")
+        for reuse in (True, False)
+    }
+    reference = results[("d1", False)]
+    assert reference["behaviour_kl"] > 0.5, reference  # the noise is a real gap
+    for key, got in results.items():
+        for name in ("behaviour_kl", "rollout_corr/kl_k3", "loss"):
+            assert got[name] == pytest.approx(reference[name], rel=1e-5, abs=1e-7), (key, name, got, reference)
+        assert got["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4), (key, got)

@@ -4,6 +4,7 @@ teacher moves towards it (reverse KL falls) through `shardforge train distill`."
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -95,3 +96,78 @@ def test_distillation_moves_the_student_towards_the_teacher(tmp_path: Path) -> N
     # the first four average ~0.31 and the last four ~0.16 (20 steps of 64 prompts reach ~0.06).
     assert len(kl) == 16 and kl[0] > 0.1, kl
     assert sum(kl[-4:]) / 4 < 0.75 * sum(kl[:4]) / 4, kl  # the reverse KL to the teacher falls
+
+
+def test_off_policy_refuses_what_it_cannot_use_and_pins_the_loss(tmp_path: Path) -> None:
+    from shardforge.algorithms.config_io import build_config
+    from shardforge.algorithms.trainers.distill import DistillConfig
+
+    base = {"model": "m", "teacher_model": "t", "train_file": "x", "output_dir": str(tmp_path), "mode": "off_policy"}
+    config = build_config(DistillConfig, base)
+    assert config.actor.policy_loss == "gpg" and config.rollout_correction.mode == "none"
+    for bad, match in [
+        ({"task_reward_coef": 0.5, "group_size": 2}, "task_reward_coef=0.5"),
+        ({"actor": {"policy_loss": "cispo"}}, "actor.policy_loss='cispo'"),
+        ({"rollout_correction": {"mode": "token_mis"}}, "rollout_correction.mode='token_mis'"),
+        ({"rollout_engine": "vllm"}, "rollout_engine='vllm'"),
+    ]:
+        with pytest.raises(ValueError, match=f"mode=off_policy does not take {match}"):
+            build_config(DistillConfig, base | bad)
+
+
+def test_off_policy_trains_the_student_by_nll_on_the_teachers_samples(tmp_path: Path) -> None:
+    """Greedy teacher samples (temperature 0) so the test can regenerate them: every training sequence's
+    completion is the teacher's greedy continuation (not the student's), the step-1 loss is the student's
+    float64 token-mean NLL of those tokens, and the NLL falls as the student learns them."""
+    from transformers import AutoModelForCausalLM
+
+    from shardforge.algorithms.testing import tiny_assets
+    from shardforge.algorithms.trainers.distill import DistillTrainer
+
+    student = tiny_assets(tmp_path / "s", seed=1, tokenizer_dir="model", max_operand=6)
+    teacher_dir = tiny_assets(tmp_path / "t", seed=9, tokenizer_dir="model", data=False)["model"]
+    batches: list[tuple[list[list[int]], list[list[int]]]] = []
+
+    class Recording(DistillTrainer):
+        def _supervised_hook(self, batch):  # type: ignore[no-untyped-def]
+            bounds = batch.cu_seqlens.tolist()
+            ids = [batch.input_ids[a:b].tolist() for a, b in itertools.pairwise(bounds)]
+            masks = [batch.loss_mask[a:b].tolist() for a, b in itertools.pairwise(bounds)]
+            batches.append((ids, masks))
+            return super()._supervised_hook(batch)
+
+    num_prompts = len(Path(student["train"]).read_text().splitlines())
+    config = _config(
+        student, teacher_dir, tmp_path / "out", mode="off_policy", steps=8, temperature=0.0,
+        prompts_per_step=num_prompts, max_new_tokens=3,
+    )  # fmt: skip
+    Recording(config).run()
+    records = _train_records(tmp_path / "out")
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float64).eval()
+    first = AutoModelForCausalLM.from_pretrained(student["model"], dtype=torch.float64).eval()
+
+    def greedy(model, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            ids = list(prompt)
+            for _ in range(n):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt) :]
+
+    ids, masks = batches[0]
+    nll, tokens, differs = 0.0, 0, False
+    for seq, mask in zip(ids, masks, strict=True):
+        start = mask.index(1) - 1  # loss_mask marks targets: the first generated token's label position
+        prompt, completion = seq[: start + 1], seq[start + 1 :]
+        assert completion == greedy(teacher, prompt, len(completion)), (prompt, completion)
+        differs |= completion != greedy(first, prompt, len(completion))
+        with torch.no_grad():
+            logp = torch.log_softmax(first(torch.tensor([seq])).logits[0, :-1], -1)
+        picked = logp[torch.arange(len(seq) - 1), torch.tensor(seq[1:])]
+        keep = torch.tensor(mask[1:], dtype=torch.bool)
+        nll -= float(picked[keep].sum())
+        tokens += int(keep.sum())
+    assert differs, "the student's own greedy answers equal the teacher's: the test could not tell them apart"
+    assert records[0]["loss"] == pytest.approx(nll / tokens, rel=1e-4), (records[0]["loss"], nll / tokens)
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < 0.5 * losses[0], losses  # the student learns the teacher's answers
+    assert all(r["distill/teacher_logprob"] <= 0 for r in records)

@@ -127,8 +127,12 @@ def test_grpo_with_dynamic_sampling_trains_only_informative_groups(
         filtered = r["dynamic_sampling/filtered_all_pass"] + r["dynamic_sampling/filtered_all_fail"]
         assert 1 <= r["dynamic_sampling/rounds"] <= 4 and kept + filtered <= generated
         assert kept == 4 or r["dynamic_sampling/cap_hit"] == 1.0, r
-        # Every trained group has a reward spread, so the batch's rewards vary.
-        assert r["reward_std"] > 0
+        # Every trained group has a reward spread, so the batch's rewards vary, and with a binary reward no
+        # sample of such a group sits on its mean: every trained token carries a non-zero advantage.
+        assert r["reward_std"] > 0 and r["advantage_nonzero_frac"] == 1.0, r
     # The binary reward leaves most groups of this untrained model without a signal: the filter acts.
     assert sum(r["dynamic_sampling/filtered_all_fail"] for r in train) > 0
     assert any(r["dynamic_sampling/rounds"] > 1 for r in train), "backfill rounds ran"
+    if mode == "sync":  # without the filter, the all-fail groups train with zero advantages
+        plain = _run(assets, tmp_path / "plain", **{"dynamic_sampling.enabled": False})
+        assert all(r["advantage_nonzero_frac"] < 1.0 for r in plain), plain

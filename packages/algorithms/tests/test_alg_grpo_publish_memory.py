@@ -1,4 +1,4 @@
-"""GRPO at world 1 publishes to the embedded HF rollout engine in memory (trainers/rl_publish.py):
+"""GRPO and PPO at world 1 publish to the embedded HF rollout engine in memory (trainers/rl_publish.py):
 the samples after every publish equal the disk path's, the versions match, and nothing is
 written under output_dir/weights."""
 
@@ -27,10 +27,12 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"model": str(root / "model"), "train": tiny["train"], "eval": tiny["eval"]}
 
 
-def _run(assets: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch, **overrides: Any) -> dict[str, Any]:
+def _run(
+    assets: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch, trainer: str = "grpo", **overrides: Any
+) -> dict[str, Any]:
     from shardforge.algorithms.config_io import apply_overrides, build_config
     from shardforge.algorithms.rollout import HFRolloutEngine
-    from shardforge.algorithms.trainers.grpo import GRPOConfig, run_grpo
+    from shardforge.algorithms.trainers import TRAINERS
 
     data = {
         "model": assets["model"], "train_file": str(assets["train"]), "eval_file": str(assets["eval"]),
@@ -39,7 +41,8 @@ def _run(assets: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch, **o
         "export_hf_at_end": False, "eval_size": 4, "reward_fn": f"{__name__}:digit_reward",
         "engine": {"max_tokens_per_microbatch": 128, "optimizer": {"lr": 5e-2}},
     }  # fmt: skip
-    config = build_config(GRPOConfig, apply_overrides(data, [f"{k}={v}" for k, v in overrides.items()]))
+    spec = TRAINERS.get(trainer)
+    config = build_config(spec.config_cls, apply_overrides(data, [f"{k}={v}" for k, v in overrides.items()]))
     samples: list[tuple[int, list[list[int]]]] = []
     original = HFRolloutEngine.generate
 
@@ -49,7 +52,7 @@ def _run(assets: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch, **o
         return outs
 
     monkeypatch.setattr(HFRolloutEngine, "generate", recording)
-    summary = run_grpo(config)
+    summary = spec.run(config)
     monkeypatch.setattr(HFRolloutEngine, "generate", original)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"samples": samples, "train": [r for r in rows if r["split"] == "train"], "summary": summary}
@@ -70,3 +73,16 @@ def test_in_memory_publish_serves_what_the_disk_path_serves(
     assert memory["summary"]["accuracy_end"] == disk["summary"]["accuracy_end"]
     assert DiskWeightSource(tmp_path / "memory" / "weights").latest() is None, "the memory path wrote to disk"
     assert DiskWeightSource(tmp_path / "disk" / "weights").latest() == 4
+
+
+def test_ppo_publishes_in_memory_too(assets: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    memory = _run(assets, tmp_path / "memory", monkeypatch, "ppo", group_size=2, update_epochs=2)
+    disk = _run(assets, tmp_path / "disk", monkeypatch, "ppo", group_size=2, update_epochs=2, publish_in_memory="false")
+    assert [v for v, _ in memory["samples"]] == [v for v, _ in disk["samples"]]
+    assert memory["samples"] == disk["samples"]
+    assert len({str(s) for _, s in memory["samples"][1:4]}) == 3, "the weights change between steps"
+    for a, b in zip(memory["train"], disk["train"], strict=True):
+        for key in ("loss", "grad_norm", "critic/loss", "reward_mean", "rollout_version"):
+            assert a[key] == b[key], key
+    assert DiskWeightSource(tmp_path / "memory" / "weights").latest() is None, "the memory path wrote to disk"
+    assert DiskWeightSource(tmp_path / "disk" / "weights").latest() is not None

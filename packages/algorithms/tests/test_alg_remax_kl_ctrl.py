@@ -136,3 +136,52 @@ def test_kl_controller_settings_are_checked(assets: dict[str, Any], tmp_path: Pa
         run_ppo(_ppo(assets, tmp_path / "b", **{"kl_ctrl.kl_coef": 0.3}))
     with pytest.raises(ValueError, match="unknown kl_ctrl type 'pid'"):
         _ppo(assets, tmp_path / "c", **{"kl_ctrl.type": "pid"})
+
+
+def _grpo_kl(assets: dict[str, Any], out: Path, **overrides: Any) -> Any:
+    base = {
+        "advantage": "grpo", "reward_fn": f"{__name__}:_length_reward", "steps": 3, "save_every": 1,
+        "actor.kl_coef": 0.5, "actor.kl_estimator": "k3", "rollout_correction.mode": "none",
+        "engine.optimizer.lr": 3e-2, "temperature": 1.0,
+    }  # fmt: skip
+    return _grpo(assets, out, **(base | overrides))
+
+
+def test_grpo_kl_loss_term_against_the_reference(assets: dict[str, Any], tmp_path: Path) -> None:
+    """actor.kl_coef > 0 builds the frozen reference; the step's loss is pg_loss + beta * KL_k3 (token means),
+    0 KL while the policy is still the reference, > 0 once it has moved."""
+    from shardforge.algorithms.trainers.grpo import run_grpo
+
+    run_grpo(_grpo_kl(assets, tmp_path / "o"))
+    train = [r for r in (json.loads(x) for x in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines())]
+    train = [r for r in train if r["split"] == "train"]
+    assert abs(train[0]["actor/kl_ref"]) < 1e-6 and train[2]["actor/kl_ref"] > 1e-4, train
+    for r in train:
+        assert r["kl_coef"] == 0.5
+        assert r["loss"] == pytest.approx(r["actor/pg_loss"] + 0.5 * r["actor/kl_ref"], rel=1e-5, abs=1e-7)
+
+
+def test_grpo_adaptive_kl_coefficient_follows_the_controller_and_survives_resume(
+    assets: dict[str, Any], tmp_path: Path
+) -> None:
+    from shardforge.algorithms.trainers.grpo import run_grpo
+
+    out, ctrl = tmp_path / "o", {"kl_ctrl.type": "adaptive", "kl_ctrl.target_kl": 1e-4, "kl_ctrl.horizon": 20}
+    run_grpo(_grpo_kl(assets, out, steps=2, **ctrl))
+    run_grpo(_grpo_kl(assets, out, steps=3, **ctrl))  # resumes from step 2's checkpoint
+    train = [r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines())]
+    train = [r for r in train if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3] and train[0]["kl_coef"] == 0.5
+    for before, after in itertools.pairwise(train):  # n = prompts_per_step x group_size = 12 samples per step
+        expected = _adaptive(before["kl_coef"], before["actor/kl_ref"], n=12)
+        assert after["kl_coef"] == pytest.approx(expected, rel=1e-12)
+    assert train[2]["kl_coef"] != 0.5  # the restored coefficient, not the configured start
+
+
+def test_grpo_kl_controller_settings_are_checked(assets: dict[str, Any], tmp_path: Path) -> None:
+    from shardforge.algorithms.trainers.grpo import run_grpo
+
+    with pytest.raises(ValueError, match=r"steers actor\.kl_coef, which is 0"):
+        run_grpo(_grpo_kl(assets, tmp_path / "a", **{"actor.kl_coef": 0.0, "kl_ctrl.type": "adaptive"}))
+    with pytest.raises(ValueError, match=r"set the \(initial\) coefficient with actor\.kl_coef only"):
+        run_grpo(_grpo_kl(assets, tmp_path / "b", **{"kl_ctrl.kl_coef": 0.3}))

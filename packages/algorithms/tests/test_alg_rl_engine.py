@@ -102,3 +102,24 @@ def test_ppo_step_is_independent_of_micro_batching_and_matches_the_pure_loss(mod
     # one boundary token (the continuous statistics above must agree). See docs/testing.md.
     for key in ("clip_frac", "dual_clip_frac"):
         assert_counts_match(stats_small[key], stats_big[key], stats_big["num_tokens"], boundary=1, context=(key,))
+
+
+def test_token_sum_is_the_unnormalised_sum_whatever_the_micro_batching() -> None:
+    """``token-sum``: loss and gradient are token-mean's times the batch's target-token count (W fixed at 1),
+    with one micro-batch or several."""
+    mean_cfg = PPOActorConfig(aggregation="token-mean", clip_eps_low=0.1)
+    sum_cfg = PPOActorConfig(aggregation="token-sum", clip_eps_low=0.1)
+    results = {}
+    for name, cfg, budget in (("mean", mean_cfg, 4096), ("sum", sum_cfg, 4096), ("sum_small", sum_cfg, 16)):
+        engine = _engine(budget)
+        batch, _ = _rollout_batch(engine)
+        fn = PPOActorLossFn(cfg)
+        results[name] = (engine.train_batch(batch, fn, fn.loss_weight), summarize_stats(fn.pop_stats()))
+    tokens = float((batch.loss_mask != 0).sum())
+    mean, total, small = results["mean"][0], results["sum"][0], results["sum_small"][0]
+    assert small["microbatches"] > 1 and total["loss_weight"] == small["loss_weight"] == 1.0
+    assert total["loss"] == pytest.approx(mean["loss"] * tokens, rel=1e-5)
+    assert total["grad_norm"] == pytest.approx(mean["grad_norm"] * tokens, rel=1e-4)
+    assert small["loss"] == pytest.approx(total["loss"], rel=1e-5)
+    assert small["grad_norm"] == pytest.approx(total["grad_norm"], rel=1e-4)
+    assert "loss" not in results["sum"][1] and results["sum"][1]["loss_sum"] == pytest.approx(total["loss"], rel=1e-5)

@@ -109,6 +109,7 @@ def _sharded_step(
         "tied": model.lm_head.weight is model.model.embed_tokens.weight,
         "gathered_after_forward": gathered_after_forward,
         "warnings": [str(w.message) for w in caught],
+        "layers_share_a_unit": model.model.layers[0]._get_fsdp_state() is model.model.layers[1]._get_fsdp_state(),
         "mesh_shape": tuple(mesh.shape),
     }
     return result
@@ -192,3 +193,28 @@ def test_tied_embeddings_stay_tied_and_match(layout: str, world: int) -> None:
         assert r["units"] == ["", "model.layers.0", "model.layers.1"]
         assert len(r["warnings"]) == 2
         assert all("tied" in w and "root FSDP unit" in w for w in r["warnings"])
+
+
+@pytest.mark.parametrize(
+    ("fsdp_kwargs", "shared", "layer0_gathered"),
+    [
+        ({"layers_per_unit": 2}, True, True),  # one unit of both layers: the last unit, kept gathered
+        ({"forward_prefetch": 1}, False, False),
+        ({"layers_per_unit": 2, "forward_prefetch": 1}, True, True),
+    ],
+    ids=["two-layers-per-unit", "prefetch1", "both"],
+)
+def test_unit_size_and_prefetch_change_no_numbers(
+    fsdp_kwargs: dict[str, Any], shared: bool, layer0_gathered: bool
+) -> None:
+    results = _run_and_compare("qwen3", "fsdp", 2, fsdp_kwargs=fsdp_kwargs)
+    for r in results:
+        assert r["layers_share_a_unit"] is shared
+        assert r["gathered_after_forward"]["layer0"] is layer0_gathered
+
+
+def test_bad_unit_settings_are_refused() -> None:
+    from shardforge.fsdp_wrap import FSDPConfig
+
+    with pytest.raises(ValueError, match="layers_per_unit=0 must be >= 1"):
+        FSDPConfig(layers_per_unit=0)

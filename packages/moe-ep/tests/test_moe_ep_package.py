@@ -16,7 +16,7 @@ def test_version_matches_distribution() -> None:
 def test_public_surface_is_all() -> None:
     public = sorted(n for n in dir(pkg) if not n.startswith("_"))
     # Submodules are importable attributes too; everything else public must be in __all__.
-    modules = {"apply", "comm", "experts", "families", "grouped", "router", "strided"}
+    modules = {"apply", "comm", "experts", "families", "grouped", "replay", "router", "strided"}
     assert sorted(set(public) - modules) == sorted(pkg.__all__)
     assert "apply_expert_parallel" in pkg.__all__ and "RouterRecorder" in pkg.__all__
 

@@ -117,6 +117,13 @@ def _parser() -> argparse.ArgumentParser:
     demo_rl.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
     demo_rl.add_argument("--sft-steps", type=int, default=450, help="SFT steps before GRPO")
     demo_rl.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_grpo.yaml)")
+    demo_kd = sub.add_parser("demo-distill", help="run the CPU distillation demo: a small student from the SFT model")
+    demo_kd.add_argument("--out", default="outputs/demo_distill", help="output directory")
+    demo_kd.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
+    demo_kd.add_argument("--teacher-steps", type=int, default=600, help="SFT steps of the teacher")
+    demo_kd.add_argument("--student-steps", type=int, default=150, help="SFT steps of the student before the split")
+    demo_kd.add_argument("--extra-steps", type=int, default=100, help="steps of each continuation (SFT / distill)")
+    demo_kd.add_argument("--teacher", default=None, help="reuse this teacher HF dir (e.g. an earlier run's teacher/hf)")
     sub.add_parser("list", help="list every registry (trainers, losses, estimators, ...) with its names")
     from shardforge.algorithms.plan.report import add_plan_parser
 
@@ -247,6 +254,14 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
             log.info("tiny model + tokenizer: %s; data: %s, %s", assets["model"], assets["train"], assets["eval"])
             return 0
         run_demo(args.out, nproc=args.nproc_per_node, steps=args.steps)
+        return 0
+    if args.command == "demo-distill":
+        from shardforge.algorithms.demos.demo_distill import run_distill_demo
+
+        run_distill_demo(
+            args.out, nproc=args.nproc_per_node, teacher_steps=args.teacher_steps,
+            student_steps=args.student_steps, extra_steps=args.extra_steps, teacher_dir=args.teacher,
+        )  # fmt: skip
         return 0
     if args.command == "demo-rl":
         from shardforge.algorithms.demos.demo_rl import run_rl_demo

@@ -28,6 +28,18 @@ class FSDPConfig:
     """Wrap the input embedding as its own unit (skipped, with a warning, when tied to lm_head)."""
     wrap_lm_head: bool = True
     """Wrap the output projection as its own unit (skipped, with a warning, when tied)."""
+    layers_per_unit: int = 1
+    """Consecutive decoder layers per FSDP unit (one all-gather / reduce-scatter each): more layers per unit
+    means fewer, larger collectives (less per-collective latency, more memory held gathered)."""
+    forward_prefetch: int = 0
+    """Units whose all-gather is issued ahead in forward (and, mirrored, in backward), on top of FSDP2's own
+    one-unit backward prefetch: overlaps the next units' communication with this unit's compute."""
+
+    def __post_init__(self) -> None:
+        if self.layers_per_unit < 1 or self.forward_prefetch < 0:
+            raise ValueError(
+                f"layers_per_unit={self.layers_per_unit} must be >= 1 and forward_prefetch={self.forward_prefetch} >= 0"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

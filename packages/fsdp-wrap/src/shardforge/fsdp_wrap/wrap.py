@@ -20,9 +20,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig | None = N
 
     ``mesh`` is 1-D (FSDP: shard over all its ranks) or 2-D ``(replicate, shard)`` (HSDP:
     shard within a row, replicate across rows, all-reduce gradients between replicas).
-    Each decoder layer is one unit (one all-gather per layer); embeddings and lm_head are
-    their own units unless tied; the root unit holds whatever is left (e.g. the final norm).
-    Works on a meta-device model: materialise it afterwards (see `load_full_state_dict`).
+    Each decoder layer is one unit (one all-gather per layer; ``config.layers_per_unit``
+    consecutive layers share one); embeddings and lm_head are their own units unless tied; the
+    root unit holds whatever is left (e.g. the final norm). ``config.forward_prefetch`` units are
+    all-gathered ahead in forward and backward. Works on a meta-device model: materialise it
+    afterwards (see `load_full_state_dict`).
     """
     config = config or FSDPConfig()
     if mesh.ndim not in (1, 2):
@@ -38,11 +40,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig | None = N
     layer_classes = resolve_layer_classes(model, config.wrap_classes)
     layers = find_layer_modules(model, layer_classes)
     tied = tied_embedding(model)
-    for index, (_, layer) in enumerate(layers):
-        # The last layer's params are needed again right at the start of backward, so
+    step = config.layers_per_unit
+    groups = [[layer for _, layer in layers[i : i + step]] for i in range(0, len(layers), step)]
+    for index, group in enumerate(groups):
+        # The last unit's params are needed again right at the start of backward, so
         # resharding it after forward only costs an extra all-gather (torchtitan does the same).
-        reshard = config.reshard_after_forward and index < len(layers) - 1
-        fully_shard(layer, reshard_after_forward=reshard, **kwargs)
+        reshard = config.reshard_after_forward and index < len(groups) - 1
+        fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard, **kwargs)
+    if config.forward_prefetch > 0:
+        _prefetch([group[0] for group in groups], config.forward_prefetch)
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
     if config.wrap_embeddings and get_in is not None and get_in() is not None:
@@ -58,6 +64,18 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig | None = N
             fully_shard(get_out(), reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, **kwargs)
     return model
+
+
+def _prefetch(units: list[nn.Module], ahead: int) -> None:
+    """Issue the all-gathers of the next ``ahead`` units in forward and of the previous ones in backward.
+    ``units`` are each unit's first module (FSDP2 puts the unit's state on every module of a group)."""
+    for i, unit in enumerate(units):
+        later = units[i + 1 : i + 1 + ahead]
+        earlier = units[max(0, i - ahead) : i][::-1]
+        if later:
+            unit.set_modules_to_forward_prefetch(later)  # type: ignore[operator]
+        if earlier:
+            unit.set_modules_to_backward_prefetch(earlier)  # type: ignore[operator]
 
 
 def offload_policy(cpu_offload: bool) -> OffloadPolicy:

@@ -26,6 +26,7 @@ from torch import nn
 
 from shardforge.algorithms.engine.context import ParallelContext
 from shardforge.algorithms.engine.features import lora
+from shardforge.algorithms.engine.features.freeze import freeze_module_prefixes
 from shardforge.algorithms.engine.features.moe import apply_moe, moe_training, reload_expert_tp, shard_experts
 from shardforge.algorithms.engine.heads import Head, LMHead
 from shardforge.algorithms.engine.runners import Runner, SPMDRunner
@@ -73,6 +74,7 @@ def build_model(ctx: ParallelContext, head: Head, hf_config: Any, source: Any) -
         reference = head.materialize(source, hf_config, dtype=ctx.param_dtype, attn=attn, seed=config.seed)
         reference.config.use_cache = False
         lora.add_adapters(reference, config)  # adapter init travels in the broadcast
+        freeze_module_prefixes(reference, config.freeze_module_prefix)
     if not ctx.distributed:
         assert reference is not None
         apply_moe(reference, ctx.dims, None)
@@ -85,6 +87,7 @@ def build_model(ctx: ParallelContext, head: Head, hf_config: Any, source: Any) -
         model = head.model_class().from_config(hf_config, dtype=ctx.param_dtype, attn_implementation=attn)
     model.config.use_cache = False
     lora.add_adapters(model, config)
+    freeze_module_prefixes(model, config.freeze_module_prefix)  # before TP/FSDP: they keep requires_grad
     if ctx.dims.tp > 1:
         sp = config.sequence_parallel
         plan = lora.tp_plan(model, head.tp_plan(model, sequence_parallel=sp), config)

@@ -10,7 +10,9 @@ from typing import Any
 
 from shardforge.algorithms.engine.config import EngineConfig, parse_dtype
 from shardforge.algorithms.engine.heads import make_head
+from shardforge.algorithms.engine.vision import check_vlm
 from shardforge.mesh import ParallelDims
+from shardforge.moe_ep import MOE_FAMILIES
 
 __all__ = [
     "check_engine",
@@ -25,9 +27,15 @@ __all__ = [
 def check_engine(dims: ParallelDims, hf_config: Any, config: EngineConfig) -> None:
     """Check a resolved layout and the engine's features against the model; raise `ValueError`."""
     check_features(dims, config)
+    check_vlm(dims, hf_config, config.head)
     check_layout(dims, hf_config)
     if dims.pp > 1:
         check_pipeline(dims, hf_config, config)
+    if config.router_replay and getattr(hf_config, "model_type", None) not in MOE_FAMILIES:
+        raise ValueError(
+            f"router_replay replays MoE routing, but model_type={getattr(hf_config, 'model_type', None)!r} is not an "
+            f"MoE family ({sorted(MOE_FAMILIES)}); set router_replay=false"
+        )
 
 
 def check_features(dims: ParallelDims, config: EngineConfig) -> None:
@@ -46,6 +54,11 @@ def check_features(dims: ParallelDims, config: EngineConfig) -> None:
         )
     if config.data_parallel == "ddp":
         _check_ddp(dims, config)
+    if config.router_replay and (dims.cp > 1 or dims.pp > 1):
+        raise ValueError(
+            f"router_replay is supported where each MoE block sees its micro-batch's whole sequence: not with "
+            f"cp={dims.cp} or pp={dims.pp}; use FSDP, HSDP, TP or EP layouts, or set router_replay=false"
+        )
     if config.lora is not None:
         if dims.pp > 1:
             raise ValueError(

@@ -101,6 +101,10 @@ class EngineConfig:
     """With tp > 1: shard activations on the sequence dim between blocks (Megatron SP)."""
     moe_aux_loss_weight: float | None = None
     """MoE models: weight of the global load-balancing loss; None = the HF config's router_aux_loss_coef."""
+    router_replay: bool = False
+    """MoE models: route each token of a batch that carries the rollout's recorded experts
+    (``extras["routed_experts"]``) to those experts (R3; the RL trainers record them on the embedded
+    HF engine). Not with cp > 1 or pp > 1."""
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     """How a layout that only replicates (``r`` > 1 with d = c = t = p = e = 1, e.g. ``r2``) holds the
     model. fsdp: parameters sharded over the replicas (least memory). ddp: a full copy per rank and
@@ -108,7 +112,12 @@ class EngineConfig:
     state fits one device, because FSDP's per-layer all-gathers cost more than a small model's math).
     Other layouts always use FSDP/HSDP."""
     reshard_after_forward: bool = True
-    """FSDP: free gathered params after forward."""
+    """FSDP: free gathered params after forward (False: keep them until backward, ZeRO-2 like: less
+    communication, more memory; the last unit never reshards)."""
+    fsdp_layers_per_unit: int = 1
+    """FSDP: consecutive decoder layers per unit (fewer, larger all-gathers and reduce-scatters)."""
+    fsdp_forward_prefetch: int = 0
+    """FSDP: units whose all-gather is issued ahead in forward and backward (0 = FSDP2's defaults)."""
     cpu_offload: bool = False
     """FSDP: keep params/grads/optimizer state on CPU."""
     offload_when_idle: bool = False
@@ -131,6 +140,10 @@ class EngineConfig:
     loss functions get per-position values [T]); see `shardforge.algorithms.engine.heads`."""
     dist_timeout_s: float = 600.0
     """Collective timeout: a hang becomes an error after this many seconds."""
+    freeze_module_prefix: tuple[str, ...] = ()
+    """Qualified module names whose parameters do not train (e.g. ``[model.visual]``, a VLM's vision
+    tower): no gradient, no optimizer state, no gradient communication. A prefix that matches no
+    parameter is an error that lists the model's module names."""
     lora: LoRAConfig | None = None
     """LoRA adapters (only they train; checkpoints hold only them); None = full fine-tuning.
     CLI: ``engine.lora.r=8 engine.lora.target_modules=[q_proj,v_proj]``. See docs/packages/lora.md."""
@@ -142,6 +155,11 @@ class EngineConfig:
             raise ValueError(f"tiled_mlp_shards={self.tiled_mlp_shards!r} must be an int >= 1 (1 = off)")
         if self.data_parallel not in ("fsdp", "ddp"):
             raise ValueError(f"unknown data_parallel {self.data_parallel!r}; valid: ['fsdp', 'ddp']")
+        if isinstance(self.freeze_module_prefix, str):
+            raise ValueError(
+                f"freeze_module_prefix must be a list of module names, got the string {self.freeze_module_prefix!r}; "
+                f"write [{self.freeze_module_prefix}]"
+            )
         if self.offload_when_idle and self.cpu_offload:
             raise ValueError(
                 "offload_when_idle and cpu_offload are exclusive: cpu_offload already keeps weights, grads and "

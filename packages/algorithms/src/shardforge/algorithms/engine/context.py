@@ -99,6 +99,8 @@ class ParallelContext:
             reduce_dtype=torch.float32,
             reshard_after_forward=self.config.reshard_after_forward,
             cpu_offload=self.config.cpu_offload,
+            layers_per_unit=self.config.fsdp_layers_per_unit,
+            forward_prefetch=self.config.fsdp_forward_prefetch,
         )
 
     def fsdp_mesh(self) -> Any | None:

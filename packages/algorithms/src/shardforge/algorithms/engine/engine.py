@@ -32,6 +32,7 @@ from shardforge.algorithms.engine.heads import make_head
 from shardforge.algorithms.engine.io import EngineIO
 from shardforge.algorithms.engine.loading import load_hf_config
 from shardforge.algorithms.engine.optim import build_optimizer, build_scheduler
+from shardforge.algorithms.engine.vision import VisionLMHead, is_vlm
 from shardforge.algorithms.log import get_logger
 from shardforge.algorithms.objectives.sft import sft_loss, token_count
 from shardforge.mesh import ParallelDims, build_mesh, current_device, init_distributed
@@ -69,8 +70,10 @@ class TrainEngine(EngineIO):
         config: EngineConfig | None = None,
     ) -> None:
         self.config = config or EngineConfig()
-        self.head = make_head(self.config.head)
-        self.hf_config = self.head.hf_config(load_hf_config(model))
+        raw_config = load_hf_config(model)
+        # Image+text models get the LM head that feeds visual inputs (engine/vision.py).
+        self.head = VisionLMHead() if is_vlm(raw_config) and self.config.head == "lm" else make_head(self.config.head)
+        self.hf_config = self.head.hf_config(raw_config)
         # Training turns the KV cache off on the model (whose config may be this object); exports keep the base's.
         self.base_use_cache = bool(getattr(self.hf_config, "use_cache", True))
         dims = ParallelDims.parse(dims) if isinstance(dims, str) else dims
@@ -185,6 +188,9 @@ class TrainEngine(EngineIO):
                 "the global batch has zero loss weight (no target tokens on any rank); check loss_mask "
                 "(e.g. completions are empty or were truncated away)"
             )
+        fixed = getattr(loss_fn, "fixed_loss_weight", None)  # token-sum: a constant W, not the batch's sum
+        if fixed is not None:
+            global_weight = float(fixed)
         # FSDP averages gradients over the dp_cp ranks; undo that so the sum is global.
         grad_scale = self.dims.dp_cp / global_weight
         loss_sum, extra = self.runner.forward_backward(mbs, loss_fn, grad_scale, wants_entropy=wants_entropy)

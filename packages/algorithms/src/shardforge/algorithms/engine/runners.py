@@ -20,6 +20,7 @@ from torch import nn
 from shardforge.algorithms.batching import SEQUENCE_GROUP, PackedBatch, grouped_microbatches, split_microbatches
 from shardforge.algorithms.engine.context import ParallelContext
 from shardforge.algorithms.engine.features.moe import MoETraining, aux_term, moe_stats, recording
+from shardforge.algorithms.engine.features.router_replay import build_router_replay, replay_stats, replaying
 from shardforge.algorithms.engine.heads import Head
 from shardforge.checkpoint_dcp import Checkpointer, TrainState, export_hf
 from shardforge.fsdp_wrap import clip_grad_norm_, total_grad_norm
@@ -107,6 +108,7 @@ class SPMDRunner:
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, head: Head, moe: MoETraining | None) -> None:
         self.model, self.ctx, self.head, self.moe = model, ctx, head, moe
+        self.replay = build_router_replay(model, ctx.config.router_replay and moe is not None)
 
     def microbatches(self, batch: PackedBatch) -> MicroBatches:
         budget, group = self.ctx.config.max_tokens_per_microbatch, self.ctx.world_group
@@ -121,14 +123,16 @@ class SPMDRunner:
         for _, mb in mbs.items:
             real = mb is not None
             mb = (mb if mb is not None else dummy_microbatch()).to(self.ctx.device)
-            with recording(self.moe, mb.num_tokens, real):
-                outputs, entropy = self.head.outputs(self.model, self.ctx, mb, entropy=wants_entropy)
-            loss = loss_fn(outputs, mb, entropy=entropy) if wants_entropy else loss_fn(outputs, mb)
-            if not real:
-                loss = loss * 0.0
-            (loss * grad_scale + aux_term(self.moe, len(mbs.items))).backward()
+            with replaying(self.replay, mb):  # forward and backward (activation-checkpoint recompute)
+                with recording(self.moe, mb.num_tokens, real):
+                    outputs, entropy = self.head.outputs(self.model, self.ctx, mb, entropy=wants_entropy)
+                loss = loss_fn(outputs, mb, entropy=entropy) if wants_entropy else loss_fn(outputs, mb)
+                if not real:
+                    loss = loss * 0.0
+                (loss * grad_scale + aux_term(self.moe, len(mbs.items))).backward()
             loss_sum += loss.detach().double().cpu()
-        return float(loss_sum), moe_stats(self.moe)
+        stats = moe_stats(self.moe) | replay_stats(self.replay, self.ctx.dp_group, self.ctx.device)
+        return float(loss_sum), stats
 
     def grad_norm(self, params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
         return clip_grad_norm_(params, max_norm) if max_norm else total_grad_norm(params)
@@ -140,7 +144,9 @@ class SPMDRunner:
         return True, self.ctx.dp_group  # TP/CP ranks hold copies: sum over data-parallel ranks only
 
     def _outputs(self, mb: PackedBatch | None) -> torch.Tensor:
-        return self.head.outputs(self.model, self.ctx, mb if mb is not None else dummy_microbatch(), entropy=False)[0]
+        mb = mb if mb is not None else dummy_microbatch()
+        with replaying(self.replay, mb):
+            return self.head.outputs(self.model, self.ctx, mb, entropy=False)[0]
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         out = torch.zeros(batch.num_tokens, dtype=torch.float32)

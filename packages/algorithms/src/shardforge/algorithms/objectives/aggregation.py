@@ -19,6 +19,12 @@ nothing in either the numerator or the denominator):
 | ``seq-mean-token-sum`` | per-sequence token sum, mean over sequences | 1 | S |
 | ``seq-mean-token-mean`` | per-sequence token mean, mean over sequences (GRPO paper, GSPO) | 1 / n_i | S |
 | ``seq-mean-token-sum-norm`` | token sum / a constant L, mean over sequences (Dr. GRPO) | 1 / L | S |
+| ``token-sum`` | sum over all target tokens of the global batch, no normaliser | 1 | 1 (fixed) |
+
+``token-sum`` is the one mode whose W is not a sum over micro-batches: it is the constant 1
+(``Aggregation.fixed_weight``; the engine reads it from the loss function's ``fixed_loss_weight``).
+Its gradient grows with the number of tokens in the batch, so the learning rate must be scaled to
+the batch (e.g. lr / expected tokens per step); it is here for recipes written that way.
 
 L (``norm_length``) is a constant chosen by the user, Dr. GRPO uses the generation budget
 (max new tokens), so the per-token weight does not depend on the response length.
@@ -45,6 +51,7 @@ __all__ = [
     "aggregation_coefficients",
     "aggregation_weight",
     "check_aggregation",
+    "fixed_loss_weight",
 ]
 
 LossAggregation = str
@@ -61,6 +68,8 @@ class Aggregation:
     """``(loss_mask, cu_seqlens) -> 0-dim float64`` weight W of a micro-batch."""
     needs_norm_length: bool = False
     """Whether the mode divides by the user's constant ``norm_length`` (> 0)."""
+    fixed_weight: float | None = None
+    """A constant global W (``token-sum``: 1) used instead of the sum of ``weight`` over the batch."""
 
 
 AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
@@ -109,6 +118,12 @@ AGGREGATIONS.add(
     doc="token sum / constant norm_length, mean over sequences (Dr. GRPO)",
 )
 
+AGGREGATIONS.add(
+    "token-sum",
+    Aggregation(coefficients=_mask, weight=_tokens, fixed_weight=1.0),
+    doc="sum over all target tokens of the global batch, no normaliser (scale lr to the batch)",
+)
+
 
 def _lookup(mode: str) -> Aggregation:
     try:
@@ -127,6 +142,11 @@ def check_aggregation(mode: str, norm_length: float | None) -> None:
             f"loss aggregation {mode!r} (Dr. GRPO) needs norm_length > 0, a constant such as "
             f"the maximum number of generated tokens; got norm_length={norm_length}"
         )
+
+
+def fixed_loss_weight(mode: LossAggregation) -> float | None:
+    """The mode's constant global weight (``token-sum``: 1.0), None when W is summed over the batch."""
+    return _lookup(mode).fixed_weight
 
 
 def aggregation_coefficients(

@@ -25,6 +25,7 @@ from shardforge.algorithms.objectives.aggregation import (
     aggregation_coefficients,
     aggregation_weight,
     check_aggregation,
+    fixed_loss_weight,
 )
 from shardforge.algorithms.objectives.stats import LossOutput
 
@@ -113,4 +114,6 @@ def ppo_critic_loss(
             "values": (val.double() * fmask).sum(),
             "returns": (ret.double() * fmask).sum(),
         }
+    if fixed_loss_weight(config.aggregation) is not None:  # token-sum: the engine's loss is the sum itself
+        stats.pop("loss_weight")
     return LossOutput(loss_sum=loss_sum, loss_weight=weight, stats={k: v.cpu() for k, v in stats.items()})

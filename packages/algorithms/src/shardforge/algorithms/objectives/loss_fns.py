@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from shardforge.algorithms.batching import PackedBatch
-from shardforge.algorithms.objectives.aggregation import aggregation_weight
+from shardforge.algorithms.objectives.aggregation import aggregation_weight, fixed_loss_weight
 from shardforge.algorithms.objectives.critic import PPOCriticConfig, ppo_critic_loss
 from shardforge.algorithms.objectives.ppo import PPOActorConfig, ppo_actor_loss
 from shardforge.algorithms.objectives.rollout_correction import ROLLOUT_IS_WEIGHTS
@@ -97,6 +97,11 @@ class PPOActorLossFn(_StatsSink):
     def loss_weight(self, mb: PackedBatch) -> torch.Tensor:
         return aggregation_weight(mb.loss_mask, mb.cu_seqlens, self.config.aggregation, self.config.norm_length)
 
+    @property
+    def fixed_loss_weight(self) -> float | None:
+        """The global weight the engine divides by when the aggregation fixes it (``token-sum``: 1)."""
+        return fixed_loss_weight(self.config.aggregation)
+
 
 class PPOCriticLossFn(_StatsSink):
     """`ppo_critic_loss` as a loss function of (values [T], micro-batch), for a value-head engine."""
@@ -121,3 +126,8 @@ class PPOCriticLossFn(_StatsSink):
 
     def loss_weight(self, mb: PackedBatch) -> torch.Tensor:
         return aggregation_weight(mb.loss_mask, mb.cu_seqlens, self.config.aggregation, self.config.norm_length)
+
+    @property
+    def fixed_loss_weight(self) -> float | None:
+        """The global weight the engine divides by when the aggregation fixes it (``token-sum``: 1)."""
+        return fixed_loss_weight(self.config.aggregation)

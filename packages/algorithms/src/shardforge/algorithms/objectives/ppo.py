@@ -51,6 +51,7 @@ from shardforge.algorithms.objectives.aggregation import (
     aggregation_coefficients,
     aggregation_weight,
     check_aggregation,
+    fixed_loss_weight,
 )
 from shardforge.algorithms.objectives.kl import KLEstimator, check_kl_estimator, kl_estimate
 from shardforge.algorithms.objectives.stats import LossOutput
@@ -392,4 +393,6 @@ def ppo_actor_loss(
             stats["entropy"] = (entropy.detach().double() * fmask).sum()
         if kl_ref is not None:
             stats["kl_ref"] = (kl_ref.detach().double() * fmask).sum()
+    if fixed_loss_weight(config.aggregation) is not None:  # token-sum: the engine's loss is the sum itself
+        stats.pop("loss_weight")
     return LossOutput(loss_sum=loss_sum, loss_weight=weight, stats={k: v.cpu() for k, v in stats.items()})

@@ -57,12 +57,20 @@ class HFRolloutEngine:
         self.model.eval()
         self.model.config.use_cache = True
         self.receiver = WeightReceiver(self.model)
+        self.replay: Any = None
+        """A `shardforge.moe_ep.RouterReplay` when routing is recorded (`record_routing`)."""
         self.source = DiskWeightSource(weights_root) if weights_root is not None else None
         self.batch_size = batch_size
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
         if self.pad_id is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token; generation needs one to pad prompts")
+
+    def record_routing(self) -> None:
+        """Record each token's top-k experts per MoE layer into `Rollout.routed_experts` (router replay)."""
+        from shardforge.moe_ep import RouterReplay
+
+        self.replay = RouterReplay(self.model)
 
     @property
     def version(self) -> int:
@@ -113,7 +121,17 @@ class HFRolloutEngine:
             if greedy
             else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
         )
-        result = self.model.generate(
+        recording = self.replay.record() if self.replay is not None else contextlib.nullcontext(None)
+        with recording as routed:
+            result = self._run_generate(input_ids, attention, params, sampling)
+        new_tokens_dev = result.sequences[:, width:]
+        routing = routed_per_row(routed, rows, width, new_tokens_dev.shape[1]) if routed is not None else None
+        return self._rollouts(rows, result, new_tokens_dev, greedy, params, routing)
+
+    def _run_generate(
+        self, input_ids: torch.Tensor, attention: torch.Tensor, params: SamplingParams, sampling: dict[str, Any]
+    ) -> Any:
+        return self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention.to(self.device),
             max_new_tokens=params.max_new_tokens,
@@ -123,7 +141,16 @@ class HFRolloutEngine:
             return_dict_in_generate=True,
             **sampling,
         )
-        new_tokens_dev = result.sequences[:, width:]
+
+    def _rollouts(
+        self,
+        rows: list[tuple[int, list[int]]],
+        result: Any,
+        new_tokens_dev: torch.Tensor,
+        greedy: bool,
+        params: SamplingParams,
+        routing: list[torch.Tensor] | None,
+    ) -> list[Rollout]:
         # Raw logits of every step [B, steps, V] -> log-probs of the sampling distribution, on the
         # generating device (on a GPU, copying [B, steps, V] to the host first costs more than generating).
         logits = torch.stack(result.logits, dim=1).float()
@@ -146,6 +173,24 @@ class HFRolloutEngine:
                     finished=finished,
                     version=self.version,
                     text=self.tokenizer.decode(response, skip_special_tokens=True),
+                    routed_experts=routing[row][: len(prompt) + length] if routing is not None else None,
                 )
             )
         return rollouts
+
+
+def routed_per_row(
+    routed: list[list[torch.Tensor]], rows: list[tuple[int, list[int]]], width: int, steps: int
+) -> list[torch.Tensor]:
+    """Per generate row, ``[width_of_its_prompt + steps, L, K]`` int16 experts from the router calls of one
+    cached ``generate``: call 0 is the prefill (``B * width`` rows, prompts left-padded), call ``s >= 1``
+    feeds generated token ``s - 1`` (``B`` rows). The last generated token is never fed: -1."""
+    top_k = routed[0][0].shape[-1]
+    prefill = torch.stack([calls[0].view(len(rows), width, top_k) for calls in routed], dim=2)  # [B, width, L, K]
+    decode = torch.full((len(rows), steps, len(routed), top_k), -1, dtype=torch.int64)
+    for s in range(1, len(routed[0])):
+        decode[:, s - 1] = torch.stack([calls[s].view(len(rows), top_k) for calls in routed], dim=1)
+    out = []
+    for b, (_, prompt) in enumerate(rows):
+        out.append(torch.cat([prefill[b, width - len(prompt) :], decode[b]]).to(torch.int16))
+    return out

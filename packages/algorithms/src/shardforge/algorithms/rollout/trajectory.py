@@ -55,6 +55,9 @@ class Trajectory:
     """Decoded text of the last model turn (for logs and evaluation)."""
     baseline_reward: float | None = None
     """ReMax: the (shaped) reward of the prompt's greedy episode, set by the trainer when advantage=remax."""
+    routed_experts: Any = None
+    """MoE router replay: [n, L, K] experts of the first n tokens (the last generate call's context and
+    response, when it covered the whole trajectory so far; later environment tokens have none)."""
 
     def __post_init__(self) -> None:
         lengths = {len(self.token_ids), len(self.loss_mask), len(self.logprobs), len(self.versions)}
@@ -64,9 +67,16 @@ class Trajectory:
                 f"logprobs={len(self.logprobs)}, versions={len(self.versions)}; every list has one entry per token"
             )
 
-    def append(self, ids: list[int], *, logprobs: list[float] | None = None, version: int = -1) -> None:
-        """Append environment tokens (``logprobs=None``: mask 0) or generated tokens (their log-probs)."""
+    def append(
+        self, ids: list[int], *, logprobs: list[float] | None = None, version: int = -1, routing: Any = None
+    ) -> None:
+        """Append environment tokens (``logprobs=None``: mask 0) or generated tokens (their log-probs).
+
+        ``routing``: the generate call's `Rollout.routed_experts` (its prompt + these tokens); kept when that
+        prompt was this whole trajectory (router replay), else dropped."""
         self.token_ids += ids
+        if routing is not None and len(routing) == len(self.token_ids):
+            self.routed_experts = routing
         if logprobs is None:
             self.loss_mask += [0] * len(ids)
             self.logprobs += [0.0] * len(ids)
@@ -98,10 +108,20 @@ class Trajectory:
 
     def to_state(self) -> dict[str, Any]:
         """JSON-able state (float32 log-probs round-trip exactly through Python floats)."""
-        return asdict(self)
+        routed, self.routed_experts = self.routed_experts, None  # a tensor: stored as nested lists
+        try:
+            state = asdict(self)
+        finally:
+            self.routed_experts = routed
+        state["routed_experts"] = routed.tolist() if routed is not None else None
+        return state
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Trajectory:
         state = dict(state)
         state["turns"] = [TurnInfo(**t) for t in state.get("turns", [])]
+        if state.get("routed_experts") is not None:
+            import torch
+
+            state["routed_experts"] = torch.tensor(state["routed_experts"], dtype=torch.int16)
         return cls(**state)

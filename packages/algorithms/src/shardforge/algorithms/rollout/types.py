@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["Rollout", "RolloutEngine", "SamplingParams"]
 
@@ -54,6 +54,9 @@ class Rollout:
     text: str = ""
     """Decoded response (without special tokens)."""
     extras: dict[str, float] = field(default_factory=dict)
+    routed_experts: Any = None
+    """MoE router replay: [len(prompt_ids) + len(response_ids), L, K] int16 experts each token was routed to
+    per MoE layer (-1 where the engine never ran the token, e.g. the last generated one); None when not recorded."""
 
 
 class RolloutEngine(Protocol):

@@ -13,21 +13,31 @@ the sampling one when the recompute is skipped). ``task_reward_coef > 0`` mixes 
 outcome reward through the GRPO estimator (KDRL-style; needs group_size >= 2 unless
 ``advantage: dr_grpo``). The PPO-clip loss, rollout correction, evaluation and checkpoints are GRPO's.
 Metrics: ``distill/reverse_kl`` (per-token mean over the global batch), ``distill/teacher_logprob``.
+
+``mode: off_policy`` is supervised (sequence-level) distillation on the teacher's samples (Kim & Rush
+2016, "Sequence-Level Knowledge Distillation"): the teacher generates (an embedded HF rollout engine
+that never receives the student's weights) and the student minimises its negative log-likelihood
+of the teacher's tokens, ``-mean_t log pi_student(y_t)`` (token-mean; GPG's ``-A log pi`` with
+``A = 1``). No teacher forward runs in the trainer; the student's own rollout engine only serves
+evaluation. ``distill/teacher_logprob`` is then the teacher's sampling log-prob of its tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.batching.collectives import all_reduce_sum
 from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.engine.loading import load_hf_config
 from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
+from shardforge.algorithms.objectives.rollout_correction import BEHAVIOUR_LOGPROBS, RolloutCorrectionConfig
 from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, AdvantageEstimator
+from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, build_rollout_engine
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.grpo import GRPOConfig, GRPOTrainer
 
@@ -40,6 +50,9 @@ class DistillConfig(GRPOConfig):
 
     teacher_model: str
     """Frozen teacher HF model directory (same tokenizer / vocabulary as the student)."""
+    mode: Literal["on_policy", "off_policy"] = "on_policy"
+    """on_policy: the student samples, the teacher scores (reverse KL). off_policy: the teacher samples,
+    the student learns its tokens by NLL (sequence-level KD; needs rollout_engine=hf)."""
     group_size: int = 1
     """Samples per prompt (1 is enough for pure distillation; >= 2 to mix a task reward with grpo)."""
     advantage: AdvantageEstimator = "dr_grpo"
@@ -48,6 +61,9 @@ class DistillConfig(GRPOConfig):
     """Weight of the per-token reverse-KL advantage (teacher - student log-prob)."""
     task_reward_coef: float = 0.0
     """Weight of the outcome-reward advantage (0 = pure distillation)."""
+    kl_baseline: Literal["none", "mean"] = "none"
+    """on_policy: subtract the global batch's mean per-token reverse KL from every token's (a constant
+    baseline: the gradient's expectation is unchanged, its variance smaller); none = the raw estimate."""
     offload_teacher: bool = False
     """Keep the teacher's weights in host memory except during its forward (an accelerator memory saver)."""
 
@@ -58,6 +74,30 @@ class DistillConfig(GRPOConfig):
                 f"distill_coef={self.distill_coef} and task_reward_coef={self.task_reward_coef} must be >= 0 and not "
                 "both 0 (distill_coef=1, task_reward_coef=0 is pure on-policy distillation)"
             )
+        if self.mode == "off_policy":
+            _check_off_policy(self)
+
+
+def _check_off_policy(config: DistillConfig) -> None:
+    """Refuse what off-policy distillation cannot use; pin the loss (GPG with A=1 = NLL) and no correction."""
+    problems = []
+    if config.task_reward_coef > 0:
+        problems.append(f"task_reward_coef={config.task_reward_coef} (the samples are the teacher's: no task reward)")
+    if config.async_rollouts:
+        problems.append("async_rollouts=true (the teacher's samples never go stale)")
+    if config.rollout_engine != "hf":
+        problems.append(f"rollout_engine={config.rollout_engine!r} (the teacher samples on the embedded HF engine)")
+    if config.rollout_correction.mode not in ("token_tis", "none"):  # token_tis: the RL default, not a user choice
+        problems.append(
+            f"rollout_correction.mode={config.rollout_correction.mode!r} (teacher samples are not a behaviour policy to correct for)"
+        )
+    if config.actor.policy_loss not in ("vanilla", "gpg"):
+        problems.append(f"actor.policy_loss={config.actor.policy_loss!r} (the loss is the student's NLL)")
+    if problems:
+        raise ValueError("mode=off_policy does not take " + "; ".join(problems) + "; drop them or use mode=on_policy")
+    # frozen dataclass: the two settings the mode fixes, written once so config.json shows what runs
+    object.__setattr__(config, "rollout_correction", RolloutCorrectionConfig(mode="none"))
+    object.__setattr__(config, "actor", dataclasses.replace(config.actor, policy_loss="gpg"))
 
 
 @torch.no_grad()
@@ -75,7 +115,7 @@ def distill_advantages(
 
 
 class DistillTrainer(GRPOTrainer):
-    """GRPO's loop with the teacher's per-token reverse KL as the advantage."""
+    """GRPO's loop with the teacher's per-token reverse KL as the advantage (off_policy: NLL on its samples)."""
 
     name = "distill"
 
@@ -83,20 +123,38 @@ class DistillTrainer(GRPOTrainer):
         config = self.config
         assert isinstance(config, DistillConfig)
         engine = super().build_engines()
+        if config.mode == "off_policy":
+            vocab = load_hf_config(config.teacher_model).vocab_size
+            _check_vocab(vocab, engine.hf_config.vocab_size)
+            self.advantage_hook = self._supervised_hook
+            return engine
         teacher_config = config.engine
         if config.offload_teacher:
             teacher_config = dataclasses.replace(teacher_config, offload_when_idle=True, cpu_offload=False)
         self.teacher = TrainEngine(config.teacher_model, config.layout, teacher_config)
-        if self.teacher.hf_config.vocab_size != engine.hf_config.vocab_size:
-            raise ValueError(
-                f"teacher_model vocabulary ({self.teacher.hf_config.vocab_size}) differs from the student's "
-                f"({engine.hf_config.vocab_size}); on-policy distillation scores the student's tokens with the teacher, "
-                "so both must share one tokenizer"
-            )
+        _check_vocab(self.teacher.hf_config.vocab_size, engine.hf_config.vocab_size)
         if config.temperature > 0:
             self.teacher.logprob_temperature = config.temperature
         self.advantage_hook = self._distill_hook
         return engine
+
+    def sampling_rollout(self, rollout: PublishedRolloutEngine) -> PublishedRolloutEngine:
+        config = self.config
+        assert isinstance(config, DistillConfig)
+        if config.mode == "on_policy":
+            return rollout
+        # the teacher's engine follows no weights_root: it never receives the student's weights
+        return build_rollout_engine("hf", config.teacher_model, self.tokenizer, dtype=config.rollout_dtype)
+
+    def _supervised_hook(self, batch: PackedBatch) -> dict[str, float]:
+        """Off-policy: advantage 1 on every teacher token (GPG's -A log pi = the student's NLL)."""
+        mask = batch.loss_mask != 0
+        batch.extras[ADVANTAGES] = mask.to(torch.float32)
+        teacher = batch.extras[BEHAVIOUR_LOGPROBS].double()
+        teacher_sum, count = all_reduce_sum(
+            teacher[mask].sum(), mask.sum(), group=self.engine.dp_group, device=self.engine.device
+        )
+        return {"distill/teacher_logprob": teacher_sum / max(count, 1.0)}
 
     def _distill_hook(self, batch: PackedBatch) -> dict[str, float]:
         config = self.config
@@ -105,16 +163,27 @@ class DistillTrainer(GRPOTrainer):
         advantages, reverse_kl = distill_advantages(
             batch, teacher, distill_coef=config.distill_coef, task_reward_coef=config.task_reward_coef
         )
-        batch.extras[ADVANTAGES] = advantages
         mask = batch.loss_mask != 0
         kl_sum, teacher_sum, count = all_reduce_sum(
             reverse_kl.double().sum(), teacher.double()[mask].sum(), mask.sum(),
             group=self.engine.dp_group, device=self.engine.device,
         )  # fmt: skip
+        if config.kl_baseline == "mean":  # A_t + coef * mean_KL: only the deviation from the batch's mean pushes
+            shift = config.distill_coef * kl_sum / max(count, 1.0)
+            advantages = torch.where(mask, advantages + shift, advantages)
+        batch.extras[ADVANTAGES] = advantages
         return {
             "distill/reverse_kl": kl_sum / max(count, 1.0),
             "distill/teacher_logprob": teacher_sum / max(count, 1.0),
         }
+
+
+def _check_vocab(teacher: int, student: int) -> None:
+    if teacher != student:
+        raise ValueError(
+            f"teacher_model vocabulary ({teacher}) differs from the student's ({student}); distillation compares "
+            "the two models' probabilities of the same tokens, so both must share one tokenizer"
+        )
 
 
 def run_distill(config: DistillConfig) -> dict[str, Any]:

@@ -30,7 +30,8 @@ from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.batching.collectives import all_reduce_stats, all_reduce_sum
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
-from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
+from shardforge.algorithms.objectives.kl_control import KLController, build_kl_controller
+from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS
 from shardforge.algorithms.objectives.on_policy import OnPolicyActorLossFn, correction_fits_in_loss, has_dropout
 from shardforge.algorithms.objectives.rollout_correction import (
     ROLLOUT_CORRECTIONS,
@@ -45,7 +46,7 @@ from shardforge.algorithms.rlvr import (
     PromptSet,
     group_advantages,
 )
-from shardforge.algorithms.rollout.factory import build_rollout_engine
+from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, build_rollout_engine
 from shardforge.algorithms.rollout.sources import AsyncRollouts, RolloutSource, SampledBatch, SampleFn, SyncRollouts
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
@@ -53,6 +54,7 @@ from shardforge.algorithms.trainers.common import with_total_steps
 from shardforge.algorithms.trainers.profiling import phase
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
+    build_reference,
     build_reward_fn,
     build_reward_model,
     check_eval_split,
@@ -61,6 +63,7 @@ from shardforge.algorithms.trainers.rl_common import (
     dynamic_sampling_stats,
     global_reward_stats,
     publish_version,
+    record_routing,
     reward_call_stats,
 )
 from shardforge.algorithms.trainers.rl_data import load_prompt_data
@@ -92,9 +95,6 @@ class GRPOConfig(RLTrainerConfig):
     """Skip the old-log-prob recompute when it is redundant (synchronous rollouts: one update per batch, on-policy;
     no dropout; rollout_correction none/bypass/*_tis without batch_normalize) and take them from the training
     forward, detached, as TRL and verl do; false: always recompute. See docs/packages/algorithms-grpo.md."""
-    publish_in_memory: bool = True
-    """At world size 1 with the embedded HF rollout engine (synchronous), hand the new weights to it in memory
-    instead of a weight-sync version on disk (output_dir/weights); false: always through disk."""
 
     def __post_init__(self) -> None:
         # An unknown estimator is a config error, not a failure at the first step.
@@ -117,15 +117,20 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
             "advantage=remax with reward_model is not supported yet: the greedy baseline episodes are scored by the "
             "reward functions only; use another estimator (grpo, rloo) or drop reward_model"
         )
+    kl_coef = config.actor.kl_coef
+    if config.kl_ctrl.kl_coef not in (0.0, kl_coef):
+        raise ValueError(
+            f"kl_ctrl.kl_coef={config.kl_ctrl.kl_coef} differs from actor.kl_coef={kl_coef}: GRPO's KL is in the loss; "
+            "set the (initial) coefficient with actor.kl_coef only"
+        )
+    if config.kl_ctrl.type != "fixed" and kl_coef == 0:
+        raise ValueError(
+            f"kl_ctrl.type={config.kl_ctrl.type!r} steers actor.kl_coef, which is 0 (no reference model, no KL): "
+            "set actor.kl_coef > 0 as the starting coefficient (e.g. 0.001 with actor.kl_estimator=k3)"
+        )
     if config.max_staleness < 0:
         raise ValueError(f"max_staleness={config.max_staleness} must be >= 0 (0 = on-policy, no overlap)")
     recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
-    if not config.recompute_logprobs and recompute and config.rollout_correction.mode != "none":
-        raise ValueError(
-            f"recompute_logprobs=false leaves no trainer log-probs for rollout_correction.mode="
-            f"{config.rollout_correction.mode!r}; set rollout_correction.mode=bypass (the same as "
-            "recompute_logprobs=false) or none, or keep recompute_logprobs=true"
-        )
     if config.async_rollouts and not (config.recompute_logprobs and recompute):
         raise ValueError(
             "async_rollouts needs recompute_logprobs=true and a rollout_correction.mode other than bypass: "
@@ -171,6 +176,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         if config.temperature > 0:  # train on the distribution the rollouts sample from
             engine.logprob_temperature = config.temperature
         self.reward_model = build_reward_model(config, engine)
+        self.reference = build_reference(config, config.actor.kl_coef > 0)  # the KL term of the actor loss
         return engine
 
     def data_state(self) -> dict[str, Any]:
@@ -188,6 +194,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
             dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
         )  # fmt: skip
 
+        record_routing(config, rollout)
         receiver = in_process_receiver(rollout, enabled=config.publish_in_memory, asynchronous=config.async_rollouts)
 
         def publish(version: int | None) -> int:
@@ -195,8 +202,9 @@ class GRPOTrainer(Trainer[GRPOConfig]):
                 return publish_in_process(engine, receiver, config.rollout_dtype, version)
             return publish_version(engine, transport, rollout, config.rollout_dtype, version)
 
-        sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
-        generate_round = workflow_round_fn(config, rollout, self.prompts, self.workflow, engine, sampler)
+        prompt_sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
+        sampler = self.sampling_rollout(rollout)
+        generate_round = workflow_round_fn(config, sampler, self.prompts, self.workflow, engine, prompt_sampler)
         sample_fn, self.dynamic = make_sample_fn(config, generate_round, engine.dp_size)
         sample_fn = _traced(sample_fn)  # the generate range, on whichever thread samples
         self.source: RolloutSource | None = None
@@ -215,10 +223,19 @@ class GRPOTrainer(Trainer[GRPOConfig]):
             )
         else:
             self.source = SyncRollouts(rollout, sample_fn, publish)
+        self.kl_ctrl: KLController = build_kl_controller(
+            dataclasses.replace(config.kl_ctrl, kl_coef=config.actor.kl_coef)
+        )
+        if "kl_coef" in restored:  # an adaptive coefficient continues where the checkpoint left it
+            self.kl_ctrl.value = float(restored["kl_coef"])
         self.actor = PPOActorLossFn(config.actor)
         if _reuse_training_logprobs(config, engine):
             self.actor = OnPolicyActorLossFn(config.actor, config.rollout_correction)
             log.info("old log-probs: from the training forward (one update per on-policy batch; no recompute pass)")
+
+    def sampling_rollout(self, rollout: PublishedRolloutEngine) -> PublishedRolloutEngine:
+        """The engine the training samples come from: the policy's own (off-policy distillation: the teacher's)."""
+        return rollout
 
     def train_step(self, step: int) -> dict[str, float]:
         assert self.source is not None
@@ -230,7 +247,14 @@ class GRPOTrainer(Trainer[GRPOConfig]):
             with phase("reward_model"):
                 rewards, rm_stats = self.reward_model.add_scores(sampled.rewards, sampled.rollouts)
             sampled = dataclasses.replace(sampled, rewards=rewards)
-        stats = _train_step(sampled, self.config, self.engine, self.actor, step_started, self.advantage_hook)
+        if self.reference is not None:  # the coefficient this step uses (the controller's, when adaptive)
+            self.actor.config = dataclasses.replace(self.actor.config, kl_coef=self.kl_ctrl.value)
+        stats = _train_step(
+            sampled, self.config, self.engine, self.actor, step_started, self.advantage_hook, self.reference
+        )
+        if self.reference is not None:
+            stats["kl_coef"] = self.kl_ctrl.value
+            self.kl_ctrl.update(stats["actor/kl_ref"], self.config.prompts_per_step * self.config.group_size)
         stats |= rm_stats
         if self.dynamic is not None:
             stats |= dynamic_sampling_stats(self.dynamic.pop_stats(sampled.index), self.engine)
@@ -250,7 +274,10 @@ class GRPOTrainer(Trainer[GRPOConfig]):
 
     def extra_state(self) -> dict[str, Any]:
         state = self.source.checkpoint_state() if self.source is not None else {}
-        return {"async_rollouts": state} if state else {}
+        extra: dict[str, Any] = {"async_rollouts": state} if state else {}
+        if self.config.kl_ctrl.type != "fixed":
+            extra["kl_coef"] = self.kl_ctrl.value
+        return extra
 
     def evaluate(self) -> dict[str, float]:
         assert self.held_out is not None and self.source is not None
@@ -306,6 +333,7 @@ def _train_step(
     actor: PPOActorLossFn,
     step_started: float,
     advantage_hook: Callable[[PackedBatch], dict[str, float]] | None = None,
+    reference: TrainEngine | None = None,
 ) -> dict[str, float]:
     """One PPO update on a sampled batch. The trainer's recomputed log-probs anchor the PPO ratio
     (the proximal policy); the rollout correction weights every token by trainer/engine (the
@@ -321,6 +349,9 @@ def _train_step(
         sampled.rewards, config.group_size, config.advantage, response_lengths=lengths, baseline_rewards=baselines
     )
     batch = trajectories_to_batch(sampled.rollouts, advantages)
+    if reference is not None:  # actor.kl_coef > 0: the KL term of the loss against the frozen reference
+        with phase("ref_logprobs"):
+            batch.extras[REF_LOGPROBS] = reference.forward(batch)
     staleness = sampled.index - sampled.policy_step
     correction: dict[str, float] = {}
     recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
@@ -335,10 +366,14 @@ def _train_step(
             batch, config.rollout_correction, old_key=OLD_LOGPROBS, group=engine.dp_group, device=engine.device
         )
     hooked = advantage_hook(batch) if advantage_hook is not None else {}
+    mask = batch.loss_mask != 0
+    signal, targets = all_reduce_sum(
+        (mask & (batch.extras[ADVANTAGES] != 0)).sum(), mask.sum(), group=engine.dp_group, device=engine.device
+    )  # the share of trained tokens with a learning signal (dynamic sampling drives it to 1)
     forwarded = time.perf_counter()
     with phase("train"):
         stats = engine.train_batch(batch, actor, actor.loss_weight)
-    stats |= hooked
+    stats |= hooked | {"advantage_nonzero_frac": signal / max(targets, 1.0)}
     actor_stats = all_reduce_stats(actor.pop_stats(), engine.dp_group, engine.device)
     if isinstance(actor, OnPolicyActorLossFn):  # the correction ran inside the loss, per micro-batch
         local = actor.pop_correction_stats()

@@ -27,7 +27,7 @@ import torch
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.objectives import KLEstimator, PPOActorLossFn, PPOCriticConfig
-from shardforge.algorithms.objectives.kl_control import KLControlConfig, KLController, build_kl_controller
+from shardforge.algorithms.objectives.kl_control import KLController, build_kl_controller
 from shardforge.algorithms.objectives.rollout_correction import ROLLOUT_CORRECTIONS
 from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, PromptSet
 from shardforge.algorithms.rollout.factory import build_rollout_engine
@@ -43,6 +43,7 @@ from shardforge.algorithms.trainers.ppo_update import (
 from shardforge.algorithms.trainers.profiling import phase
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
+    build_reference,
     build_reward_fn,
     build_reward_model,
     check_eval_split,
@@ -51,10 +52,12 @@ from shardforge.algorithms.trainers.rl_common import (
     dynamic_sampling_stats,
     global_reward_stats,
     publish_to_rollout,
+    record_routing,
     reward_call_stats,
 )
 from shardforge.algorithms.trainers.rl_data import load_prompt_data
 from shardforge.algorithms.trainers.rl_eval import evaluate_prompts
+from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
 from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
 from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
 from shardforge.algorithms.workflows import trajectories_to_batch
@@ -69,8 +72,6 @@ class PPOConfig(RLTrainerConfig):
 
     critic_model: str | None = None
     """Critic start: a reward-model / value-model directory or an LM directory (new head); None = model."""
-    reference_model: str | None = None
-    """Frozen reference policy for the KL-in-reward term; None = model. Built only when kl_coef > 0."""
     update_epochs: int = 2
     """Optimizer steps of the actor and of the critic per rollout batch (clipping acts from the second)."""
     group_size: int = 1
@@ -85,12 +86,6 @@ class PPOConfig(RLTrainerConfig):
     """Per-token KL penalty to the reference policy, subtracted from the reward (0 = no reference)."""
     kl_estimator: KLEstimator = "k1"
     """KL estimator of the penalty (k1 = log pi - log pi_ref)."""
-    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
-    """How kl_coef evolves (verl's algorithm.kl_ctrl): type fixed | adaptive, target_kl, horizon; kl_coef is the start."""
-    offload_reference: bool = False
-    """Keep the reference policy's weights in host memory except during its forward (on an accelerator
-    this frees its whole footprint for the actor; a no-op on CPU). The critic's equivalent is
-    ``critic_engine.offload_when_idle``."""
     critic: PPOCriticConfig = field(default_factory=PPOCriticConfig)
     """Critic loss options (value clip, mse/huber)."""
     critic_engine: EngineConfig = field(default_factory=EngineConfig)
@@ -115,12 +110,6 @@ def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
         raise ValueError(
             f"kl_ctrl.type={config.kl_ctrl.type!r} steers kl_coef, which is 0 (no reference model, no KL): "
             "set kl_coef > 0 as the starting coefficient"
-        )
-    mode = config.rollout_correction.mode
-    if not config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(mode).recompute and mode != "none":
-        raise ValueError(
-            f"recompute_logprobs=false leaves no trainer log-probs for rollout_correction.mode={mode!r}; set "
-            "rollout_correction.mode=bypass (the same as recompute_logprobs=false) or none, or keep recompute_logprobs=true"
         )
     if config.dynamic_sampling.enabled and config.group_size < 2:
         raise ValueError(
@@ -163,17 +152,11 @@ class PPOTrainer(Trainer[PPOConfig]):
         check_eval_split(config, len(self.held_out) if self.held_out is not None else None, actor.dp_size)
         critic_config = dataclasses.replace(with_total_steps(config.critic_engine, total), head="value")
         self.critic = TrainEngine(config.critic_model or config.model, config.layout, critic_config)
-        self.reference = None
-        if config.kl_coef > 0:
-            ref_config = config.engine
-            if config.offload_reference:  # on the device only for its forward (cpu_offload would keep it on host)
-                ref_config = dataclasses.replace(ref_config, offload_when_idle=True, cpu_offload=False)
-            self.reference = TrainEngine(config.reference_model or config.model, config.layout, ref_config)
+        # KL in the reward (kl_coef) or in the actor loss (actor.kl_coef) needs the reference's log-probs
+        self.reference = build_reference(config, config.kl_coef > 0 or config.actor.kl_coef > 0)
         self.reward_model = build_reward_model(config, actor)
         if config.temperature > 0:  # log-probs of the distribution the rollouts sample from (as GRPO)
-            for policy in (actor, self.reference):
-                if policy is not None:
-                    policy.logprob_temperature = config.temperature
+            actor.logprob_temperature = config.temperature
         return actor
 
     def data_state(self) -> dict[str, Any]:
@@ -198,7 +181,9 @@ class PPOTrainer(Trainer[PPOConfig]):
             config.rollout_engine, config.model, self.tokenizer, weights_root=weights_root,
             dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
         )  # fmt: skip
-        self.version = publish_to_rollout(actor, self.transport, self.rollout, config.rollout_dtype)
+        record_routing(config, self.rollout)
+        self.receiver = in_process_receiver(self.rollout, enabled=config.publish_in_memory, asynchronous=False)
+        self.version = self._publish(None)
         self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
         self.kl_ctrl: KLController = build_kl_controller(dataclasses.replace(config.kl_ctrl, kl_coef=config.kl_coef))
         if "kl_coef" in restored:  # an adaptive coefficient continues where the checkpoint left it
@@ -206,6 +191,14 @@ class PPOTrainer(Trainer[PPOConfig]):
         sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
         generate_round = workflow_round_fn(config, self.rollout, self.prompts, self.workflow, actor, sampler)
         self.sample, self.dynamic = make_sample_fn(config, generate_round, actor.dp_size)
+
+    def _publish(self, version: int | None) -> int:
+        """Publish the actor as ``version`` (None: the first) and serve it; return the next version number.
+        In memory at world 1 with the embedded HF engine (``publish_in_memory``), else through disk."""
+        config = self.config
+        if self.receiver is not None:
+            return publish_in_process(self.engine, self.receiver, config.rollout_dtype, version) + 1
+        return publish_to_rollout(self.engine, self.transport, self.rollout, config.rollout_dtype, version)
 
     def train_step(self, step: int) -> dict[str, float]:
         config, actor, rollout = self.config, self.engine, self.rollout
@@ -242,7 +235,7 @@ class PPOTrainer(Trainer[PPOConfig]):
             )  # fmt: skip
         began = time.perf_counter()
         with phase("weight_sync"):
-            self.version = publish_to_rollout(actor, self.transport, rollout, config.rollout_dtype, self.version)
+            self.version = self._publish(self.version)
         stats |= global_reward_stats(rewards.double(), lengths, actor) | workflow_stats(trajectories, actor)
         if self.dynamic is not None:
             stats |= dynamic_sampling_stats(self.dynamic.pop_stats(step), actor)

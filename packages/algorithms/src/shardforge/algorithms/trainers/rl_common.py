@@ -3,6 +3,7 @@ global reward statistics, the held-out split check."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -13,8 +14,9 @@ import torch.distributed as dist
 from shardforge.algorithms.batching.collectives import all_reduce_max, all_reduce_sum, broadcast_floats
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import PPOActorConfig
+from shardforge.algorithms.objectives.kl_control import KLControlConfig
 from shardforge.algorithms.objectives.rewards import RewardShapingConfig
-from shardforge.algorithms.objectives.rollout_correction import RolloutCorrectionConfig
+from shardforge.algorithms.objectives.rollout_correction import ROLLOUT_CORRECTIONS, RolloutCorrectionConfig
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout.dynamic_sampling import DynamicSamplingConfig
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, RolloutEngineKind
@@ -30,6 +32,7 @@ from shardforge.weight_sync import DiskTransport
 
 __all__ = [
     "RLTrainerConfig",
+    "build_reference",
     "build_reward_fn",
     "build_reward_model",
     "check_eval_split",
@@ -39,6 +42,7 @@ __all__ = [
     "global_reward_stats",
     "publish_to_rollout",
     "publish_version",
+    "record_routing",
     "reward_call_stats",
 ]
 
@@ -66,6 +70,19 @@ class RLTrainerConfig(TrainerConfig):
     """A weighted sum of rewards, each ``{name, weight, args}`` (replaces reward_fn; see the catalogue)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """A trained reward model scoring every rollout in the loop (path, weight, offload); added to the rewards."""
+    publish_in_memory: bool = True
+    """At world size 1 with the embedded HF rollout engine (synchronous), hand the new weights to it in memory
+    instead of a weight-sync version on disk (output_dir/weights); false: always through disk."""
+    reference_model: str | None = None
+    """Frozen reference policy for the KL terms (PPO's in-reward kl_coef, actor.kl_coef in the loss); None = model.
+    Built only when a KL coefficient is > 0."""
+    offload_reference: bool = False
+    """Keep the reference policy's weights in host memory except during its forward (on an accelerator
+    this frees its whole footprint for the actor; a no-op on CPU). PPO's critic equivalent is
+    ``critic_engine.offload_when_idle``."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """How the KL coefficient evolves (verl's algorithm.kl_ctrl: fixed | adaptive, target_kl, horizon): PPO's
+    in-reward kl_coef, GRPO's in-loss actor.kl_coef (the configured coefficient is the start)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """How reward functions run: timeout_s, max_concurrency, on_error (zero: a failed call scores 0.0, counted)."""
     reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
@@ -103,6 +120,17 @@ def check_rollout_batch(config: RLTrainerConfig, prompts: PromptSet, dp_size: in
         )
     if config.group_size < 1:
         raise ValueError(f"group_size={config.group_size} must be >= 1")
+    mode = config.rollout_correction.mode
+    if not config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(mode).recompute and mode != "none":
+        raise ValueError(
+            f"recompute_logprobs=false leaves no trainer log-probs for rollout_correction.mode={mode!r}; set "
+            "rollout_correction.mode=bypass (the same as recompute_logprobs=false) or none, or keep recompute_logprobs=true"
+        )
+    if config.engine.router_replay and config.rollout_engine != "hf":
+        raise ValueError(
+            f"engine.router_replay replays the routing the embedded HF engine records; rollout_engine="
+            f"{config.rollout_engine!r} does not record it yet: use rollout_engine=hf or router_replay=false"
+        )
     if config.rewards and config.reward_fn != "exact_match":
         raise ValueError(
             f"set reward_fn or rewards, not both (reward_fn={config.reward_fn!r}); add it to rewards as "
@@ -199,6 +227,26 @@ def build_reward_fn(config: RLTrainerConfig | Any) -> GuardedReward:
     rewards = getattr(config, "rewards", ())
     fn = build_reward(config.reward_fn, rewards)
     return GuardedReward(fn, config.reward, name=getattr(fn, "__name__", config.reward_fn))
+
+
+def record_routing(config: RLTrainerConfig, rollout: PublishedRolloutEngine) -> None:
+    """With ``engine.router_replay``, make the (embedded HF) rollout engine record every token's experts."""
+    if config.engine.router_replay:
+        getattr(rollout, "record_routing")()  # noqa: B009  (HFRolloutEngine: check_rollout_batch made sure)
+
+
+def build_reference(config: RLTrainerConfig, needed: bool) -> TrainEngine | None:
+    """The frozen reference policy (``reference_model`` or the model) when ``needed``, else None; it scores
+    at the rollout temperature, as the policy does, and is offloaded between forwards with ``offload_reference``."""
+    if not needed:
+        return None
+    ref_config = config.engine
+    if config.offload_reference:  # on the device only for its forward (cpu_offload would keep it on host)
+        ref_config = dataclasses.replace(ref_config, offload_when_idle=True, cpu_offload=False)
+    reference = TrainEngine(config.reference_model or config.model, config.layout, ref_config)
+    if config.temperature > 0:
+        reference.logprob_temperature = config.temperature
+    return reference
 
 
 def build_reward_model(config: RLTrainerConfig, policy: TrainEngine) -> RewardModelScorer | None:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from shardforge.algorithms.batching import PackedBatch, pack_sequences
+from shardforge.algorithms.engine.features.router_replay import ROUTED_EXPERTS
 from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
 from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS
 from shardforge.algorithms.rollout.request_queue import RequestQueue
@@ -151,4 +152,12 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], advantages: torch.
         adv[start:end] = torch.where(mask, float(advantages[i]), 0.0)
         behaviour[start:end] = torch.where(mask, torch.tensor(t.logprobs, dtype=torch.float32), 0.0)
     batch.extras = {ADVANTAGES: adv, OLD_LOGPROBS: behaviour.clone(), BEHAVIOUR_LOGPROBS: behaviour}
+    routed = [t.routed_experts for t in trajectories]
+    if any(r is not None for r in routed):  # MoE router replay: [T, L, K], -1 where a token has none
+        shape = next(r for r in routed if r is not None).shape[1:]
+        experts = torch.full((batch.num_tokens, *shape), -1, dtype=torch.int64)
+        for i, r in enumerate(routed):
+            if r is not None:
+                experts[bounds[i] : bounds[i] + len(r)] = r.to(torch.int64)
+        batch.extras[ROUTED_EXPERTS] = experts
     return batch

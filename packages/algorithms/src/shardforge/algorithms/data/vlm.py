@@ -1,0 +1,160 @@
+"""Vision-language SFT data: chat rows with image content parts -> token ids, loss masks and visual inputs.
+
+A row is an HF chat with image parts, one or several images per row:
+
+    {"messages": [{"role": "user", "content": [{"type": "image", "image": "path/to.png"},
+                                                {"type": "text", "text": "colour?"}]},
+                  {"role": "assistant", "content": "red"}]}
+
+The chat template renders each image part as one image token (Qwen2.5-VL: ``<|vision_start|><|image_pad|>
+<|vision_end|>``); the image processor turns the images into ``pixel_values`` [patches, C*t*p*p] and
+``image_grid_thw`` [images, 3], and each image token is expanded to ``t*h*w / merge_size**2`` copies (what
+the HF processor does), so the vision tower's output fills them one to one. Loss is on assistant tokens.
+
+Packed batches carry the visual inputs as per-sequence extras (zero-padded to the batch's largest
+sequence, so `PackedBatch.select` and micro-batching keep each sequence's images with it):
+``VLM_PIXELS`` [N, max patches, C*t*p*p] and ``VLM_GRIDS`` [N, max images, 3] (rows of zeros = no image).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardforge.algorithms.batching import PackedBatch, pack_sequences
+from shardforge.algorithms.batching.visual import VLM_GRIDS, VLM_PIXELS
+from shardforge.algorithms.data.jsonl import read_jsonl
+
+__all__ = ["VLM_GRIDS", "VLM_PIXELS", "VLMExample", "load_vlm_examples", "pack_vlm_examples", "tokenize_vlm_row"]
+
+
+@dataclass(frozen=True, slots=True)
+class VLMExample:
+    """One tokenised image+text example."""
+
+    input_ids: list[int]
+    loss_mask: list[float]
+    pixel_values: torch.Tensor
+    """[patches, patch dim] of all images of the example, in order (0 rows without images)."""
+    image_grid_thw: torch.Tensor
+    """[images, 3] int64."""
+
+
+def _image_parts(messages: list[dict[str, Any]], where: str) -> list[str]:
+    paths = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image":
+                    image = part.get("image")
+                    if not isinstance(image, str):
+                        raise ValueError(f"{where}: message {i} has an image part without an 'image' path: {part!r}")
+                    paths.append(image)
+    return paths
+
+
+def _load_images(paths: list[str], base: Path | None, where: str) -> list[Any]:
+    from PIL import Image
+
+    images = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_absolute() and base is not None:
+            path = base / path
+        if not path.is_file():
+            raise ValueError(f"{where}: image {raw!r} not found (looked at {str(path)!r}); paths are local files")
+        with Image.open(path) as image:
+            images.append(image.convert("RGB"))
+    return images
+
+
+def _expand(text: str, image_token: str, counts: list[int], where: str) -> str:
+    pieces = text.split(image_token)
+    if len(pieces) - 1 > len(counts):
+        raise ValueError(f"{where}: the chat template rendered {len(pieces) - 1} image tokens for {len(counts)} images")
+    out = [pieces[0]]
+    for count, piece in zip(counts, pieces[1:]):
+        out += [image_token * count, piece]
+    return "".join(out)
+
+
+def tokenize_vlm_row(
+    row: dict[str, Any],
+    tokenizer: Any,
+    image_processor: Any,
+    *,
+    image_token: str,
+    where: str = "row",
+    base: Path | None = None,
+) -> VLMExample:
+    """Tokenise one image+text chat row (loss on assistant turns); a `ValueError` names a malformed row."""
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"{where}: image chat rows need a tokenizer with a chat_template")
+    paths = _image_parts(messages, where)
+    if paths:
+        visual = image_processor(images=_load_images(paths, base, where), return_tensors="pt")
+        pixels, grids = visual["pixel_values"].float(), visual["image_grid_thw"].long()
+        merge = int(getattr(image_processor, "merge_size", 2))
+        counts = [int(g.prod()) // merge**2 for g in grids]
+    else:
+        pixels, grids, counts = torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long), []
+
+    def ids_of(prefix: list[dict[str, Any]], generation: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(prefix, add_generation_prompt=generation, tokenize=False)
+        text = _expand(text, image_token, counts, where)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    ids: list[int] = []
+    mask: list[float] = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before, after = ids_of(messages[:i], True), ids_of(messages[: i + 1], False)
+        if after[: len(before)] != before or before[: len(ids)] != ids:
+            raise ValueError(f"{where}: the chat template is not prefix-stable; cannot locate assistant tokens")
+        mask += [0.0] * (len(before) - len(ids)) + [1.0] * (len(after) - len(before))
+        ids = after
+    if not any(mask):
+        raise ValueError(f"{where}: no assistant message, so there is nothing to train on")
+    image_id = tokenizer.convert_tokens_to_ids(image_token)
+    if sum(1 for t in ids if t == image_id) != sum(counts):
+        raise ValueError(f"{where}: images after the last assistant turn are not supported (nothing attends to them)")
+    return VLMExample(ids, mask, pixels, grids)
+
+
+def load_vlm_examples(path: str | Path, tokenizer: Any, image_processor: Any, *, image_token: str) -> list[VLMExample]:
+    """Read and tokenise a JSONL file of image+text chat rows; image paths are local files, relative
+    ones resolved against the JSONL file's directory."""
+    path = Path(path)
+    rows = read_jsonl(path, "dataset file", (("messages",),))
+    return [
+        tokenize_vlm_row(
+            row, tokenizer, image_processor, image_token=image_token, where=f"{path}:{n}", base=path.parent
+        )
+        for n, row in rows
+    ]
+
+
+def pack_vlm_examples(examples: list[VLMExample], indices: list[int]) -> PackedBatch:
+    """Pack the examples at ``indices`` into one `PackedBatch` with ``VLM_PIXELS`` / ``VLM_GRIDS`` extras."""
+    chosen = [examples[i] for i in indices]
+    batch = pack_sequences([e.input_ids for e in chosen], [e.loss_mask for e in chosen])
+    dim = max((e.pixel_values.shape[1] for e in chosen if e.pixel_values.numel()), default=1)
+    max_patches = max((e.pixel_values.shape[0] for e in chosen), default=0)
+    max_images = max((e.image_grid_thw.shape[0] for e in chosen), default=0)
+    pixels = torch.zeros(len(chosen), max(max_patches, 1), dim)
+    grids = torch.zeros(len(chosen), max(max_images, 1), 3, dtype=torch.long)
+    for i, e in enumerate(chosen):
+        if e.pixel_values.numel():
+            pixels[i, : e.pixel_values.shape[0]] = e.pixel_values
+        grids[i, : e.image_grid_thw.shape[0]] = e.image_grid_thw
+    batch.extras[VLM_PIXELS] = pixels
+    batch.extras[VLM_GRIDS] = grids
+    return batch

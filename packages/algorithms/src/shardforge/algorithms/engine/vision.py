@@ -1,0 +1,198 @@
+"""Vision-language models (Qwen2.5-VL family) in the engine: `VisionLMHead`.
+
+Chosen instead of `LMHead` when the HF config has a ``vision_config`` (``EngineConfig.head="lm"``): it
+builds the family's ``AutoModelForImageTextToText`` class and feeds each micro-batch's visual inputs
+(``data.vlm.VLM_PIXELS`` / ``VLM_GRIDS`` per-sequence extras) with the packed text.
+
+Packing: the text runs through the packed attention (``cu_seqlens``), so sequences never attend to
+each other; the 3-D multimodal rotary positions (mRoPE) are computed per packed sequence, restarting
+at 0 (`mrope_position_ids`), so a packed forward equals each sample run alone. The vision tower keeps
+SDPA attention: it runs on its own per-image chunks and ignores the text's packed kwargs.
+
+Collectives: every micro-batch runs the vision tower (its blocks are FSDP units, all-gathered on
+every rank): one without images (a text-only micro-batch or a rank's placeholder) gets one dummy
+black image as an extra packed sequence whose outputs are dropped but kept in the graph with weight 0,
+so every rank joins the same all-gathers and reduce-scatters.
+
+Layouts: FSDP / HSDP / DDP and one process; TP, CP and PP are refused (`check_vlm`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardforge.algorithms.batching import PackedBatch, sequence_start_mask
+from shardforge.algorithms.batching.visual import VLM_GRIDS, VLM_PIXELS
+from shardforge.algorithms.engine.context import ParallelContext
+from shardforge.algorithms.engine.heads import LMHead
+from shardforge.algorithms.engine.loading import is_model_dir
+from shardforge.ulysses_cp import packed_model_kwargs
+
+__all__ = ["VisionLMHead", "check_vlm", "is_vlm", "mrope_position_ids"]
+
+
+def is_vlm(hf_config: Any) -> bool:
+    """Whether ``hf_config`` is a vision-language model (has a vision tower config)."""
+    return getattr(hf_config, "vision_config", None) is not None
+
+
+def check_vlm(dims: Any, hf_config: Any, head: str) -> None:
+    """Refuse what vision-language models do not support yet; raise `ValueError` before any collective."""
+    if not is_vlm(hf_config):
+        return
+    kind = getattr(hf_config, "model_type", None)
+    unsupported = {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "ep": dims.ep}
+    bad = {k: v for k, v in unsupported.items() if v > 1}
+    if bad:
+        raise ValueError(
+            f"vision-language models ({kind}) support data-parallel layouts only for now (FSDP d, HSDP r x d, "
+            f"DDP r), got {bad}; use e.g. layout d{dims.world_size} (see docs/packages/algorithms-vlm.md)"
+        )
+    if head != "lm":
+        raise ValueError(f"vision-language models ({kind}) support engine.head='lm' only, got {head!r}")
+
+
+def _vision_attn(attn: str) -> dict[str, str]:
+    # The text model uses the packed attention; the vision tower keeps SDPA (see the module docstring).
+    return {"": attn, "text_config": attn, "vision_config": "sdpa"}
+
+
+def mrope_position_ids(
+    input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grids: torch.Tensor, *, image_token_id: int, merge_size: int
+) -> torch.Tensor:
+    """[3, T] (temporal, height, width) rotary positions of a packed batch, restarting per sequence.
+
+    Per Qwen2-VL's rule (``get_rope_index``): text tokens advance all three by 1; an image of merged grid
+    (t, h, w) at position s gets (s + i_t, s + i_h, s + i_w) for its t*h*w tokens, then text resumes at
+    s + max(h, w). ``grids`` is [N, max images, 3] (zero rows = no image), in each sequence's image order.
+    """
+    out = torch.empty(3, input_ids.numel(), dtype=torch.long)
+    ids = input_ids.tolist()
+    bounds = cu_seqlens.tolist()
+    for seq in range(len(bounds) - 1):
+        start, end = bounds[seq], bounds[seq + 1]
+        images = iter([g for g in grids[seq].tolist() if g[0] * g[1] * g[2] > 0]) if seq < grids.shape[0] else iter([])
+        pos, t = 0, start
+        while t < end:
+            if ids[t] != image_token_id:
+                out[:, t] = pos
+                pos, t = pos + 1, t + 1
+                continue
+            gt, gh, gw = next(images)
+            gh, gw = gh // merge_size, gw // merge_size
+            tt, hh, ww = torch.meshgrid(torch.arange(gt), torch.arange(gh), torch.arange(gw), indexing="ij")
+            count = gt * gh * gw
+            out[:, t : t + count] = torch.stack([tt, hh, ww]).reshape(3, -1) + pos
+            pos, t = pos + max(gh, gw), t + count
+    return out
+
+
+def _visual_inputs(mb: PackedBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The micro-batch's pixel values [patches, dim] (None without images) and grids [N, images, 3]."""
+    if VLM_GRIDS not in mb.extras:
+        return None, torch.zeros(mb.num_sequences, 1, 3, dtype=torch.long)
+    grids, pixels = mb.extras[VLM_GRIDS].long(), mb.extras[VLM_PIXELS]
+    chunks = []
+    for seq in range(grids.shape[0]):
+        patches = int(grids[seq].prod(-1).sum())
+        if patches:
+            chunks.append(pixels[seq, :patches])
+    if not chunks:
+        return None, grids
+    return torch.cat(chunks), grids
+
+
+class VisionLMHead(LMHead):
+    """`LMHead` for image+text models: the ``AutoModelForImageTextToText`` class, visual inputs, mRoPE."""
+
+    name = "lm"
+    supports_pipeline = False
+    supports_lora = True
+
+    def model_class(self) -> Any:
+        from transformers import AutoModelForImageTextToText
+
+        return _AttnFixed(AutoModelForImageTextToText)
+
+    def materialize(self, source: Any, hf_config: Any, *, dtype: torch.dtype, attn: str, seed: int) -> Any:
+        from transformers import AutoModelForImageTextToText
+
+        if is_model_dir(source):
+            return AutoModelForImageTextToText.from_pretrained(
+                source, config=hf_config, dtype=dtype, attn_implementation=_vision_attn(attn)
+            )
+        torch.manual_seed(seed)
+        return AutoModelForImageTextToText.from_config(hf_config, dtype=dtype, attn_implementation=_vision_attn(attn))
+
+    def model_inputs(self, model: nn.Module, ctx: ParallelContext, padded: PackedBatch) -> tuple[dict[str, Any], int]:
+        """The model's kwargs for ``padded`` (plus a dummy image sequence when it has no image) and the
+        number of its tokens that belong to ``padded``."""
+        config = _hf_config(model)
+        merge = int(config.vision_config.spatial_merge_size)
+        image_id = int(config.image_token_id)
+        ids, cu = padded.input_ids, padded.cu_seqlens
+        pixels, grids = _visual_inputs(padded)
+        real = padded.num_tokens
+        if pixels is None:  # every rank runs the vision tower on every micro-batch (module docstring)
+            dim = int(config.vision_config.in_channels) * int(config.vision_config.temporal_patch_size)
+            dim *= int(config.vision_config.patch_size) ** 2
+            pixels = torch.zeros(merge * merge, dim, device=ids.device)
+            ids = torch.cat([ids, ids.new_full((1,), image_id)])
+            cu = torch.cat([cu, cu[-1:] + 1])
+            extra = grids.new_zeros(1, *grids.shape[1:])
+            extra[0, 0] = torch.tensor([1, merge, merge])
+            grids = torch.cat([grids, extra])
+        flat = torch.stack([g for seq in grids for g in seq if int(g.prod()) > 0])
+        positions = mrope_position_ids(ids.cpu(), cu.cpu(), grids.cpu(), image_token_id=image_id, merge_size=merge)
+        kwargs = {
+            "input_ids": ids[None],
+            "position_ids": positions.to(ids.device)[:, None],
+            "pixel_values": pixels.to(ids.device),
+            "image_grid_thw": flat.to(ids.device),
+            "use_cache": False,
+            **packed_model_kwargs(cu),
+        }
+        return kwargs, real
+
+    def outputs(
+        self, model: nn.Module, ctx: ParallelContext, mb: PackedBatch, *, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        padded = mb.to(ctx.device)  # no TP/CP: no token multiple
+        kwargs, real = self.model_inputs(model, ctx, padded)
+        logits = model(**kwargs).logits[0]
+        ids = kwargs["input_ids"][0]
+        next_logprobs = self.next_token_logprobs(logits, torch.roll(ids, -1))
+        # A dummy image sequence (if any) is dropped, but kept in the graph with weight 0 so its vision
+        # parameters get (zero) gradients on this rank like on the others.
+        keep = next_logprobs[real:].sum() * 0.0
+        starts = sequence_start_mask(padded.cu_seqlens, real)
+
+        def realign(per_position: torch.Tensor) -> torch.Tensor:
+            whole = per_position[:real]
+            shifted = torch.cat([whole.new_zeros(1), whole[:-1]]).masked_fill(starts, 0.0)
+            return shifted + keep
+
+        entropies = None
+        if entropy:
+            scaled = logits / self.temperature if self.temperature != 1.0 else logits
+            log_p = torch.log_softmax(scaled.float(), dim=-1)
+            entropies = realign(-(log_p.exp() * log_p).sum(-1))
+        return realign(next_logprobs), entropies
+
+
+def _hf_config(model: nn.Module) -> Any:
+    inner = getattr(model, "module", model)  # DDP
+    return inner.config
+
+
+class _AttnFixed:
+    """``AutoModelForImageTextToText`` whose ``from_config`` gives the vision tower SDPA attention."""
+
+    def __init__(self, auto: Any) -> None:
+        self.auto = auto
+
+    def from_config(self, config: Any, *, dtype: torch.dtype, attn_implementation: str) -> Any:
+        return self.auto.from_config(config, dtype=dtype, attn_implementation=_vision_attn(attn_implementation))
