@@ -22,7 +22,7 @@ REWARD_MODULE = textwrap.dedent(
     """
 )
 
-GRPO_PHASES = {"generate", "old_logprobs", "train", "weight_sync"}
+GRPO_PHASES = {"generate", "old_logprobs", "ref_logprobs", "train", "weight_sync"}
 PPO_PHASES = {"generate", "old_logprobs", "values", "ref_logprobs", "train", "weight_sync"}
 
 
@@ -54,7 +54,7 @@ def _traced_run(name: str, model: str, train: str, root: str, out: str, layout: 
         "profile": {"enabled": True, "start_step": 1, "steps": 2},
     }  # fmt: skip
     if name == "grpo":  # the default skips the old-log-prob pass on on-policy batches (no range then)
-        data |= {"reuse_training_logprobs": False}
+        data |= {"reuse_training_logprobs": False, "actor": {"kl_coef": 0.05}}  # kl_coef: the reference
     else:  # kl_coef > 0 builds the reference policy
         data |= {"update_epochs": 1, "critic_engine": dict(engine), "kl_coef": 0.05}
     config = build_config(TRAINERS.get(name).config_cls, apply_overrides(data, []))
