@@ -201,8 +201,10 @@ def test_config_keeps_plain_paths_and_refuses_two_training_sources():
         build_config(SFTConfig, {"model": "m", "output_dir": "o", "train_file": "t.jsonl", "data": {"train": "u"}})
     from shardforge.algorithms.trainers.rm import RMConfig
 
-    with pytest.raises(ValueError, match=r"RMConfig reads train_file/eval_file only"):
-        build_config(RMConfig, {"model": "m", "output_dir": "o", "train_file": "t.jsonl", "data": {"eval": "e"}})
+    config = build_config(RMConfig, {"model": "m", "output_dir": "o", "train_file": "t.jsonl", "data": {"eval": "e"}})
+    assert config.data.eval == "e"  # every trainer reads data: sources now
+    with pytest.raises(ValueError, match=r"rm does not use data.chat_template"):
+        build_config(RMConfig, {"model": "m", "output_dir": "o", "train_file": "t", "data": {"chat_template": "x"}})
 
 
 # ------------------------------------------------------------------------------------------ chat templates

@@ -1,10 +1,12 @@
 """wandb and mlflow loggers through the real packages (world 1, tiny SFT): metrics, run parameters
 and artifacts read back with each tracker's own formats/clients; a resumed run continues the same
-tracker run with every step once; a missing package is a one-time warning naming the pip command."""
+tracker run with every step once (also when the interrupted run logged steps past its last checkpoint:
+TensorBoard purges them, W&B rewinds, MLflow tags the stale range); a missing package is a one-time warning naming the pip command."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from typing import Any
 import pytest
 
 from shardforge.algorithms.config_io import apply_overrides, build_config
+from shardforge.algorithms.loggers import read_metrics
 from shardforge.algorithms.trainers import TRAINERS
 
 
@@ -140,6 +143,60 @@ def test_mlflow_run_has_metrics_params_artifacts_and_continues_on_resume(
     assert run.data.metrics["final/steps"] == 5.0
     assert {a.path for a in client.list_artifacts(stored["run_id"])} >= {"hf", "summary.json"}
     assert (out / "mlartifacts").is_dir()  # the default store keeps artifacts in output_dir
+
+
+def test_resume_behind_the_last_logged_step_leaves_each_step_once_in_every_tracker(
+    assets: dict[str, Any], tmp_path: Path
+) -> None:
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    loggers = "[jsonl,tensorboard,wandb,mlflow]"
+    _sft(assets, out, steps=4, save_every=2, loggers=loggers)
+    shutil.rmtree(out / "checkpoints" / "step_00000004")  # "crashed" after logging step 4, before its save
+    summary = _sft(assets, out, steps=4, save_every=2, loggers=loggers)
+    assert summary["resumed_from"] == 2
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    losses = [r["loss"] for r in records]
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("train/loss")
+    assert [s.step for s in scalars] == [1, 2, 3, 4]  # without the purge: 1, 2, 3, 4, 3, 4
+    assert [s.value for s in scalars] == pytest.approx(losses, rel=1e-5)
+
+    run_id = json.loads((out / "trackers.json").read_text())["wandb"]["id"]
+    _first, second = sorted((out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    branch, steps = None, []
+    for record in read_wandb_records(second):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            assert record.run.run_id == run_id
+            updates = {u.key: json.loads(u.value_json) for u in record.run.config.update}
+            branch = updates["_wandb"].get("branch_point")
+        elif kind == "history":
+            items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+            if "train/loss" in items:
+                steps.append(record.history.step.num)
+    assert branch == {"run_id": run_id, "step": 2}  # the rewind: W&B keeps history up to step 2
+    assert steps == [3, 4]
+
+    stored = json.loads((out / "trackers.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=stored["tracking_uri"])
+    run = client.get_run(stored["run_id"])
+    assert run.data.tags["shardforge.stale_steps"] == "3-4" and run.data.tags["shardforge.resumed_from"] == "2"
+    history = client.get_metric_history(stored["run_id"], "train/loss")
+    latest: dict[int, tuple[int, float]] = {}
+    for point in history:  # per step, the point logged last is the run's
+        if point.step not in latest or point.timestamp >= latest[point.step][0]:
+            latest[point.step] = (point.timestamp, point.value)
+    assert sorted(latest) == [1, 2, 3, 4]
+    assert [latest[s][1] for s in sorted(latest)] == pytest.approx(losses)
 
 
 def test_a_missing_tracker_package_is_one_warning_with_the_pip_command(

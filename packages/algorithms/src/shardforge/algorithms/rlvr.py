@@ -17,6 +17,7 @@ import torch
 
 from shardforge.algorithms.batching import PackedBatch, pack_sequences
 from shardforge.algorithms.data.jsonl import read_jsonl
+from shardforge.algorithms.data.sources import SourceConfig, read_source
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS
 from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
 from shardforge.algorithms.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
@@ -51,16 +52,22 @@ class PromptSet:
         return len(self.texts)
 
 
-def load_prompts(path: str | Path, tokenizer: Any, *, max_prompt_len: int | None = None) -> PromptSet:
-    """Read prompt/completion JSONL; prompts longer than ``max_prompt_len`` tokens are skipped
-    (with a warning naming how many)."""
-    path = Path(path)
+def load_prompts(path: str | Path | SourceConfig, tokenizer: Any, *, max_prompt_len: int | None = None) -> PromptSet:
+    """Read prompt/completion JSONL or a `SourceConfig` (data/sources.py; map e.g. ``{prompt: question,
+    completion: answer}``); prompts longer than ``max_prompt_len`` tokens are skipped (with a warning
+    naming how many)."""
+    if isinstance(path, SourceConfig):
+        rows = read_source(path, PROMPT_ROW_FIELDS)
+        path, sep = Path(path.label), " row "
+    else:
+        path, sep = Path(path), ":"
+        rows = read_jsonl(path, "prompt file", PROMPT_ROW_FIELDS)
     texts, refs, ids = [], [], []
     skipped = 0
     prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    for number, row in read_jsonl(path, "prompt file", PROMPT_ROW_FIELDS):
+    for number, row in rows:
         if not isinstance(row.get("prompt"), str) or not isinstance(row.get("completion"), str):
-            raise ValueError(f"{path}:{number}: 'prompt' and 'completion' (the reference) must be strings")
+            raise ValueError(f"{path}{sep}{number}: 'prompt' and 'completion' (the reference) must be strings")
         tokens = prefix + tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         if max_prompt_len is not None and len(tokens) > max_prompt_len:
             skipped += 1

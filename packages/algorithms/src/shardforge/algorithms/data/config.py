@@ -26,6 +26,7 @@ __all__ = [
     "check_data_fields",
     "eval_source",
     "labelled_sources",
+    "refuse_chat_template",
     "required_train_file",
     "train_sources",
 ]
@@ -117,7 +118,7 @@ def check_data_fields(config: Any, trainer: str, reads_data_sources: bool) -> No
     if not reads_data_sources:
         if data.is_set or data.chat_template is not None:
             raise ValueError(
-                f"{trainer} reads train_file/eval_file only (data.train/eval/mix/chat_template are read by sft); "
+                f"{trainer} reads train_file/eval_file only (data.train/eval/mix/chat_template are read by sft, rm, dpo, grpo, ppo, distill); "
                 "set train_file: <path.jsonl> instead"
             )
         if config.train_file is None:
@@ -130,6 +131,15 @@ def check_data_fields(config: Any, trainer: str, reads_data_sources: bool) -> No
     if config.train_file is None and data.train is None and not data.mix:
         raise ValueError(
             f"{trainer} needs training data: set train_file: <path.jsonl>, data.train: <source> or data.mix: [...]"
+        )
+
+
+def refuse_chat_template(config: Any, trainer: str) -> None:
+    """Preference rows are plain text: a ``data.chat_template`` there would be silently unused."""
+    if config.data.chat_template is not None:
+        raise ValueError(
+            f"{trainer} does not use data.chat_template: its rows are plain prompt/chosen/rejected text, tokenised "
+            "as they are (no messages); remove data.chat_template or apply the template to the rows beforehand"
         )
 
 

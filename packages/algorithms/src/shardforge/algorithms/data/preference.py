@@ -1,4 +1,4 @@
-"""Preference pairs (reward models): ``{"prompt", "chosen", "rejected"}`` JSONL rows, tokenised as
+"""Preference pairs (reward models, DPO): ``{"prompt", "chosen", "rejected"}`` rows (JSONL or any `data:` source), tokenised as
 ``<bos> prompt response <eos>`` per side and packed as consecutive (chosen, rejected) sequences with
 one ``sequence_group`` id per pair, so the engine keeps a pair in one micro-batch."""
 
@@ -13,9 +13,20 @@ from typing import Any
 import torch
 
 from shardforge.algorithms.batching import SEQUENCE_GROUP, PackedBatch, pack_sequences
+from shardforge.algorithms.data.config import eval_source, train_sources
 from shardforge.algorithms.data.jsonl import read_jsonl
+from shardforge.algorithms.data.source_set import SourceSet, loader_arg
+from shardforge.algorithms.data.sources import SourceConfig, read_source
 
-__all__ = ["IS_CHOSEN", "PAIR_ROW_FIELDS", "PAIR_WEIGHT", "PreferencePair", "load_pairs", "pack_pairs"]
+__all__ = [
+    "IS_CHOSEN",
+    "PAIR_ROW_FIELDS",
+    "PAIR_WEIGHT",
+    "PreferencePair",
+    "load_pair_data",
+    "load_pairs",
+    "pack_pairs",
+]
 
 IS_CHOSEN = "is_chosen"
 """Per-sequence [N] extra: 1 for a chosen response, 0 for a rejected one (pairs are consecutive)."""
@@ -37,15 +48,24 @@ class PreferencePair:
     """Leading prompt tokens of ``rejected``."""
 
 
-def load_pairs(path: str | Path, tokenizer: Any, *, max_seq_len: int | None = None) -> list[PreferencePair]:
-    """Read and tokenise preference JSONL; malformed rows raise `ValueError` naming the line."""
-    path = Path(path)
+def load_pairs(
+    path: str | Path | SourceConfig, tokenizer: Any, *, max_seq_len: int | None = None
+) -> list[PreferencePair]:
+    """Read and tokenise preference JSONL or a `SourceConfig` (data/sources.py: Parquet, save_to_disk, HF
+    names, column mapping); malformed rows raise `ValueError` naming the line (a source: its name, row
+    number and field)."""
+    if isinstance(path, SourceConfig):
+        rows = read_source(path, PAIR_ROW_FIELDS)
+        path, sep = Path(path.label), " row "
+    else:
+        path, sep = Path(path), ":"
+        rows = read_jsonl(path, "preference file", PAIR_ROW_FIELDS)
     prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     suffix = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     pairs, truncated = [], 0
-    for number, row in read_jsonl(path, "preference file", PAIR_ROW_FIELDS):
+    for number, row in rows:
         if not all(isinstance(row.get(k), str) for k in ("prompt", "chosen", "rejected")):
-            raise ValueError(f"{path}:{number}: 'prompt', 'chosen' and 'rejected' must be strings")
+            raise ValueError(f"{path}{sep}{number}: 'prompt', 'chosen' and 'rejected' must be strings")
         prompt = prefix + tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         sides, prompt_lens = [], []
         for key in ("chosen", "rejected"):
@@ -91,3 +111,17 @@ def pack_pairs(
         PAIR_WEIGHT: torch.full((n,), float(weight)),
     }
     return batch
+
+
+def load_pair_data(
+    config: Any, tokenizer: Any, global_batch_size: int
+) -> tuple[SourceSet[PreferencePair], list[PreferencePair] | None, str | None]:
+    """The training pairs of a preference trainer config (``train_file``, ``data.train`` or ``data.mix``,
+    each source through `load_pairs`) with their batch sampler, and the held-out pairs with their label."""
+
+    def load(source: str | SourceConfig) -> list[PreferencePair]:
+        return load_pairs(source, tokenizer, max_seq_len=config.max_seq_len)
+
+    train = SourceSet(train_sources(config), load, global_batch_size, seed=config.seed, mix=bool(config.data.mix))
+    held = eval_source(config)
+    return train, (load(loader_arg(held)) if held is not None else None), (held.label if held is not None else None)

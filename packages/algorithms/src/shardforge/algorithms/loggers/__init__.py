@@ -55,12 +55,14 @@ class MetricsLogger:
             names = ("jsonl", "tensorboard") if tensorboard else ("jsonl",)
         self.sinks = list(build_sinks(names, Path(out_dir), run_config or {}))
 
-    def begin(self, start_step: int, run_info: dict[str, Any]) -> None:
+    def begin(self, start_step: int, run_info: dict[str, Any], *, logged_until: int | None = None) -> None:
         """Start (``start_step`` 0) or continue (resume) the trackers' runs; ``run_info`` (layout, world
-        size) is recorded with the config as run parameters."""
+        size) is recorded with the config as run parameters. ``logged_until``: the last step the
+        interrupted run logged (from `truncate_metrics`); steps after ``start_step`` up to it are stale
+        and the trackers drop or mark them."""
         for sink in self.sinks:
             if isinstance(sink, NeverFatal):
-                sink.begin(start_step, run_info)
+                sink.begin(start_step, run_info, logged_until=logged_until)
 
     def finish(self, summary: dict[str, Any], artifacts: dict[str, Path]) -> None:
         """Final metrics (``summary``) and artifact files/directories, for the sinks that take them."""

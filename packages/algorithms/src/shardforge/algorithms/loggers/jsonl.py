@@ -37,11 +37,14 @@ def read_metrics(path: str | Path, split: str = "train") -> list[dict[str, Any]]
     return records
 
 
-def truncate_metrics(path: str | Path, step: int) -> None:
+def truncate_metrics(path: str | Path, step: int) -> int | None:
     """Drop records past ``step``: after a resume from ``step`` they belong to the interrupted run
-    (a fresh start, step 0, begins a new file)."""
+    (a fresh start, step 0, begins a new file). Return the last step the file had recorded (None: no
+    records), so the trackers know whether the interrupted run logged steps they must drop too."""
     path = Path(path)
     if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+        return None
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    steps = [int(json.loads(line)["step"]) for line in lines]
+    path.write_text("".join(line + "\n" for line, s in zip(lines, steps) if s <= step))
+    return max(steps, default=None)

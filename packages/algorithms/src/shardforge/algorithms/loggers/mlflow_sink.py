@@ -55,8 +55,11 @@ class MlflowLogger:
         self._pending: list[Any] = []
         self._flushed_at = time.monotonic()
 
-    def begin(self, start_step: int, run_info: dict[str, Any]) -> None:
-        """Start the run, or continue the stored one when resuming (``start_step`` > 0)."""
+    def begin(self, start_step: int, run_info: dict[str, Any], *, logged_until: int | None = None) -> None:
+        """Start the run, or continue the stored one when resuming (``start_step`` > 0). MLflow cannot
+        delete logged metric points: when the interrupted run logged steps past ``start_step``
+        (``logged_until``), the run gets the tag ``shardforge.stale_steps`` = ``"<first>-<last>"``; for
+        those steps the points logged after the resume (the later timestamps) are the run's."""
         from mlflow.entities import Param
 
         stored = load_run_id(self.out_dir, "mlflow", start_step)
@@ -71,6 +74,8 @@ class MlflowLogger:
                     self.client.set_tag(self.run_id, f"resumed_at_{start_step}.{key}", value)
             params = {k: v for k, v in params.items() if k not in known}
             self.client.set_tag(self.run_id, "shardforge.resumed_from", str(start_step))
+            if logged_until is not None and logged_until > start_step:
+                self.client.set_tag(self.run_id, "shardforge.stale_steps", f"{start_step + 1}-{logged_until}")
         else:
             experiment = self.client.get_experiment_by_name(self.options.project)
             if experiment is not None:

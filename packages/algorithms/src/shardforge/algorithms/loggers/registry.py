@@ -75,13 +75,16 @@ class NeverFatal:
         except Exception as exc:
             self._fail("log", exc)
 
-    def begin(self, start_step: int, run_info: dict[str, Any]) -> None:
-        """Open the sink's run (optional hook: trackers start or continue their run here)."""
+    def begin(self, start_step: int, run_info: dict[str, Any], *, logged_until: int | None = None) -> None:
+        """Open the sink's run (optional hook ``begin(start_step, run_info[, logged_until=])``: trackers
+        start or continue their run here; ``logged_until`` is passed only when a resumed run finds steps
+        past ``start_step`` logged by the interrupted one)."""
         hook = getattr(self.sink, "begin", None)
         if hook is None:
             return
         try:
-            hook(start_step, run_info)
+            stale = logged_until is not None and logged_until > start_step
+            hook(start_step, run_info, logged_until=logged_until) if stale else hook(start_step, run_info)
         except Exception as exc:
             self._fail("start", exc)
 

@@ -42,9 +42,20 @@ class WandbLogger:
         self.options = tracker_options(run_config)
         self.run: Any = None
 
-    def begin(self, start_step: int, run_info: dict[str, Any]) -> None:
-        """Start the run, or continue the stored one when resuming (``start_step`` > 0)."""
+    def begin(self, start_step: int, run_info: dict[str, Any], *, logged_until: int | None = None) -> None:
+        """Start the run, or continue the stored one when resuming (``start_step`` > 0). When the
+        interrupted run logged steps past ``start_step`` (``logged_until``), the run is rewound
+        to ``start_step`` (``resume_from="<id>?_step=<start_step>"``): W&B keeps the history up to and
+        including that step and drops the rest, so the resumed steps replace the stale ones instead of
+        being refused as non-monotonic."""
         stored = load_run_id(self.out_dir, "wandb", start_step)
+        rewind = stored is not None and logged_until is not None and logged_until > start_step
+        resume: dict[str, Any] = {}
+        if rewind:
+            assert stored is not None
+            resume = {"resume_from": f"{stored['id']}?_step={start_step}"}
+        elif stored:
+            resume = {"id": stored["id"], "resume": "allow"}
         run_dir = Path(os.environ.get("WANDB_DIR") or self.out_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         params = run_params(self.run_config, run_info)
@@ -56,11 +67,10 @@ class WandbLogger:
             tags=list(self.options.tags),
             mode=cast(Any, self.options.wandb_mode),  # checked by TrackerConfig
             dir=str(run_dir),
-            id=stored["id"] if stored else None,
-            resume="allow" if stored else None,
             config=config,
             allow_val_change=bool(stored),
             settings=self.wandb.Settings(console="off", silent=True),
+            **resume,
         )
         save_run_id(self.out_dir, "wandb", {"id": self.run.id, "project": self.options.project})
         logger.info("wandb run %s (%s)", self.run.id, self.run.dir)

@@ -99,7 +99,8 @@ class TrainerConfig:
     A collective timeout then names the stuck ranks (docs/multinode.md, 'When a run hangs')."""
 
     reads_data_sources: ClassVar[bool] = False
-    """True for trainers that load `data` sources (sft); the others read train_file/eval_file only."""
+    """True for trainers that load `data` sources (sft, rm, dpo, grpo, ppo, distill); the others read
+    train_file/eval_file only."""
 
     def __post_init__(self) -> None:
         check_data_fields(self, type(self).__name__, self.reads_data_sources)
@@ -254,8 +255,7 @@ class Trainer(Generic[C]):
                 start,
                 f" to {config.steps}" if start < config.steps else " but there is nothing left to train (export only)",
             )
-        if engine.is_main:
-            truncate_metrics(out / "metrics.jsonl", start)
+        logged_until = truncate_metrics(out / "metrics.jsonl", start) if engine.is_main else None
         metrics = MetricsLogger(
             out,
             enabled=engine.is_main,
@@ -265,6 +265,7 @@ class Trainer(Generic[C]):
         metrics.begin(
             start,
             {"layout": engine.dims.to_string(), "world_size": dist.get_world_size() if dist.is_initialized() else 1},
+            logged_until=logged_until,
         )
         summary: dict[str, Any] = {"steps": config.steps, "output_dir": str(out), "layout": engine.dims.to_string()}
         if start:

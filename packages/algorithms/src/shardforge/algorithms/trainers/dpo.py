@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from shardforge.algorithms.batching import PackedBatch
-from shardforge.algorithms.data import IS_CHOSEN, PAIR_ROW_FIELDS, PAIR_WEIGHT, GlobalBatchSampler, load_pairs
-from shardforge.algorithms.data.config import required_train_file
-from shardforge.algorithms.data.preference import PreferencePair, pack_pairs
+from shardforge.algorithms.data import IS_CHOSEN, PAIR_ROW_FIELDS, PAIR_WEIGHT
+from shardforge.algorithms.data.config import refuse_chat_template
+from shardforge.algorithms.data.preference import PreferencePair, load_pair_data, pack_pairs
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import summarize_stats
 from shardforge.algorithms.objectives.preference import (
@@ -73,8 +73,11 @@ class DPOConfig(TrainerConfig):
     eval_batch_size: int = 32
     """Pairs per eval batch."""
 
+    reads_data_sources: ClassVar[bool] = True
+
     def __post_init__(self) -> None:
         TrainerConfig.__post_init__(self)
+        refuse_chat_template(self, "dpo")
         check_preference_config(self.loss_config)
         if self.global_batch_size < 1:
             raise ValueError(f"global_batch_size={self.global_batch_size} is invalid; it must be >= 1")
@@ -153,15 +156,13 @@ class DPOTrainer(Trainer[DPOConfig]):
 
     def load_data(self) -> None:
         config = self.config
-        self.train = load_pairs(required_train_file(config), self.tokenizer, max_seq_len=config.max_seq_len)
-        self.held_out = (
-            load_pairs(config.eval_file, self.tokenizer, max_seq_len=config.max_seq_len) if config.eval_file else None
-        )
+        self.data, self.held_out, self.held_label = load_pair_data(config, self.tokenizer, config.global_batch_size)
+        self.train = self.data.items
         budget = config.engine.max_tokens_per_microbatch
-        _check_pairs(self.train, budget, required_train_file(config))
+        for pairs, name in zip(self.data.per_source, self.data.names):
+            _check_pairs(pairs, budget, name)
         if self.held_out is not None:
-            _check_pairs(self.held_out, budget, str(config.eval_file))
-        self.sampler = GlobalBatchSampler(len(self.train), config.global_batch_size, seed=config.seed)
+            _check_pairs(self.held_out, budget, str(self.held_label))
         self.loss_fn = DPOLossFn(config.loss_config)
 
     def build_engines(self) -> TrainEngine:
@@ -171,7 +172,7 @@ class DPOTrainer(Trainer[DPOConfig]):
             raise ValueError(
                 f"global_batch_size={config.global_batch_size} pairs < data-parallel size {engine.dp_size}"
             )
-        for pairs, name in ((self.train, required_train_file(config)), (self.held_out, config.eval_file)):
+        for pairs, name in ((self.train, self.data.label), (self.held_out, self.held_label)):
             if pairs is not None:
                 lengths = [max(len(p.chosen), len(p.rejected)) for p in pairs]
                 check_max_positions(
@@ -187,7 +188,13 @@ class DPOTrainer(Trainer[DPOConfig]):
 
     def data_state(self) -> dict[str, Any]:
         config = self.config
-        return {"seed": config.seed, "global_batch_size": config.global_batch_size, "num_examples": len(self.train)}
+        return {"seed": config.seed, "global_batch_size": config.global_batch_size} | self.data.data_state()
+
+    def extra_state(self) -> dict[str, Any]:
+        return self.data.extra_state()
+
+    def setup(self, start: int, restored: dict[str, Any]) -> None:
+        self.data.restore(restored)
 
     def _batch(self, pairs: list[PreferencePair], indices: list[int], weight: float = 1.0) -> PackedBatch:
         batch = pack_pairs(pairs, indices, weight=weight, responses_only=True)
@@ -197,7 +204,7 @@ class DPOTrainer(Trainer[DPOConfig]):
 
     def train_step(self, step: int) -> dict[str, float]:
         engine, loss_fn = self.engine, self.loss_fn
-        indices = self.sampler.local_batch(step, engine.dp_rank, engine.dp_size)
+        indices = self.data.local_batch(step, engine.dp_rank, engine.dp_size)
         stats = engine.train_batch(self._batch(self.train, indices), loss_fn, loss_fn.loss_weight)
         stats |= loss_fn.pop_stats(engine)
         stats["tokens_per_s"] = stats["tokens"] / max(stats["step_time_s"], 1e-9)

@@ -15,18 +15,19 @@ by ``rollout_correction`` (`shardforge.algorithms.objectives.rollout_correction`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.batching.collectives import all_reduce_stats, all_reduce_sum
-from shardforge.algorithms.data.config import required_train_file
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
 from shardforge.algorithms.objectives.kl_control import KLController, build_kl_controller
@@ -44,13 +45,13 @@ from shardforge.algorithms.rlvr import (
     AdvantageEstimator,
     PromptSet,
     group_advantages,
-    load_prompts,
 )
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, build_rollout_engine
-from shardforge.algorithms.rollout.sources import AsyncRollouts, RolloutSource, SampledBatch, SyncRollouts
+from shardforge.algorithms.rollout.sources import AsyncRollouts, RolloutSource, SampledBatch, SampleFn, SyncRollouts
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
 from shardforge.algorithms.trainers.common import with_total_steps
+from shardforge.algorithms.trainers.profiling import phase
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
     build_reference,
@@ -65,6 +66,7 @@ from shardforge.algorithms.trainers.rl_common import (
     record_routing,
     reward_call_stats,
 )
+from shardforge.algorithms.trainers.rl_data import load_prompt_data
 from shardforge.algorithms.trainers.rl_eval import evaluate_prompts
 from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
 from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
@@ -159,8 +161,8 @@ class GRPOTrainer(Trainer[GRPOConfig]):
 
     def load_data(self) -> None:
         config = self.config
-        self.prompts = load_prompts(required_train_file(config), self.tokenizer, max_prompt_len=config.max_prompt_len)
-        self.held_out = load_prompts(config.eval_file, self.tokenizer) if config.eval_file else None
+        self.prompt_data = load_prompt_data(config, self.tokenizer)
+        self.prompts, self.held_out = self.prompt_data.prompts, self.prompt_data.held_out
         self.reward_fn = build_reward_fn(config)
         budget = config.engine.max_tokens_per_microbatch
         self.workflow = build_rl_workflow(config, self.tokenizer, self.reward_fn, budget)
@@ -179,7 +181,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
 
     def data_state(self) -> dict[str, Any]:
         config = self.config
-        return {"seed": config.seed, "prompts_per_step": config.prompts_per_step, "num_prompts": len(self.prompts)}
+        return {"seed": config.seed, "prompts_per_step": config.prompts_per_step} | self.prompt_data.data_state()
 
     def setup(self, start: int, restored: dict[str, Any]) -> None:
         config, engine = self.config, self.engine
@@ -200,9 +202,11 @@ class GRPOTrainer(Trainer[GRPOConfig]):
                 return publish_in_process(engine, receiver, config.rollout_dtype, version)
             return publish_version(engine, transport, rollout, config.rollout_dtype, version)
 
+        prompt_sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
         sampler = self.sampling_rollout(rollout)
-        generate_round = workflow_round_fn(config, sampler, self.prompts, self.workflow, engine)
+        generate_round = workflow_round_fn(config, sampler, self.prompts, self.workflow, engine, prompt_sampler)
         sample_fn, self.dynamic = make_sample_fn(config, generate_round, engine.dp_size)
+        sample_fn = _traced(sample_fn)  # the generate range, on whichever thread samples
         self.source: RolloutSource | None = None
         if config.async_rollouts:
             self.source = AsyncRollouts(
@@ -236,10 +240,12 @@ class GRPOTrainer(Trainer[GRPOConfig]):
     def train_step(self, step: int) -> dict[str, float]:
         assert self.source is not None
         step_started = time.perf_counter()
-        sampled = self.source.batch(step)
+        with phase("rollout_wait") if self.config.async_rollouts else contextlib.nullcontext():
+            sampled = self.source.batch(step)
         rm_stats: dict[str, float] = {}
         if self.reward_model is not None:  # collective: here on every rank, not on the sampling thread
-            rewards, rm_stats = self.reward_model.add_scores(sampled.rewards, sampled.rollouts)
+            with phase("reward_model"):
+                rewards, rm_stats = self.reward_model.add_scores(sampled.rewards, sampled.rollouts)
             sampled = dataclasses.replace(sampled, rewards=rewards)
         if self.reference is not None:  # the coefficient this step uses (the controller's, when adaptive)
             self.actor.config = dataclasses.replace(self.actor.config, kl_coef=self.kl_ctrl.value)
@@ -254,7 +260,8 @@ class GRPOTrainer(Trainer[GRPOConfig]):
             stats |= dynamic_sampling_stats(self.dynamic.pop_stats(sampled.index), self.engine)
         stats |= reward_call_stats(self.reward_fn, self.engine)
         began = time.perf_counter()
-        self.source.publish(step + 1)
+        with phase("weight_sync"):
+            self.source.publish(step + 1)
         stats["weight_sync_s"] = time.perf_counter() - began
         stats["step_s"] = time.perf_counter() - step_started  # rollouts (or the wait) + update + publish
         return stats
@@ -296,6 +303,14 @@ def run_grpo(config: GRPOConfig) -> dict[str, Any]:
     return GRPOTrainer(config).run()
 
 
+def _traced(sample_fn: SampleFn) -> SampleFn:
+    def sample(index: int) -> tuple[list[Any], torch.Tensor]:
+        with phase("generate"):
+            return sample_fn(index)
+
+    return sample
+
+
 def _reuse_training_logprobs(config: GRPOConfig, engine: TrainEngine) -> bool:
     """Whether the old log-probs the recompute pass would give are the training forward's: one
     synchronous (on-policy) update per batch with the same weights, no dropout (train-mode forward
@@ -335,12 +350,14 @@ def _train_step(
     )
     batch = trajectories_to_batch(sampled.rollouts, advantages)
     if reference is not None:  # actor.kl_coef > 0: the KL term of the loss against the frozen reference
-        batch.extras[REF_LOGPROBS] = reference.forward(batch)
+        with phase("ref_logprobs"):
+            batch.extras[REF_LOGPROBS] = reference.forward(batch)
     staleness = sampled.index - sampled.policy_step
     correction: dict[str, float] = {}
     recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
     if config.recompute_logprobs and recompute and not isinstance(actor, OnPolicyActorLossFn):
-        batch.extras[OLD_LOGPROBS] = engine.forward(batch)
+        with phase("old_logprobs"):
+            batch.extras[OLD_LOGPROBS] = engine.forward(batch)
         correction["behaviour_kl"] = behaviour_kl(
             batch.extras[OLD_LOGPROBS], batch.extras[BEHAVIOUR_LOGPROBS], batch.loss_mask,
             group=engine.dp_group, device=engine.device,
@@ -354,7 +371,8 @@ def _train_step(
         (mask & (batch.extras[ADVANTAGES] != 0)).sum(), mask.sum(), group=engine.dp_group, device=engine.device
     )  # the share of trained tokens with a learning signal (dynamic sampling drives it to 1)
     forwarded = time.perf_counter()
-    stats = engine.train_batch(batch, actor, actor.loss_weight)
+    with phase("train"):
+        stats = engine.train_batch(batch, actor, actor.loss_weight)
     stats |= hooked | {"advantage_nonzero_frac": signal / max(targets, 1.0)}
     actor_stats = all_reduce_stats(actor.pop_stats(), engine.dp_group, engine.device)
     if isinstance(actor, OnPolicyActorLossFn):  # the correction ran inside the loss, per micro-batch

@@ -19,17 +19,17 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
-from shardforge.algorithms.data.config import required_train_file
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.objectives import KLEstimator, PPOActorLossFn, PPOCriticConfig
 from shardforge.algorithms.objectives.kl_control import KLController, build_kl_controller
 from shardforge.algorithms.objectives.rollout_correction import ROLLOUT_CORRECTIONS
-from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, PromptSet, load_prompts
+from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, PromptSet
 from shardforge.algorithms.rollout.factory import build_rollout_engine
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
@@ -40,6 +40,7 @@ from shardforge.algorithms.trainers.ppo_update import (
     ppo_update,
     prepare_ppo_batch,
 )
+from shardforge.algorithms.trainers.profiling import phase
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
     build_reference,
@@ -54,6 +55,7 @@ from shardforge.algorithms.trainers.rl_common import (
     record_routing,
     reward_call_stats,
 )
+from shardforge.algorithms.trainers.rl_data import load_prompt_data
 from shardforge.algorithms.trainers.rl_eval import evaluate_prompts
 from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
 from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
@@ -135,8 +137,8 @@ class PPOTrainer(Trainer[PPOConfig]):
 
     def load_data(self) -> None:
         config = self.config
-        self.prompts = load_prompts(required_train_file(config), self.tokenizer, max_prompt_len=config.max_prompt_len)
-        self.held_out = load_prompts(config.eval_file, self.tokenizer) if config.eval_file else None
+        self.prompt_data = load_prompt_data(config, self.tokenizer)
+        self.prompts, self.held_out = self.prompt_data.prompts, self.prompt_data.held_out
         self.reward_fn = build_reward_fn(config)
         budget = min(config.engine.max_tokens_per_microbatch, config.critic_engine.max_tokens_per_microbatch)
         self.workflow = build_rl_workflow(config, self.tokenizer, self.reward_fn, budget)
@@ -162,9 +164,8 @@ class PPOTrainer(Trainer[PPOConfig]):
         return {
             "seed": config.seed,
             "prompts_per_step": config.prompts_per_step,
-            "num_prompts": len(self.prompts),
             "update_epochs": config.update_epochs,  # engine steps per iteration: the resume point depends on it
-        }
+        } | self.prompt_data.data_state()
 
     def checkpoint_engines(self) -> dict[str, TrainEngine]:
         return {"checkpoints": self.engine, "critic_checkpoints": self.critic}
@@ -187,7 +188,8 @@ class PPOTrainer(Trainer[PPOConfig]):
         self.kl_ctrl: KLController = build_kl_controller(dataclasses.replace(config.kl_ctrl, kl_coef=config.kl_coef))
         if "kl_coef" in restored:  # an adaptive coefficient continues where the checkpoint left it
             self.kl_ctrl.value = float(restored["kl_coef"])
-        generate_round = workflow_round_fn(config, self.rollout, self.prompts, self.workflow, actor)
+        sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
+        generate_round = workflow_round_fn(config, self.rollout, self.prompts, self.workflow, actor, sampler)
         self.sample, self.dynamic = make_sample_fn(config, generate_round, actor.dp_size)
 
     def _publish(self, version: int | None) -> int:
@@ -201,11 +203,13 @@ class PPOTrainer(Trainer[PPOConfig]):
     def train_step(self, step: int) -> dict[str, float]:
         config, actor, rollout = self.config, self.engine, self.rollout
         started = time.perf_counter()
-        trajectories, rewards = self.sample(step)
+        with phase("generate"):
+            trajectories, rewards = self.sample(step)
         generated, served = time.perf_counter(), float(rollout.version)  # the version that sampled
         stats = check_failed_episodes(trajectories, config.workflow.max_failed_fraction, actor)
         if self.reward_model is not None:
-            rewards, rm_stats = self.reward_model.add_scores(rewards, trajectories)
+            with phase("reward_model"):
+                rewards, rm_stats = self.reward_model.add_scores(rewards, trajectories)
             stats |= rm_stats
         batch = trajectories_to_batch(trajectories, torch.zeros(len(trajectories)))  # advantages come from GAE
         lengths = torch.tensor([t.num_generated for t in trajectories], dtype=torch.float64)
@@ -224,12 +228,14 @@ class PPOTrainer(Trainer[PPOConfig]):
             actor_batch, correction = correct_actor_batch(batch, config.rollout_correction, actor)
             stats |= correction
         forwarded = time.perf_counter()
-        stats |= ppo_update(
-            batch, actor, self.critic, self.actor_fn, self.critic_fn, epochs=config.update_epochs,
-            actor_batch=actor_batch,
-        )  # fmt: skip
+        with phase("train"):
+            stats |= ppo_update(
+                batch, actor, self.critic, self.actor_fn, self.critic_fn, epochs=config.update_epochs,
+                actor_batch=actor_batch,
+            )  # fmt: skip
         began = time.perf_counter()
-        self.version = self._publish(self.version)
+        with phase("weight_sync"):
+            self.version = self._publish(self.version)
         stats |= global_reward_stats(rewards.double(), lengths, actor) | workflow_stats(trajectories, actor)
         if self.dynamic is not None:
             stats |= dynamic_sampling_stats(self.dynamic.pop_stats(step), actor)

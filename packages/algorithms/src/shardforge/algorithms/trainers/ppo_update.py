@@ -35,6 +35,7 @@ from shardforge.algorithms.objectives.rollout_correction import (
     apply_rollout_correction,
     behaviour_kl,
 )
+from shardforge.algorithms.trainers.profiling import phase
 
 __all__ = ["ShiftedCriticLossFn", "correct_actor_batch", "dp_reduce_stats", "ppo_update", "prepare_ppo_batch"]
 
@@ -73,13 +74,16 @@ def prepare_ppo_batch(
     mask = batch.loss_mask != 0
     fmask = mask.to(torch.float32)
     if recompute_logprobs or OLD_LOGPROBS not in batch.extras:
-        batch.extras[OLD_LOGPROBS] = actor.forward(batch) * fmask
+        with phase("old_logprobs"):
+            batch.extras[OLD_LOGPROBS] = actor.forward(batch) * fmask
     old_logprobs = batch.extras[OLD_LOGPROBS]
-    values = target_aligned_values(critic.forward(batch), batch.cu_seqlens) * fmask
+    with phase("values"):
+        values = target_aligned_values(critic.forward(batch), batch.cu_seqlens) * fmask
     per_token = token_rewards(rewards.float(), batch.loss_mask, batch.cu_seqlens)
     kl = torch.zeros_like(per_token)
     if reference is not None:
-        ref_logprobs = reference.forward(batch) * fmask
+        with phase("ref_logprobs"):
+            ref_logprobs = reference.forward(batch) * fmask
         batch.extras[REF_LOGPROBS] = ref_logprobs
         kl = kl_estimate(old_logprobs, ref_logprobs, kl_estimator) * fmask
         per_token = per_token - kl_coef * kl

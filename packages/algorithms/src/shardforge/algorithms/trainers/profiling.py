@@ -2,6 +2,9 @@
 
 Open a trace in https://ui.perfetto.dev or chrome://tracing. CPU activity is always recorded;
 CUDA kernels too when a GPU is present.
+
+RL steps mark their phases with `phase` (``shardforge/generate``, ``shardforge/weight_sync``, ...): named
+ranges in the trace, so a step's time splits into generation, log-prob passes, training and publishing.
 """
 
 from __future__ import annotations
@@ -11,9 +14,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ProfileConfig", "StepProfiler"]
+import torch.profiler
+
+__all__ = ["PHASES", "ProfileConfig", "StepProfiler", "phase"]
 
 logger = logging.getLogger(__name__)
+
+
+PHASES: dict[str, str] = {
+    "generate": "rollout generation and reward scoring (async rollouts: in the generator thread)",
+    "rollout_wait": "async rollouts: the trainer waiting for the generator's batch",
+    "reward_model": "a reward model scoring the rollouts",
+    "old_logprobs": "the training engine's forward for the old (proximal) log-probs",
+    "ref_logprobs": "the frozen reference policy's forward",
+    "values": "the critic's forward for the old values (PPO)",
+    "train": "the optimiser update(s): forward, backward, step",
+    "weight_sync": "publishing the new weights to the rollout engine",
+}
+"""The phase names `phase` accepts (the trace shows them as ``shardforge/<name>``) and what each covers."""
+
+
+def phase(name: str) -> torch.profiler.record_function:
+    """A named range ``shardforge/<name>`` in a torch.profiler trace around one phase of a step
+    (`PHASES`); outside a traced step it costs a few microseconds."""
+    if name not in PHASES:
+        raise ValueError(f"unknown step phase {name!r}; known phases: {sorted(PHASES)}")
+    return torch.profiler.record_function(f"shardforge/{name}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,7 @@ class RLTrainerConfig(TrainerConfig):
 
     steps: int = 20
     """Optimizer steps / iterations (one rollout batch each)."""
+    reads_data_sources: ClassVar[bool] = True
     prompts_per_step: int = 16
     """Prompts per step across all data-parallel ranks (a multiple of the dp size)."""
     group_size: int = 8

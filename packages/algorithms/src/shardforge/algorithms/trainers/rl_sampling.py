@@ -10,12 +10,14 @@ asynchronous mode (batches generated on another thread) sample the same.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from shardforge.algorithms.data import GlobalBatchSampler
+from shardforge.algorithms.data.source_set import IndexSampler
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives.rewards import RewardShapingConfig, shape_rewards
 from shardforge.algorithms.rlvr import PromptSet
@@ -37,16 +39,26 @@ def build_rl_workflow(config: RLTrainerConfig, tokenizer: Any, reward_fn: Any, b
 
 
 def workflow_round_fn(
-    config: RLTrainerConfig, rollout: RolloutEngine, prompts: PromptSet, workflow: Workflow, engine: TrainEngine
+    config: RLTrainerConfig,
+    rollout: RolloutEngine,
+    prompts: PromptSet,
+    workflow: Workflow,
+    engine: TrainEngine,
+    make_sampler: Callable[[int], IndexSampler] | None = None,
 ) -> GenerateRoundFn:
-    """(batch index, round) -> this rank's trajectories (``group_size`` consecutive per prompt) and raw rewards."""
-    samplers: dict[int, GlobalBatchSampler] = {}
+    """(batch index, round) -> this rank's trajectories (``group_size`` consecutive per prompt) and raw rewards.
+    ``make_sampler``: seed -> the prompt sampler (`trainers.rl_data.PromptData.sampler`, e.g. a mixture);
+    default: uniform over ``prompts``."""
+    samplers: dict[int, IndexSampler] = {}
     dp_rank, dp_size = engine.dp_rank, engine.dp_size
 
     def sample(index: int, round_: int) -> tuple[list[Any], torch.Tensor]:
         if round_ not in samplers:
             seed = config.seed + 7_919 * round_
-            samplers[round_] = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=seed)
+            if make_sampler is not None:
+                samplers[round_] = make_sampler(seed)
+            else:
+                samplers[round_] = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=seed)
         indices = samplers[round_].local_batch(index, dp_rank, dp_size)
         params = SamplingParams(
             max_new_tokens=config.max_new_tokens,

@@ -10,21 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from shardforge.algorithms.batching import PackedBatch
-from shardforge.algorithms.data import (
-    IS_CHOSEN,
-    PAIR_ROW_FIELDS,
-    PAIR_WEIGHT,
-    GlobalBatchSampler,
-    PreferencePair,
-    load_pairs,
-    pack_pairs,
-)
-from shardforge.algorithms.data.config import required_train_file
+from shardforge.algorithms.data import IS_CHOSEN, PAIR_ROW_FIELDS, PAIR_WEIGHT, PreferencePair, pack_pairs
+from shardforge.algorithms.data.config import refuse_chat_template
+from shardforge.algorithms.data.preference import load_pair_data
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import bradley_terry_loss, last_token_scores, summarize_stats
 from shardforge.algorithms.objectives.stats import merge_stats
@@ -49,6 +42,12 @@ class RMConfig(TrainerConfig):
     """Optional constant margin in the loss: -log sigmoid(s_c - s_r - margin)."""
     eval_batch_size: int = 32
     """Pairs per eval batch."""
+
+    reads_data_sources: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        TrainerConfig.__post_init__(self)
+        refuse_chat_template(self, "rm")
 
 
 class BradleyTerryLossFn:
@@ -110,15 +109,13 @@ class RMTrainer(Trainer[RMConfig]):
 
     def load_data(self) -> None:
         config = self.config
-        self.train = load_pairs(required_train_file(config), self.tokenizer, max_seq_len=config.max_seq_len)
-        self.held_out = (
-            load_pairs(config.eval_file, self.tokenizer, max_seq_len=config.max_seq_len) if config.eval_file else None
-        )
+        self.data, self.held_out, held_label = load_pair_data(config, self.tokenizer, config.global_batch_size)
+        self.train = self.data.items
         budget = config.engine.max_tokens_per_microbatch
-        _check_lengths(self.train, budget, required_train_file(config))
+        for pairs, name in zip(self.data.per_source, self.data.names):
+            _check_lengths(pairs, budget, name)
         if self.held_out is not None:
-            _check_lengths(self.held_out, budget, str(config.eval_file))
-        self.sampler = GlobalBatchSampler(len(self.train), config.global_batch_size, seed=config.seed)
+            _check_lengths(self.held_out, budget, str(held_label))
         self.loss_fn = BradleyTerryLossFn(config.margin)
 
     def build_engines(self) -> TrainEngine:
@@ -133,11 +130,17 @@ class RMTrainer(Trainer[RMConfig]):
 
     def data_state(self) -> dict[str, Any]:
         config = self.config
-        return {"seed": config.seed, "global_batch_size": config.global_batch_size, "num_examples": len(self.train)}
+        return {"seed": config.seed, "global_batch_size": config.global_batch_size} | self.data.data_state()
+
+    def extra_state(self) -> dict[str, Any]:
+        return self.data.extra_state()
+
+    def setup(self, start: int, restored: dict[str, Any]) -> None:
+        self.data.restore(restored)
 
     def train_step(self, step: int) -> dict[str, float]:
         engine, loss_fn = self.engine, self.loss_fn
-        indices = self.sampler.local_batch(step, engine.dp_rank, engine.dp_size)
+        indices = self.data.local_batch(step, engine.dp_rank, engine.dp_size)
         stats = engine.train_batch(pack_pairs(self.train, indices), loss_fn, loss_fn.loss_weight)
         stats |= _pair_stats(loss_fn, engine)
         stats["tokens_per_s"] = stats["tokens"] / max(stats["step_time_s"], 1e-9)

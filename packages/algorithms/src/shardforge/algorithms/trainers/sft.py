@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardforge.algorithms.data import SFT_ROW_FIELDS, GlobalBatchSampler, SFTExample, load_sft_examples, pack_examples
+from shardforge.algorithms.data import SFT_ROW_FIELDS, SFTExample, load_sft_examples, pack_examples
 from shardforge.algorithms.data.config import apply_chat_template_override, eval_source, train_sources
-from shardforge.algorithms.data.mixture import MixtureSampler
-from shardforge.algorithms.data.sources import SourceConfig, is_plain_jsonl
+from shardforge.algorithms.data.source_set import SourceSet, loader_arg
+from shardforge.algorithms.data.sources import SourceConfig
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
@@ -31,11 +31,6 @@ class SFTConfig(TrainerConfig):
     reads_data_sources: ClassVar[bool] = True
 
 
-def _arg(source: SourceConfig) -> str | SourceConfig:
-    """A plain local .jsonl path reads as before (errors as ``file:line``); anything else as a source."""
-    return source.source if is_plain_jsonl(source) else source
-
-
 def _check_lengths(examples: list[SFTExample], budget: int, name: str) -> None:
     longest = max(len(e.input_ids) for e in examples)
     if longest > budget:
@@ -55,28 +50,21 @@ class SFTTrainer(Trainer[SFTConfig]):
     def load_data(self) -> None:
         config = self.config
         apply_chat_template_override(self.tokenizer, config.data.chat_template)
-        sources, held_out = train_sources(config), eval_source(config)
-        per_source = [load_sft_examples(_arg(s), self.tokenizer, max_seq_len=config.max_seq_len) for s in sources]
-        self.train = [e for examples in per_source for e in examples]
-        self.sizes = [len(x) for x in per_source]
-        self.offsets = [sum(self.sizes[:i]) for i in range(len(per_source))]
-        self.held_out = (
-            load_sft_examples(_arg(held_out), self.tokenizer, max_seq_len=config.max_seq_len) if held_out else None
+        held_out = eval_source(config)
+
+        def load(source: str | SourceConfig) -> list[SFTExample]:
+            return load_sft_examples(source, self.tokenizer, max_seq_len=config.max_seq_len)
+
+        self.data = SourceSet(
+            train_sources(config), load, config.global_batch_size, seed=config.seed, mix=bool(config.data.mix)
         )
-        self.names = [s.label for s in sources]
+        self.train, self.names = self.data.items, self.data.names
+        self.held_out = load(loader_arg(held_out)) if held_out else None
         budget = config.engine.max_tokens_per_microbatch
-        for examples, source in zip(per_source, sources):
-            _check_lengths(examples, budget, source.label)
+        for examples, name in zip(self.data.per_source, self.names):
+            _check_lengths(examples, budget, name)
         if self.held_out is not None and held_out is not None:
             _check_lengths(self.held_out, budget, held_out.label)
-        self.sampler: GlobalBatchSampler | MixtureSampler
-        if config.data.mix:
-            weights = [s.weight for s in sources]
-            self.sampler = MixtureSampler(
-                self.sizes, weights, config.global_batch_size, names=self.names, seed=config.seed
-            )
-        else:
-            self.sampler = GlobalBatchSampler(len(self.train), config.global_batch_size, seed=config.seed)
 
     def build_engines(self) -> TrainEngine:
         config = self.config
@@ -90,30 +78,17 @@ class SFTTrainer(Trainer[SFTConfig]):
 
     def data_state(self) -> dict[str, Any]:
         config = self.config
-        state: dict[str, Any] = {
-            "seed": config.seed,
-            "global_batch_size": config.global_batch_size,
-            "num_examples": len(self.train),
-        }
-        if isinstance(self.sampler, MixtureSampler):
-            # Weights may change on resume (each source continues at its saved position); the sources may not.
-            state["mixture_sources"] = dict(zip(self.names, self.sizes))
-        return state
+        return {"seed": config.seed, "global_batch_size": config.global_batch_size} | self.data.data_state()
 
     def extra_state(self) -> dict[str, Any]:
-        return {"mixture": self.sampler.state_dict()} if isinstance(self.sampler, MixtureSampler) else {}
+        return self.data.extra_state()
 
     def setup(self, start: int, restored: dict[str, Any]) -> None:
-        if isinstance(self.sampler, MixtureSampler) and "mixture" in restored:
-            self.sampler.load_state_dict(restored["mixture"])
+        self.data.restore(restored)
 
     def train_step(self, step: int) -> dict[str, float]:
         engine = self.engine
-        if isinstance(self.sampler, MixtureSampler):
-            pairs = self.sampler.local_batch(step, engine.dp_rank, engine.dp_size)
-            indices = [self.offsets[source] + row for source, row in pairs]
-        else:
-            indices = self.sampler.local_batch(step, engine.dp_rank, engine.dp_size)
+        indices = self.data.local_batch(step, engine.dp_rank, engine.dp_size)
         stats = engine.train_batch(pack_examples(self.train, indices))
         stats["tokens_per_s"] = stats["tokens"] / max(stats["step_time_s"], 1e-9)
         return stats
