@@ -120,6 +120,14 @@ def demo_distill(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def demo_agent(session: nox.Session) -> None:
+    """A tiny Qwen3 learns to use the calculator tool: SFT on tool-call traces, then GRPO (tool_use) on 2 CPU ranks."""
+    _install_workspace(session)
+    out = session.posargs[0] if session.posargs else "outputs/demo_agent"
+    session.run("shardforge", "demo-agent", "--out", out, "--nproc-per-node", "2", env=THREAD_ENV)
+
+
+@nox.session(python=PYTHON)
 def isolation(session: nox.Session) -> None:
     """Each wheel alone in a fresh venv with only its declared deps: install, import, run its tests."""
     _install_torch(session)

@@ -140,7 +140,7 @@ def test_template_that_rewrites_earlier_turns_is_rejected(tokenizer):
         {"role": "assistant", "content": "4"},
     ]
     assert tokenize_sft_row({"messages": messages[:2]}, tokenizer).input_ids == [*ids("?1+1=12"), EOS]
-    with pytest.raises(ValueError, match="not prefix-stable"):
+    with pytest.raises(ValueError, match="rewrites assistant message 1 once later messages follow"):
         tokenize_sft_row({"messages": messages}, tokenizer)
 
 

@@ -7,6 +7,7 @@
     shardforge list        (every registry: trainers, losses, estimators, rewards, rollout engines, ...)
     shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600] [--prepare-only]
     shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 450] [--grpo-steps N]
+    shardforge demo-agent [--out outputs/demo_agent] [--nproc-per-node 2] [--sft-steps N] [--grpo-steps N]
     shardforge plan llama3-70b --world-size 1024 --seq-len 8192 --memory 80GiB [--ac full] [--json] ...
 
 ``key=value`` overrides use dotted paths into the config (``engine.optimizer.lr=1e-3``).
@@ -125,6 +126,13 @@ def _parser() -> argparse.ArgumentParser:
     demo_kd.add_argument("--student-steps", type=int, default=150, help="SFT steps of the student before the split")
     demo_kd.add_argument("--extra-steps", type=int, default=100, help="steps of each continuation (SFT / distill)")
     demo_kd.add_argument("--teacher", default=None, help="reuse this teacher HF dir (e.g. an earlier run's teacher/hf)")
+    demo_agent = sub.add_parser(
+        "demo-agent", help="run the CPU agent demo: SFT on calculator tool-call traces, then GRPO with tool_use"
+    )
+    demo_agent.add_argument("--out", default="outputs/demo_agent", help="output directory")
+    demo_agent.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
+    demo_agent.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default: the demo's)")
+    demo_agent.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_agent_grpo.yaml)")
     sub.add_parser("list", help="list every registry (trainers, losses, estimators, ...) with its names")
     from shardforge.algorithms.plan.report import add_plan_parser
 
@@ -274,6 +282,12 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         from shardforge.algorithms.demos.demo_rl import run_rl_demo
 
         run_rl_demo(args.out, nproc=args.nproc_per_node, sft_steps=args.sft_steps, grpo_steps=args.grpo_steps)
+        return 0
+    if args.command == "demo-agent":
+        from shardforge.algorithms.demos.demo_agent import run_agent_demo
+
+        steps = {} if args.sft_steps is None else {"sft_steps": args.sft_steps}
+        run_agent_demo(args.out, nproc=args.nproc_per_node, grpo_steps=args.grpo_steps, **steps)
         return 0
     if args.command == "plan":
         from shardforge.algorithms.plan.report import run_plan

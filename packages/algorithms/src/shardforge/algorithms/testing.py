@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHAT_TEMPLATE", "tiny_assets", "tiny_chat_assets"]
+__all__ = ["CHAT_TEMPLATE", "QWEN3_TOOL_TEMPLATE", "tiny_assets", "tiny_chat_assets"]
 
 
 def tiny_assets(
@@ -65,10 +65,70 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_chat_assets(root: str | Path, *, seed: int = 0, hidden: int = 32, layers: int = 2) -> dict[str, Any]:
+# Qwen3's own chat template with tools, cut down only where it is English prose (the instructions in
+# the tools system message): the tools' JSON schemas in <tools>, assistant tool_calls rendered as
+# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, consecutive tool results grouped in one
+# user turn of <tool_response> blocks, and the think block (Qwen3's history rewrite) only on assistant
+# turns after the last real user query that are last or carry reasoning.
+QWEN3_TOOL_TEMPLATE = r"""
+{%- if tools %}
+  {{- '<|im_start|>system\n' }}
+  {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+  {{- '# Tools\n<tools>' }}
+  {%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}
+  {{- '\n</tools><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+  {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+  {%- set index = (messages|length - 1) - loop.index0 %}
+  {%- if ns.multi_step_tool and message.role == 'user' and message.content is string
+        and not (message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+    {%- set ns.multi_step_tool = false %}
+    {%- set ns.last_query_index = index %}
+  {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+  {%- set content = message.content if message.content is string else '' %}
+  {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+    {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
+  {%- elif message.role == 'assistant' %}
+    {%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}
+    {%- if not reasoning and '</think>' in content %}
+      {%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+      {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+    {%- endif %}
+    {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}
+      {{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+    {%- else %}
+      {{- '<|im_start|>assistant\n' + content }}
+    {%- endif %}
+    {%- for call in message.tool_calls or [] %}
+      {%- if (loop.first and content) or not loop.first %}{{- '\n' }}{%- endif %}
+      {%- if call.function %}{%- set call = call.function %}{%- endif %}
+      {{- '<tool_call>\n{"name": "' + call.name + '", "arguments": ' }}
+      {%- if call.arguments is string %}{{- call.arguments }}{%- else %}{{- call.arguments | tojson }}{%- endif %}
+      {{- '}\n</tool_call>' }}
+    {%- endfor %}
+    {{- '<|im_end|>\n' }}
+  {%- elif message.role == 'tool' %}
+    {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+    {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+    {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+
+def tiny_chat_assets(
+    root: str | Path, *, seed: int = 0, hidden: int = 32, layers: int = 2, chat_template: str = CHAT_TEMPLATE
+) -> dict[str, Any]:
     """A printable-ASCII character tokenizer with Qwen3-style chat markers (``<|im_start|>``,
-    ``<|im_end|>`` = EOS, ``<tool_call>``, ...) and a chat template that is not prefix-stable
-    (`CHAT_TEMPLATE`), plus a tiny Qwen3 over that vocabulary; for multi-turn / tool-use tests.
+    ``<|im_end|>`` = EOS, ``<tool_call>``, ...) and a chat template (default `CHAT_TEMPLATE`, not
+    prefix-stable; `QWEN3_TOOL_TEMPLATE` renders tools and tool calls as Qwen3 does), plus a tiny
+    Qwen3 over that vocabulary; for multi-turn / tool-use tests.
 
     Returns ``{"root": Path, "tokenizer": tokenizer, "model": str (model dir)}``.
     """
@@ -87,7 +147,7 @@ def tiny_chat_assets(root: str | Path, *, seed: int = 0, hidden: int = 32, layer
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<|im_end|>", unk_token="<unk>"
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=1024,

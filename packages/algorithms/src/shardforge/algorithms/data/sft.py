@@ -4,10 +4,14 @@ Accepted rows (one JSON object per line):
 
     {"prompt": "...", "completion": "..."}          loss on the completion (+ EOS)
     {"messages": [{"role": ..., "content": ...}]}   loss on assistant turns (chat template)
+    {"messages": [...], "tools": [{schema}, ...]}   the same with tool calls (HF format): assistant
+        messages may carry ``tool_calls``, ``tool`` messages hold results; ``tools`` goes to the
+        template as ``tools=``; the tool-call text is a target, tool results are not
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,44 +90,101 @@ def tokenize_sft_row(row: dict[str, Any], tokenizer: Any, *, where: str = "row")
         mask = [0.0] * len(prompt_ids) + [1.0] * len(completion_ids)
         return SFTExample(ids, mask)
     if "messages" in present:
-        return _tokenize_chat(row["messages"], tokenizer, where)
+        return _tokenize_chat(row["messages"], tokenizer, where, row.get("tools"))
     raise ValueError(
         f"{where} has fields {sorted(present)}; expected 'prompt' + 'completion' (strings) or 'messages' "
         "(a list of {'role', 'content'})"
     )
 
 
-def _tokenize_chat(messages: Any, tokenizer: Any, where: str) -> SFTExample:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not {"role", "content"} <= set(message):
-            raise ValueError(f"{where}: message {i} must have 'role' and 'content', got {message!r}")
+def _tokenize_chat(messages: Any, tokenizer: Any, where: str, tools: Any = None) -> SFTExample:
+    _check_messages(messages, where)
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"{where}: 'tools' must be a list of JSON schema objects ({{'type': 'function', ...}})")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"{where}: chat rows need a tokenizer with a chat_template; use prompt/completion rows")
+
+    def render(part: list[dict[str, Any]], generation_prompt: bool) -> str:
+        try:
+            text = tokenizer.apply_chat_template(
+                part, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as exc:
+            raise ValueError(f"{where}: the chat template failed on this row: {type(exc).__name__}: {exc}") from exc
+        return str(text)
+
+    full = render(messages, False)
+    spans: list[tuple[int, int]] = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            spans.append(
+                _assistant_span(i, messages, full, spans[-1][1] if spans else 0, render, tokenizer.eos_token, where)
+            )
+    if not spans:
+        raise ValueError(f"{where}: no assistant message, so there is nothing to train on")
+    # Tokenise piece by piece (context, assistant turn, context, ...): the assistant tokens are exactly
+    # the ids a model generates after the rendered context, as in a token-in/token-out rollout.
     ids: list[int] = []
     mask: list[float] = []
-    for i, message in enumerate(messages):
-        # Tokenise growing prefixes; the new tokens of an assistant turn are targets.
-        if message["role"] == "assistant":
-            before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=True)
-            after = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True)
-            before, after = _ids(before), _ids(after)
-            if after[: len(before)] != before or before[: len(ids)] != ids:
-                raise ValueError(f"{where}: the chat template is not prefix-stable; cannot locate assistant tokens")
-            ids.extend(before[len(ids) :])
-            mask.extend([0.0] * (len(before) - len(mask)))
-            ids.extend(after[len(before) :])
-            mask.extend([1.0] * (len(after) - len(before)))
-    if not any(mask):
-        raise ValueError(f"{where}: no assistant message, so there is nothing to train on")
+    cursor = 0
+    for start, end in [*spans, (len(full), len(full))]:
+        assert start >= cursor, (start, cursor)  # each span starts after the previous one (prefix-stable context)
+        for text, target in ((full[cursor:start], 0.0), (full[start:end], 1.0)):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            ids.extend(piece)
+            mask.extend([target] * len(piece))
+        cursor = end
     return SFTExample(ids, mask)
 
 
-def _ids(value: Any) -> list[int]:
-    if isinstance(value, dict) or hasattr(value, "keys"):
-        value = value["input_ids"]
-    return list(value)
+def _check_messages(messages: Any, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError(f"{where}: message {i} must have 'role' and 'content', got {message!r}")
+        calls = message.get("tool_calls")
+        if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list)):
+            raise ValueError(
+                f"{where}: message {i}: 'tool_calls' must be a list on an assistant message "
+                f"([{{'type': 'function', 'function': {{'name': ..., 'arguments': {{...}}}}}}]), got role "
+                f"{message['role']!r} and {type(calls).__name__}"
+            )
+        if "content" not in message and not calls:
+            raise ValueError(f"{where}: message {i} must have 'role' and 'content', got {message!r}")
+
+
+# Qwen3-style templates drop the think block of an assistant turn from the history (once a later turn
+# follows, or a later user query); that rewrite, and only that one, is accepted when locating the turn.
+_THINK = re.compile(r"\s*<think>.*?</think>\s*", re.S)
+
+
+def _assistant_span(
+    i: int, messages: list[dict[str, Any]], full: str, cursor: int, render: Any, eos: str | None, where: str
+) -> tuple[int, int]:
+    """Character span of assistant message ``i`` in the rendered conversation ``full`` (searched from
+    ``cursor``): the turn as the template renders it when it is the last message, right after the
+    generation prompt, through its end-of-turn token (EOS) but not the newline after it."""
+    bare, context = render(messages[:i], False), render(messages[:i], True)
+    own = render(messages[: i + 1], False)
+    if not own.startswith(context) or not context.startswith(bare):
+        raise ValueError(
+            f"{where}: the chat template does not render assistant message {i} after its generation prompt "
+            "(not prefix-stable), so its tokens cannot be located"
+        )
+    opening, turn = context[len(bare) :], own[len(context) :]
+    think = _THINK.match(turn)
+    for candidate in (turn, turn[think.end() :]) if think else (turn,):
+        found = full.find(opening + candidate, cursor)
+        if found >= 0 and candidate:
+            start = found + len(opening)
+            if eos and eos in candidate and not candidate[candidate.rindex(eos) + len(eos) :].strip():
+                candidate = candidate[: candidate.rindex(eos) + len(eos)]  # the newline after EOS is template
+            return start, start + len(candidate)
+    raise ValueError(
+        f"{where}: the chat template rewrites assistant message {i} once later messages follow it (not "
+        "prefix-stable beyond dropping a think block), so its tokens cannot be located"
+    )
 
 
 def pack_examples(examples: list[SFTExample], indices: list[int]) -> PackedBatch:

@@ -2,7 +2,9 @@
 
 Per dataset (each of ``eval_files``, named by its file stem): greedy accuracy, sampled avg@n and
 unbiased pass@k, mean response lengths, with the same reward functions as training
-(`trainers/rl_eval.py`). Prompts are split over the data-parallel ranks of ``layout`` (launch with
+(`trainers/rl_eval.py`). With a ``workflow`` section (``workflow.name=tool_use``, ...) every prompt
+runs as episodes of that workflow instead: success@1, avg@n, pass@k, turns, tool calls and errors,
+reward per turn (`trainers/workflow_eval.py`). Prompts are split over the data-parallel ranks of ``layout`` (launch with
 ``--nproc-per-node N``). Results go to ``output_dir/eval_results.json`` and ``metrics.jsonl``.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,9 @@ from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardCon
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import load_tokenizer
-from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig, evaluate_prompts
+from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig
+from shardforge.algorithms.trainers.workflow_eval import evaluate_held_out
+from shardforge.algorithms.workflows import WorkflowConfig, build_workflow
 
 __all__ = ["EvalConfig", "run_eval"]
 
@@ -70,6 +74,8 @@ class EvalConfig:
     """Seed of the rollout engine."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine settings of the (forward-only) policy engine that places the ranks."""
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    """Evaluate episodes of this workflow (multi_turn, tool_use, a user's); the default: one response per prompt."""
 
     def __post_init__(self) -> None:
         if not self.eval_files:
@@ -92,12 +98,15 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
         config.rollout_engine, config.model, tokenizer, weights_root=None, dtype=config.rollout_dtype,
         vllm=config.vllm, seed=config.seed,
     )  # fmt: skip
+    budget = config.workflow.max_total_tokens or config.engine.max_tokens_per_microbatch
+    workflow = build_workflow(replace(config.workflow, max_total_tokens=budget), tokenizer, reward_fn)
     results: dict[str, dict[str, float]] = {}
     for name, prompts in datasets.items():
         start = time.perf_counter()
-        metrics = evaluate_prompts(
-            rollout, prompts, engine, reward_fn, config.eval_sampling, config.max_new_tokens, config.eval_size
-        )
+        metrics = evaluate_held_out(
+            rollout, prompts, engine, reward_fn, config.workflow, workflow, config.eval_sampling,
+            config.max_new_tokens, config.eval_size,
+        )  # fmt: skip
         count = len(prompts) if config.eval_size is None else min(config.eval_size, len(prompts))
         calls = reward_fn.pop_stats()
         results[name] = metrics | {"num_prompts": float(count), "time_s": time.perf_counter() - start}

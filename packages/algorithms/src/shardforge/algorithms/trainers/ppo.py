@@ -56,9 +56,9 @@ from shardforge.algorithms.trainers.rl_common import (
     reward_call_stats,
 )
 from shardforge.algorithms.trainers.rl_data import load_prompt_data
-from shardforge.algorithms.trainers.rl_eval import evaluate_prompts
 from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
 from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
+from shardforge.algorithms.trainers.workflow_eval import evaluate_held_out
 from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
 from shardforge.algorithms.workflows import trajectories_to_batch
 from shardforge.weight_sync import DiskTransport
@@ -265,11 +265,13 @@ class PPOTrainer(Trainer[PPOConfig]):
     def evaluate(self) -> dict[str, float]:
         assert self.held_out is not None
         config = self.config
-        return evaluate_prompts(
+        return evaluate_held_out(
             self.rollout,
             self.held_out,
             self.engine,
             self.reward_fn,
+            config.workflow,
+            self.workflow,
             config.eval_sampling,
             config.max_new_tokens,
             config.eval_size,

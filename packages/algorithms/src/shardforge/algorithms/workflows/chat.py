@@ -3,7 +3,7 @@
 A multi-turn episode's sequence is ``prompt ids + generated ids + continuation ids + generated ids
 ...``. The continuation after a model turn (close the assistant turn, add a user / tool message,
 open the next assistant turn) is rendered by the tokenizer's own chat template on a placeholder
-conversation and cut at the placeholder, so only the new text is tokenised. Why not re-render the
+conversation and cut after the placeholder's content, so only the new text is tokenised. Why not re-render the
 whole conversation each turn: many templates are not prefix-stable (Qwen3 drops or inserts think
 blocks in earlier assistant turns; BPE merges across a boundary), so the re-tokenised history would
 not be the sequence the engine sampled and the behaviour log-probs would belong to other tokens.
@@ -44,7 +44,6 @@ class ChatCodec:
             )
         self.tokenizer, self.chat_template, self.tools = tokenizer, chat_template, tools or None
         self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        self._close = self._assistant_close() if chat_template else ""
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         text = self.tokenizer.apply_chat_template(
@@ -54,12 +53,6 @@ class ChatCodec:
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def _assistant_close(self) -> str:
-        """The template's text after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
-        base = self._render([*self.system, {"role": "user", "content": "u"}], True)
-        full = self._render([*self.system, {"role": "user", "content": "u"}, _assistant()], False)
-        return full[full.rindex(_PLACEHOLDER) + len(_PLACEHOLDER) :] if full.startswith(base) else ""
 
     def prompt_ids(self, prompt: str, plain_ids: list[int]) -> list[int]:
         """The first prompt: the chat template around a user message, or the plain ids as they are."""
@@ -75,19 +68,20 @@ class ChatCodec:
         """
         if not self.chat_template:
             return self._encode("".join(str(m["content"]) for m in messages))
-        history = [*self.system, {"role": "user", "content": "u"}, _assistant()]
-        before = self._render(history, False)
-        after = self._render(history + messages, True)
-        if not after.startswith(before):
+        # Everything the template writes after the assistant's content: its turn close, the new
+        # messages, the next generation prompt. What it does to the history before the content (Qwen3
+        # drops the think block of a turn once another follows) is no concern: those ids are fixed.
+        after = self._render([*self.system, {"role": "user", "content": "u"}, _assistant(), *messages], True)
+        if after.count(_PLACEHOLDER) != 1:
             raise ValueError(
-                "the chat template renders a conversation differently once messages follow it, so the next "
-                "turn cannot be appended token-in/token-out; use a template that only appends"
+                "the chat template does not render an earlier assistant message's content as it is, so the next "
+                "turn cannot be appended token-in/token-out; use a template that keeps assistant contents"
             )
-        close = self._close
+        tail = after[after.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
         eos = self.tokenizer.eos_token
-        if finished and eos and close.startswith(eos):
-            close = close[len(eos) :]
-        return self._encode(close + after[len(before) :])
+        if finished and eos and tail.startswith(eos):
+            tail = tail[len(eos) :]
+        return self._encode(tail)
 
 
 def _assistant() -> dict[str, Any]:
