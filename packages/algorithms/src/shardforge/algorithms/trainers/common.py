@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 
-__all__ = ["check_max_positions", "progress_bar", "with_total_steps"]
+__all__ = ["SourceSetState", "build_reference", "check_max_positions", "progress_bar", "with_total_steps"]
 
 
 def with_total_steps(engine: EngineConfig, steps: int) -> EngineConfig:
@@ -39,3 +40,38 @@ def check_max_positions(hf_config: Any, lengths: list[int], what: str, fix: str)
             f"{len(longer)} of {len(lengths)} {what} are longer than the model's max_position_embeddings={limit} "
             f"(longest: {max(longer)} tokens); {fix}"
         )
+
+
+class SourceSetState:
+    """The data-state hooks of a trainer whose batches come from ``self.data`` (a `data.source_set.SourceSet`):
+    the resume point's fingerprint, each source's position in the checkpoint, and restoring it."""
+
+    config: Any
+    data: Any
+
+    def data_state(self) -> dict[str, Any]:
+        config = self.config
+        state: dict[str, Any] = {"seed": config.seed, "global_batch_size": config.global_batch_size}
+        return state | self.data.data_state()
+
+    def extra_state(self) -> dict[str, Any]:
+        return dict(self.data.extra_state())
+
+    def setup(self, start: int, restored: dict[str, Any]) -> None:
+        self.data.restore(restored)
+
+
+def build_reference(config: Any, needed: bool) -> TrainEngine | None:
+    """The frozen reference policy (``config.reference_model`` or ``config.model``) on ``config.layout`` when
+    ``needed``, else None; offloaded between forwards with ``config.offload_reference``, scoring at the
+    rollout temperature when the config has one (RL) as the policy does."""
+    if not needed:
+        return None
+    ref_config = config.engine
+    if config.offload_reference:  # on the device only for its forward (cpu_offload would keep it on host)
+        ref_config = dataclasses.replace(ref_config, offload_when_idle=True, cpu_offload=False)
+    reference = TrainEngine(config.reference_model or config.model, config.layout, ref_config)
+    temperature = getattr(config, "temperature", 0.0)
+    if temperature > 0:
+        reference.logprob_temperature = temperature
+    return reference

@@ -10,7 +10,6 @@ forward (none for reference-free losses such as SimPO), and trains the policy on
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,7 +30,7 @@ from shardforge.algorithms.objectives.preference import (
 from shardforge.algorithms.objectives.stats import merge_stats
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
-from shardforge.algorithms.trainers.common import check_max_positions, with_total_steps
+from shardforge.algorithms.trainers.common import SourceSetState, build_reference, check_max_positions, with_total_steps
 
 __all__ = ["REF_LOGPROBS", "DPOConfig", "DPOLossFn", "DPOTrainer", "run_dpo"]
 
@@ -149,7 +148,7 @@ def _check_pairs(pairs: list[PreferencePair], budget: int, name: str) -> None:
             )
 
 
-class DPOTrainer(Trainer[DPOConfig]):
+class DPOTrainer(SourceSetState, Trainer[DPOConfig]):
     """Policy trained on preference pairs against a frozen reference (or none, for SimPO)."""
 
     name = "dpo"
@@ -178,23 +177,8 @@ class DPOTrainer(Trainer[DPOConfig]):
                 check_max_positions(
                     engine.hf_config, lengths, f"sequences in {name}", "set max_seq_len to at most that"
                 )
-        self.reference: TrainEngine | None = None
-        if self.loss_fn.needs_reference:
-            ref_config = config.engine
-            if config.offload_reference:
-                ref_config = dataclasses.replace(ref_config, offload_when_idle=True, cpu_offload=False)
-            self.reference = TrainEngine(config.reference_model or config.model, config.layout, ref_config)
+        self.reference = build_reference(config, self.loss_fn.needs_reference)
         return engine
-
-    def data_state(self) -> dict[str, Any]:
-        config = self.config
-        return {"seed": config.seed, "global_batch_size": config.global_batch_size} | self.data.data_state()
-
-    def extra_state(self) -> dict[str, Any]:
-        return self.data.extra_state()
-
-    def setup(self, start: int, restored: dict[str, Any]) -> None:
-        self.data.restore(restored)
 
     def _batch(self, pairs: list[PreferencePair], indices: list[int], weight: float = 1.0) -> PackedBatch:
         batch = pack_pairs(pairs, indices, weight=weight, responses_only=True)

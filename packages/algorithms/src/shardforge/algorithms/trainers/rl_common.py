@@ -3,7 +3,6 @@ global reward statistics, the held-out split check."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -24,7 +23,7 @@ from shardforge.algorithms.rollout.reward_compose import RewardTermConfig, build
 from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.trainers.base import TrainerConfig
-from shardforge.algorithms.trainers.common import check_max_positions
+from shardforge.algorithms.trainers.common import build_reference, check_max_positions
 from shardforge.algorithms.trainers.model_rewards import RewardModelConfig, RewardModelScorer
 from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig
 from shardforge.algorithms.workflows import WorkflowConfig
@@ -233,20 +232,6 @@ def record_routing(config: RLTrainerConfig, rollout: PublishedRolloutEngine) -> 
     """With ``engine.router_replay``, make the (embedded HF) rollout engine record every token's experts."""
     if config.engine.router_replay:
         getattr(rollout, "record_routing")()  # noqa: B009  (HFRolloutEngine: check_rollout_batch made sure)
-
-
-def build_reference(config: RLTrainerConfig, needed: bool) -> TrainEngine | None:
-    """The frozen reference policy (``reference_model`` or the model) when ``needed``, else None; it scores
-    at the rollout temperature, as the policy does, and is offloaded between forwards with ``offload_reference``."""
-    if not needed:
-        return None
-    ref_config = config.engine
-    if config.offload_reference:  # on the device only for its forward (cpu_offload would keep it on host)
-        ref_config = dataclasses.replace(ref_config, offload_when_idle=True, cpu_offload=False)
-    reference = TrainEngine(config.reference_model or config.model, config.layout, ref_config)
-    if config.temperature > 0:
-        reference.logprob_temperature = config.temperature
-    return reference
 
 
 def build_reward_model(config: RLTrainerConfig, policy: TrainEngine) -> RewardModelScorer | None:

@@ -23,7 +23,7 @@ from shardforge.algorithms.objectives import bradley_terry_loss, last_token_scor
 from shardforge.algorithms.objectives.stats import merge_stats
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
-from shardforge.algorithms.trainers.common import with_total_steps
+from shardforge.algorithms.trainers.common import SourceSetState, with_total_steps
 from shardforge.algorithms.trainers.ppo_update import dp_reduce_stats
 
 __all__ = ["BradleyTerryLossFn", "RMConfig", "RMTrainer", "evaluate_pairs", "run_rm"]
@@ -102,7 +102,7 @@ def _check_lengths(pairs: list[PreferencePair], budget: int, name: str) -> None:
         )
 
 
-class RMTrainer(Trainer[RMConfig]):
+class RMTrainer(SourceSetState, Trainer[RMConfig]):
     """Bradley-Terry reward model on preference pairs."""
 
     name = "rm"
@@ -127,16 +127,6 @@ class RMTrainer(Trainer[RMConfig]):
                 f"global_batch_size={config.global_batch_size} pairs < data-parallel size {engine.dp_size}"
             )
         return engine
-
-    def data_state(self) -> dict[str, Any]:
-        config = self.config
-        return {"seed": config.seed, "global_batch_size": config.global_batch_size} | self.data.data_state()
-
-    def extra_state(self) -> dict[str, Any]:
-        return self.data.extra_state()
-
-    def setup(self, start: int, restored: dict[str, Any]) -> None:
-        self.data.restore(restored)
 
     def train_step(self, step: int) -> dict[str, float]:
         engine, loss_fn = self.engine, self.loss_fn

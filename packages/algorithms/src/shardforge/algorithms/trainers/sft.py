@@ -12,7 +12,7 @@ from shardforge.algorithms.data.sources import SourceConfig
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
-from shardforge.algorithms.trainers.common import check_max_positions, with_total_steps
+from shardforge.algorithms.trainers.common import SourceSetState, check_max_positions, with_total_steps
 
 __all__ = ["SFTConfig", "SFTTrainer", "run_sft"]
 
@@ -42,7 +42,7 @@ def _check_lengths(examples: list[SFTExample], budget: int, name: str) -> None:
         )
 
 
-class SFTTrainer(Trainer[SFTConfig]):
+class SFTTrainer(SourceSetState, Trainer[SFTConfig]):
     """Next-token loss on the completion / assistant tokens."""
 
     name = "sft"
@@ -75,16 +75,6 @@ class SFTTrainer(Trainer[SFTConfig]):
                 fix = "set max_seq_len to at most that to truncate them (rows left without targets are skipped)"
                 check_max_positions(engine.hf_config, [len(e.input_ids) for e in examples], f"examples in {name}", fix)
         return engine
-
-    def data_state(self) -> dict[str, Any]:
-        config = self.config
-        return {"seed": config.seed, "global_batch_size": config.global_batch_size} | self.data.data_state()
-
-    def extra_state(self) -> dict[str, Any]:
-        return self.data.extra_state()
-
-    def setup(self, start: int, restored: dict[str, Any]) -> None:
-        self.data.restore(restored)
 
     def train_step(self, step: int) -> dict[str, float]:
         engine = self.engine
