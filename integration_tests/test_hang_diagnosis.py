@@ -96,6 +96,10 @@ def test_a_finished_step_leaves_no_stacks_file_and_a_slow_one_keeps_its_stacks(t
     time.sleep(0.6)  # slow, but it finishes
     assert watchdog.fired()
     watchdog.arm(3)  # disarms step 2: its stacks are kept as -slow.txt
-    assert "in test_a_finished_step" in (tmp_path / "stacks-rank3-slow.txt").read_text()
+    kept = (tmp_path / "stacks-rank3-slow.txt").read_text()
+    # faulthandler stops after 100 threads: in a busy test process (tracker threads, rank pools) this test's
+    # own frame may be cut off, so check the header and that stacks were written (the sleeping-rank test
+    # above checks a real stack's frames in a process of its own).
+    assert kept.startswith("# shardforge stack dump: rank 3 step 2") and 'File "' in kept, kept[:500]
     watchdog.close()
     assert not (tmp_path / "stacks-rank3.txt").exists()  # step 3 ended in time: no file
