@@ -177,6 +177,12 @@ def test_profile_writes_a_chrome_trace_of_the_chosen_steps(assets: dict[str, Any
     assert not (tmp_path / "off" / "profile").exists()
     with pytest.raises(ValueError, match=re.escape("profile.start_step=0")):
         _config("sft", assets, tmp_path, **{"profile.start_step": 0})
+    memory = _config(
+        "sft", assets, tmp_path / "mem", steps=2, **{"profile.enabled": "true", "profile.profile_memory": "true"}
+    )
+    _run("sft", memory)
+    table = (tmp_path / "mem" / "profile" / "rank0_steps2-2_memory.txt").read_text()  # CPU: the memory table
+    assert "CPU Mem" in table and "aten::" in table, table[:500]
 
 
 SINKS_MODULE = textwrap.dedent(

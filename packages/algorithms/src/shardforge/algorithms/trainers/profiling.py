@@ -57,7 +57,9 @@ class ProfileConfig:
     record_shapes: bool = False
     """Record operator input shapes (bigger traces)."""
     profile_memory: bool = False
-    """Record tensor allocations and frees."""
+    """Record tensor allocations and frees, and write a memory snapshot of the traced steps next to the
+    trace: on a GPU ``torch.cuda.memory`` history (``..._memory.pickle``, opens in pytorch.org/memory_viz);
+    on CPU the profiler's per-operator memory table (``..._memory.txt``)."""
     with_stack: bool = False
     """Record Python stacks (much bigger traces)."""
 
@@ -82,6 +84,7 @@ class StepProfiler:
         self._first = 0
         self._last = 0
         self.trace: Path | None = None
+        self.memory: Path | None = None
 
     def before_step(self, step: int) -> None:
         """``step`` is the 1-based number of the step about to run."""
@@ -97,6 +100,8 @@ class StepProfiler:
             profile_memory=self.config.profile_memory,
             with_stack=self.config.with_stack,
         )
+        if self.config.profile_memory and torch.cuda.is_available():
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
         self._profiler.__enter__()
         self._first = step
 
@@ -115,5 +120,23 @@ class StepProfiler:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.trace = self.dir / f"rank{self.rank}_steps{self._first}-{max(self._last, self._first)}.json"
         profiler.export_chrome_trace(str(self.trace))
+        if self.config.profile_memory:
+            self.memory = self._memory_snapshot(profiler, self.trace.with_suffix(""))
         self.active = False
         logger.info("profiler trace of steps %d-%d: %s", self._first, max(self._last, self._first), self.trace)
+
+    @staticmethod
+    def _memory_snapshot(profiler: Any, stem: Path) -> Path:
+        """The traced steps' memory: CUDA allocator history on a GPU, else the profiler's memory table."""
+        import torch
+
+        if torch.cuda.is_available():
+            path = stem.parent / f"{stem.name}_memory.pickle"
+            torch.cuda.memory._dump_snapshot(str(path))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        else:
+            path = stem.parent / f"{stem.name}_memory.txt"
+            table = profiler.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=40)
+            path.write_text(table + "\n")
+        logger.info("memory snapshot of the traced steps: %s", path)
+        return path
