@@ -16,8 +16,7 @@ from typing import Any
 import torch
 
 from shardforge.algorithms.batching import PackedBatch, pack_sequences
-from shardforge.algorithms.data.jsonl import read_jsonl
-from shardforge.algorithms.data.sources import SourceConfig, read_source
+from shardforge.algorithms.data.sources import SourceConfig, read_rows
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS
 from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
 from shardforge.algorithms.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
@@ -56,12 +55,7 @@ def load_prompts(path: str | Path | SourceConfig, tokenizer: Any, *, max_prompt_
     """Read prompt/completion JSONL or a `SourceConfig` (data/sources.py; map e.g. ``{prompt: question,
     completion: answer}``); prompts longer than ``max_prompt_len`` tokens are skipped (with a warning
     naming how many)."""
-    if isinstance(path, SourceConfig):
-        rows = read_source(path, PROMPT_ROW_FIELDS)
-        path, sep = Path(path.label), " row "
-    else:
-        path, sep = Path(path), ":"
-        rows = read_jsonl(path, "prompt file", PROMPT_ROW_FIELDS)
+    rows, path, sep = read_rows(path, "prompt file", PROMPT_ROW_FIELDS)
     texts, refs, ids = [], [], []
     skipped = 0
     prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []

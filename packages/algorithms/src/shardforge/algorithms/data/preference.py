@@ -14,9 +14,8 @@ import torch
 
 from shardforge.algorithms.batching import SEQUENCE_GROUP, PackedBatch, pack_sequences
 from shardforge.algorithms.data.config import eval_source, train_sources
-from shardforge.algorithms.data.jsonl import read_jsonl
 from shardforge.algorithms.data.source_set import SourceSet, loader_arg
-from shardforge.algorithms.data.sources import SourceConfig, read_source
+from shardforge.algorithms.data.sources import SourceConfig, read_rows
 
 __all__ = [
     "IS_CHOSEN",
@@ -54,12 +53,7 @@ def load_pairs(
     """Read and tokenise preference JSONL or a `SourceConfig` (data/sources.py: Parquet, save_to_disk, HF
     names, column mapping); malformed rows raise `ValueError` naming the line (a source: its name, row
     number and field)."""
-    if isinstance(path, SourceConfig):
-        rows = read_source(path, PAIR_ROW_FIELDS)
-        path, sep = Path(path.label), " row "
-    else:
-        path, sep = Path(path), ":"
-        rows = read_jsonl(path, "preference file", PAIR_ROW_FIELDS)
+    rows, path, sep = read_rows(path, "preference file", PAIR_ROW_FIELDS)
     prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     suffix = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     pairs, truncated = [], 0

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shardforge.algorithms.batching import PackedBatch, pack_sequences
-from shardforge.algorithms.data.jsonl import read_jsonl
-from shardforge.algorithms.data.sources import SourceConfig, read_source
+from shardforge.algorithms.data.sources import SourceConfig, read_rows
 
 __all__ = ["SFT_ROW_FIELDS", "SFTExample", "load_sft_examples", "pack_examples", "tokenize_sft_row"]
 
@@ -41,12 +40,7 @@ def load_sft_examples(
 ) -> list[SFTExample]:
     """Read and tokenise a JSONL file or a `SourceConfig` (data/sources.py); a malformed row is a `ValueError`
     naming the file and 1-based line (a source: its name, row number and field)."""
-    if isinstance(path, SourceConfig):
-        rows = read_source(path, SFT_ROW_FIELDS)
-        path, sep = Path(path.label), " row "
-    else:
-        path, sep = Path(path), ":"
-        rows = read_jsonl(path, "dataset file", SFT_ROW_FIELDS)
+    rows, path, sep = read_rows(path, "dataset file", SFT_ROW_FIELDS)
     examples = []
     truncated = emptied = 0
     for number, row in rows:

@@ -17,7 +17,15 @@ from typing import Any
 
 from shardforge.algorithms.data.jsonl import RowFields, iter_jsonl
 
-__all__ = ["OUR_COLUMNS", "SourceConfig", "as_source", "is_plain_jsonl", "read_source", "validate_row_types"]
+__all__ = [
+    "OUR_COLUMNS",
+    "SourceConfig",
+    "as_source",
+    "is_plain_jsonl",
+    "read_rows",
+    "read_source",
+    "validate_row_types",
+]
 
 OUR_COLUMNS = ("prompt", "completion", "messages", "answer", "chosen", "rejected", "images")
 """The column names the trainers read; `SourceConfig.columns` maps a source's names onto these."""
@@ -213,3 +221,13 @@ def _csv_text_features(path: Path) -> Any:
     with path.open(newline="", encoding="utf-8") as handle:
         header = next(csv.reader(handle), [])
     return datasets.Features({name: datasets.Value("string") for name in header})
+
+
+def read_rows(path: str | Path | SourceConfig, what: str, fields: RowFields) -> tuple[Any, Path, str]:
+    """``(numbered rows, label, separator)`` of a JSONL file or a `SourceConfig`, for loaders whose errors
+    name ``f"{label}{separator}{number}"`` (a file: ``path:line``; a source: ``name row N``)."""
+    from shardforge.algorithms.data.jsonl import read_jsonl
+
+    if isinstance(path, SourceConfig):
+        return read_source(path, fields), Path(path.label), " row "
+    return read_jsonl(Path(path), what, fields), Path(path), ":"
