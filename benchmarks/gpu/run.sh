@@ -7,6 +7,7 @@
 # tests : python3 -m pytest -q gpu_tests            (every test skips without CUDA: "no CUDA device")
 # bench : benchmarks/gpu/bench_{varlen,planner,publish,mfu}.py (each exits 0 without CUDA)
 # all   : env, tests, bench
+# Env: GPU_BUDGET_S (whole-command seconds), GPU_TESTS_MAX_S, GPU_BENCHES (subset, in order), GPU_MFU_ARGS.
 #
 # Uses the machine's python3 (GPU image: torch + transformers + peft + safetensors + pytest preinstalled);
 # our packages are pure Python and are put on PYTHONPATH, not installed. Wheels carried in .whl/ (see
@@ -25,6 +26,17 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 PYTHONPATH="$(ls -d "$ROOT"/packages/*/src | tr '\n' :)${PYTHONPATH:-}"
 export SHARDFORGE_GPU_OUT="$WORK" PYTHONPATH PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+# GPU_BUDGET_S: seconds this whole command may take (a device lease). Each step gets a timeout from
+# what is left, bench_mfu stops starting configurations in time, and the archive in $OUT is rewritten
+# after every step, so a lease that ends early still returns what was measured.
+DEADLINE=$((SECONDS + ${GPU_BUDGET_S:-100000}))
+left() { local l=$((DEADLINE - SECONDS - ${1:-0})); [ "$l" -lt 1 ] && l=1; echo "$l"; }
+cap() { local l; l=$(left 20); [ "$l" -gt "$1" ] && l=$1; echo "$l"; }
+archive() {
+  if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/gpu_run.tgz" -C "$WORK" . && cp "$SUMMARY" "$OUT/summary.md" && cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
+  fi
+}
 SUMMARY="$WORK/summary.md"
 : >"$SUMMARY"
 status=0
@@ -63,19 +75,31 @@ PYEOF
 
 run_tests() {
   local start=$SECONDS
-  "$PY" -m pytest -q -ra -p no:cacheprovider --junitxml="$WORK/gpu_tests.xml" gpu_tests 2>&1 | tee "$WORK/tests.log"
+  local per_test=()
+  "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=180)
+  timeout "$(cap "${GPU_TESTS_MAX_S:-100000}")" "$PY" -m pytest -q -ra -p no:cacheprovider "${per_test[@]}" \
+    --junitxml="$WORK/gpu_tests.xml" gpu_tests 2>&1 | tee "$WORK/tests.log"
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 5 ] && rc=0  # nothing collected
   echo "| tests | rc $rc, $((SECONDS - start)) s | $(tail -n1 "$WORK/tests.log") |" >>"$SUMMARY"
   status=$rc
+  archive
 }
 
 run_bench() {
-  for script in bench_varlen bench_planner bench_publish bench_mfu; do
+  for script in ${GPU_BENCHES:-bench_varlen bench_planner bench_publish bench_mfu}; do
     local start=$SECONDS
-    "$PY" "benchmarks/gpu/$script.py" 2>&1 | tee "$WORK/$script.log"
+    local extra=() limit
+    if [ "$script" = bench_mfu ]; then
+      limit=$(left 20)
+      extra=(--budget-s "$(( limit > 150 ? limit - 120 : 30 ))" ${GPU_MFU_ARGS:-})
+    else
+      limit=$(cap 240)
+    fi
+    timeout "$limit" "$PY" "benchmarks/gpu/$script.py" "${extra[@]}" 2>&1 | tee "$WORK/$script.log"
     local rc=${PIPESTATUS[0]}
     echo "| $script | rc $rc, $((SECONDS - start)) s | $(grep -m1 'no CUDA device' "$WORK/$script.log" || echo see $script.log) |" >>"$SUMMARY"
+    archive
   done
 }
 
@@ -87,10 +111,8 @@ case "$MODE" in
   *) echo "usage: bash benchmarks/gpu/run.sh [env|tests|bench|all]" >&2; exit 2 ;;
 esac
 
-if [ -n "${OUT:-}" ] && [ "$MODE" != env ]; then
-  # The device tool returns at most 8 files: one archive with everything, plus the summary and RESULTS.md.
-  tar czf "$OUT/gpu_run.tgz" -C "$WORK" . && cp "$SUMMARY" "$OUT/summary.md" && cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
-fi
+# The device tool returns at most 8 files: one archive with everything, plus the summary and RESULTS.md.
+[ "$MODE" != env ] && archive
 echo
 echo "| step | result | detail |"
 echo "|---|---|---|"
