@@ -147,9 +147,10 @@ def run_ours(path: str, shape: str, seq: int, ac: str, compile_: bool, steps: in
 def run_torchtitan(shape: str, lengths: list[int], steps: int) -> dict[str, Any] | str:
     """The same dims and packed documents through torchtitan's llama3 model; or why not.
 
-    torchtitan 0.3's own config for the flavour (``llama3_configs["1B"|"3B"]``) with its varlen
-    attention over per-document positions (block-causal, as ours), weight tying off to match our
-    untied model, bf16 parameters and fused AdamW in a plain loop (model kernels only, no trainer).
+    torchtitan's own llama3 model with its varlen attention over the same documents (block-causal,
+    as ours), untied output, bf16 parameters and fused AdamW in a plain loop (model kernels only, no
+    trainer). Two APIs: 0.2.x (``TransformerModelArgs``, document ends marked by an EOS id: works
+    with torch 2.11) and 0.3 (``llama3_configs``; needs a newer torch than 2.11).
     """
     try:
         import torchtitan  # noqa: F401
@@ -165,26 +166,57 @@ def run_torchtitan(shape: str, lengths: list[int], steps: int) -> dict[str, Any]
     return "torchtitan anchor failed: " + " | ".join(errors)
 
 
-def _titan_steps(shape: str, lengths: list[int], steps: int, backend: str) -> dict[str, Any]:
-    import torch
-    from torchtitan.models.llama3 import llama3_configs  # type: ignore[import-not-found]
+def _titan_model(shape: str, lengths: list[int], backend: str) -> tuple[Any, Any]:
+    """(model on CUDA in bf16, forward(ids) -> logits) for torchtitan 0.2.x or 0.3."""
+    import types
 
-    cfg = llama3_configs[shape.upper()](attn_backend=backend)
+    import torch
+    import torchtitan.models.llama3 as titan  # type: ignore[import-not-found]
+
+    dims = SHAPES[shape]
+    if hasattr(titan, "TransformerModelArgs"):  # 0.2.x
+        eos = VOCAB - 1
+        args = titan.TransformerModelArgs(
+            dim=dims["hidden_size"], n_layers=dims["num_hidden_layers"], n_heads=dims["num_attention_heads"],
+            n_kv_heads=dims["num_key_value_heads"], vocab_size=VOCAB, multiple_of=1024,
+            ffn_dim_multiplier=1.5 if shape == "1b" else 1.0, rope_theta=500000.0, max_seq_len=sum(lengths),
+            attn_type=backend, attn_mask_type="block_causal", eos_id=eos,
+        )  # fmt: skip
+        with torch.device("cuda"):
+            model = titan.Transformer(args)
+        model.init_weights(buffer_device=torch.device("cuda"))
+        model = model.to(torch.bfloat16)
+        tokenizer = types.SimpleNamespace(eos_id=eos)
+
+        def forward(ids: Any) -> Any:
+            ids = ids.clone()
+            ends = torch.tensor(lengths, device=ids.device).cumsum(0) - 1
+            ids[0, ends] = eos  # document ends, as titan's block-causal masks read them
+            return model(ids, model.get_attention_masks(ids, tokenizer))
+
+        return model, forward
+    cfg = titan.llama3_configs[shape.upper()](attn_backend=backend)  # 0.3
     cfg.enable_weight_tying = False
     with torch.device("cuda"):
         model = cfg.build()
-    if hasattr(model, "init_states"):
-        model.init_states(buffer_device=torch.device("cuda"))
+    model.init_states(buffer_device=torch.device("cuda"))
     model = model.to(torch.bfloat16)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).cuda()
+    masks = model.get_attention_masks(positions)
+    return model, lambda ids: model(ids, positions, masks)
+
+
+def _titan_steps(shape: str, lengths: list[int], steps: int, backend: str) -> dict[str, Any]:
+    import torch
+
+    model, forward = _titan_model(shape, lengths, backend)
     n_params = sum(p.numel() for n, p in model.named_parameters() if "tok_embeddings" not in n)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     seq = sum(lengths)
-    ids = torch.randint(0, VOCAB, (1, seq), device="cuda")
-    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).cuda()
-    masks = model.get_attention_masks(positions)
+    ids = torch.randint(0, VOCAB - 1, (1, seq), device="cuda")
 
     def step() -> float:
-        logits = model(ids, positions, masks)
+        logits = forward(ids)
         loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
         loss.backward()
         opt.step()
@@ -200,13 +232,14 @@ def _titan_steps(shape: str, lengths: list[int], steps: int, backend: str) -> di
         loss = step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - start) / steps
-    result = {
+    from importlib.metadata import version
+
+    return {
         "step_s": step_s, "tokens_per_s": seq / step_s, "params_non_embedding": n_params, "loss": loss,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "note": f"torchtitan llama3 {shape.upper()} config, {backend} attention over document positions, untied, "
-                "bf16 params + fused AdamW, plain loop",
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "version": version("torchtitan"),
+        "note": f"torchtitan {version('torchtitan')} llama3 {shape.upper()}, {backend} attention over the same "
+                "documents, untied, bf16 params + fused AdamW, plain loop",
     }  # fmt: skip
-    return result  # the caller frees the GPU memory once the model is out of scope
 
 
 def main() -> None:
