@@ -184,7 +184,8 @@ def _titan_model(shape: str, lengths: list[int], backend: str) -> tuple[Any, Any
         )  # fmt: skip
         with torch.device("cuda"):
             model = titan.Transformer(args)
-        model.init_weights(buffer_device=torch.device("cuda"))
+        with torch.no_grad():  # as titan's trainer calls it (its init copies into leaf parameters)
+            model.init_weights(buffer_device=torch.device("cuda"))
         model = model.to(torch.bfloat16)
         tokenizer = types.SimpleNamespace(eos_id=eos)
 
@@ -199,7 +200,8 @@ def _titan_model(shape: str, lengths: list[int], backend: str) -> tuple[Any, Any
     cfg.enable_weight_tying = False
     with torch.device("cuda"):
         model = cfg.build()
-    model.init_states(buffer_device=torch.device("cuda"))
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cuda"))
     model = model.to(torch.bfloat16)
     positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).cuda()
     masks = model.get_attention_masks(positions)
