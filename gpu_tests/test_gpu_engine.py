@@ -92,8 +92,14 @@ def test_tiled_mlp_on_cuda_matches_untiled(assets, device) -> None:
     assert a == pytest.approx(b, rel=1e-2)
 
 
-def test_anyprecision_adamw_cuda_matches_cpu() -> None:
-    """The optimizer alone, fp32 params, bf16 moments + Kahan: CUDA vs CPU updates."""
+@pytest.mark.parametrize("fused", [False, None], ids=["eager", "compiled"])
+def test_anyprecision_adamw_cuda_matches_cpu(fused: bool | None) -> None:
+    """The optimizer alone, fp32 params, bf16 moments + Kahan: CUDA vs CPU (eager) updates.
+
+    ``fused=None`` compiles the update on CUDA (one kernel per parameter): same arithmetic up to
+    reassociation, so a bf16 moment can land one ulp apart (0.4% of one element's update of
+    ~lr = 1e-2): atol 2e-4 there, 1e-5 for the eager CUDA update.
+    """
     from shardforge.memory import AnyPrecisionAdamW
 
     if not torch.cuda.is_available():
@@ -104,13 +110,15 @@ def test_anyprecision_adamw_cuda_matches_cpu() -> None:
     grads = [[torch.randn_like(p) for p in params["cpu"]] for _ in range(5)]
     for dev, ps in params.items():
         opt = AnyPrecisionAdamW(ps, lr=1e-2, momentum_dtype=torch.bfloat16, variance_dtype=torch.bfloat16,
-                                use_kahan_summation=True, compensation_buffer_dtype=torch.bfloat16)  # fmt: skip
+                                use_kahan_summation=True, compensation_buffer_dtype=torch.bfloat16,
+                                fused=fused)  # fmt: skip
         for g in grads:
             for p, gi in zip(ps, g):
                 p.grad = gi.to(dev)
             opt.step()
     for a, b in zip(params["cpu"], params["cuda"]):
-        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-5, atol=1e-5)
+        tol = 1e-5 if fused is False else 2e-4
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=tol, atol=tol)
 
 
 def test_lora_on_cuda_trains_only_adapters(assets, device) -> None:

@@ -109,3 +109,16 @@ def test_scheduler_follows_lr_factor():
         opt.step()
         sched.step()
     assert seen == pytest.approx([1.0, 2.0, 2.0, 1.5, 1.0, 0.5, 0.0])
+
+
+def test_fused_is_chosen_on_cuda_only_unless_asked():
+    from shardforge.memory import AnyPrecisionAdamW
+
+    model = nn.Linear(4, 4)
+    default = build_optimizer(model, OptimizerConfig())
+    assert default.defaults["foreach"] is False and not default.defaults["fused"]  # CPU: the plain loop
+    forced = build_optimizer(model, OptimizerConfig(fused=True))
+    assert forced.defaults["fused"] is True
+    anyp = build_optimizer(model, OptimizerConfig(name="anyprecision_adamw", fused=False))
+    assert isinstance(anyp, AnyPrecisionAdamW) and anyp.fused is False
+    assert build_optimizer(model, OptimizerConfig(name="anyprecision_adamw")).fused is None

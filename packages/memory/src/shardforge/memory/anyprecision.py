@@ -28,13 +28,18 @@ save, load and reshard it like AdamW's), while the arithmetic runs on the local 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from shardforge.memory import fused_adamw
+
 __all__ = ["AnyPrecisionAdamW"]
+
+logger = logging.getLogger(__name__)
 
 # Param groups store the dtype *name* ("bfloat16"): torch.distributed.checkpoint's state-dict
 # helpers and DCP only accept tensors, numbers, strings and containers in an optimizer state dict.
@@ -152,6 +157,10 @@ class AnyPrecisionAdamW(torch.optim.Optimizer):
         use_kahan_summation: keep a compensation buffer per parameter and carry the bits
             that rounding the weight loses into the next step. Only useful for low-precision
             (bf16/fp16) parameters; with fp32 parameters it costs memory for no gain.
+        fused: run each parameter's update as one ``torch.compile``d kernel
+            (`shardforge.memory.fused_adamw`); None (default) = on CUDA parameters only, True =
+            everywhere, False = never (the eager update, bit-identical to ``torch.optim.AdamW``
+            with fp32 state). If compiling fails, the eager update is used with a warning.
     """
 
     def __init__(
@@ -166,7 +175,9 @@ class AnyPrecisionAdamW(torch.optim.Optimizer):
         variance_dtype: torch.dtype | str = torch.bfloat16,
         compensation_buffer_dtype: torch.dtype | str = torch.bfloat16,
         use_kahan_summation: bool = False,
+        fused: bool | None = None,
     ) -> None:
+        self.fused = fused
         _check_hyperparameters(lr, betas, eps, weight_decay)
         defaults = {
             "lr": lr,
@@ -216,6 +227,7 @@ class AnyPrecisionAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        step_scalars: dict[tuple[float, float, float, torch.device], torch.Tensor] = {}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
@@ -234,13 +246,37 @@ class AnyPrecisionAdamW(torch.optim.Optimizer):
                 if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
                     grad = grad.redistribute(param.device_mesh, param.placements)
                 state["step"] += 1
-                _adamw_update_(
+                tensors = (
                     _local(param),
                     _local(grad),
                     _local(state["exp_avg"]),
                     _local(state["exp_avg_sq"]),
                     None if compensation is None else _local(compensation),
-                    step=float(state["step"].item()),
+                )
+                step = float(state["step"].item())
+                if self._fuse(*tensors):
+                    key = (step, float(group["lr"]), group["weight_decay"], tensors[0].device)
+                    if key not in step_scalars:
+                        step_scalars[key] = fused_adamw.scalars(
+                            step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                            weight_decay=group["weight_decay"], device=tensors[0].device,
+                        )  # fmt: skip
+                    try:
+                        fused_adamw.fused_update_(
+                            *tensors, step_scalars[key], beta1=beta1, beta2=beta2, eps=group["eps"]
+                        )
+                        continue
+                    except Exception as err:  # compilation failed (no compiler, unsupported backend)
+                        self.fused = False
+                        logger.warning(
+                            "AnyPrecisionAdamW: the compiled update failed (%s: %s); using the eager update "
+                            "from now on (pass fused=False to skip the attempt)",
+                            type(err).__name__,
+                            str(err).splitlines()[0] if str(err) else "",
+                        )
+                _adamw_update_(
+                    *tensors,
+                    step=step,
                     lr=float(group["lr"]),
                     beta1=beta1,
                     beta2=beta2,
@@ -248,6 +284,11 @@ class AnyPrecisionAdamW(torch.optim.Optimizer):
                     weight_decay=group["weight_decay"],
                 )
         return loss
+
+    def _fuse(self, *tensors: torch.Tensor | None) -> bool:
+        if self.fused is False or not fused_adamw.can_fuse(*tensors):
+            return False
+        return self.fused is True or (tensors[0] is not None and tensors[0].is_cuda)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as ``torch.optim.Optimizer`` does, but keep each state tensor in its configured dtype.

@@ -54,6 +54,11 @@ class OptimizerConfig:
     """AdamW epsilon."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this value (None = no clipping)."""
+    fused: bool | None = None
+    """One fused kernel per update instead of an eager per-parameter loop: torch AdamW's
+    ``fused=True``, AnyPrecisionAdamW's compiled update. None = on CUDA parameters only (on an H100
+    the eager AnyPrecisionAdamW loop was half of a 1B model's step); the eager loop on CPU keeps
+    updates bit-identical across layouts."""
 
     def __post_init__(self) -> None:
         if self.name not in ("adamw", "anyprecision_adamw"):

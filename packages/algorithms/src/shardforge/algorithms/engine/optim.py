@@ -40,11 +40,17 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
             variance_dtype=dtype,
             compensation_buffer_dtype=torch.bfloat16,
             use_kahan_summation=kahan,
+            fused=config.fused,
         )
-    # foreach=False: the DTensor foreach path is fine on GPU, but on CPU the plain loop is
-    # as fast and keeps the update bit-identical across layouts.
+    params = decay + no_decay
+    fused = config.fused if config.fused is not None else bool(params) and all(p.is_cuda for p in params)
+    # Not fused: foreach=False, the plain loop, as fast as foreach on CPU and bit-identical across layouts.
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=config.lr, betas=config.betas, eps=config.eps, foreach=False
+        [g for g in groups if g["params"]],
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        **({"fused": True} if fused else {"foreach": False}),
     )
 
 
