@@ -43,6 +43,8 @@ def plan_options_for(engine: EngineConfig) -> Any:
         lora_targets=tuple(targets) or ("q_proj", "v_proj"),
         sequence_parallel=engine.sequence_parallel,
         reshard_after_forward=engine.reshard_after_forward,
+        fsdp_layers_per_unit=engine.fsdp_layers_per_unit,
+        fsdp_forward_prefetch=engine.fsdp_forward_prefetch,
         attention="flash" if torch.cuda.is_available() else "cpu",
         pp_schedule=engine.pp_schedule,
     )

@@ -287,6 +287,8 @@ def predict_engine_peak(
         "checkpoint_every",
         "sequence_parallel",
         "reshard_after_forward",
+        "fsdp_layers_per_unit",
+        "fsdp_forward_prefetch",
         "cpu_offload",
         "tiled_mlp_shards",
         "optimizer",

@@ -228,9 +228,13 @@ def estimate_memory(stats: ModelStats, dims: ParallelDims, opts: PlanOptions) ->
         elif keep_all:
             gathered_head = gathered_layer = a * sum(u.gathered for u in units)
         else:
-            big = max((u.gathered for u in units[: len(layers)]), default=0)
+            # One FSDP unit holds fsdp_layers_per_unit layers; the current unit, the one backward
+            # prefetches, and fsdp_forward_prefetch more issued ahead in forward are gathered at once.
+            big = max((u.gathered for u in units[: len(layers)]), default=0) * min(
+                opts.fsdp_layers_per_unit, len(layers) or 1
+            )
             gathered_head = a * ((head.gathered + root.gathered) * has_head + (big if layers else 0))
-            gathered_layer = a * 2 * big
+            gathered_layer = a * (2 + opts.fsdp_forward_prefetch) * big
         rs_bytes = 0.0
         if sp.fsdp and layers:
             big_trainable = max(u.trainable_gathered for u in units[: len(layers)])

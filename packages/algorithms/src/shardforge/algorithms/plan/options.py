@@ -93,6 +93,10 @@ class PlanOptions:
     """With tp > 1: Megatron sequence parallelism between blocks."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (False keeps every unit gathered)."""
+    fsdp_layers_per_unit: int = 1
+    """FSDP: decoder layers per FSDP unit (one all-gather per unit: bigger gathered buffers)."""
+    fsdp_forward_prefetch: int = 0
+    """FSDP: units whose all-gather is issued ahead in forward (each holds one more gathered unit)."""
     attention: Literal["flash", "cpu"] = "flash"
     """Attention back-end of the target device: flash varlen (CUDA bf16/fp16) or the CPU block-diagonal
     SDPA (saves gathered q/k/v copies)."""
@@ -100,7 +104,10 @@ class PlanOptions:
     """Pipeline schedule when pp > 1 (GPipe keeps every micro-batch in flight)."""
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch_tokens", "num_microbatches", "checkpoint_every", "tiled_mlp_shards"):
+        if self.fsdp_forward_prefetch < 0:
+            raise ValueError(f"fsdp_forward_prefetch={self.fsdp_forward_prefetch} must be >= 0")
+        for name in ("seq_len", "micro_batch_tokens", "num_microbatches", "checkpoint_every", "tiled_mlp_shards",
+                     "fsdp_layers_per_unit"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.lora_rank < 0:

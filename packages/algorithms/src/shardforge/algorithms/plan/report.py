@@ -7,6 +7,7 @@ import json
 import time
 from typing import Any
 
+from shardforge.algorithms.plan.fsdp_tuning import suggest_fsdp
 from shardforge.algorithms.plan.layouts import PlanResult, plan_layouts
 from shardforge.algorithms.plan.memory import MemoryEstimate
 from shardforge.algorithms.plan.options import PlanOptions, parse_memory
@@ -16,6 +17,7 @@ from shardforge.algorithms.plan.stats import model_stats
 __all__ = ["add_plan_parser", "format_table", "run_plan"]
 
 _GIB = 2**30
+_MIB = 2**20
 
 
 def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
@@ -133,6 +135,7 @@ def run_plan(args: argparse.Namespace) -> int:
     built = time.perf_counter()
     result: PlanResult = plan_layouts(stats, args.world_size, opts, budget, layouts=args.layout)
     total_s = time.perf_counter() - started
+    suggestion = suggest_fsdp(stats, result.fitting[0], opts, budget) if result.fitting else None
     if args.json:
         payload = result.as_dict()
         payload.update(
@@ -141,6 +144,7 @@ def run_plan(args: argparse.Namespace) -> int:
             options={k: getattr(opts, k) for k in opts.__slots__},  # type: ignore[attr-defined]
             meta_build_s=built - started,
             total_s=total_s,
+            fsdp_settings=suggestion.as_dict() if suggestion else None,
         )
         print(json.dumps(payload, indent=2, default=str))
         return 0
@@ -159,6 +163,16 @@ def run_plan(args: argparse.Namespace) -> int:
     print(format_table(shown, budget))
     for layout, why in result.rejected:
         print(f"layout {layout} not planned: {why}")
+    if suggestion is not None:
+        cost = (
+            f"+{suggestion.extra_bytes / _MIB:.1f} MiB predicted peak, fits"
+            if suggestion.extra_bytes
+            else "predicted peak unchanged"
+        )
+        print(
+            f"FSDP settings for {layout_string(result.fitting[0].dims)}: {suggestion.cli()} "
+            f"(measured {suggestion.gain} step speed on CPU, docs/planner.md; {cost})"
+        )
     if any(getattr(e, "data_parallel", "fsdp") == "ddp" for e in shown):
         print(
             "'rN ddp': layout=rN engine.data_parallel=ddp (a whole model per rank, gradients all-reduced in buckets; "
