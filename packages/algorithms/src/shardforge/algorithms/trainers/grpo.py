@@ -195,7 +195,9 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         )  # fmt: skip
 
         record_routing(config, rollout)
-        receiver = in_process_receiver(rollout, enabled=config.publish_in_memory, asynchronous=config.async_rollouts)
+        receiver = in_process_receiver(
+            rollout, enabled=config.publish_in_memory and engine.dims.pp == 1, asynchronous=config.async_rollouts
+        )
 
         def publish(version: int | None) -> int:
             if receiver is not None:  # same process: no disk round trip

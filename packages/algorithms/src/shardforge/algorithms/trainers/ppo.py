@@ -182,7 +182,9 @@ class PPOTrainer(Trainer[PPOConfig]):
             dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
         )  # fmt: skip
         record_routing(config, self.rollout)
-        self.receiver = in_process_receiver(self.rollout, enabled=config.publish_in_memory, asynchronous=False)
+        self.receiver = in_process_receiver(
+            self.rollout, enabled=config.publish_in_memory and actor.dims.pp == 1, asynchronous=False
+        )
         self.version = self._publish(None)
         self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
         self.kl_ctrl: KLController = build_kl_controller(dataclasses.replace(config.kl_ctrl, kl_coef=config.kl_coef))
@@ -194,7 +196,7 @@ class PPOTrainer(Trainer[PPOConfig]):
 
     def _publish(self, version: int | None) -> int:
         """Publish the actor as ``version`` (None: the first) and serve it; return the next version number.
-        In memory at world 1 with the embedded HF engine (``publish_in_memory``), else through disk."""
+        In memory with the embedded HF engine (``publish_in_memory``), else through disk."""
         config = self.config
         if self.receiver is not None:
             return publish_in_process(self.engine, self.receiver, config.rollout_dtype, version) + 1

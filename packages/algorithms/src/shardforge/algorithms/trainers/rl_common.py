@@ -70,7 +70,7 @@ class RLTrainerConfig(TrainerConfig):
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """A trained reward model scoring every rollout in the loop (path, weight, offload); added to the rewards."""
     publish_in_memory: bool = True
-    """At world size 1 with the embedded HF rollout engine (synchronous), hand the new weights to it in memory
+    """With the embedded HF rollout engine (synchronous), hand the new weights to every rank's engine in memory
     instead of a weight-sync version on disk (output_dir/weights); false: always through disk."""
     reference_model: str | None = None
     """Frozen reference policy for the KL terms (PPO's in-reward kl_coef, actor.kl_coef in the loss); None = model.
