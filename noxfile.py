@@ -78,6 +78,8 @@ def _install_workspace(session: nox.Session, *extra: str) -> None:
 
 def _pytest(session: nox.Session, *paths: str) -> None:
     args = session.posargs or ["-q", "-ra", *paths]
+    if not session.posargs and session.name == "tests":
+        args += ["-m", "not heavy"]  # CI's budget; `nox -s integration` runs them (docs/testing.md)
     session.run("python", "-m", "pytest", *args, env=THREAD_ENV)
 
 

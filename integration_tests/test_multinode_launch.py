@@ -108,6 +108,7 @@ def assert_same_run(single: Path, multi: Path, steps: int) -> None:
     )
 
 
+@pytest.mark.heavy  # heavy (~70 s): the two-node GRPO test runs the same rendezvous and the same comparison
 def test_two_node_sft_reproduces_the_single_node_run(tmp_path, assets):
     single = _config(tmp_path, assets, "single")
     result = subprocess.run([*CLI, "train", "sft", "--config", str(single), "--nproc-per-node", "2"],
@@ -151,6 +152,7 @@ def test_two_node_grpo_reproduces_the_single_node_run(tmp_path, assets):
     assert any(loss != 0.0 for _, loss in _train_losses(tmp_path / "single")), "the run must train something"
 
 
+@pytest.mark.heavy  # heavy (~95 s): restart end to end; CI keeps the flags (test_alg_multinode_args) and resume-after-kill (test_checkpoint_resume)
 def test_a_killed_rank_restarts_every_rank_on_both_nodes_and_resumes(tmp_path, assets):
     """--max-restarts 1: rank 1 (node 1) is SIGKILLed after step 3; both agents restart their ranks,
     which resume from the step-2 checkpoint; the finished run equals an uninterrupted one."""

@@ -88,6 +88,7 @@ def _train_steps(out: Path) -> list[int]:
     return [r["step"] for r in rows if r.get("split") == "train"]
 
 
+@pytest.mark.heavy  # heavy (~55 s): CI keeps the generated-command check (test_grpo_sbatch_builds_the_same_command_for_grpo)
 def test_sft_sbatch_runs_two_nodes_through_its_srun_command(tmp_path, assets):
     out = tmp_path / "shared" / "sft"
     config = _config(tmp_path, {"model": str(assets["model"]), "train_file": str(assets["train"]),

@@ -156,7 +156,7 @@ def test_unknown_nested_key_names_the_section():
     message = str(info.value)
     assert "['learning_rate'] in engine.optimizer" in message
     assert (
-        "valid keys: ['betas', 'eps', 'kahan_summation', 'lr', 'max_grad_norm', 'name', 'state_dtype', 'weight_decay']"
+        "valid keys: ['betas', 'eps', 'fused', 'kahan_summation', 'lr', 'max_grad_norm', 'name', 'state_dtype', 'weight_decay']"
         in message
     )
 
