@@ -177,6 +177,39 @@ def test_training_reduces_the_loss_on_a_repeated_batch():
     assert losses[-1] < losses[0] - 0.1
 
 
+def test_an_all_zero_gradient_leaves_weights_and_optimizer_state_alone():
+    # RL batches where no sequence carries an advantage give exactly zero gradients: AdamW would
+    # still move every weight by ~lr on its momentum, so the engine skips the optimizer step (the
+    # LR schedule and the step count still advance).
+    seqs, masks = make_data([6, 7], seed=4)
+    eng = engine(optimizer=OptimizerConfig(lr=1e-2))
+    batch = pack_sequences(seqs, masks)
+    first = eng.train_batch(batch)
+    assert first["zero_grad_skipped"] == 0.0 and first["grad_norm"] > 0
+    before = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
+    adam_steps = [float(s["step"]) for s in eng.optimizer.state.values()]
+
+    def no_signal(logprobs, mb):  # an advantage of zero on every token
+        return (logprobs * mb.loss_mask).sum() * 0.0
+
+    stats = eng.train_batch(batch, loss_fn=no_signal)
+    assert stats["grad_norm"] == 0.0 and stats["zero_grad_skipped"] == 1.0 and stats["skipped"] == 0.0
+    assert eng.step == 2
+    for n, p in eng.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert [float(s["step"]) for s in eng.optimizer.state.values()] == adam_steps
+    # Without the skip, AdamW's momentum alone would have moved the weights:
+    moved = engine(optimizer=OptimizerConfig(lr=1e-2))
+    moved.train_batch(batch)
+    weight = next(moved.model.parameters())
+    snapshot = weight.detach().clone()
+    moved.optimizer.zero_grad()
+    for p in moved.model.parameters():
+        p.grad = torch.zeros_like(p)
+    moved.optimizer.step()
+    assert not torch.equal(weight, snapshot)
+
+
 def test_zero_weight_batch_raises():
     eng = engine()
     batch = pack_sequences([[1, 2, 3], [4, 5]], [[0, 0, 0], [0, 0]])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -197,11 +198,17 @@ class TrainEngine(EngineIO):
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = self.runner.grad_norm(params, self.config.optimizer.max_grad_norm)
         finite = bool(torch.isfinite(grad_norm))
-        if finite:
+        # An all-zero gradient (RL: no sequence carries an advantage) moves nothing: AdamW would still move
+        # every weight by about lr on its momentum (and decay it), amplifying the last batches' noise.
+        zero = finite and float(grad_norm) == 0.0
+        if finite and not zero:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # A skipped step (non-finite or all-zero gradient) still advances the schedule, on purpose.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            self.scheduler.step()
         self.step += 1
         report = self.runner.report_step(loss_sum, batch.num_tokens)
         loss_total, num_tokens = self.all_reduce_sum(*report.values, group=report.group)
@@ -213,6 +220,7 @@ class TrainEngine(EngineIO):
             "tokens": num_tokens,
             "microbatches": float(len(mbs.items)),
             "skipped": float(not finite),
+            "zero_grad_skipped": float(zero),
             "step_time_s": time.perf_counter() - start,
             **extra,
         }
