@@ -170,7 +170,7 @@ def _hf_model(tie: bool) -> nn.Module:
     return model
 
 
-def rank_fsdp_buckets(tie: bool, keep_rank: int, bucket_bytes: int, dtype: Any) -> dict[str, Any]:
+def rank_fsdp_buckets(tie: bool, keep_rank: int | None, bucket_bytes: int, dtype: Any) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -205,6 +205,14 @@ def test_fsdp2_buckets_equal_unsharded(tie: bool, keep_rank: int, bucket_bytes: 
     assert ("lm_head.weight" in order) is not tie, "tied head listed once"
     assert "model.step" in order and not any("inv_freq" in n for n in order)
     check_buckets(kept["items"], kept["reference"], order, bucket_bytes, dtype)
+
+
+def test_every_rank_keeps_the_buckets_without_a_src_rank() -> None:
+    """src_rank=None: both FSDP ranks get every bucket, equal to the unsharded weights."""
+    results = get_rank_pool(2).run(rank_fsdp_buckets, False, None, 3000, torch.bfloat16, timeout_s=120)
+    for result in results:
+        assert len(result["items"]) > 2 and all(item is not None for item in result["items"])
+        check_buckets(result["items"], result["reference"], result["order"], 3000, torch.bfloat16)
 
 
 class Block(nn.Module):

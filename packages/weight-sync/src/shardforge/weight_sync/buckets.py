@@ -15,6 +15,10 @@ How a tensor reaches the sender:
 - Any other DTensor (tensor parallel, 2-D FSDP x TP, ...): cast the local shard, then
   ``full_tensor()`` on every rank of its mesh, copied into the bucket on the sender.
 - Plain tensors: copied (and cast) into the bucket on the sender.
+
+With ``src_rank=None`` every rank keeps the buckets (engines in every trainer process): each
+DTensor goes through one ``full_tensor()`` (an all-gather of the cast shards) instead of
+point-to-point transfers to one rank.
 """
 
 from __future__ import annotations
@@ -179,16 +183,17 @@ def iter_buckets(
     model: nn.Module,
     bucket_bytes: int,
     *,
-    src_rank: int = 0,
+    src_rank: int | None = 0,
     dtype: torch.dtype | None = None,
     ring: int = 0,
 ) -> Iterator[Bucket | None]:
-    """Yield one item per bucket on every rank: the `Bucket` on ``src_rank``, else None.
+    """Yield one item per bucket on every rank: the `Bucket` on ``src_rank`` (every rank when
+    ``src_rank`` is None), else None.
 
     Collective: all ranks holding shards of ``model`` must iterate in lockstep.
 
     Args:
-        src_rank: the (global) rank that receives the full tensors.
+        src_rank: the (global) rank that receives the full tensors; None = every rank.
         dtype: cast floating-point tensors (before they are transferred).
         ring: reuse this many flat buffers round-robin on the sender (bucket k lands in buffer
             ``k % ring``; 0 = a fresh buffer per bucket). Fresh buffers cost page faults as
@@ -199,7 +204,7 @@ def iter_buckets(
         raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
-    keep = rank == src_rank
+    keep = src_rank is None or rank == src_rank
     plans = _plan(model, bucket_bytes, dtype)
     layouts = [_layout(entries) for entries in plans]
     # Ring buffers are sized for the largest bucket up front: growing one later would keep the
@@ -220,7 +225,7 @@ def iter_buckets(
             for entry, offset in zip(entries, offsets):
                 raw = flat[offset : offset + entry.nbytes]
                 views.append(raw.view(entry.dtype).view(entry.value.shape))
-        gather = _Gather(src_rank) if distributed else None
+        gather = _Gather(src_rank) if distributed and src_rank is not None else None
         fallback: list[int] = []
         for i, entry in enumerate(entries):
             value = entry.value

@@ -46,7 +46,9 @@ class WeightPublisher:
     """Publish ``model``'s weights as numbered versions. Construct on every trainer rank.
 
     Args:
-        transport: used on ``src_rank`` only (other ranks may pass None).
+        transport: used on ``src_rank`` only (other ranks may pass None); ``src_rank=None``: every rank
+            receives the full weights and sends them through its own transport (an in-process
+            engine per trainer rank).
         bucket_bytes: target size of one bucket.
         dtype: cast floating-point tensors (e.g. fp32 master -> bf16 serving).
         checksums: record a checksum per tensor in the manifest (receivers verify them):
@@ -64,7 +66,7 @@ class WeightPublisher:
         *,
         bucket_bytes: int = 256 * 1024**2,
         dtype: torch.dtype | None = None,
-        src_rank: int = 0,
+        src_rank: int | None = 0,
         checksums: bool | str | None = "crc32",
         reuse_buffers: bool = True,
     ) -> None:
@@ -80,7 +82,7 @@ class WeightPublisher:
         self.checksums: str | None = checksums or None
         self.reuse_buffers = reuse_buffers
         rank = dist.get_rank() if dist.is_initialized() else 0
-        self.is_sender = rank == src_rank
+        self.is_sender = src_rank is None or rank == src_rank
         if self.is_sender and transport is None:
             raise ValueError(f"rank {rank} is the sending rank (src_rank={src_rank}) and needs a transport")
 

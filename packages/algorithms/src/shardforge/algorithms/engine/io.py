@@ -74,12 +74,13 @@ class EngineIO:
         *,
         bucket_bytes: int = 256 * 1024**2,
         dtype: str | torch.dtype | None = None,
-        src_rank: int = 0,
+        src_rank: int | None = 0,
         checksums: bool | str | None = "crc32",
     ) -> PublishStats | None:
         """Push the current weights to inference engines through ``transport`` (weight-sync).
 
-        Collective over all ranks; ``transport`` is needed on ``src_rank`` only (None elsewhere).
+        Collective over all ranks; ``transport`` is needed on ``src_rank`` only (None elsewhere;
+        ``src_rank=None``: every rank receives the full weights into its own transport).
         Tensors are gathered bucket by bucket in HF naming, cast to ``dtype`` (e.g. "bf16") before
         they move. ``version`` defaults to the engine's step. ``checksums``: per-tensor checksums
         in the manifest (None: none, e.g. for an in-process receiver). Returns stats on ``src_rank``.

@@ -6,15 +6,13 @@ processes is a disk round trip for nothing. `in_process_receiver` says when the 
 instead hand the new weights to the engine's `WeightReceiver` through weight-sync's
 `InProcessTransport` (same manifest and version checks, LoRA merged, cast to the rollout dtype;
 no checksums: nothing crosses a process boundary). With several ranks every rank's engine needs
-the full weights: `publish_in_process` gathers them to each rank in turn (the same bytes per rank
-as an all-gather of the model; the disk path gathers to rank 0, writes, and every rank reads the
-files back). Asynchronous rollouts keep the disk path (the generator thread owns the engine and
+the full weights: `publish_in_process` all-gathers them to every rank (weight-sync's
+``src_rank=None``; the disk path gathers to rank 0, writes, and every rank reads the files back). Asynchronous rollouts keep the disk path (the generator thread owns the engine and
 may still need an older version).
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
 
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
@@ -34,8 +32,6 @@ def publish_in_process(engine: TrainEngine, receiver: WeightReceiver, dtype: str
     """Publish ``engine``'s weights straight into ``receiver`` as ``version`` (None: the one after the
     version it serves); return the version. The engine serves it when this returns."""
     version = receiver.version + 1 if version is None else version
-    transport = InProcessTransport(receiver)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    for src in range(world):  # collective: rank ``src`` receives the full weights, the others send shards
-        engine.publish_weights(transport, version, dtype=dtype, checksums=None, src_rank=src)
+    # Collective: every rank receives the full weights (one all-gather per sharded tensor).
+    engine.publish_weights(InProcessTransport(receiver), version, dtype=dtype, checksums=None, src_rank=None)
     return version
