@@ -13,7 +13,6 @@ may still need an older version).
 
 from __future__ import annotations
 
-
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
 from shardforge.weight_sync import InProcessTransport, WeightReceiver
