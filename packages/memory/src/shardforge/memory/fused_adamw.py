@@ -15,7 +15,6 @@ up to floating-point reassociation (fp32 math, rounded once when stored), not bi
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -23,21 +22,27 @@ import torch
 
 __all__ = ["can_fuse", "fused_update_", "scalars"]
 
-logger = logging.getLogger(__name__)
 
 _COMPILED: dict[bool, Callable[..., None]] = {}
+
+
+def _moments(
+    g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: torch.Tensor, beta1: float, beta2: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Update and store both moments; return (fp32 first moment, the bias-corrected denominator)."""
+    g32 = g.float()
+    m32 = torch.lerp(m.float(), g32, 1 - beta1)
+    v32 = v.float() * beta2 + g32 * g32 * (1 - beta2)
+    m.copy_(m32)
+    v.copy_(v32)
+    return m32, v32.sqrt() / s[1] + eps
 
 
 def _kahan(
     p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: torch.Tensor, s: torch.Tensor,
     beta1: float, beta2: float, eps: float,
 ) -> None:  # fmt: skip
-    g32 = g.float()
-    m32 = torch.lerp(m.float(), g32, 1 - beta1)
-    v32 = v.float() * beta2 + g32 * g32 * (1 - beta2)
-    m.copy_(m32)
-    v.copy_(v32)
-    denom = v32.sqrt() / s[1] + eps
+    m32, denom = _moments(g, m, v, s, beta1, beta2, eps)
     update = c.float() + m32 / denom * s[0] + p.float() * s[2]
     exact = p.float() + update
     p.copy_(exact)
@@ -48,12 +53,7 @@ def _plain(
     p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
     beta1: float, beta2: float, eps: float,
 ) -> None:  # fmt: skip
-    g32 = g.float()
-    m32 = torch.lerp(m.float(), g32, 1 - beta1)
-    v32 = v.float() * beta2 + g32 * g32 * (1 - beta2)
-    m.copy_(m32)
-    v.copy_(v32)
-    denom = v32.sqrt() / s[1] + eps
+    m32, denom = _moments(g, m, v, s, beta1, beta2, eps)
     p.copy_(p.float() * s[3] + m32 / denom * s[0])
 
 
