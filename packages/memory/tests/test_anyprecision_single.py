@@ -4,6 +4,7 @@ and the compiled (fused) update against the eager one."""
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from typing import Any
 
@@ -44,6 +45,13 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) 
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+@functools.cache
+def fp32_adamw_curve(steps: int, lr: float) -> tuple[float, ...]:
+    """fp32 AdamW's loss curve from `tiny_qwen3()` on `train`'s batch (the Kahan proofs' reference)."""
+    model = tiny_qwen3()
+    return tuple(train(model, torch.optim.AdamW(model.parameters(), lr=lr, foreach=False), steps))
 
 
 def test_fp32_state_without_kahan_is_torch_adamw_bit_for_bit() -> None:
@@ -89,8 +97,7 @@ def test_bf16_kahan_tracks_fp32_adamw_where_plain_bf16_drifts() -> None:
     # updates away and its loss lags; Kahan compensation keeps the lost bits.
     steps, lr = 200, 3e-5
     base = tiny_qwen3()
-    fp32_model = copy.deepcopy(base)
-    fp32 = train(fp32_model, torch.optim.AdamW(fp32_model.parameters(), lr=lr, foreach=False), steps)
+    fp32 = fp32_adamw_curve(steps, lr)
     plain_model = copy.deepcopy(base).to(torch.bfloat16)
     plain = train(plain_model, torch.optim.AdamW(plain_model.parameters(), lr=lr, foreach=False), steps)
     any_model = copy.deepcopy(base).to(torch.bfloat16)
@@ -236,10 +243,8 @@ def test_fused_kahan_tracks_fp32_adamw_and_compiles_once() -> None:
     from torch._dynamo.utils import counters
 
     steps, lr = 200, 3e-5
-    base = tiny_qwen3()
-    fp32_model = copy.deepcopy(base)
-    fp32 = train(fp32_model, torch.optim.AdamW(fp32_model.parameters(), lr=lr, foreach=False), steps)
-    model = copy.deepcopy(base).to(torch.bfloat16)
+    fp32 = fp32_adamw_curve(steps, lr)
+    model = tiny_qwen3().to(torch.bfloat16)
     optimizer = AnyPrecisionAdamW(model.parameters(), lr=lr, use_kahan_summation=True, fused=True)
     before = counters["stats"]["unique_graphs"]
     train(model, optimizer, 2)
