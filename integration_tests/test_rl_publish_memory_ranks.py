@@ -14,11 +14,6 @@ import pytest
 from shardforge.mesh.testing import get_rank_pool
 
 
-def digit_reward(prompt: str, response: str, reference: str) -> float:
-    """Varies within a group, so every step changes the weights (and the next samples)."""
-    return float(sum(c.isdigit() for c in response)) + 0.1 * len(response)
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from shardforge.algorithms.testing import tiny_assets
@@ -38,7 +33,7 @@ def _run(assets: dict[str, Any], out: Path, layout: str, in_memory: bool) -> lis
         "model": assets["model"], "train_file": assets["train"], "output_dir": str(out), "layout": layout,
         "steps": 3, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 5, "temperature": 0.9,
         "progress": False, "save_every": 0, "resume": "never", "export_hf_at_end": False,
-        "reward_fn": f"{__name__}:digit_reward", "engine": {"max_tokens_per_microbatch": 128, "optimizer": {"lr": 5e-2}},
+        "reward_fn": "shardforge.algorithms.testing:digit_reward", "engine": {"max_tokens_per_microbatch": 128, "optimizer": {"lr": 5e-2}},
     }  # fmt: skip
     run_grpo(build_config(GRPOConfig, apply_overrides(data, [f"publish_in_memory={str(in_memory).lower()}"])))
     if dist.get_rank() != 0:

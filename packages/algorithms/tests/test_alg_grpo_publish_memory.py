@@ -13,11 +13,6 @@ import pytest
 from shardforge.weight_sync import DiskWeightSource
 
 
-def digit_reward(prompt: str, response: str, reference: str) -> float:
-    """Varies within a group, so every step changes the weights (and the next samples)."""
-    return float(sum(c.isdigit() for c in response)) + 0.1 * len(response)
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from shardforge.algorithms.testing import tiny_assets
@@ -38,7 +33,7 @@ def _run(
         "model": assets["model"], "train_file": str(assets["train"]), "eval_file": str(assets["eval"]),
         "output_dir": str(out), "layout": "d1", "steps": 3, "prompts_per_step": 4, "group_size": 4,
         "max_new_tokens": 5, "temperature": 0.9, "progress": False, "save_every": 0, "resume": "never",
-        "export_hf_at_end": False, "eval_size": 4, "reward_fn": f"{__name__}:digit_reward",
+        "export_hf_at_end": False, "eval_size": 4, "reward_fn": "shardforge.algorithms.testing:digit_reward",
         "engine": {"max_tokens_per_microbatch": 128, "optimizer": {"lr": 5e-2}},
     }  # fmt: skip
     spec = TRAINERS.get(trainer)

@@ -33,11 +33,6 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"model": str(root / "model"), "train": tiny["train"]}
 
 
-def digit_reward(prompt: str, response: str, reference: str) -> float:
-    """Varies within a group (the tiny random model never answers right): the steps carry a gradient."""
-    return float(sum(c.isdigit() for c in response)) + 0.1 * len(response)
-
-
 def _config(assets: dict[str, Any], out: Path, **overrides: Any) -> Any:
     from shardforge.algorithms.config_io import apply_overrides, build_config
     from shardforge.algorithms.trainers.grpo import GRPOConfig
@@ -46,7 +41,7 @@ def _config(assets: dict[str, Any], out: Path, **overrides: Any) -> Any:
         "model": assets["model"], "train_file": str(assets["train"]), "output_dir": str(out), "layout": "d1",
         "steps": 3, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4, "temperature": 0.9,
         "progress": False, "save_every": 0, "resume": "never", "export_hf_at_end": False,
-        "reward_fn": f"{__name__}:digit_reward",
+        "reward_fn": "shardforge.algorithms.testing:digit_reward",
         # Two micro-batches per step: the reuse happens per micro-batch.
         "engine": {"max_tokens_per_microbatch": 64, "optimizer": {"lr": 3e-2}},
     }  # fmt: skip

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHAT_TEMPLATE", "QWEN3_TOOL_TEMPLATE", "tiny_assets", "tiny_chat_assets"]
+__all__ = ["CHAT_TEMPLATE", "QWEN3_TOOL_TEMPLATE", "digit_reward", "tiny_assets", "tiny_chat_assets"]
 
 
 def tiny_assets(
@@ -158,3 +158,10 @@ def tiny_chat_assets(
     AutoModelForCausalLM.from_config(config).save_pretrained(str(root / "model"))
     tokenizer.save_pretrained(str(root / "model"))
     return {"root": root, "tokenizer": tokenizer, "model": str(root / "model")}
+
+
+def digit_reward(prompt: str, response: str, reference: str) -> float:
+    """A reward that varies within a GRPO group even when a tiny random model never answers right
+    (digits count 1, every character 0.1), so every step carries a gradient and changes the weights.
+    ``reward_fn: shardforge.algorithms.testing:digit_reward``."""
+    return float(sum(c.isdigit() for c in response)) + 0.1 * len(response)
