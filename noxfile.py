@@ -76,10 +76,8 @@ def _install_workspace(session: nox.Session, *extra: str) -> None:
     session.install(*CONSTRAINTS, "--no-build-isolation", *editable)
 
 
-def _pytest(session: nox.Session, *paths: str) -> None:
-    args = session.posargs or ["-q", "-ra", *paths]
-    if not session.posargs and session.name == "tests":
-        args += ["-m", "not heavy"]  # CI's budget; `nox -s integration` runs them (docs/testing.md)
+def _pytest(session: nox.Session, *paths: str, markers: str | None = None) -> None:
+    args = session.posargs or ["-q", "-ra", *paths, *(["-m", markers] if markers else [])]
     session.run("python", "-m", "pytest", *args, env=THREAD_ENV)
 
 
@@ -87,7 +85,8 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 def tests(session: nox.Session) -> None:
     """All package unit tests and the integration suite in one venv."""
     _install_workspace(session, *TRACKERS)
-    _pytest(session, "packages", "integration_tests")
+    # `heavy` end-to-end launches stay out of CI's budget; `nox -s integration` runs them (docs/testing.md).
+    _pytest(session, "packages", "integration_tests", markers="not heavy")
 
 
 @nox.session(python=PYTHON)
