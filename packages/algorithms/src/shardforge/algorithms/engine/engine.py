@@ -13,6 +13,7 @@ is therefore the same whatever the micro-batching or the world size.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -197,10 +198,11 @@ class TrainEngine(EngineIO):
         loss_sum, extra = self.runner.forward_backward(mbs, loss_fn, grad_scale, wants_entropy=wants_entropy)
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = self.runner.grad_norm(params, self.config.optimizer.max_grad_norm)
-        finite = bool(torch.isfinite(grad_norm))
+        norm = float(grad_norm)
+        finite = math.isfinite(norm)
         # An all-zero gradient (RL: no sequence carries an advantage) moves nothing: AdamW would still move
         # every weight by about lr on its momentum (and decay it), amplifying the last batches' noise.
-        zero = finite and float(grad_norm) == 0.0
+        zero = norm == 0.0
         if finite and not zero:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -214,7 +216,7 @@ class TrainEngine(EngineIO):
         loss_total, num_tokens = self.all_reduce_sum(*report.values, group=report.group)
         return {
             "loss": loss_total / global_weight,
-            "grad_norm": float(grad_norm),
+            "grad_norm": norm,
             "lr": float(lr),
             "loss_weight": global_weight,
             "tokens": num_tokens,

@@ -16,6 +16,7 @@ from typing import Any
 
 from shardforge.algorithms.plan.memory import MemoryEstimate, estimate_memory
 from shardforge.algorithms.plan.options import PlanOptions
+from shardforge.algorithms.plan.shards import shard_plan
 from shardforge.algorithms.plan.stats import ModelStats
 
 __all__ = ["TUNINGS", "FSDPSuggestion", "suggest_fsdp"]
@@ -46,9 +47,9 @@ class FSDPSuggestion:
                 "extra_bytes": self.extra_bytes}  # fmt: skip
 
 
-def _uses_fsdp(est: MemoryEstimate) -> bool:
-    d = est.dims
-    return est.data_parallel != "ddp" and d.pp == 1 and d.dp_shard * d.cp * d.dp_replicate > 1
+def _uses_fsdp(stats: ModelStats, est: MemoryEstimate) -> bool:
+    """FSDP wraps units that reshard (not DDP, not pipeline stages, which keep their units gathered)."""
+    return est.data_parallel != "ddp" and est.dims.pp == 1 and shard_plan(stats, est.dims).fsdp
 
 
 def suggest_fsdp(
@@ -57,7 +58,7 @@ def suggest_fsdp(
     """The fastest FSDP tuning of ``est``'s layout whose predicted peak fits ``budget`` (None: no budget),
     or None when the layout runs no FSDP (DDP, a single rank, pipeline stages that keep units gathered)
     or the user already set these knobs (anything but the defaults)."""
-    if not _uses_fsdp(est):
+    if not _uses_fsdp(stats, est):
         return None
     if (opts.fsdp_forward_prefetch, opts.fsdp_layers_per_unit, opts.reshard_after_forward) != (0, 1, True):
         return None
