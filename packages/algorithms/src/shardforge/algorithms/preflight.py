@@ -19,10 +19,10 @@ from shardforge.algorithms.data.config import labelled_sources
 from shardforge.algorithms.data.jsonl import RowFields, read_jsonl
 from shardforge.algorithms.data.sources import is_plain_jsonl, read_source
 from shardforge.algorithms.engine.checks import check_engine
-from shardforge.algorithms.engine.loading import load_hf_config
+from shardforge.algorithms.engine.loading import check_model_dir, load_hf_config
 from shardforge.mesh import ParallelDims
 
-__all__ = ["check_layout_for_ranks", "check_output_dir", "preflight"]
+__all__ = ["check_layout_for_ranks", "check_output_dir", "needs_model_config", "preflight"]
 
 
 def preflight(config: Any, nproc: int, row_fields: RowFields = ()) -> ParallelDims:
@@ -40,8 +40,9 @@ def preflight(config: Any, nproc: int, row_fields: RowFields = ()) -> ParallelDi
                 f"{name}={path!r} does not exist (resolved: {Path(path).resolve()}); models are read from local "
                 "directories written by `save_pretrained` (`shardforge demo --prepare-only` makes a tiny one)"
             )
-        loaded = load_hf_config(path)
-        hf_config = hf_config or loaded
+        check_model_dir(path)
+        if hf_config is None and needs_model_config(dims, config.engine):
+            hf_config = load_hf_config(path)
     tokenizer = getattr(config, "tokenizer", None)
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise FileNotFoundError(f"tokenizer={tokenizer!r} is not a directory; set it to a tokenizer directory or null")
@@ -54,6 +55,18 @@ def preflight(config: Any, nproc: int, row_fields: RowFields = ()) -> ParallelDi
     check_output_dir(config.output_dir)
     _check_batch_sizes(config, dims)
     return dims
+
+
+def needs_model_config(dims: ParallelDims, engine: Any) -> bool:
+    """Whether `check_engine` reads the model's config for this layout and engine.
+
+    Only the model-sharding axes (tp, cp, pp, ep), a head other than the LM head (refused for
+    vision-language models) and router replay (MoE only) do. A data-parallel run skips loading it
+    here: importing transformers' config classes cost this process 2.4-3.5 s of start-up before any
+    rank started, and every rank loads the config (and runs the same checks) anyway.
+    """
+    sharded = max(dims.tp, dims.cp, dims.pp, dims.ep) > 1
+    return sharded or engine.head != "lm" or bool(engine.router_replay)
 
 
 def check_layout_for_ranks(layout: str, nproc: int) -> ParallelDims:

@@ -43,8 +43,9 @@ def load_sft_examples(
     rows, path, sep = read_rows(path, "dataset file", SFT_ROW_FIELDS)
     examples = []
     truncated = emptied = 0
+    pretokenised = _tokenize_completions(rows, tokenizer)
     for number, row in rows:
-        example = tokenize_sft_row(row, tokenizer, where=f"{path}{sep}{number}")
+        example = tokenize_sft_row(row, tokenizer, where=f"{path}{sep}{number}", pieces=pretokenised.get(number))
         if max_seq_len is not None and len(example.input_ids) > max_seq_len:
             truncated += 1
             example = SFTExample(example.input_ids[:max_seq_len], example.loss_mask[:max_seq_len])
@@ -66,16 +67,43 @@ def load_sft_examples(
     return examples
 
 
-def tokenize_sft_row(row: dict[str, Any], tokenizer: Any, *, where: str = "row") -> SFTExample:
-    """Tokenise one prompt/completion or chat row; a `ValueError` names a malformed row."""
+def _tokenize_completions(rows: list[tuple[int, dict[str, Any]]], tokenizer: Any) -> dict[int, tuple[Any, Any]]:
+    """Prompt and completion ids of every well-formed prompt/completion row, in one batched tokenizer call.
+
+    One call for the whole file instead of two per row: a fast tokenizer's per-call Python overhead was
+    most of the start-up's tokenisation time (9,800 demo rows: 19,600 calls). Malformed rows are left
+    out here and get their error from `tokenize_sft_row`.
+    """
+    numbers, texts = [], []
+    for number, row in rows:
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if isinstance(prompt, str) and isinstance(completion, str):
+            numbers.append(number)
+            texts += [prompt, completion]
+    if not texts:
+        return {}
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return {number: (ids[2 * i], ids[2 * i + 1]) for i, number in enumerate(numbers)}
+
+
+def tokenize_sft_row(
+    row: dict[str, Any], tokenizer: Any, *, where: str = "row", pieces: tuple[Any, Any] | None = None
+) -> SFTExample:
+    """Tokenise one prompt/completion or chat row; a `ValueError` names a malformed row.
+
+    ``pieces``: the row's prompt and completion ids if already tokenised (a batched call).
+    """
     present = {k for k, v in row.items() if v is not None}
     if {"prompt", "completion"} <= present:
         prompt, completion = row["prompt"], row["completion"]
         if not isinstance(prompt, str) or not isinstance(completion, str):
             raise ValueError(f"{where}: 'prompt' and 'completion' must be strings")
+        if pieces is None:
+            pieces = (tokenizer(prompt, add_special_tokens=False)["input_ids"],
+                      tokenizer(completion, add_special_tokens=False)["input_ids"])  # fmt: skip
         prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        prompt_ids = prefix + tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        prompt_ids = prefix + list(pieces[0])
+        completion_ids = list(pieces[1])
         if tokenizer.eos_token_id is not None:
             completion_ids = [*completion_ids, tokenizer.eos_token_id]
         if not completion_ids:

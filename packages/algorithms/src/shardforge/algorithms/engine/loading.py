@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_model_dir", "load_hf_config", "materialize_reference"]
+__all__ = ["check_model_dir", "is_model_dir", "load_hf_config", "materialize_reference"]
 
 
 def is_model_dir(source: object) -> bool:
@@ -25,6 +25,14 @@ def load_hf_config(source: Any) -> Any:
         return copy.deepcopy(source)
     if not is_model_dir(source):
         raise TypeError(f"model must be an HF model directory or a PretrainedConfig, got {type(source).__name__}")
+    return AutoConfig.from_pretrained(check_model_dir(source))
+
+
+def check_model_dir(source: str | os.PathLike[str]) -> Path:
+    """``source`` as a `Path` if it is a directory with a config.json; else a `FileNotFoundError` saying what to pass.
+
+    Cheap (no transformers import): the launching process checks every model directory with it.
+    """
     path = Path(source)
     if not path.is_dir():
         raise FileNotFoundError(
@@ -36,7 +44,7 @@ def load_hf_config(source: Any) -> Any:
             f"{str(path)!r} has no config.json (found: {sorted(p.name for p in path.iterdir())[:10]}); "
             "pass a directory written by `save_pretrained`"
         )
-    return AutoConfig.from_pretrained(path)
+    return path
 
 
 def materialize_reference(
