@@ -146,7 +146,11 @@ def test_template_that_rewrites_earlier_turns_is_rejected(tokenizer):
 
 # ------------------------------------------------------------------------------------------ JSONL files
 def test_load_sft_examples(tmp_path, tokenizer):
-    rows = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "9+9=", "completion": "18"}, {"prompt": "77+5=", "completion": "82"}]
+    rows = [
+        {"prompt": "1+1=", "completion": "2"},
+        {"prompt": "9+9=", "completion": "18"},
+        {"prompt": "77+5=", "completion": "82"},
+    ]
     path = _write_jsonl(tmp_path / "train.jsonl", rows)
     examples = load_sft_examples(path, tokenizer)  # one batched tokenizer call: each row keeps its own ids
     assert examples == [tokenize_sft_row(r, tokenizer) for r in rows]

@@ -50,7 +50,7 @@ def test_model_sharding_layouts_check_the_model_before_any_rank(run_files):
 def test_a_model_dir_without_config_json_is_refused_for_every_layout(run_files, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(FileNotFoundError, match="has no config.json"):
+    with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
         preflight(build_config(SFTConfig, {**run_files, "model": str(empty), "layout": "d2"}), 2)
 
 
