@@ -184,6 +184,11 @@ def test_grpo_config_errors(assets: dict[str, Any], tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="skipped .* longer than 5 tokens"):
         prompts = load_prompts(assets["eval"], assets["tokenizer"], max_prompt_len=5)
     assert all(len(p) <= 5 for p in prompts.ids)
+    # Prompts are tokenised in one batched call: each kept prompt still has exactly its own ids.
+    tok = assets["tokenizer"]
+    prefix = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    for kept in (prompts, load_prompts(assets["eval"], tok)):
+        assert kept.ids == [prefix + tok(text, add_special_tokens=False)["input_ids"] for text in kept.texts]
 
 
 def test_trainer_log_probs_use_the_rollout_temperature(assets: dict[str, Any], tmp_path: Path) -> None:
