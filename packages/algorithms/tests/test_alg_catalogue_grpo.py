@@ -40,8 +40,14 @@ def _config(assets: dict[str, Any], out: Path, overrides: list[str]) -> Any:
         ["actor.policy_loss=geo_mean", "actor.aggregation=seq-mean-token-mean", "advantage=opo"],
         ["actor.policy_loss=cispo", "actor.clip_eps_high=0.28", "advantage=reinforce_plus_plus_baseline"],
         ["actor.policy_loss=sapo", "actor.aggregation=token-sum", "advantage=remax"],
+        [
+            "actor.policy_loss=dppo_tv",
+            "actor.clip_eps_low=0.15",
+            "actor.clip_eps_high=0.15",
+            "rollout_correction.mode=bypass",
+        ],
     ],
-    ids=["gmpo-opo", "cispo-rpp", "sapo-tokensum-remax"],
+    ids=["gmpo-opo", "cispo-rpp", "sapo-tokensum-remax", "dppo-tv-bypass"],
 )
 def test_grpo_runs_catalogue_entries_by_name(assets: dict[str, Any], tmp_path: Path, overrides: list[str]) -> None:
     from shardforge.algorithms.trainers.grpo import run_grpo

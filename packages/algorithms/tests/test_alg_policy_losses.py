@@ -1,4 +1,4 @@
-"""Policy losses beyond PPO-clip (CISPO, GMPO, SAPO, Clip-Cov, KL-Cov, GPG, REINFORCE) against float64
+"""Policy losses beyond PPO-clip (CISPO, GMPO, SAPO, Clip-Cov, KL-Cov, GPG, REINFORCE, DPPO) against float64
 references written per sequence from each paper's formula: loss value and gradient, with prompt
 tokens, garbage off the mask and an all-masked row."""
 
@@ -90,7 +90,27 @@ def _reinforce(lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.
     return -adv * torch.exp(lp - old)
 
 
+def _dppo(divergence: str, delta: float, cap: float | None = None) -> Callable[..., torch.Tensor]:
+    """DPPO (Qi et al. 2026, eq. for the binary approximations): -A sg[min(r, c)] log pi on the kept tokens."""
+
+    def per_token(lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+        p, q = torch.exp(lp.detach()), torch.exp(old)
+        weight = torch.exp(lp - old).detach()
+        if cap is not None:
+            weight = torch.clamp(weight, max=cap)
+        if divergence == "tv":
+            keep = torch.where(adv > 0, p - q <= delta, p - q >= -delta)
+        else:
+            kl = q * torch.log(q / p) + (1 - q) * torch.log((1 - q) / (1 - p))
+            keep = torch.where(adv > 0, (kl <= delta) | (p <= q), (kl <= delta) | (p >= q))
+        return -adv * weight * lp * keep
+
+    return per_token
+
+
 CASES = [
+    ("dppo_tv", _dppo("tv", 0.08), {"clip_eps_low": 0.08, "clip_eps_high": 0.08}),
+    ("dppo_kl", _dppo("kl", 0.01, cap=1.5), {"clip_eps_low": 0.01, "clip_eps_high": 0.01, "dual_clip": 1.5}),
     ("cispo", _cispo, {"clip_eps_high": 0.28}),
     ("geo_mean", _gmpo, {"clip_eps_low": 0.4, "clip_eps_high": 0.4}),
     ("sapo", _sapo, {}),
@@ -118,6 +138,44 @@ def test_the_cases_clip_where_they_should() -> None:
     r = torch.exp(data["lp"] - data["old"])[MASK != 0]
     assert bool((r > 1.28).any()) and bool((r < 0.8).any())
     assert bool(((data["lp"] - data["old"])[MASK != 0].abs() > 0.4).any())
+
+
+def test_the_dppo_cases_mask_on_both_sides() -> None:
+    """Over the seeds above, each divergence masks tokens of both advantage signs (else the cases test little)."""
+    for name, options in [("dppo_tv", {"clip_eps_low": 0.08}), ("dppo_kl", {"clip_eps_low": 0.01})]:
+        masked_pos = masked_neg = 0
+        for seed in range(3):
+            data = _inputs(seed)
+            config = PPOActorConfig(policy_loss=name, **options)  # type: ignore[arg-type]
+            old, adv = data["old"].clamp(min=-50), data["adv"].nan_to_num()
+            terms = POLICY_LOSSES.get(name)(data["lp"], old, adv, MASK, CU, config)
+            assert not bool(terms.clipped[MASK == 0].any())
+            masked_pos += int((terms.clipped & (adv > 0)).sum())
+            masked_neg += int(terms.clipped_low.sum())
+        assert masked_pos > 0 and masked_neg > 0, (name, masked_pos, masked_neg)
+
+
+def test_dppo_keeps_a_rare_tokens_gradient_that_the_ratio_clip_drops() -> None:
+    """The paper's point: a rare token with ratio 10 but a 0.045 probability change stays in DPPO's
+    trust region (PPO's clip at 1.28 drops its gradient); a likely token moving 0.7 -> 0.9 (ratio 1.29,
+    TV 0.2) is masked by DPPO-TV at delta 0.1."""
+    lp = torch.log(torch.tensor([0.05, 0.9], dtype=torch.float64)).requires_grad_()
+    old = torch.log(torch.tensor([0.005, 0.7], dtype=torch.float64))
+    adv, mask, cu = torch.tensor([1.0, 1.0], dtype=torch.float64), torch.ones(2), torch.tensor([0, 2])
+    grads = {}
+    for name in ("vanilla", "dppo_tv"):
+        x = lp.detach().clone().requires_grad_()
+        config = PPOActorConfig(
+            policy_loss=name,
+            clip_eps_low=0.2 if name == "vanilla" else 0.1,
+            clip_eps_high=0.28 if name == "vanilla" else 0.1,
+        )
+        ppo_actor_loss(
+            x, old_logprobs=old, advantages=adv, loss_mask=mask, cu_seqlens=cu, config=config
+        ).loss.backward()
+        grads[name] = x.grad
+    assert grads["vanilla"][0] == 0 and grads["dppo_tv"][0] < 0  # rare token: clipped by PPO, pushed up by DPPO
+    assert grads["dppo_tv"][1] == 0 and grads["vanilla"][1] == 0  # likely token: both stop it
 
 
 def _cov(data: dict[str, torch.Tensor]) -> dict[int, float]:
@@ -186,7 +244,9 @@ def test_clip_cov_drops_at_most_its_share_and_is_reproducible() -> None:
     assert int(changed) == 1  # max(int(2e-4 * 8), 1) token
 
 
-@pytest.mark.parametrize("name", ["cispo", "geo_mean", "sapo", "clip_cov", "kl_cov", "gpg", "reinforce"])
+@pytest.mark.parametrize(
+    "name", ["cispo", "geo_mean", "sapo", "clip_cov", "kl_cov", "gpg", "reinforce", "dppo_tv", "dppo_kl"]
+)
 def test_no_targets_gives_zero_loss_and_gradient(name: str) -> None:
     lp = torch.full((5,), -1.0, dtype=torch.float64, requires_grad=True)
     out = ppo_actor_loss(
@@ -203,10 +263,23 @@ def test_no_targets_gives_zero_loss_and_gradient(name: str) -> None:
 
 
 def test_registered_under_verl_names_with_docs() -> None:
-    for name in ["cispo", "geo_mean", "sapo", "clip_cov", "kl_cov", "gpg", "reinforce", "vanilla", "gspo"]:
+    names = [
+        "cispo",
+        "geo_mean",
+        "sapo",
+        "clip_cov",
+        "kl_cov",
+        "gpg",
+        "reinforce",
+        "vanilla",
+        "gspo",
+        "dppo_tv",
+        "dppo_kl",
+    ]
+    for name in names:
         assert name in POLICY_LOSSES
     docs = dict(POLICY_LOSSES.describe())
-    assert "MiniMax" in docs["cispo"] and "GMPO" in docs["geo_mean"]
+    assert "MiniMax" in docs["cispo"] and "GMPO" in docs["geo_mean"] and "DPPO-Binary-TV" in docs["dppo_tv"]
 
 
 @pytest.mark.parametrize(

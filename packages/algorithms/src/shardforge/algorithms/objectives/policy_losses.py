@@ -17,6 +17,8 @@ here works with every aggregation mode, micro-batching and data parallelism. Sel
 | ``kl_cov`` | ``-A r``, plus ``ppo_kl_coef * |log pi - log prox|`` on the top ``kl_cov_ratio`` share of tokens by ``cov_t`` | KL-Cov (Cui et al. 2025) |
 | ``gpg`` | ``-A * log pi`` | GPG (Chu et al. 2025) |
 | ``reinforce`` | ``-A * r`` (importance-weighted vanilla policy gradient, no clip; on-policy its gradient is REINFORCE's ``-A grad log pi``) | Williams 1992 |
+| ``dppo_tv`` | ``-A * sg[min(r, c)] * log pi * m_t``, ``m_t = 0`` where ``A > 0`` and ``pi - prox > eps_high`` or ``A < 0`` and ``pi - prox < -eps_low`` (probabilities, not ratios), else 1 | DPPO-Binary-TV (Qi et al. 2026) |
+| ``dppo_kl`` | the same with ``m_t = 0`` where the binary KL ``prox log(prox/pi) + (1-prox) log((1-prox)/(1-pi))`` exceeds ``eps_high`` (``A > 0``, ``pi > prox``) or ``eps_low`` (``A < 0``, ``pi < prox``) | DPPO-Binary-KL (Qi et al. 2026) |
 
 Notes:
 
@@ -29,7 +31,17 @@ Notes:
 - ``clip_cov`` / ``kl_cov`` compute the covariance over the micro-batch they are given (as verl
   does over its micro-batch), so unlike the other losses their token selection depends on the
   micro-batch split. ``clip_cov``'s random choice uses a fixed seed, so a run is reproducible.
-- ``dual_clip`` and ``ratio_level`` apply to ``vanilla`` / ``gspo`` only.
+- ``dual_clip`` and ``ratio_level`` apply to ``vanilla`` / ``gspo``; for ``dppo_*`` ``dual_clip`` is the cap ``c``
+  on the importance weight (verl's ``clip_ratio_c``; None = no cap, the paper's form).
+- ``dppo_*`` (Divergence PPO, "Rethinking the Trust Region in LLM RL", arXiv 2602.04879): a trust region on
+  a divergence between ``pi`` and ``prox`` instead of a ratio clip, estimated from the sampled token alone
+  ("binary": the sampled token vs all others). A token is masked only when the update would move the
+  policy further out of the region (one-sided, as PPO's clip), so a rare token whose ratio is large but
+  whose probability moved little keeps its gradient. The thresholds reuse ``clip_eps_low`` /
+  ``clip_eps_high`` as verl's ``dppo_tv`` / ``dppo_kl`` reuse ``clip_ratio_low`` / ``_high``: they bound a
+  probability difference (TV) or a KL in nats, not a ratio (0.1-0.2 is the range the paper's recipes
+  use). The paper anchors the region to the behaviour policy: use
+  ``rollout_correction.mode=bypass`` (engine log-probs as ``prox``) for that.
 """
 
 from __future__ import annotations
@@ -50,6 +62,8 @@ from shardforge.algorithms.objectives.ppo import (
 __all__ = [
     "cispo_policy_loss",
     "clip_cov_policy_loss",
+    "dppo_kl_policy_loss",
+    "dppo_tv_policy_loss",
     "geo_mean_policy_loss",
     "gpg_policy_loss",
     "kl_cov_policy_loss",
@@ -209,3 +223,48 @@ def reinforce_policy_loss(
     """Vanilla policy gradient -A r with r = pi/prox, no clipping (REINFORCE, Williams 1992, when on-policy)."""
     ratio = _ratio(lp, prox)
     return _terms(-adv * ratio, ratio.detach())
+
+
+def _dppo_terms(
+    lp: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor, loss_mask: torch.Tensor, config: PPOActorConfig,
+    up_blocked: torch.Tensor, down_blocked: torch.Tensor,
+) -> PolicyLossTerms:  # fmt: skip
+    """-A sg[min(r, c)] log pi on the tokens the trust region keeps (``*_blocked``: masked where A > 0 / A < 0)."""
+    mask = loss_mask != 0
+    ratio = _ratio(lp, prox).detach()
+    weight = ratio if config.dual_clip is None else ratio.clamp(max=config.dual_clip)
+    blocked = mask & torch.where(adv > 0, up_blocked, torch.where(adv < 0, down_blocked, torch.zeros_like(mask)))
+    pg = torch.where(blocked, lp.new_zeros(()), -adv * weight * lp)
+    return _terms(pg, ratio, blocked, blocked & (adv < 0))
+
+
+@POLICY_LOSSES.register("dppo_tv")
+def dppo_tv_policy_loss(
+    lp: torch.Tensor,
+    prox: torch.Tensor,
+    adv: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    config: PPOActorConfig,
+) -> PolicyLossTerms:
+    """DPPO-Binary-TV (Qi et al. 2026): a trust region on the sampled token's probability change |pi - prox|."""
+    change = (torch.exp(lp) - torch.exp(prox)).detach()
+    return _dppo_terms(lp, prox, adv, loss_mask, config, change > config.eps_high, change < -config.clip_eps_low)
+
+
+@POLICY_LOSSES.register("dppo_kl")
+def dppo_kl_policy_loss(
+    lp: torch.Tensor,
+    prox: torch.Tensor,
+    adv: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    config: PPOActorConfig,
+) -> PolicyLossTerms:
+    """DPPO-Binary-KL (Qi et al. 2026): a trust region on KL(prox || pi) of the binary sampled-token-or-not split."""
+    p, q = torch.exp(lp.detach()), torch.exp(prox)
+    # KL of Bernoulli(q) from Bernoulli(p); clamped so a probability of exactly 1 gives a finite value.
+    rest_p, rest_q = (1.0 - p).clamp(min=1e-12), (1.0 - q).clamp(min=1e-12)
+    kl = q * (prox - lp.detach()) + rest_q * (torch.log(rest_q) - torch.log(rest_p))
+    up, down = (kl > config.eps_high) & (p > q), (kl > config.clip_eps_low) & (p < q)
+    return _dppo_terms(lp, prox, adv, loss_mask, config, up, down)

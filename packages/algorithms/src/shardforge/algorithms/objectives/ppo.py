@@ -82,7 +82,7 @@ class PPOActorConfig:
 
     policy_loss: str = "vanilla"
     """Policy-gradient term, a name in `POLICY_LOSSES` ("vanilla", "gspo", "cispo", "geo_mean", "sapo", "clip_cov",
-    "kl_cov", "gpg", "reinforce"; see objectives/policy_losses.py) or "package.module:function"."""
+    "kl_cov", "gpg", "reinforce", "dppo_tv", "dppo_kl"; see objectives/policy_losses.py) or "package.module:function"."""
     clip_eps_low: float = 0.2
     """Lower clip range: ratios are clipped at 1 - clip_eps_low (0 < value < 1)."""
     clip_eps_high: float | None = None
