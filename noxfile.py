@@ -129,6 +129,14 @@ def demo_agent(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def demo_vlm(session: nox.Session) -> None:
+    """A tiny Qwen2.5-VL learns the colour of a square in generated images: SFT with FSDP on 2 CPU ranks."""
+    _install_workspace(session)
+    out = session.posargs[0] if session.posargs else "outputs/demo_vlm"
+    session.run("shardforge", "demo-vlm", "--out", out, "--nproc-per-node", "2", env=THREAD_ENV)
+
+
+@nox.session(python=PYTHON)
 def isolation(session: nox.Session) -> None:
     """Each wheel alone in a fresh venv with only its declared deps: install, import, run its tests."""
     _install_torch(session)

@@ -147,3 +147,26 @@ def test_policy_errors(make_model: Any, config: FSDPConfig | None, match: str) -
         with pytest.raises(ValueError, match=match):
             apply_fsdp(model, mesh.get("fsdp"), config)
         assert units(model) == []
+
+
+def test_keep_input_dtype_classes_get_their_own_units_without_input_casting() -> None:
+    # Attention and MLP blocks alternate in module order (attn 0, mlp 0, attn 1, mlp 1). Two per unit
+    # would pair each attention with its MLP; keeping the MLPs' input dtype splits them, as a VLM's vision
+    # blocks are kept apart from its decoder layers: one mixed-precision policy per unit.
+    def config(keep: tuple[str, ...]) -> FSDPConfig:
+        return FSDPConfig(
+            param_dtype=torch.bfloat16, wrap_classes=("Qwen3Attention", "Qwen3MLP"), keep_input_dtype_classes=keep,
+            layers_per_unit=2, wrap_embeddings=False, wrap_lm_head=False,
+        )  # fmt: skip
+
+    with fake_mesh(ParallelDims(dp_shard=2), world_size=2) as mesh:
+        paired = apply_fsdp(meta_model(), mesh.get("fsdp"), config(())).model.layers
+        assert all(param_group(paired[i].self_attn) is param_group(paired[i].mlp) for i in (0, 1))
+        model = apply_fsdp(meta_model(), mesh.get("fsdp"), config(("Qwen3MLP",)))
+        layers = model.model.layers
+        for i in (0, 1):
+            assert param_group(layers[i].self_attn) is not param_group(layers[i].mlp)
+            assert param_group(layers[i].self_attn).mp_policy.cast_forward_inputs
+            policy = param_group(layers[i].mlp).mp_policy
+            assert not policy.cast_forward_inputs and policy.param_dtype == torch.bfloat16
+        assert param_group(model).mp_policy.cast_forward_inputs

@@ -4,7 +4,8 @@ processor, and coloured-square images with chat rows that ask for the colour. No
     assets = tiny_vlm_assets(tmp_path, seed=0)
     assets["model"]    # directory: config.json, model.safetensors, tokenizer + chat template,
                        # preprocessor_config.json (Qwen2-VL image processor)
-    assets["train"]    # JSONL chat rows with {"type": "image", "image": "<png path>"} content parts
+    assets["train"]    # JSONL chat rows with {"type": "image", "image": "images/<name>.png"} content parts
+                       # (paths relative to the JSONL file's directory)
 
 The model loads with ``AutoModelForImageTextToText.from_pretrained``; the tokenizer with
 ``AutoTokenizer`` and the image processor with ``AutoImageProcessor`` from the same directory.
@@ -71,12 +72,15 @@ def tiny_qwen2_5_vl_config(
     from transformers import Qwen2_5_VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VLM_SPECIALS}
+    if hidden % 32:
+        raise ValueError(f"hidden={hidden} must be a multiple of 32 (4 heads, 1:1:2 mRoPE split of head_dim / 2)")
+    q = hidden // 4 // 2 // 4
     text = {
         "vocab_size": len(tokenizer), "hidden_size": hidden, "intermediate_size": hidden * 2,
         "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 2048, "tie_word_embeddings": False,
-        # head_dim 8 -> 4 rotary frequencies, split over (temporal, height, width)
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+        # head_dim / 2 rotary frequencies (hidden 32: 4), split 1:1:2 over (temporal, height, width)
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [q, q, 2 * q]},
         "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<pad>"],
         "initializer_range": initializer_range,
     }  # fmt: skip
@@ -97,9 +101,12 @@ def tiny_qwen2_5_vl_config(
     )  # fmt: skip
 
 
-def make_color_rows(image_dir: Path, count: int, *, seed: int, sizes: tuple[tuple[int, int], ...]) -> list[dict]:
+def make_color_rows(
+    image_dir: Path, count: int, *, seed: int, sizes: tuple[tuple[int, int], ...], relative_to: Path | None = None
+) -> list[dict]:
     """``count`` chat rows: one or two solid-colour PNGs of the given (width, height) sizes, the user asks
-    for the colour(s), the assistant answers. Images are written to ``image_dir``."""
+    for the colour(s), the assistant answers. Images are written to ``image_dir``; rows name them relative
+    to ``relative_to`` (the data file's directory) when given, else by absolute path."""
     from PIL import Image
 
     image_dir.mkdir(parents=True, exist_ok=True)
@@ -113,7 +120,7 @@ def make_color_rows(image_dir: Path, count: int, *, seed: int, sizes: tuple[tupl
             width, height = rng.choice(sizes)
             path = image_dir / f"img{i}_{j}.png"
             Image.new("RGB", (width, height), COLORS[name]).save(path)
-            parts.append({"type": "image", "image": str(path)})
+            parts.append({"type": "image", "image": str(path.relative_to(relative_to) if relative_to else path)})
             names.append(name)
         parts.append({"type": "text", "text": "colour?" if len(names) == 1 else "colours?"})
         rows.append(
@@ -158,7 +165,7 @@ def tiny_vlm_assets(
     tokenizer.save_pretrained(str(model_dir))
     image_processor.save_pretrained(str(model_dir))
     data_dir = root / "data"
-    rows = make_color_rows(data_dir / "images", num_train + num_eval, seed=data_seed, sizes=sizes)
+    rows = make_color_rows(data_dir / "images", num_train + num_eval, seed=data_seed, sizes=sizes, relative_to=data_dir)
     files = {}
     for split, chunk in (("train", rows[:num_train]), ("eval", rows[num_train:])):
         files[split] = data_dir / f"{split}.jsonl"

@@ -24,6 +24,10 @@ class FSDPConfig:
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 CPUOffloadPolicy)."""
     wrap_classes: tuple[str, ...] | None = None
     """Class names wrapped as their own FSDP unit; None = the model's `_no_split_modules`."""
+    keep_input_dtype_classes: tuple[str, ...] = ()
+    """Class names (among the wrapped ones) whose units do not cast their floating-point forward inputs to
+    ``param_dtype`` (FSDP2 ``cast_forward_inputs=False``): e.g. a vision tower's blocks, whose fp32 rotary
+    cos/sin would otherwise be rounded to bf16 before the blocks upcast them again."""
     wrap_embeddings: bool = True
     """Wrap the input embedding as its own unit (skipped, with a warning, when tied to lm_head)."""
     wrap_lm_head: bool = True

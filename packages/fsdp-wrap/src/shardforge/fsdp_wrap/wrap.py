@@ -38,15 +38,21 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig | None = N
         "offload_policy": offload_policy(config.cpu_offload),
     }
     layer_classes = resolve_layer_classes(model, config.wrap_classes)
-    layers = find_layer_modules(model, layer_classes)
+    layers = [layer for _, layer in find_layer_modules(model, layer_classes)]
     tied = tied_embedding(model)
-    step = config.layers_per_unit
-    groups = [[layer for _, layer in layers[i : i + step]] for i in range(0, len(layers), step)]
+    groups = _units(layers, config.layers_per_unit, config.keep_input_dtype_classes)
+    keep_inputs = {
+        **kwargs,
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype, cast_forward_inputs=False
+        ),
+    }
     for index, group in enumerate(groups):
         # The last unit's params are needed again right at the start of backward, so
         # resharding it after forward only costs an extra all-gather (torchtitan does the same).
         reshard = config.reshard_after_forward and index < len(groups) - 1
-        fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard, **kwargs)
+        unit_kwargs = keep_inputs if type(group[0]).__name__ in config.keep_input_dtype_classes else kwargs
+        fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard, **unit_kwargs)
     if config.forward_prefetch > 0:
         _prefetch([group[0] for group in groups], config.forward_prefetch)
     get_in = getattr(model, "get_input_embeddings", None)
@@ -64,6 +70,18 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig | None = N
             fully_shard(get_out(), reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, **kwargs)
     return model
+
+
+def _units(layers: list[nn.Module], step: int, keep: tuple[str, ...]) -> list[list[nn.Module]]:
+    """Consecutive layers, ``step`` per unit; a unit never mixes layers whose inputs are cast with ones
+    in ``keep`` (e.g. a VLM's vision blocks and its decoder layers: each unit has one policy)."""
+    runs: list[list[nn.Module]] = []
+    for layer in layers:
+        if runs and (type(runs[-1][0]).__name__ in keep) == (type(layer).__name__ in keep):
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return [run[i : i + step] for run in runs for i in range(0, len(run), step)]
 
 
 def _prefetch(units: list[nn.Module], ahead: int) -> None:

@@ -174,6 +174,13 @@ def _check_messages(messages: Any, where: str) -> None:
             )
         if "content" not in message and not calls:
             raise ValueError(f"{where}: message {i} must have 'role' and 'content', got {message!r}")
+        content = message.get("content")
+        if isinstance(content, list) and any(isinstance(c, dict) and c.get("type") == "image" for c in content):
+            raise ValueError(
+                f"{where}: message {i} has an image content part, but the model is text-only (its config.json "
+                "has no vision_config); image rows need a vision-language model (e.g. Qwen2.5-VL, "
+                "docs/packages/algorithms-vlm.md), or drop the image parts"
+            )
 
 
 # Qwen3-style templates drop the think block of an assistant turn from the history (once a later turn

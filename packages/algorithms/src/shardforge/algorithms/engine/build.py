@@ -107,7 +107,8 @@ def build_model(ctx: ParallelContext, head: Head, hf_config: Any, source: Any) -
     if ddp:
         apply_activation_checkpointing(model, ctx.ac_config())
     else:
-        shard_module(model, ctx, efsdp_mesh)
+        keep = head.keep_input_dtype_classes(model)  # e.g. a VLM's vision blocks: fp32 rotary cos/sin stay fp32
+        shard_module(model, ctx, efsdp_mesh, dataclasses.replace(ctx.fsdp_config(), keep_input_dtype_classes=keep))
     full = reference.state_dict() if reference is not None else None
     buffers = dict(reference.named_buffers()) if reference is not None else None
     load_full_state_dict(model, full, device=ctx.device, buffers=buffers)

@@ -175,6 +175,11 @@ class Head(ABC):
         """The TP plan (None = the family's default plan)."""
         return None
 
+    def keep_input_dtype_classes(self, model: nn.Module) -> tuple[str, ...]:
+        """FSDP unit classes that keep their forward inputs' dtype under mixed precision (none by default;
+        a VLM's vision blocks, see `engine.vision.VisionLMHead`)."""
+        return ()
+
     @abstractmethod
     def outputs(
         self, model: nn.Module, ctx: ParallelContext, mb: PackedBatch, *, entropy: bool

@@ -31,7 +31,7 @@ from shardforge.algorithms.engine.heads import LMHead
 from shardforge.algorithms.engine.loading import is_model_dir
 from shardforge.ulysses_cp import packed_model_kwargs
 
-__all__ = ["VisionLMHead", "check_vlm", "is_vlm", "mrope_position_ids"]
+__all__ = ["VISION_TOWERS", "VisionLMHead", "check_vlm", "is_vlm", "mrope_position_ids", "vision_tower"]
 
 
 def is_vlm(hf_config: Any) -> bool:
@@ -117,6 +117,15 @@ class VisionLMHead(LMHead):
 
         return _AttnFixed(AutoModelForImageTextToText)
 
+    def keep_input_dtype_classes(self, model: nn.Module) -> tuple[str, ...]:
+        """The vision tower's block classes (the FSDP-wrapped classes found under it): FSDP does not cast
+        their inputs to the compute dtype, so the fp32 rotary cos/sin reach them unrounded (HF's vision
+        attention upcasts q/k and cos/sin to fp32 for the rotation; hidden states are already in the
+        compute dtype, cast by the patch embedding)."""
+        tower = vision_tower(model)
+        wrapped = set(getattr(model, "_no_split_modules", None) or ())
+        return tuple(sorted({type(m).__name__ for m in tower.modules() if type(m).__name__ in wrapped}))
+
     def materialize(self, source: Any, hf_config: Any, *, dtype: torch.dtype, attn: str, seed: int) -> Any:
         from transformers import AutoModelForImageTextToText
 
@@ -181,6 +190,21 @@ class VisionLMHead(LMHead):
             log_p = torch.log_softmax(scaled.float(), dim=-1)
             entropies = realign(-(log_p.exp() * log_p).sum(-1))
         return realign(next_logprobs), entropies
+
+
+VISION_TOWERS = ("model.visual", "visual", "model.vision_tower", "vision_tower")
+"""Where image-text families keep their vision tower (Qwen2/2.5/3-VL: ``model.visual``; LLaVA-style:
+``model.vision_tower``)."""
+
+
+def vision_tower(model: nn.Module) -> nn.Module:
+    """The vision tower of an image-text model (`VISION_TOWERS`); a `ValueError` lists where it looked."""
+    for name in VISION_TOWERS:
+        try:
+            return model.get_submodule(name)
+        except AttributeError:
+            continue
+    raise ValueError(f"{type(model).__name__} has no vision tower at any of {VISION_TOWERS}; add its path there")
 
 
 def _hf_config(model: nn.Module) -> Any:

@@ -1,20 +1,29 @@
-"""Supervised fine-tuning: JSONL -> packed batches -> `TrainEngine`, with eval and metrics."""
+"""Supervised fine-tuning: JSONL -> packed batches -> `TrainEngine`, with eval and metrics.
+
+The model decides the rows: a text model reads prompt/completion and chat rows (`TextRows`); a
+vision-language model (its config has a ``vision_config``, e.g. Qwen2.5-VL) reads chat rows with image
+content parts (`ImageRows`: its image processor from the model directory, images packed with their
+sequences; docs/packages/algorithms-vlm.md)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
-from shardforge.algorithms.data import SFT_ROW_FIELDS, SFTExample, load_sft_examples, pack_examples
+from shardforge.algorithms.batching import PackedBatch
+from shardforge.algorithms.data import SFT_ROW_FIELDS, load_sft_examples, pack_examples
 from shardforge.algorithms.data.config import apply_chat_template_override, eval_source, train_sources
 from shardforge.algorithms.data.source_set import SourceSet, loader_arg
 from shardforge.algorithms.data.sources import SourceConfig
 from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.engine.loading import load_hf_config
+from shardforge.algorithms.engine.vision import is_vlm
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
 from shardforge.algorithms.trainers.common import SourceSetState, check_max_positions, with_total_steps
 
-__all__ = ["SFTConfig", "SFTTrainer", "run_sft"]
+__all__ = ["ImageRows", "SFTConfig", "SFTRows", "SFTTrainer", "TextRows", "run_sft", "sft_rows"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -31,7 +40,7 @@ class SFTConfig(TrainerConfig):
     reads_data_sources: ClassVar[bool] = True
 
 
-def _check_lengths(examples: list[SFTExample], budget: int, name: str) -> None:
+def _check_lengths(examples: list[Any], budget: int, name: str) -> None:
     longest = max(len(e.input_ids) for e in examples)
     if longest > budget:
         count = sum(len(e.input_ids) > budget for e in examples)
@@ -40,6 +49,77 @@ def _check_lengths(examples: list[SFTExample], budget: int, name: str) -> None:
             f"(longest: {longest} tokens); raise engine.max_tokens_per_microbatch to >= {longest} or set "
             f"max_seq_len to truncate"
         )
+
+
+class SFTRows(Protocol):
+    """How the SFT trainer reads and packs its rows (text or image+text): one object, chosen by the model."""
+
+    def load(self, source: str | SourceConfig, tokenizer: Any, max_seq_len: int | None) -> list[Any]:
+        """Tokenised examples (with ``input_ids`` and ``loss_mask``) of one source."""
+        ...
+
+    def pack(self, examples: list[Any], indices: list[int]) -> PackedBatch:
+        """The examples at ``indices`` as one packed batch."""
+        ...
+
+    def export(self, hf_dir: Path) -> None:
+        """Write what else a plain HF user needs next to the exported model (main rank)."""
+        ...
+
+
+class TextRows:
+    """prompt/completion and chat rows of a text model."""
+
+    def load(self, source: str | SourceConfig, tokenizer: Any, max_seq_len: int | None) -> list[Any]:
+        return load_sft_examples(source, tokenizer, max_seq_len=max_seq_len)
+
+    def pack(self, examples: list[Any], indices: list[int]) -> PackedBatch:
+        return pack_examples(examples, indices)
+
+    def export(self, hf_dir: Path) -> None:
+        pass
+
+
+class ImageRows:
+    """Chat rows with image content parts, for a vision-language model (`data.vlm`)."""
+
+    def __init__(self, image_processor: Any, image_token: str) -> None:
+        self.image_processor = image_processor
+        self.image_token = image_token
+
+    def load(self, source: str | SourceConfig, tokenizer: Any, max_seq_len: int | None) -> list[Any]:
+        from shardforge.algorithms.data.vlm import load_vlm_examples
+
+        return load_vlm_examples(
+            source, tokenizer, self.image_processor, image_token=self.image_token, max_seq_len=max_seq_len
+        )
+
+    def pack(self, examples: list[Any], indices: list[int]) -> PackedBatch:
+        from shardforge.algorithms.data.vlm import pack_vlm_examples
+
+        return pack_vlm_examples(examples, indices)
+
+    def export(self, hf_dir: Path) -> None:
+        self.image_processor.save_pretrained(str(hf_dir))  # AutoImageProcessor.from_pretrained(hf_dir)
+
+
+def sft_rows(model: str, tokenizer: Any, processor_dir: str | None = None) -> SFTRows:
+    """`ImageRows` when ``model``'s config has a vision tower, else `TextRows`. The image processor is read
+    from ``processor_dir`` (the tokenizer directory) when it has one, else from the model directory."""
+    hf_config = load_hf_config(model)
+    if not is_vlm(hf_config):
+        return TextRows()
+    from shardforge.algorithms.data.vlm import load_image_processor
+
+    image_id = getattr(hf_config, "image_token_id", None)
+    token = tokenizer.convert_ids_to_tokens(image_id) if isinstance(image_id, int) else None
+    if not isinstance(token, str) or tokenizer.convert_tokens_to_ids(token) != image_id:
+        raise ValueError(
+            f"{model!r} is a vision-language model whose image_token_id={image_id} is not a token of its "
+            f"tokenizer (vocabulary size {len(tokenizer)}); use the tokenizer saved with the model"
+        )
+    source = processor_dir if processor_dir and (Path(processor_dir) / "preprocessor_config.json").is_file() else model
+    return ImageRows(load_image_processor(source, hf_config.model_type), token)
 
 
 class SFTTrainer(SourceSetState, Trainer[SFTConfig]):
@@ -51,9 +131,10 @@ class SFTTrainer(SourceSetState, Trainer[SFTConfig]):
         config = self.config
         apply_chat_template_override(self.tokenizer, config.data.chat_template)
         held_out = eval_source(config)
+        self.rows = sft_rows(config.model, self.tokenizer, config.tokenizer)
 
-        def load(source: str | SourceConfig) -> list[SFTExample]:
-            return load_sft_examples(source, self.tokenizer, max_seq_len=config.max_seq_len)
+        def load(source: str | SourceConfig) -> list[Any]:
+            return self.rows.load(source, self.tokenizer, config.max_seq_len)
 
         self.data = SourceSet(
             train_sources(config), load, config.global_batch_size, seed=config.seed, mix=bool(config.data.mix)
@@ -79,7 +160,7 @@ class SFTTrainer(SourceSetState, Trainer[SFTConfig]):
     def train_step(self, step: int) -> dict[str, float]:
         engine = self.engine
         indices = self.data.local_batch(step, engine.dp_rank, engine.dp_size)
-        stats = engine.train_batch(pack_examples(self.train, indices))
+        stats = engine.train_batch(self.rows.pack(self.train, indices))
         stats["tokens_per_s"] = stats["tokens"] / max(stats["step_time_s"], 1e-9)
         return stats
 
@@ -93,7 +174,7 @@ class SFTTrainer(SourceSetState, Trainer[SFTConfig]):
         for start in range(0, len(examples), size):
             chunk = list(range(start, min(start + size, len(examples))))
             mine = chunk[engine.dp_rank :: engine.dp_size]
-            batch = pack_examples(examples, mine or chunk[:1])
+            batch = self.rows.pack(examples, mine or chunk[:1])
             if not mine:
                 # A rank with no share still runs (collectives must match) with zero weight.
                 batch.loss_mask.zero_()
@@ -101,6 +182,10 @@ class SFTTrainer(SourceSetState, Trainer[SFTConfig]):
             loss_sum += stats["loss"] * stats["loss_weight"]
             weight_sum += stats["loss_weight"]
         return {"loss": loss_sum / max(weight_sum, 1e-12)}
+
+    def export_extra(self, summary: dict[str, Any]) -> None:
+        if self.engine.is_main and "hf_dir" in summary:
+            self.rows.export(Path(summary["hf_dir"]))
 
 
 def run_sft(config: SFTConfig) -> dict[str, Any]:
