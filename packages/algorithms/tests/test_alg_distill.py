@@ -113,6 +113,10 @@ def test_off_policy_refuses_what_it_cannot_use_and_pins_the_loss(tmp_path: Path)
     ]:
         with pytest.raises(ValueError, match=f"mode=off_policy does not take {match}"):
             build_config(DistillConfig, base | bad)
+    # the teacher may sample on vLLM (off_policy only: on_policy's teacher never samples)
+    assert build_config(DistillConfig, base | {"teacher_engine": "vllm"}).teacher_engine == "vllm"
+    with pytest.raises(ValueError, match="teacher_engine='vllm' samples with the teacher, which only mode=off_policy"):
+        build_config(DistillConfig, base | {"teacher_engine": "vllm", "mode": "on_policy"})
 
 
 def test_off_policy_trains_the_student_by_nll_on_the_teachers_samples(tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ outcome reward through the GRPO estimator (KDRL-style; needs group_size >= 2 unl
 Metrics: ``distill/reverse_kl`` (per-token mean over the global batch), ``distill/teacher_logprob``.
 
 ``mode: off_policy`` is supervised (sequence-level) distillation on the teacher's samples (Kim & Rush
-2016, "Sequence-Level Knowledge Distillation"): the teacher generates (an embedded HF rollout engine
-that never receives the student's weights) and the student minimises its negative log-likelihood
+2016, "Sequence-Level Knowledge Distillation"): the teacher generates (on its own rollout engine, ``teacher_engine``: the embedded HF
+engine or vLLM with the run's ``vllm:`` options; it never receives the student's weights) and the student minimises its negative log-likelihood
 of the teacher's tokens, ``-mean_t log pi_student(y_t)`` (token-mean; GPG's ``-A log pi`` with
 ``A = 1``). No teacher forward runs in the trainer; the student's own rollout engine only serves
 evaluation. ``distill/teacher_logprob`` is then the teacher's sampling log-prob of its tokens.
@@ -37,7 +37,7 @@ from shardforge.algorithms.engine.loading import load_hf_config
 from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
 from shardforge.algorithms.objectives.rollout_correction import BEHAVIOUR_LOGPROBS, RolloutCorrectionConfig
 from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, AdvantageEstimator
-from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, build_rollout_engine
+from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, RolloutEngineKind, build_rollout_engine
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.grpo import GRPOConfig, GRPOTrainer
 
@@ -66,6 +66,9 @@ class DistillConfig(GRPOConfig):
     baseline: the gradient's expectation is unchanged, its variance smaller); none = the raw estimate."""
     offload_teacher: bool = False
     """Keep the teacher's weights in host memory except during its forward (an accelerator memory saver)."""
+    teacher_engine: RolloutEngineKind = "hf"
+    """off_policy: the engine the teacher samples on, "hf" (embedded) or "vllm" (configured by the ``vllm:``
+    section; the student's own engine, ``rollout_engine``, stays "hf" and only serves evaluation)."""
 
     def __post_init__(self) -> None:
         GRPOConfig.__post_init__(self)
@@ -76,6 +79,12 @@ class DistillConfig(GRPOConfig):
             )
         if self.mode == "off_policy":
             _check_off_policy(self)
+        elif self.teacher_engine != "hf":
+            raise ValueError(
+                f"teacher_engine={self.teacher_engine!r} samples with the teacher, which only mode=off_policy does "
+                "(on_policy: the student samples and the teacher scores in the trainer); use mode=off_policy or "
+                "teacher_engine=hf"
+            )
 
 
 def _check_off_policy(config: DistillConfig) -> None:
@@ -86,7 +95,10 @@ def _check_off_policy(config: DistillConfig) -> None:
     if config.async_rollouts:
         problems.append("async_rollouts=true (the teacher's samples never go stale)")
     if config.rollout_engine != "hf":
-        problems.append(f"rollout_engine={config.rollout_engine!r} (the teacher samples on the embedded HF engine)")
+        problems.append(
+            f"rollout_engine={config.rollout_engine!r} (the student's engine only evaluates; to sample the teacher "
+            "on vLLM set teacher_engine=vllm)"
+        )
     if config.rollout_correction.mode not in ("token_tis", "none"):  # token_tis: the RL default, not a user choice
         problems.append(
             f"rollout_correction.mode={config.rollout_correction.mode!r} (teacher samples are not a behaviour policy to correct for)"
@@ -144,7 +156,17 @@ class DistillTrainer(GRPOTrainer):
         if config.mode == "on_policy":
             return rollout
         # the teacher's engine follows no weights_root: it never receives the student's weights
-        return build_rollout_engine("hf", config.teacher_model, self.tokenizer, dtype=config.rollout_dtype)
+        self.teacher_rollout = build_rollout_engine(
+            config.teacher_engine, config.teacher_model, self.tokenizer, dtype=config.rollout_dtype,
+            vllm=config.vllm, seed=config.seed,
+        )  # fmt: skip
+        return self.teacher_rollout
+
+    def close(self) -> None:
+        super().close()
+        teacher: Any = getattr(self, "teacher_rollout", None)
+        if teacher is not None and hasattr(teacher, "shutdown"):
+            teacher.shutdown()
 
     def _supervised_hook(self, batch: PackedBatch) -> dict[str, float]:
         """Off-policy: advantage 1 on every teacher token (GPG's -A log pi = the student's NLL)."""
