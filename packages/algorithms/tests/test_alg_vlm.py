@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from shardforge.algorithms.testing_vlm import vlm_sft_steps
 from shardforge.mesh.testing import get_rank_pool
 
 
@@ -90,31 +91,13 @@ def test_packed_forward_equals_each_sample_alone(sharp_vlm: dict[str, Any]) -> N
     assert min(spread) > 0.5, f"the model is too flat for this check to see wrong positions: {spread}"
 
 
-def _sft_steps(model_dir: str, train: str, layout: str, freeze: tuple[str, ...]) -> dict[str, Any]:
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
-    from shardforge.algorithms.data.vlm import load_vlm_examples, pack_vlm_examples
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    examples = load_vlm_examples(
-        train, tokenizer, AutoImageProcessor.from_pretrained(model_dir), image_token="<|image_pad|>"
-    )
-    config = EngineConfig(optimizer=OptimizerConfig(lr=3e-3), max_tokens_per_microbatch=96, freeze_module_prefix=freeze)
-    engine = TrainEngine(model_dir, layout, config)
-    mine = list(range(engine.dp_rank, len(examples), engine.dp_size))
-    batch = pack_vlm_examples(examples, mine)
-    losses = [engine.train_batch(batch)["loss"] for _ in range(4)]
-    return {"losses": losses, "weights": engine.full_state_dict()}
-
-
 @pytest.mark.parametrize("freeze", [(), ("model.visual",)], ids=["all", "frozen_vision"])
 def test_vlm_sft_world1_matches_fsdp2(vlm: dict[str, Any], freeze: tuple[str, ...]) -> None:
     from transformers import AutoModelForImageTextToText
 
-    single = _sft_steps(vlm["model"], str(vlm["train"]), "d1", freeze)
+    single = vlm_sft_steps(vlm["model"], str(vlm["train"]), "d1", freeze)
     assert single["losses"][-1] < 0.9 * single["losses"][0], single["losses"]
-    sharded = get_rank_pool(2).run(_sft_steps, vlm["model"], str(vlm["train"]), "d2", freeze, timeout_s=600)[0]
+    sharded = get_rank_pool(2).run(vlm_sft_steps, vlm["model"], str(vlm["train"]), "d2", freeze, timeout_s=600)[0]
     # fp32; FSDP reduce-scatters gradients in another order than one process sums them: rounding only.
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
     initial = AutoModelForImageTextToText.from_pretrained(vlm["model"]).state_dict()

@@ -25,11 +25,16 @@ def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Larger initial weights, so greedy tokens differ clearly between candidates (see tiny_qwen2_5_vl_config)."""
+def vlm(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Larger initial weights, so greedy tokens differ clearly between candidates (see tiny_qwen2_5_vl_config);
+    Qwen2.5-VL unless a test asks for another family (``indirect`` parametrization)."""
     from shardforge.algorithms.testing_vlm import tiny_vlm_assets
 
-    return tiny_vlm_assets(tmp_path_factory.mktemp("vlm_cli"), seed=2, num_train=8, num_eval=3, initializer_range=0.2)
+    family = getattr(request, "param", "qwen2_5_vl")
+    return tiny_vlm_assets(
+        tmp_path_factory.mktemp(f"vlm_cli_{family}"), seed=2, num_train=8, num_eval=3, initializer_range=0.2,
+        family=family,
+    )  # fmt: skip
 
 
 def _config(path: Path, **entries: Any) -> str:
@@ -85,6 +90,7 @@ def _engine_greedy(engine: Any, prompt: Any, max_new_tokens: int, eos: int) -> t
     return ids, gap
 
 
+@pytest.mark.parametrize("vlm", ["qwen2_5_vl", "qwen3_vl"], indirect=True)
 def test_export_generates_the_engines_greedy_tokens(tmp_path: Path, vlm: dict[str, Any]) -> None:
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 

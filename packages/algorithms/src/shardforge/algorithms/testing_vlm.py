@@ -1,5 +1,5 @@
-"""Tiny, locally built vision-language assets for tests: a Qwen2.5-VL with its tokenizer and image
-processor, and coloured-square images with chat rows that ask for the colour. No model hub.
+"""Tiny, locally built vision-language assets for tests: a Qwen2.5-VL or Qwen3-VL with its tokenizer
+and image processor, and coloured-square images with chat rows that ask for the colour. No model hub.
 
     assets = tiny_vlm_assets(tmp_path, seed=0)
     assets["model"]    # directory: config.json, model.safetensors, tokenizer + chat template,
@@ -20,7 +20,17 @@ import random
 from pathlib import Path
 from typing import Any
 
-__all__ = ["VLM_CHAT_TEMPLATE", "VLM_SPECIALS", "build_vlm_tokenizer", "make_color_rows", "tiny_vlm_assets"]
+__all__ = [
+    "VLM_CHAT_TEMPLATE",
+    "VLM_FAMILIES",
+    "VLM_SPECIALS",
+    "build_vlm_tokenizer",
+    "make_color_rows",
+    "tiny_qwen2_5_vl_config",
+    "tiny_qwen3_vl_config",
+    "tiny_vlm_assets",
+    "vlm_sft_steps",
+]
 
 VLM_SPECIALS = [
     "<pad>",
@@ -101,6 +111,51 @@ def tiny_qwen2_5_vl_config(
     )  # fmt: skip
 
 
+def tiny_qwen3_vl_config(
+    tokenizer: Any, *, hidden: int = 32, layers: int = 2, vision_depth: int = 2, initializer_range: float = 0.02
+) -> Any:
+    """A Qwen3-VL config, shaped like `tiny_qwen2_5_vl_config` but with Qwen3-VL's differences: patch 16
+    (a 64x64 image is 16 patches, 4 image tokens), interleaved mRoPE, learned vision position
+    embeddings, and DeepStack (the first vision block's features are added to the first text layer's
+    hidden states at the image tokens)."""
+    from transformers import Qwen3VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VLM_SPECIALS}
+    if hidden % 32:
+        raise ValueError(f"hidden={hidden} must be a multiple of 32 (4 heads, 1:1:2 mRoPE split of head_dim / 2)")
+    q = hidden // 4 // 2 // 4
+    common: dict[str, Any] = {
+        "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<pad>"],
+        "initializer_range": initializer_range,
+    }  # fmt: skip
+    text = {
+        "vocab_size": len(tokenizer), "hidden_size": hidden, "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4,
+        "max_position_embeddings": 2048, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [q, q, 2 * q],
+                            "mrope_interleaved": True},
+        **common,
+    }  # fmt: skip
+    vision = {
+        "depth": vision_depth, "hidden_size": hidden, "intermediate_size": hidden * 2, "num_heads": 2,
+        "out_hidden_size": hidden, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "num_position_embeddings": 64, "deepstack_visual_indexes": [0], "initializer_range": initializer_range,
+    }  # fmt: skip
+    return Qwen3VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False, **common,
+    )  # fmt: skip
+
+
+VLM_FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen2_5_vl": {"config": tiny_qwen2_5_vl_config, "patch": 14, "sizes": ((56, 56), (84, 56), (56, 84))},
+    "qwen3_vl": {"config": tiny_qwen3_vl_config, "patch": 16, "sizes": ((64, 64), (96, 64), (64, 96))},
+}
+"""The families `tiny_vlm_assets` builds: config builder, vision patch size, the test image sizes
+(multiples of patch x merge, so each image is a whole number of merged tokens)."""
+
+
 def make_color_rows(
     image_dir: Path, count: int, *, seed: int, sizes: tuple[tuple[int, int], ...], relative_to: Path | None = None
 ) -> list[dict]:
@@ -140,10 +195,12 @@ def tiny_vlm_assets(
     num_eval: int = 4,
     data_seed: int = 1,
     initializer_range: float = 0.02,
-    sizes: tuple[tuple[int, int], ...] = ((56, 56), (84, 56), (56, 84)),
+    sizes: tuple[tuple[int, int], ...] | None = None,
+    family: str = "qwen2_5_vl",
 ) -> dict[str, Any]:
-    """Build a tiny Qwen2.5-VL (weights from ``seed``), its tokenizer + image processor, and colour
-    chat rows (train / eval JSONL) under ``root``.
+    """Build a tiny VLM of ``family`` (`VLM_FAMILIES`: Qwen2.5-VL or Qwen3-VL; weights from ``seed``), its
+    tokenizer + image processor, and colour chat rows (train / eval JSONL) under ``root``; ``sizes``
+    default to the family's.
 
     Returns ``{"root": Path, "model": str (model dir), "tokenizer", "image_processor", "train": Path,
     "eval": Path}``.
@@ -154,10 +211,17 @@ def tiny_vlm_assets(
 
     root = Path(root)
     model_dir = root / "model"
+    if family not in VLM_FAMILIES:
+        raise ValueError(f"unknown VLM family {family!r}; built here: {sorted(VLM_FAMILIES)}")
+    spec = VLM_FAMILIES[family]
+    sizes = sizes or spec["sizes"]
     tokenizer = build_vlm_tokenizer()
-    # 28x28 (one merged token) .. 28*28*16 pixels (16 image tokens) per image keeps sequences short.
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 16)
-    config = tiny_qwen2_5_vl_config(
+    # One merged token (2x2 patches) .. 16 image tokens per image keeps sequences short.
+    merged = spec["patch"] * 2
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=spec["patch"], min_pixels=merged * merged, max_pixels=merged * merged * 16
+    )
+    config = spec["config"](
         tokenizer, hidden=hidden, layers=layers, vision_depth=vision_depth, initializer_range=initializer_range
     )
     torch.manual_seed(seed)
@@ -171,3 +235,24 @@ def tiny_vlm_assets(
         files[split] = data_dir / f"{split}.jsonl"
         files[split].write_text("".join(json.dumps(r) + "\n" for r in chunk))
     return {"root": root, "model": str(model_dir), "tokenizer": tokenizer, "image_processor": image_processor} | files
+
+
+def vlm_sft_steps(model_dir: str, train: str, layout: str, freeze: tuple[str, ...], steps: int = 4) -> dict[str, Any]:
+    """``steps`` SFT updates of a `TrainEngine` on this rank's share of the rows in ``train`` (lr 3e-3);
+    returns the losses and the full trained weights (layout-parity tests run it in a rank pool)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from shardforge.algorithms.data.vlm import load_vlm_examples, pack_vlm_examples
+    from shardforge.algorithms.engine import EngineConfig, TrainEngine
+    from shardforge.algorithms.engine.config import OptimizerConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    examples = load_vlm_examples(
+        train, tokenizer, AutoImageProcessor.from_pretrained(model_dir), image_token="<|image_pad|>"
+    )
+    config = EngineConfig(optimizer=OptimizerConfig(lr=3e-3), max_tokens_per_microbatch=96, freeze_module_prefix=freeze)
+    engine = TrainEngine(model_dir, layout, config)
+    mine = list(range(engine.dp_rank, len(examples), engine.dp_size))
+    batch = pack_vlm_examples(examples, mine)
+    losses = [engine.train_batch(batch)["loss"] for _ in range(steps)]
+    return {"losses": losses, "weights": engine.full_state_dict()}
