@@ -67,8 +67,8 @@ from shardforge.algorithms.trainers.rl_common import (
     reward_call_stats,
 )
 from shardforge.algorithms.trainers.rl_data import load_prompt_data
-from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
 from shardforge.algorithms.trainers.rl_partial import check_partial_rollouts, enable_partial_rollouts
+from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
 from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
 from shardforge.algorithms.trainers.workflow_eval import evaluate_held_out
 from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
