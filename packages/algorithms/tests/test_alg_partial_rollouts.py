@@ -87,6 +87,8 @@ def test_an_interrupted_generation_continues_under_the_new_weights(assets: dict[
     traj = Trajectory(group=0, token_ids=[], loss_mask=[], logprobs=[], versions=[])
     traj.append(chunked[0].response_ids, logprobs=chunked[0].logprobs, version=chunked[0].versions)
     assert traj.versions == chunked[0].token_versions and traj.version == 0
+    stored = Trajectory.from_state(json.loads(json.dumps(traj.to_state())))  # as async checkpoints keep it
+    assert stored.versions == traj.versions and stored.logprobs == traj.logprobs
 
 
 class _ChunkedFake:
@@ -130,14 +132,14 @@ def test_the_async_source_switches_weights_between_chunks_and_checkpoints_token_
     first = source.batch(0)  # batch 1 is generated next, under policy 0, and stops at its gate after one chunk
     assert first.rollouts[0].token_versions == [10, 10, 10] and first.stats["partial/interrupted_frac"] == 0.0
     source.publish(1)  # version 11 = policy step 1 (batch 1 may use it: staleness 0 for those tokens)
+    source.publish(2)  # version 12 = policy step 2: newer than batch 1 may ever use (step 1 trains on it)
     fake.gate[1].set()
     second = source.batch(1)
     r = second.rollouts[0]
     assert (second.policy_step, r.token_versions, r.version) == (0, [10, 11, 11], 10)
     assert second.stats == {"partial/token_staleness_mean": 1 / 3, "partial/token_staleness_max": 1.0,
                             "partial/fresher_token_frac": 2 / 3, "partial/interrupted_frac": 1.0}  # fmt: skip
-    source.publish(2)  # version 12, while batch 2 (started under policy 1) waits at its gate
-    fake.gate[2].set()
+    fake.gate[2].set()  # batch 2 (started under policy 1) may continue under policy 2
     state = source.checkpoint_state()  # the prefetched batch 2, which a resumed run cannot regenerate
     saved = state["ranks"][0][0]["rollouts"][0]
     source.close()
