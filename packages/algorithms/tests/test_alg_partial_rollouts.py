@@ -9,6 +9,7 @@ import shutil
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -173,12 +174,27 @@ def _train(out: Path) -> list[dict[str, Any]]:
     return [r for r in rows if r["split"] == "train"]
 
 
-def test_grpo_with_partial_rollouts_resumes_mid_run_to_the_same_steps(assets: dict[str, Any], tmp_path: Path) -> None:
+def _refresh_to_previous_policy(self: AsyncRollouts, index: int) -> None:
+    """A deterministic stand-in for `AsyncRollouts._refresh`: between chunks, wait for the weights of policy step
+    ``index - 1`` and continue under exactly those (the real one takes the newest published, timing-dependent)."""
+    target = max(index - 1, self.start)
+    deadline = time.monotonic() + 120  # a guard against a hang, not a timed assertion
+    while target not in self._versions:
+        assert time.monotonic() < deadline, f"policy step {target} was never published"
+        time.sleep(0.005)
+    self.rollout.update_weights(self._versions[target])
+
+
+def test_grpo_with_partial_rollouts_resumes_mid_run_to_the_same_steps(
+    assets: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from shardforge.algorithms.trainers.grpo import run_grpo
 
+    # Batch k (k >= 2) starts under policy k - 2 and continues under k - 1 after its first chunk, whatever the
+    # thread timing: its trajectories mix two versions through the loss, the checkpoint and the resume.
+    monkeypatch.setattr(AsyncRollouts, "_refresh", _refresh_to_previous_policy)
     run_grpo(_config(assets, tmp_path / "a"))
-    # Which later chunk sees which newer weights depends on thread timing, so two runs may differ; a resume
-    # from run a's step-2 checkpoint must reproduce run a's steps 3 and 4: they train on the prefetched
+    # A resume from run a's step-2 checkpoint reproduces run a's steps 3 and 4: they train on the prefetched
     # batches (with their per-token versions and log-probs) that the checkpoint holds (max_staleness=2).
     shutil.copytree(tmp_path / "a" / "checkpoints" / "step_00000002", tmp_path / "b" / "checkpoints" / "step_00000002")
     run_grpo(_config(assets, tmp_path / "b"))
@@ -188,6 +204,9 @@ def test_grpo_with_partial_rollouts_resumes_mid_run_to_the_same_steps(assets: di
         assert [r[key] for r in a[2:]] == [r[key] for r in b[-2:]], key
     for r in a:  # the limit counts the oldest token: never more than max_staleness versions behind
         assert 0.0 <= r["partial/token_staleness_mean"] <= r["partial/token_staleness_max"] <= 2.0, r
+    assert [r["partial/token_staleness_max"] for r in a] == [0.0, 1.0, 2.0, 2.0]
+    assert all(r["partial/fresher_token_frac"] > 0 and r["partial/interrupted_frac"] > 0 for r in a[2:]), a
+    assert all(1.0 < r["partial/token_staleness_mean"] < 2.0 for r in a[2:]), "tokens of policies k - 2 and k - 1"
 
 
 @pytest.mark.parametrize(
