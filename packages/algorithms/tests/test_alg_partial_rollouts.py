@@ -37,7 +37,12 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tiny = tiny_assets(root, seed=11, max_operand=20, num_eval=4, data_seed=2)
     (root / "partial_rewards_mod.py").write_text(REWARDS)
     sys.path.insert(0, str(root))
-    return {"tokenizer": tiny["tokenizer"], "model": str(root / "model"), "train": str(tiny["train"])}
+    return {
+        "tokenizer": tiny["tokenizer"],
+        "model": str(root / "model"),
+        "train": str(tiny["train"]),
+        "root": str(root),
+    }
 
 
 def _teacher_logprobs(model: Any, r: Rollout, temperature: float) -> torch.Tensor:
@@ -185,20 +190,31 @@ def _refresh_to_previous_policy(self: AsyncRollouts, index: int) -> None:
     self.rollout.update_weights(self._versions[target])
 
 
+@pytest.fixture(scope="module")
+def partial_d1(assets: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """World 1, 4 steps, checkpoints at 2 and 4. Batch k (k >= 2) starts under policy k - 2 and continues under
+    k - 1 after its first chunk, whatever the thread timing: its trajectories mix two versions through the
+    loss, the checkpoint and the resume."""
+    from shardforge.algorithms.trainers.grpo import run_grpo
+
+    out = tmp_path_factory.mktemp("partial_d1")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(AsyncRollouts, "_refresh", _refresh_to_previous_policy)
+        run_grpo(_config(assets, out))
+    return out
+
+
 def test_grpo_with_partial_rollouts_resumes_mid_run_to_the_same_steps(
-    assets: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    assets: dict[str, Any], partial_d1: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from shardforge.algorithms.trainers.grpo import run_grpo
 
-    # Batch k (k >= 2) starts under policy k - 2 and continues under k - 1 after its first chunk, whatever the
-    # thread timing: its trajectories mix two versions through the loss, the checkpoint and the resume.
     monkeypatch.setattr(AsyncRollouts, "_refresh", _refresh_to_previous_policy)
-    run_grpo(_config(assets, tmp_path / "a"))
     # A resume from run a's step-2 checkpoint reproduces run a's steps 3 and 4: they train on the prefetched
     # batches (with their per-token versions and log-probs) that the checkpoint holds (max_staleness=2).
-    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_00000002", tmp_path / "b" / "checkpoints" / "step_00000002")
+    shutil.copytree(partial_d1 / "checkpoints" / "step_00000002", tmp_path / "b" / "checkpoints" / "step_00000002")
     run_grpo(_config(assets, tmp_path / "b"))
-    a, b = _train(tmp_path / "a"), _train(tmp_path / "b")
+    a, b = _train(partial_d1), _train(tmp_path / "b")
     assert [r["step"] for r in b] == [3, 4]
     for key in ("loss", "grad_norm", "reward_mean", "behaviour_kl", "partial/token_staleness_mean"):
         assert [r[key] for r in a[2:]] == [r[key] for r in b[-2:]], key
@@ -207,6 +223,36 @@ def test_grpo_with_partial_rollouts_resumes_mid_run_to_the_same_steps(
     assert [r["partial/token_staleness_max"] for r in a] == [0.0, 1.0, 2.0, 2.0]
     assert all(r["partial/fresher_token_frac"] > 0 and r["partial/interrupted_frac"] > 0 for r in a[2:]), a
     assert all(1.0 < r["partial/token_staleness_mean"] < 2.0 for r in a[2:]), "tokens of policies k - 2 and k - 1"
+
+
+def _run_on_rank(assets: dict[str, Any], out: Path) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    from shardforge.algorithms.trainers.grpo import run_grpo
+
+    AsyncRollouts._refresh = _refresh_to_previous_policy  # type: ignore[method-assign]  # this rank process only
+    if assets["root"] not in sys.path:
+        sys.path.insert(0, assets["root"])
+    run_grpo(_config(assets, out, layout="t2", save_every=0))
+    return _train(out) if dist.get_rank() == 0 else []
+
+
+@pytest.mark.heavy  # 30-50 s on 2 cores; the trainer's layout parity in async mode is test_grpo_async.py's
+def test_grpo_with_partial_rollouts_tp2_matches_world1(
+    assets: dict[str, Any], partial_d1: Path, tmp_path: Path
+) -> None:
+    from shardforge.mesh.testing import get_rank_pool
+
+    # FSDP 2 is not compared: its ranks sample their halves of the prompts with dp-rank seeds (different
+    # rollouts by design, as in test_grpo_async.py); TP 2 keeps one data-parallel rank.
+    d1 = _train(partial_d1)
+    shared = {k: assets[k] for k in ("model", "train", "root")}
+    t2 = get_rank_pool(2).run(_run_on_rank, shared, tmp_path / "t2", timeout_s=240)[0]
+    # TP sums partial matmuls in another order (fp32): losses agree to 1e-5 (as test_grpo_async.py's TP 2).
+    for a, b in zip(d1, t2, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
+        for key in ("reward_mean", "response_len_mean", "partial/token_staleness_mean", "partial/fresher_token_frac"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
 
 
 @pytest.mark.parametrize(
