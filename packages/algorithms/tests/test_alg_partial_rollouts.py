@@ -106,6 +106,8 @@ class _ChunkedFake:
         self.gate: dict[int, threading.Event] = {}
 
     def update_weights(self, version: int | None = None) -> int:
+        if version is not None and version < self.version:  # as WeightReceiver: versions only move forward
+            raise ValueError(f"stale version {version}: serving {self.version}")
         self.version = self.version if version is None else version
         return self.version
 
@@ -127,7 +129,8 @@ def _source(fake: _ChunkedFake, versions: list[int], **kwargs: Any) -> AsyncRoll
         versions.append(10 if version is None else version)
         return versions[-1]
 
-    return AsyncRollouts(rollout=fake, sample_fn=fake.sample, publish_fn=publish, max_staleness=1, num_batches=3,
+    kwargs = {"max_staleness": 1} | kwargs
+    return AsyncRollouts(rollout=fake, sample_fn=fake.sample, publish_fn=publish, num_batches=3,
                          dp_rank=0, dp_size=1, partial_rollouts=True, **kwargs)  # fmt: skip
 
 
@@ -158,6 +161,21 @@ def test_the_async_source_switches_weights_between_chunks_and_checkpoints_token_
     assert again.rollouts[0].logprobs == saved["logprobs"] == [-5.75, -6.25, -6.25]
     assert again.stats == {"partial/token_staleness_mean": 1 / 3, "partial/token_staleness_max": 1.0,
                            "partial/fresher_token_frac": 2 / 3, "partial/interrupted_frac": 1.0}  # fmt: skip
+
+
+def test_a_batch_after_a_continued_one_starts_with_the_newer_weights() -> None:
+    # max_staleness=2: batches 0-2 are all scheduled with policy 0; batch 1 is continued under policy 1, so
+    # batch 2 starts there too (the engine cannot go back to version 10) and reports policy step 1.
+    fake, published = _ChunkedFake(), []
+    fake.gate = {1: threading.Event()}
+    source = _source(fake, published, start=0, max_staleness=2)
+    source.batch(0)
+    source.publish(1)
+    fake.gate[1].set()
+    assert source.batch(1).rollouts[0].token_versions == [10, 11, 11]
+    third = source.batch(2)
+    source.close()
+    assert (third.policy_step, third.rollouts[0].token_versions) == (1, [11, 11, 11])
 
 
 def _config(assets: dict[str, Any], out: Path, **overrides: Any) -> Any:

@@ -278,6 +278,8 @@ class AsyncRollouts:
 
     def _generate(self, index: int, policy_step: int) -> SampledBatch:  # generator thread
         started = time.perf_counter()
+        if self.partial_rollouts:
+            policy_step = self._start_step(policy_step)
         self.rollout.update_weights(self._versions[policy_step])
         if self.partial_rollouts:
             setattr(self.rollout, "between_chunks", lambda: self._refresh(index))  # noqa: B010
@@ -296,6 +298,13 @@ class AsyncRollouts:
             generate_s=time.perf_counter() - started,
             stats=token_staleness(rollouts, index, steps) if self.partial_rollouts else {},
         )
+
+    def _start_step(self, policy_step: int) -> int:  # generator thread
+        """The policy a batch starts with: the scheduled one, or the newer one the previous batch was continued
+        under (weight versions only move forward; the batch is then fresher than the limit asks)."""
+        with self._lock:
+            serving = [p for p, v in self._versions.items() if v == self.rollout.version]
+        return max([policy_step, *serving])
 
     def _refresh(self, index: int) -> None:  # generator thread, between two chunks of batch `index`
         with self._lock:
