@@ -9,8 +9,9 @@ versions that the trainer publishes with weight-sync (`DiskTransport` -> `DiskWe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,12 @@ class HFRolloutEngine:
         """A `shardforge.moe_ep.RouterReplay` when routing is recorded (`record_routing`)."""
         self.source = DiskWeightSource(weights_root) if weights_root is not None else None
         self.batch_size = batch_size
+        self.interrupt_chunk_tokens: int | None = None
+        """Partial rollouts: generate in chunks of this many tokens, calling `between_chunks` after each
+        (None: one ``generate`` call per batch)."""
+        self.between_chunks: Callable[[], None] | None = None
+        """Called between two chunks; it may switch the weights (`update_weights`), and the rest of every
+        unfinished response is then generated, and its log-probs taken, under the new ones."""
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
         if self.pad_id is None:
@@ -105,8 +112,49 @@ class HFRolloutEngine:
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             for start in range(0, len(rows), self.batch_size):
-                out += self._generate_chunk(rows[start : start + self.batch_size], params)
+                batch = rows[start : start + self.batch_size]
+                chunked = self.interrupt_chunk_tokens is not None
+                out += self._generate_interruptible(batch, params) if chunked else self._generate_chunk(batch, params)
         return out
+
+    def _generate_interruptible(self, rows: list[tuple[int, list[int]]], params: SamplingParams) -> list[Rollout]:
+        """Partial rollouts: ``interrupt_chunk_tokens`` new tokens at a time; between chunks `between_chunks`
+        may load newer weights, and unfinished rows continue from their prompt + generated ids (the
+        context is recomputed under the new weights, as AReaL's interruptible generation does). Rows that
+        finished leave the batch. Every token keeps the version and behaviour log-prob that produced it."""
+        assert self.interrupt_chunk_tokens is not None and self.replay is None
+        ids: list[list[int]] = [[] for _ in rows]
+        logprobs: list[list[float]] = [[] for _ in rows]
+        versions: list[list[int]] = [[] for _ in rows]
+        finished = [False] * len(rows)
+        active, remaining = list(range(len(rows))), params.max_new_tokens
+        while True:
+            budget = min(self.interrupt_chunk_tokens, remaining)
+            context = [(rows[i][0], rows[i][1] + ids[i]) for i in active]
+            parts = self._generate_chunk(context, dataclasses.replace(params, max_new_tokens=budget))
+            for i, part in zip(active, parts, strict=True):
+                ids[i] += part.response_ids
+                logprobs[i] += part.logprobs
+                versions[i] += [part.version] * len(part.response_ids)
+                finished[i] = part.finished
+            active, remaining = [i for i in active if not finished[i]], remaining - budget
+            if not active or remaining <= 0:
+                break
+            if self.between_chunks is not None:
+                self.between_chunks()
+        return [
+            Rollout(
+                prompt_index=prompt_index,
+                prompt_ids=prompt,
+                response_ids=ids[i],
+                logprobs=logprobs[i],
+                finished=finished[i],
+                version=min(versions[i]),
+                text=self.tokenizer.decode(ids[i], skip_special_tokens=True),
+                token_versions=versions[i],
+            )
+            for i, (prompt_index, prompt) in enumerate(rows)
+        ]
 
     def _generate_chunk(self, rows: list[tuple[int, list[int]]], params: SamplingParams) -> list[Rollout]:
         width = max(len(p) for _, p in rows)

@@ -29,11 +29,12 @@ generated (GRPO's training step does not; a policy with dropout would make runs 
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -52,6 +53,7 @@ __all__ = [
     "SampledBatch",
     "SyncRollouts",
     "generation_policy_step",
+    "token_staleness",
 ]
 
 T = TypeVar("T")
@@ -82,6 +84,8 @@ class SampledBatch:
     """Time spent generating and scoring (in the background in async mode)."""
     wait_s: float = 0.0
     """Time the trainer waited for it."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Partial rollouts: per-token staleness and interruption metrics (see `token_staleness`)."""
 
 
 def generation_policy_step(index: int, max_staleness: int, start: int) -> int:
@@ -148,6 +152,11 @@ class AsyncRollouts:
         dp_rank, dp_size: this rank's data-parallel coordinates (checkpoint state is per dp rank).
         restored: `checkpoint_state` of the run that saved the checkpoint (None: none).
         device: the device the world group's collectives need (the trainer engine's device).
+        partial_rollouts: between two chunks of a generation (the engine's ``interrupt_chunk_tokens``), switch
+            to the newest published weights the batch may use (policy step <= its index) and continue the
+            unfinished responses under them. The oldest token still comes from policy step
+            ``max(k - s, start)``, so the staleness limit holds per token; which later chunk sees which newer
+            weights depends on thread timing (every token records its version; checkpoints store them).
     """
 
     def __init__(
@@ -163,7 +172,14 @@ class AsyncRollouts:
         dp_size: int,
         restored: dict[str, Any] | None = None,
         device: torch.device | None = None,
+        partial_rollouts: bool = False,
     ) -> None:
+        if partial_rollouts and getattr(rollout, "interrupt_chunk_tokens", None) is None:
+            raise ValueError(
+                f"partial_rollouts needs a rollout engine that generates in interruptible chunks (the embedded "
+                f"HF engine with interrupt_chunk_tokens set); {type(rollout).__name__} does not: use "
+                "rollout_engine=hf or partial_rollouts=false"
+            )
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0 (0 = on-policy, no overlap)")
         self.rollout = rollout
@@ -174,6 +190,8 @@ class AsyncRollouts:
         self.start = start
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.device = device
+        self.partial_rollouts = partial_rollouts
+        self._lock = threading.Lock()  # _versions: written by the main thread, read between chunks
         self._versions = {start: publish_fn(None)}  # policy step -> weight-sync version
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-generator")
         self._futures: dict[Any, Future[Any]] = {}
@@ -210,7 +228,9 @@ class AsyncRollouts:
     def publish(self, policy_step: int) -> None:
         """Publish the trainer's weights as policy step ``policy_step`` (after step
         ``policy_step - 1``) and schedule the batch that first uses them. Collective."""
-        self._versions[policy_step] = self.publish_fn(self._versions[self.newest_policy_step] + 1)
+        version = self.publish_fn(self._versions[self.newest_policy_step] + 1)
+        with self._lock:
+            self._versions[policy_step] = version
         index = policy_step + self.max_staleness
         if index < self.num_batches:
             self._pending.append((index, policy_step))
@@ -258,15 +278,39 @@ class AsyncRollouts:
 
     def _generate(self, index: int, policy_step: int) -> SampledBatch:  # generator thread
         started = time.perf_counter()
+        if self.partial_rollouts:
+            policy_step = self._start_step(policy_step)
         self.rollout.update_weights(self._versions[policy_step])
-        rollouts, rewards = self.sample_fn(index)
+        if self.partial_rollouts:
+            setattr(self.rollout, "between_chunks", lambda: self._refresh(index))  # noqa: B010
+        try:
+            rollouts, rewards = self.sample_fn(index)
+        finally:
+            if self.partial_rollouts:
+                setattr(self.rollout, "between_chunks", None)  # noqa: B010
+        with self._lock:
+            steps = {version: step for step, version in self._versions.items()}
         return SampledBatch(
             index=index,
             policy_step=policy_step,
             rollouts=rollouts,
             rewards=rewards,
             generate_s=time.perf_counter() - started,
+            stats=token_staleness(rollouts, index, steps) if self.partial_rollouts else {},
         )
+
+    def _start_step(self, policy_step: int) -> int:  # generator thread
+        """The policy a batch starts with: the scheduled one, or the newer one the previous batch was continued
+        under (weight versions only move forward; the batch is then fresher than the limit asks)."""
+        with self._lock:
+            serving = [p for p, v in self._versions.items() if v == self.rollout.version]
+        return max([policy_step, *serving])
+
+    def _refresh(self, index: int) -> None:  # generator thread, between two chunks of batch `index`
+        with self._lock:
+            version = self._versions[max(p for p in self._versions if p <= index)]
+        if version != self.rollout.version:
+            self.rollout.update_weights(version)
 
     def _run_eval(self, fn: Callable[[RolloutEngine], T], policy_step: int) -> T:  # generator thread
         self.rollout.update_weights(self._versions[policy_step])
@@ -310,6 +354,7 @@ def _encode(batch: SampledBatch) -> dict[str, Any]:
             "version": r.version,
             "text": r.text,
             "extras": r.extras,
+            "token_versions": r.token_versions,
         }
         for r in batch.rollouts
     ]
@@ -319,6 +364,7 @@ def _encode(batch: SampledBatch) -> dict[str, Any]:
         "policy_step": batch.policy_step,
         "rewards": batch.rewards.tolist(),
         "rollouts": rollouts,
+        "stats": batch.stats,
     }
 
 
@@ -341,5 +387,32 @@ def _decode(state: dict[str, Any] | None, start: int, dp_rank: int, dp_size: int
             policy_step=item["policy_step"],
             rollouts=[Trajectory.from_state(r) if "loss_mask" in r else Rollout(**r) for r in item["rollouts"]],
             rewards=torch.tensor(item["rewards"], dtype=torch.float32),
+            stats=item.get("stats", {}),
         )
     return batches
+
+
+def token_staleness(rollouts: list[Any], index: int, policy_steps: dict[int, int]) -> dict[str, float]:
+    """Per-token staleness of batch ``index`` (``policy_steps``: weight version -> policy step): the mean and the
+    oldest token's (what the staleness limit bounds), the share of tokens made by newer weights than their
+    sequence's first token, and the share of sequences that were interrupted and continued."""
+    lags: list[int] = []
+    fresher = interrupted = 0
+    for r in rollouts:
+        if isinstance(r, Trajectory):
+            versions = [v for v, m in zip(r.versions, r.loss_mask, strict=True) if m]
+        else:
+            versions = r.versions
+        if not versions:
+            continue
+        lags += [index - policy_steps[v] for v in versions]
+        fresher += sum(v != versions[0] for v in versions)
+        interrupted += len(set(versions)) > 1
+    if not lags:
+        return {}
+    return {
+        "partial/token_staleness_mean": sum(lags) / len(lags),
+        "partial/token_staleness_max": float(max(lags)),
+        "partial/fresher_token_frac": fresher / len(lags),
+        "partial/interrupted_frac": interrupted / len(rollouts),
+    }

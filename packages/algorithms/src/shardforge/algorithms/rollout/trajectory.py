@@ -9,6 +9,7 @@ trainer scores the very sequence the engine sampled, whatever the chat template 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -68,9 +69,16 @@ class Trajectory:
             )
 
     def append(
-        self, ids: list[int], *, logprobs: list[float] | None = None, version: int = -1, routing: Any = None
+        self,
+        ids: list[int],
+        *,
+        logprobs: list[float] | None = None,
+        version: int | Sequence[int] = -1,
+        routing: Any = None,
     ) -> None:
         """Append environment tokens (``logprobs=None``: mask 0) or generated tokens (their log-probs).
+
+        ``version``: the weight version of all generated tokens, or one per token (partial rollouts).
 
         ``routing``: the generate call's `Rollout.routed_experts` (its prompt + these tokens); kept when that
         prompt was this whole trajectory (router replay), else dropped."""
@@ -86,7 +94,10 @@ class Trajectory:
                 raise ValueError(f"{len(ids)} generated tokens but {len(logprobs)} log-probs")
             self.loss_mask += [1] * len(ids)
             self.logprobs += list(logprobs)
-            self.versions += [version] * len(ids)
+            versions = [version] * len(ids) if isinstance(version, int) else list(version)
+            if len(versions) != len(ids):
+                raise ValueError(f"{len(ids)} generated tokens but {len(versions)} weight versions")
+            self.versions += versions
 
     @property
     def num_generated(self) -> int:

@@ -50,13 +50,23 @@ class Rollout:
     finished: bool
     """True if generation ended with EOS (False: truncated at max_new_tokens)."""
     version: int
-    """Weight version that generated it."""
+    """Weight version that generated it (partial rollouts: the oldest of `token_versions`)."""
     text: str = ""
     """Decoded response (without special tokens)."""
     extras: dict[str, float] = field(default_factory=dict)
     routed_experts: Any = None
     """MoE router replay: [len(prompt_ids) + len(response_ids), L, K] int16 experts each token was routed to
     per MoE layer (-1 where the engine never ran the token, e.g. the last generated one); None when not recorded."""
+    token_versions: list[int] | None = None
+    """Partial rollouts: the weight version that generated each response token (an interrupted generation is
+    continued under newer weights); None = every token has `version`."""
+
+    @property
+    def versions(self) -> list[int]:
+        """The weight version of every response token."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.version] * len(self.response_ids)
 
 
 class RolloutEngine(Protocol):

@@ -67,6 +67,7 @@ from shardforge.algorithms.trainers.rl_common import (
     reward_call_stats,
 )
 from shardforge.algorithms.trainers.rl_data import load_prompt_data
+from shardforge.algorithms.trainers.rl_partial import check_partial_rollouts, enable_partial_rollouts
 from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
 from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
 from shardforge.algorithms.trainers.workflow_eval import evaluate_held_out
@@ -91,6 +92,11 @@ class GRPOConfig(RLTrainerConfig):
     """Generate the next batch in a background thread while the current step trains (decoupled PPO loss)."""
     max_staleness: int = 1
     """Async mode: batch k is generated with the weights after step max(k - max_staleness, 0); 0 = on-policy."""
+    partial_rollouts: bool = False
+    """Async mode: interrupt in-flight generations when new weights are published and continue them under the
+    new weights (every token records its version and behaviour log-prob); embedded HF engine only."""
+    interrupt_chunk_tokens: int = 16
+    """partial_rollouts: tokens generated between two checks for newer weights (smaller: fresher, more recompute)."""
     reuse_training_logprobs: bool = True
     """Skip the old-log-prob recompute when it is redundant (synchronous rollouts: one update per batch, on-policy;
     no dropout; rollout_correction none/bypass/*_tis without batch_normalize) and take them from the training
@@ -130,6 +136,7 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
         )
     if config.max_staleness < 0:
         raise ValueError(f"max_staleness={config.max_staleness} must be >= 0 (0 = on-policy, no overlap)")
+    check_partial_rollouts(config)
     recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
     if config.async_rollouts and not (config.recompute_logprobs and recompute):
         raise ValueError(
@@ -195,6 +202,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         )  # fmt: skip
 
         record_routing(config, rollout)
+        enable_partial_rollouts(config, rollout)
         receiver = in_process_receiver(
             rollout, enabled=config.publish_in_memory and engine.dims.pp == 1, asynchronous=config.async_rollouts
         )
@@ -222,6 +230,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
                 dp_size=engine.dp_size,
                 restored=restored.get("async_rollouts"),
                 device=engine.device,
+                partial_rollouts=config.partial_rollouts,
             )
         else:
             self.source = SyncRollouts(rollout, sample_fn, publish)
@@ -408,7 +417,7 @@ def _train_step(
             "rollout_policy_step": float(sampled.policy_step),
             "rollout_wait_s": sampled.wait_s,
             "generate_overlap_s": max(sampled.generate_s - sampled.wait_s, 0.0),
-        }
+        } | sampled.stats
     return stats
 
 

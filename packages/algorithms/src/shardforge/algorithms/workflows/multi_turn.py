@@ -30,7 +30,7 @@ class MultiTurnWorkflow:
         trajectory.stop_reason = "max_turns"
         for turn in range(config.max_turns):
             out = await engine.generate(trajectory.token_ids)
-            trajectory.append(out.response_ids, logprobs=out.logprobs, version=out.version, routing=out.routed_experts)
+            trajectory.append(out.response_ids, logprobs=out.logprobs, version=out.versions, routing=out.routed_experts)
             reward = score(self.reward_fn, row, out.text)
             trajectory.turns.append(TurnInfo(generated=len(out.response_ids), finished=out.finished, reward=reward))
             trajectory.text = out.text

@@ -22,7 +22,7 @@ class RLVRWorkflow:
     async def run_episode(self, engine: EpisodeHandle, row: PromptRow) -> list[Trajectory]:
         trajectory = new_trajectory(row, self.codec.prompt_ids(row.prompt, row.prompt_ids))
         out = await engine.generate(trajectory.token_ids)
-        trajectory.append(out.response_ids, logprobs=out.logprobs, version=out.version, routing=out.routed_experts)
+        trajectory.append(out.response_ids, logprobs=out.logprobs, version=out.versions, routing=out.routed_experts)
         trajectory.reward = score(self.reward_fn, row, out.text)
         trajectory.turns.append(
             TurnInfo(generated=len(out.response_ids), finished=out.finished, reward=trajectory.reward)

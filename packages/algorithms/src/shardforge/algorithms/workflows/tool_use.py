@@ -54,7 +54,7 @@ class ToolUseWorkflow:
                 trajectory.stop_reason = "max_tokens"
                 break
             out = await engine.generate(trajectory.token_ids)
-            trajectory.append(out.response_ids, logprobs=out.logprobs, version=out.version, routing=out.routed_experts)
+            trajectory.append(out.response_ids, logprobs=out.logprobs, version=out.versions, routing=out.routed_experts)
             trajectory.text = out.text
             calls = parse_tool_calls(out.text)
             info = TurnInfo(generated=len(out.response_ids), finished=out.finished, tool_calls=len(calls))
