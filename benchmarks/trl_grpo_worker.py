@@ -16,43 +16,24 @@ import time
 
 STARTED = time.time()  # before the heavy imports: start-up is measured from the process start
 
-import json  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
+
+from _trl_worker import load_run, step_timer, write_record  # noqa: E402
 
 
 def main(args_file: str) -> None:
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from shardforge.algorithms.testing import digit_reward
 
-    args: dict[str, Any] = json.loads(Path(args_file).read_text())
-    torch.manual_seed(args["seed"])
-    rows = [json.loads(line) for line in Path(args["rows"]).read_text().splitlines()]
-    dataset = Dataset.from_list(rows)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    tokenizer = AutoTokenizer.from_pretrained(args["model"])
-    model = AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32, attn_implementation="sdpa")
+    run = load_run(args_file)
+    args, world = run["args"], run["world"]
 
     def reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
         return [digit_reward(p, c, ref) for p, c, ref in zip(prompts, completions, answer)]
 
     record: dict[str, Any] = {"process_start": STARTED, "step_end": [], "reward": [], "length": [], "world": world}
-
-    class Timer(TrainerCallback):  # type: ignore[misc]
-        def on_step_end(self, _args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            record["step_end"].append(time.time())
-
-        def on_log(self, _args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
-            if logs and "reward" in logs:
-                record["reward"].append(float(logs["reward"]))
-                record["length"].append(float(logs.get("completions/mean_length", float("nan"))))
 
     group = args["group_size"]
     config = GRPOConfig(
@@ -88,13 +69,12 @@ def main(args_file: str) -> None:
         ddp_backend="gloo" if world > 1 else None,
     )
     trainer = GRPOTrainer(
-        model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=[Timer()],
+        model=run["model"], reward_funcs=reward, args=config, train_dataset=run["dataset"],
+        processing_class=run["tokenizer"],
+        callbacks=[step_timer(record, {"reward": "reward", "length": "completions/mean_length"})],
     )  # fmt: skip
     trainer.train()
-    if rank == 0:
-        record["process_end"] = time.time()
-        Path(args["out"]).write_text(json.dumps(record))
+    write_record(run, record)
 
 
 if __name__ == "__main__":

@@ -15,38 +15,19 @@ import time
 
 STARTED = time.time()  # before the heavy imports: start-up is measured from the process start
 
-import json  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
+
+from _trl_worker import load_run, step_timer, write_record  # noqa: E402
 
 
 def main(args_file: str) -> None:
-    import torch
-    from datasets import Dataset
     from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    args: dict[str, Any] = json.loads(Path(args_file).read_text())
-    torch.manual_seed(args["seed"])
-    rows = [json.loads(line) for line in Path(args["rows"]).read_text().splitlines()]
-    dataset = Dataset.from_list(rows)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    tokenizer = AutoTokenizer.from_pretrained(args["model"])
-    model = AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32, attn_implementation="sdpa")
-
+    run = load_run(args_file)
+    args, world = run["args"], run["world"]
     record: dict[str, Any] = {"process_start": STARTED, "step_end": [], "loss": [], "world": world}
-
-    class Timer(TrainerCallback):  # type: ignore[misc]
-        def on_step_end(self, _args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            record["step_end"].append(time.time())
-
-        def on_log(self, _args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
-            if logs and "loss" in logs:
-                record["loss"].append(float(logs["loss"]))
 
     class InOrderSFTTrainer(SFTTrainer):  # type: ignore[misc]
         """Reads the rows in the order given (shardforge's batch order) instead of shuffling."""
@@ -84,12 +65,11 @@ def main(args_file: str) -> None:
         ddp_backend="gloo" if world > 1 else None,
     )
     trainer = InOrderSFTTrainer(
-        model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[Timer()]
-    )
+        model=run["model"], args=config, train_dataset=run["dataset"], processing_class=run["tokenizer"],
+        callbacks=[step_timer(record, {"loss": "loss"})],
+    )  # fmt: skip
     trainer.train()
-    if rank == 0:
-        record["process_end"] = time.time()
-        Path(args["out"]).write_text(json.dumps(record))
+    write_record(run, record)
 
 
 if __name__ == "__main__":
