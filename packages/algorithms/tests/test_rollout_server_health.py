@@ -164,3 +164,62 @@ def test_a_server_dying_mid_request_is_restarted_at_the_current_version(
 def test_health_options_are_validated(change: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         VLLMOptions(**change)
+
+
+# ------------------------------------------------------------------------------------------ trainer
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from shardforge.algorithms.testing import tiny_assets
+
+    root = tmp_path_factory.mktemp("grpo_server")
+    tiny = tiny_assets(root, seed=11, max_operand=20, num_eval=16, data_seed=2)
+    return {"model": str(root / "model"), "train": tiny["train"], "vocab_size": len(tiny["tokenizer"])}
+
+
+def _grpo(assets: dict[str, Any], out: Path, marker: Path, monkeypatch: pytest.MonkeyPatch, **vllm: Any) -> Any:
+    """Three GRPO steps whose rollouts come from a stub server the trainer starts; the server dies
+    with step 2's requests in flight (after step 1's 8: 4 prompts x group_size 2, one request each)."""
+    from shardforge.algorithms.config_io import build_config
+    from shardforge.algorithms.trainers.grpo import GRPOConfig, run_grpo
+
+    def stub_command(self: Any, model_dir: Any, tokenizer: Any, dtype: str, seed: int, port: int) -> list[str]:
+        return [
+            sys.executable,
+            str(STUB),
+            "--port",
+            str(port),
+            "--die-once",
+            str(marker),
+            "--die-after",
+            "8",
+            "--vocab-size",
+            str(assets["vocab_size"]),
+        ]
+
+    monkeypatch.setattr(VLLMServerRolloutEngine, "_server_command", stub_command)
+    marker.touch()
+    data = {
+        "model": assets["model"], "train_file": str(assets["train"]), "output_dir": str(out), "layout": "d1",
+        "steps": 3, "prompts_per_step": 4, "group_size": 2, "max_new_tokens": 4, "reward_fn": "zero",
+        "progress": False, "save_every": 0, "export_hf_at_end": False, "rollout_engine": "vllm",
+        "vllm": {"mode": "server", "server_python": sys.executable, **FAST, **vllm},
+        "engine": {"max_tokens_per_microbatch": 64},
+    }  # fmt: skip
+    return run_grpo(build_config(GRPOConfig, data))
+
+
+def test_grpo_continues_after_its_rollout_server_dies_mid_step(assets, tmp_path: Path, monkeypatch) -> None:
+    marker = tmp_path / "die"
+    _grpo(assets, tmp_path / "out", marker, monkeypatch, on_server_failure="restart")
+    assert not marker.exists(), "the server died once"
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert [r["rollout_server/restarts"] for r in train] == [0.0, 1.0, 0.0]
+    assert [r["rollout_server/resent_requests"] for r in train] == [0.0, 8.0, 0.0]
+
+
+def test_grpo_stops_with_one_line_when_its_rollout_server_dies(assets, tmp_path: Path, monkeypatch) -> None:
+    with pytest.raises(RolloutServerError, match=r"^rollout server http://127\.0\.0\.1:\d+ is down: /v1/completions "
+                       r"failed: RemoteDisconnected.*, then /health: connection refused.*; check its log"):  # fmt: skip
+        _grpo(assets, tmp_path / "out", tmp_path / "die", monkeypatch)

@@ -60,9 +60,7 @@ def describe_failure(path: str, exc: BaseException, timeout_s: float) -> str:
     return f"{path} failed: {type(reason).__name__}: {text}"
 
 
-def down_message(
-    url: str, reason: str, *, launched: bool, log_path: Path | None, restarts_left: int | None
-) -> str:
+def down_message(url: str, reason: str, *, launched: bool, log_path: Path | None, restarts_left: int | None) -> str:
     """The one-line error for a server that is down: which, why, and what to check or change."""
     if launched:
         check = f"check its log {log_path} (out of memory? killed?)"

@@ -119,7 +119,9 @@ class VLLMOptions:
                 f"vllm.health_timeout_s={self.health_timeout_s} and vllm.request_timeout_s={self.request_timeout_s} must be > 0"
             )
         if self.on_server_failure not in ON_SERVER_FAILURE:
-            raise ValueError(f"vllm.on_server_failure={self.on_server_failure!r} is not one of {list(ON_SERVER_FAILURE)}")
+            raise ValueError(
+                f"vllm.on_server_failure={self.on_server_failure!r} is not one of {list(ON_SERVER_FAILURE)}"
+            )
         if self.max_server_restarts < 0:
             raise ValueError(f"vllm.max_server_restarts={self.max_server_restarts} must be >= 0")
         if self.placement not in PLACEMENTS:

@@ -291,7 +291,6 @@ class VLLMServerRolloutEngine:
                 )
         return rollouts
 
-
     def _complete_all(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Every body's ``/v1/completions`` reply; on a server failure the whole batch is sent again
         after a restart (whole groups, same seeds), or `RolloutServerError` is raised."""
