@@ -58,6 +58,7 @@ VLLM_MISSING = (
 )
 PLACEMENTS = ("rank0", "each_rank")
 MODES = ("in_process", "server")
+ON_SERVER_FAILURE = ("error", "restart")
 # Variables torchrun sets for the trainer; vLLM's own processes must not mistake them for theirs.
 _LAUNCHER_ENV = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -82,6 +83,16 @@ class VLLMOptions:
     """server: interpreter that starts the server (e.g. another venv's python with vLLM); None = this one."""
     server_startup_timeout_s: float = 900.0
     """server: how long to wait for a started server to answer /health."""
+    health_timeout_s: float = 10.0
+    """server: /health must answer within this long (checked before every `generate` and after a failed
+    request), else the server counts as down (see `shardforge.algorithms.rollout.server_health`)."""
+    request_timeout_s: float = 600.0
+    """server: longest wait for one completion request; a request past it counts as a failure."""
+    on_server_failure: Literal["error", "restart"] = "error"
+    """server: error = stop with a one-line error naming the server; restart = restart a server this
+    trainer started, restore the current weight version and resend the batch's requests."""
+    max_server_restarts: int = 3
+    """server, on_server_failure=restart: restarts allowed over the run before the error is raised."""
     gpu_memory_utilization: float = 0.5
     """GPU only: fraction of GPU memory vLLM may take (the trainer shares the GPU)."""
     kv_cache_space_gib: int = 1
@@ -103,6 +114,16 @@ class VLLMOptions:
             raise ValueError(f"vllm.mode={self.mode!r} is not one of {list(MODES)}")
         if self.server_startup_timeout_s <= 0:
             raise ValueError(f"vllm.server_startup_timeout_s={self.server_startup_timeout_s} must be > 0")
+        if self.health_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError(
+                f"vllm.health_timeout_s={self.health_timeout_s} and vllm.request_timeout_s={self.request_timeout_s} must be > 0"
+            )
+        if self.on_server_failure not in ON_SERVER_FAILURE:
+            raise ValueError(
+                f"vllm.on_server_failure={self.on_server_failure!r} is not one of {list(ON_SERVER_FAILURE)}"
+            )
+        if self.max_server_restarts < 0:
+            raise ValueError(f"vllm.max_server_restarts={self.max_server_restarts} must be >= 0")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"vllm.placement={self.placement!r} is not one of {list(PLACEMENTS)}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -13,6 +13,10 @@ run from another interpreter or venv (``VLLMOptions.server_python``), or already
   ``--weight-transfer-config '{"backend": "shardforge"}'``; `update_weights` calls
   ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` (disk versions of
   weight-sync, verified before loading) and ``/reset_prefix_cache``.
+- Health: requests time out, ``/health`` is checked before every `generate` and after a failed
+  request; a server that is down raises a one-line error or (``vllm.on_server_failure: restart``,
+  a server this trainer started) is restarted at the current weight version and the batch is
+  resent (`shardforge.algorithms.rollout.server_health`; ``rollout_server/*`` metrics).
 - Ranks: global rank 0 starts the server and shares its URL; every rank sends its own
   requests. `update_weights` is collective: rank 0 switches the server, then all ranks
   pass a barrier, so no rank samples from the previous version.
@@ -38,6 +42,15 @@ from typing import Any
 import torch.distributed as dist
 
 from shardforge.algorithms.engine.config import parse_dtype
+from shardforge.algorithms.log import get_logger
+from shardforge.algorithms.rollout.server_health import (
+    REQUEST_FAILURES,
+    HealthCounters,
+    RolloutServerError,
+    describe_failure,
+    down_message,
+    probe_health,
+)
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.algorithms.rollout.vllm_engine import (
     VLLMOptions,
@@ -51,6 +64,7 @@ from shardforge.weight_sync import DiskWeightSource, WeightVersionError
 __all__ = ["VLLMServerRolloutEngine"]
 
 SERVED_NAME = "policy"
+log = get_logger(__name__)
 
 
 class VLLMServerRolloutEngine:
@@ -81,15 +95,27 @@ class VLLMServerRolloutEngine:
         self.source = DiskWeightSource(weights_root) if weights_root is not None else None
         self._version = 0
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.options.on_server_failure == "restart" and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                f"vllm.on_server_failure=restart needs a trainer world size of 1 (got {dist.get_world_size()}): "
+                "ranks sharing one server cannot yet agree on its restart; use on_server_failure: error"
+            )
         self.process: subprocess.Popen[bytes] | None = None
+        self.command: list[str] | None = None
+        """The command that started the server when this engine started it (None: given by URL)."""
+        self.log_path: Path | None = None
+        self.health = HealthCounters()
         url = self.options.server_url
         if self.rank == 0:
             if url is None:
-                url = self._launch(model_dir, tokenizer, dtype, seed, log_file)
+                port = _free_port()
+                self.command = self._server_command(model_dir, tokenizer, dtype, seed, port)
+                default_log = Path(tempfile.gettempdir()) / f"shardforge_vllm_server_{port}.log"
+                self.log_path = Path(log_file) if log_file is not None else default_log
+                url = self._launch()
+                atexit.register(self.shutdown)
             self._wait_ready(url)
-            if weights_root is not None:
-                info = {"transport": "disk", "root": str(weights_root)}
-                _post(url, "/init_weight_transfer_engine", {"init_info": info})
+            self._init_weight_transfer(url)
         if dist.is_initialized():
             shared = [url]
             dist.broadcast_object_list(shared, src=0)
@@ -99,8 +125,7 @@ class VLLMServerRolloutEngine:
         self.max_model_len = int(_get(self.url, "/v1/models")["data"][0]["max_model_len"])
 
     # ------------------------------------------------------------------ server process
-    def _launch(self, model_dir: Any, tokenizer: Any, dtype: str, seed: int, log_file: Any) -> str:
-        port = _free_port()
+    def _server_command(self, model_dir: Any, tokenizer: Any, dtype: str, seed: int, port: int) -> list[str]:
         options = self.options
         command = [
             options.server_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -118,19 +143,27 @@ class VLLMServerRolloutEngine:
             command.append("--enforce-eager")
         if options.max_model_len is not None:
             command += ["--max-model-len", str(options.max_model_len)]
-        default_log = Path(tempfile.gettempdir()) / f"shardforge_vllm_server_{port}.log"
-        self.log_path = Path(log_file) if log_file is not None else default_log
-        with _vllm_process_env(options):
+        return command
+
+    def _launch(self) -> str:
+        """Start ``self.command`` (logging to ``self.log_path``, appended on restarts); its URL."""
+        assert self.command is not None and self.log_path is not None
+        with _vllm_process_env(self.options):
             env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # mounts the RL and cache routes
-            with self.log_path.open("wb") as log:
-                self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        atexit.register(self.shutdown)
-        return f"http://127.0.0.1:{port}"
+            with self.log_path.open("ab") as log:
+                self.process = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return f"http://127.0.0.1:{self.command[self.command.index('--port') + 1]}"
+
+    def _init_weight_transfer(self, url: str) -> None:
+        if self.weights_root is not None:
+            info = {"transport": "disk", "root": str(self.weights_root)}
+            _post(url, "/init_weight_transfer_engine", {"init_info": info})
 
     def _wait_ready(self, url: str) -> None:
         deadline = time.monotonic() + self.options.server_startup_timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
+                assert self.log_path is not None
                 tail = self.log_path.read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"the vLLM server exited with code {self.process.returncode}; log tail:\n{tail}")
             try:
@@ -145,15 +178,46 @@ class VLLMServerRolloutEngine:
             "(vllm.server_startup_timeout_s)"
         )
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace_s: float = 60.0) -> None:
         """Stop the server this engine started (a server given by URL keeps running)."""
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(timeout=60)
+                self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self.process.kill()  # also ends a stopped (SIGSTOP) or wedged server
+                self.process.wait()
         self.process = None
+
+    # ------------------------------------------------------------------ health and restarts
+    def check_health(self) -> None:
+        """Raise `RolloutServerError` (or restart, see the module docstring) unless /health answers."""
+        self.health.add("health_checks")
+        reason = probe_health(self.url, self.options.health_timeout_s)
+        if reason is not None:
+            self._recover(reason)
+
+    def _recover(self, reason: str) -> None:
+        """The server failed (``reason``): restart it when allowed, else raise the one-line error."""
+        self.health.add("failures")
+        options = self.options
+        restarts_left = options.max_server_restarts - self.health.total_restarts
+        if options.on_server_failure != "restart" or self.command is None or restarts_left <= 0:
+            left = restarts_left if options.on_server_failure == "restart" else None
+            message = down_message(self.url, reason, launched=self.command is not None, log_path=self.log_path,
+                                   restarts_left=left)  # fmt: skip
+            raise RolloutServerError(message)
+        log.warning(f"rollout server {self.url} is down ({reason}); restarting it ({restarts_left} left)")
+        self.shutdown(grace_s=5.0)
+        self._wait_ready(self._launch())
+        self._init_weight_transfer(self.url)
+        if self._version != 0:  # serve the current policy, not the initial model
+            self._switch(self._version)
+        self.health.add("restarts")
+
+    def pop_stats(self) -> dict[str, float]:
+        """``rollout_server/health_checks|failures|restarts|resent_requests`` since the last call."""
+        return self.health.pop()
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -171,14 +235,17 @@ class VLLMServerRolloutEngine:
         if world > 1:  # one server for all ranks: its version switches are collective
             require_main_thread("a shared vLLM server switches versions for all ranks at once")
         if target != self._version and self.rank == 0:
-            _post(self.url, "/start_weight_update", {})
-            _post(self.url, "/update_weights", {"update_info": {"version": target}})  # verified; stale refused
-            _post(self.url, "/finish_weight_update", {"weight_version": str(target)})
-            _post(self.url, "/reset_prefix_cache", {})  # cached KV blocks hold the old weights' keys/values
+            self._switch(target)
         if world > 1:
             dist.barrier()  # nobody samples before rank 0 has switched the server
         self._version = target
         return self._version
+
+    def _switch(self, target: int) -> None:
+        _post(self.url, "/start_weight_update", {})
+        _post(self.url, "/update_weights", {"update_info": {"version": target}})  # verified; stale refused
+        _post(self.url, "/finish_weight_update", {"weight_version": str(target)})
+        _post(self.url, "/reset_prefix_cache", {})  # cached KV blocks hold the old weights' keys/values
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
         """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together)."""
@@ -203,8 +270,7 @@ class VLLMServerRolloutEngine:
                     "seed": None if params.seed is None else _request_seed(params.seed, i, params.n),
                 }
             )  # fmt: skip
-        with ThreadPoolExecutor(max_workers=min(32, len(bodies))) as pool:
-            replies = list(pool.map(lambda body: _post(self.url, "/v1/completions", body), bodies))
+        replies = self._complete_all(bodies)
         rollouts = []
         for prompt_index, (prompt, reply) in enumerate(zip(prompts, replies)):
             for choice in sorted(reply["choices"], key=lambda c: c["index"]):
@@ -225,6 +291,21 @@ class VLLMServerRolloutEngine:
                 )
         return rollouts
 
+    def _complete_all(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every body's ``/v1/completions`` reply; on a server failure the whole batch is sent again
+        after a restart (whole groups, same seeds), or `RolloutServerError` is raised."""
+        timeout = self.options.request_timeout_s
+        while True:
+            self.check_health()  # before use: a dead server fails in health_timeout_s, not request_timeout_s
+            try:
+                with ThreadPoolExecutor(max_workers=min(32, len(bodies))) as pool:
+                    return list(pool.map(lambda body: _post(self.url, "/v1/completions", body, timeout), bodies))
+            except REQUEST_FAILURES as exc:
+                failed = describe_failure("/v1/completions", exc, timeout)
+                health = probe_health(self.url, self.options.health_timeout_s)
+                self._recover(failed if health is None else f"{failed}, then {health}")
+                self.health.add("resent_requests", len(bodies))
+
 
 def _request(url: str, path: str, body: dict[str, Any] | None, timeout: float = 600.0) -> dict[str, Any]:
     data = None if body is None else json.dumps(body).encode()
@@ -238,8 +319,8 @@ def _request(url: str, path: str, body: dict[str, Any] | None, timeout: float = 
     return json.loads(payload) if payload else {}  # type: ignore[no-any-return]
 
 
-def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    return _request(url, path, body)
+def _post(url: str, path: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+    return _request(url, path, body, timeout)
 
 
 def _get(url: str, path: str) -> dict[str, Any]:

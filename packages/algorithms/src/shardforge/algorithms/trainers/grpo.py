@@ -65,6 +65,7 @@ from shardforge.algorithms.trainers.rl_common import (
     publish_version,
     record_routing,
     reward_call_stats,
+    rollout_server_stats,
 )
 from shardforge.algorithms.trainers.rl_data import load_prompt_data
 from shardforge.algorithms.trainers.rl_partial import check_partial_rollouts, enable_partial_rollouts
@@ -269,7 +270,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         stats |= rm_stats
         if self.dynamic is not None:
             stats |= dynamic_sampling_stats(self.dynamic.pop_stats(sampled.index), self.engine)
-        stats |= reward_call_stats(self.reward_fn, self.engine)
+        stats |= reward_call_stats(self.reward_fn, self.engine) | rollout_server_stats(self.rollout, self.engine)
         began = time.perf_counter()
         with phase("weight_sync"):
             self.source.publish(step + 1)

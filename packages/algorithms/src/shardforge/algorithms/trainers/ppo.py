@@ -54,6 +54,7 @@ from shardforge.algorithms.trainers.rl_common import (
     publish_to_rollout,
     record_routing,
     reward_call_stats,
+    rollout_server_stats,
 )
 from shardforge.algorithms.trainers.rl_data import load_prompt_data
 from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
@@ -241,7 +242,7 @@ class PPOTrainer(Trainer[PPOConfig]):
         stats |= global_reward_stats(rewards.double(), lengths, actor) | workflow_stats(trajectories, actor)
         if self.dynamic is not None:
             stats |= dynamic_sampling_stats(self.dynamic.pop_stats(step), actor)
-        stats |= reward_call_stats(self.reward_fn, actor)
+        stats |= reward_call_stats(self.reward_fn, actor) | rollout_server_stats(self.rollout, actor)
         stats |= {
             "weight_sync_s": time.perf_counter() - began,
             "rollout_version": served,

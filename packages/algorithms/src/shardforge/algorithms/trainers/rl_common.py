@@ -43,6 +43,7 @@ __all__ = [
     "publish_version",
     "record_routing",
     "reward_call_stats",
+    "rollout_server_stats",
 ]
 
 
@@ -252,6 +253,19 @@ def reward_call_stats(reward_fn: GuardedReward, engine: TrainEngine) -> dict[str
         return summed
     return {(k[: -len("_sum")] + "_mean" if k.endswith("_sum") else k): (v / max(scored, 1.0) if k.endswith("_sum") else v)
             for k, v in summed.items()}  # fmt: skip
+
+
+def rollout_server_stats(rollout: object, engine: TrainEngine) -> dict[str, float]:
+    """A rollout server's ``rollout_server/health_checks|failures|restarts|resent_requests`` since the
+    last call, summed over the data-parallel group; empty for engines without a server (every rank
+    has the same engine, so every rank returns the same keys)."""
+    pop = getattr(rollout, "pop_stats", None)
+    if not callable(pop):
+        return {}
+    local: dict[str, float] = pop()
+    names = sorted(local)
+    return dict(zip(names, all_reduce_sum(*(local[n] for n in names), group=engine.dp_group, device=engine.device),
+                    strict=True))  # fmt: skip
 
 
 def dynamic_sampling_stats(local: dict[str, float], engine: TrainEngine) -> dict[str, float]:

@@ -1,0 +1,88 @@
+"""A stand-in for an OpenAI-compatible vLLM rollout server, to kill, hang and restart in tests.
+
+``python rollout_server_stub.py --port P [--vocab-size V] [--die-once FILE [--die-after K]]`` serves on 127.0.0.1:P the routes
+`VLLMServerRolloutEngine` uses. Completions are deterministic in (prompt, seed, weight version),
+so a resent request returns what the first one would have. With ``--die-once FILE``, the first
+completion request after the first K that finds FILE deletes it and kills the process mid-request (SIGKILL-like
+``os._exit``): a rollout server that dies with requests in flight. ``GET /stub/state`` returns
+``{"pid": ..., "version": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+MAX_MODEL_LEN = 64
+STATE: dict[str, Any] = {"version": 0, "die_once": None, "die_after": 0, "completions": 0, "vocab_size": 50}
+
+
+def completion(body: dict[str, Any]) -> dict[str, Any]:
+    rng = random.Random(f"{body['prompt']}|{body['seed']}|{STATE['version']}")
+    choices = []
+    for index in range(body["n"]):
+        tokens = [rng.randrange(3, STATE["vocab_size"]) for _ in range(body["max_tokens"])]
+        choices.append({"index": index, "token_ids": tokens, "finish_reason": "length",
+                        "logprobs": {"token_logprobs": [-1.0] * len(tokens)}})  # fmt: skip
+    return {"choices": choices}
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self.reply({})
+        elif self.path == "/v1/models":
+            self.reply({"data": [{"id": "policy", "max_model_len": MAX_MODEL_LEN}]})
+        elif self.path == "/stub/state":
+            self.reply({"pid": os.getpid(), "version": STATE["version"]})
+        else:
+            self.send_error(404)
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        if self.path == "/v1/completions":
+            marker = STATE["die_once"]
+            STATE["completions"] += 1
+            if marker is not None and STATE["completions"] > STATE["die_after"] and marker.exists():
+                marker.unlink()
+                time.sleep(0.2)  # let the other requests of the batch arrive too
+                os._exit(1)
+            self.reply(completion(body))
+        elif self.path == "/update_weights":
+            STATE["version"] = int(body["update_info"]["version"])
+            self.reply({})
+        else:  # weight-transfer init, start/finish update, prefix-cache reset
+            self.reply({})
+
+    def reply(self, answer: dict[str, Any]) -> None:
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--die-once", type=Path, default=None)
+    parser.add_argument("--die-after", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=50)
+    args, _ = parser.parse_known_args()  # the vLLM flags the engine passes are ignored
+    STATE["die_once"], STATE["die_after"], STATE["vocab_size"] = args.die_once, args.die_after, args.vocab_size
+    ThreadingHTTPServer.allow_reuse_address = True  # a restart binds the same port at once
+    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    main()
