@@ -77,7 +77,7 @@ def _install_workspace(session: nox.Session, *extra: str) -> None:
 
 
 def _pytest(session: nox.Session, *paths: str, markers: str | None = None) -> None:
-    args = session.posargs or ["-q", "-ra", *paths, *(["-m", markers] if markers else [])]
+    args = session.posargs or ["-q", "-ra", "--durations=25", *paths, *(["-m", markers] if markers else [])]
     session.run("python", "-m", "pytest", *args, env=THREAD_ENV)
 
 
