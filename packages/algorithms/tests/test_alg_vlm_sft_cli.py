@@ -152,6 +152,15 @@ def test_missing_image_names_the_row_and_the_path(tmp_path: Path, vlm: dict[str,
         main(["--debug", "train", "sft", "--config", config])
 
 
+def test_unreadable_image_names_the_row_and_the_file(tmp_path: Path, vlm: dict[str, Any]) -> None:
+    data = Path(vlm["train"]).parent
+    (data / "images" / "broken.png").write_bytes(b"not a png")
+    train = _write_rows(data / "broken.jsonl", [_image_row(_first_image(vlm)), _image_row("images/broken.png")])
+    config = _config(tmp_path / "c.yaml", model=vlm["model"], train_file=train, output_dir=str(tmp_path / "o"))
+    with pytest.raises(ValueError, match=r"broken\.jsonl:2: '.*broken\.png' is not an image Pillow can read"):
+        main(["--debug", "train", "sft", "--config", config])
+
+
 def test_image_rows_for_a_text_only_model_are_refused(tmp_path: Path, vlm: dict[str, Any]) -> None:
     from shardforge.algorithms.testing import tiny_assets
 
