@@ -30,6 +30,21 @@ SEED = 0
 REWARD = "shardforge.algorithms.testing:digit_reward"
 
 
+def launch(command: list[str], env: dict[str, str]) -> float:
+    """Run ``command`` to completion (its stderr kept for the error message); return when it was launched."""
+    import subprocess
+
+    launched = time.time()
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return launched
+
+
+def train_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The train records of a shardforge run's metrics.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("split", "train") == "train"]
+
+
 def prepare_grpo(assets: dict[str, Any], root: Path, nproc: int) -> dict[str, Any]:
     """The prompts each step draws in shardforge (global order), written as TRL's in-order dataset."""
     from transformers import AutoTokenizer
@@ -51,8 +66,6 @@ def prepare_grpo(assets: dict[str, Any], root: Path, nproc: int) -> dict[str, An
 
 
 def run_ours_grpo(assets: dict[str, Any], nproc: int, out: Path, env: dict[str, str]) -> dict[str, Any]:
-    import subprocess
-
     layout = "r2" if nproc == 2 else "d1"
     config = out / "config.json"
     config.write_text(
@@ -74,17 +87,13 @@ def run_ours_grpo(assets: dict[str, Any], nproc: int, out: Path, env: dict[str, 
     )  # fmt: skip
     command = [sys.executable, "-m", "shardforge.algorithms.cli", "train", "grpo", "--config", str(config),
                "--nproc-per-node", str(nproc)]  # fmt: skip
-    launched = time.time()
-    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r.get("split", "train") == "train"]
+    launched = launch(command, env)
+    train = train_metrics(out / "run")
     return {"launched": launched, "step_end": [r["time"] for r in train],
             "reward": [r["reward_mean"] for r in train], "length": [r["response_len_mean"] for r in train]}  # fmt: skip
 
 
 def run_trl_grpo(assets: dict[str, Any], nproc: int, out: Path, env: dict[str, str]) -> dict[str, Any]:
-    import subprocess
-
     args, result = out / "args.json", out / "trl.json"
     args.write_text(
         json.dumps(
@@ -100,8 +109,7 @@ def run_trl_grpo(assets: dict[str, Any], nproc: int, out: Path, env: dict[str, s
     worker = str(Path(__file__).resolve().parent / "trl_grpo_worker.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                worker, str(args)]  # fmt: skip
-    launched = time.time()
-    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    launched = launch(command, env)
     record = json.loads(result.read_text())
     return {"launched": launched, "step_end": record["step_end"], "reward": record["reward"],
             "length": record["length"]}  # fmt: skip

@@ -47,7 +47,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common
-from _trl_grpo import GROUP, MAX_NEW_TOKENS, PROMPTS_PER_STEP, prepare_grpo, run_ours_grpo, run_trl_grpo, summarise_grpo
+from _trl_grpo import (
+    GROUP,
+    MAX_NEW_TOKENS,
+    PROMPTS_PER_STEP,
+    launch,
+    prepare_grpo,
+    run_ours_grpo,
+    run_trl_grpo,
+    summarise_grpo,
+    train_metrics,
+)
 
 NAME = "sft_vs_trl"
 HERE = Path(__file__).resolve().parent
@@ -115,10 +125,8 @@ def run_ours(assets: dict[str, Any], nproc: int, out: Path) -> dict[str, Any]:
     )
     command = [sys.executable, "-m", "shardforge.algorithms.cli", "train", "sft", "--config", str(config),
                "--nproc-per-node", str(nproc)]  # fmt: skip
-    launched = time.time()
-    subprocess.run(command, check=True, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r.get("split", "train") == "train"]
+    launched = launch(command, ENV)
+    train = train_metrics(out / "run")
     return {"launched": launched, "step_end": [r["time"] for r in train], "loss": [r["loss"] for r in train]}
 
 
@@ -147,8 +155,7 @@ def run_trl(assets: dict[str, Any], nproc: int, out: Path) -> dict[str, Any]:
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                    worker, str(args)]  # fmt: skip
-    launched = time.time()
-    subprocess.run(command, check=True, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    launched = launch(command, ENV)
     record = json.loads(result.read_text())
     return {"launched": launched, "step_end": record["step_end"], "loss": record["loss"]}
 

@@ -19,7 +19,7 @@ STARTED = time.time()  # before the heavy imports: start-up is measured from the
 import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
-from _trl_worker import load_run, step_timer, write_record  # noqa: E402
+from _trl_worker import load_run, step_timer, trainer_args, write_record  # noqa: E402
 
 
 def main(args_file: str) -> None:
@@ -37,9 +37,8 @@ def main(args_file: str) -> None:
 
     group = args["group_size"]
     config = GRPOConfig(
-        output_dir=args["output_dir"],
+        **trainer_args(run),
         per_device_train_batch_size=args["prompts_per_step"] * group // world,
-        gradient_accumulation_steps=1,
         num_generations=group,
         max_completion_length=args["max_new_tokens"],
         temperature=args["temperature"],
@@ -51,22 +50,6 @@ def main(args_file: str) -> None:
         epsilon_high=args["clip_eps_high"],
         num_iterations=1,
         shuffle_dataset=False,
-        max_steps=args["steps"],
-        learning_rate=args["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=args["weight_decay"],
-        max_grad_norm=args["max_grad_norm"],
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        dataloader_num_workers=0,
-        seed=args["seed"],
-        bf16=False,  # TRL defaults to bf16 autocast: ~20x slower on a CPU without native bf16; fp32 as shardforge
-        fp16=False,
-        disable_tqdm=True,
-        ddp_backend="gloo" if world > 1 else None,
     )
     trainer = GRPOTrainer(
         model=run["model"], reward_funcs=reward, args=config, train_dataset=run["dataset"],

@@ -18,7 +18,7 @@ STARTED = time.time()  # before the heavy imports: start-up is measured from the
 import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
-from _trl_worker import load_run, step_timer, write_record  # noqa: E402
+from _trl_worker import load_run, step_timer, trainer_args, write_record  # noqa: E402
 
 
 def main(args_file: str) -> None:
@@ -36,33 +36,11 @@ def main(args_file: str) -> None:
             return SequentialSampler(self.train_dataset)
 
     config = SFTConfig(
-        output_dir=args["output_dir"],
+        **trainer_args(run),
         per_device_train_batch_size=args["global_batch_size"] // world,
-        gradient_accumulation_steps=1,
-        max_steps=args["steps"],
-        learning_rate=args["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=args["weight_decay"],
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        adam_epsilon=1e-8,
-        max_grad_norm=args["max_grad_norm"],
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        dataloader_num_workers=0,
-        seed=args["seed"],
         completion_only_loss=True,
-        # TRL's SFTConfig defaults to bf16=True: CPU autocast to bf16, ~20x slower per step on a CPU without
-        # native bf16 (measured on the AMD EPYC CI machine) and not what shardforge runs (fp32). Same precision.
-        bf16=False,
-        fp16=False,
         padding_free=False,  # HF SDPA ignores packed position_ids in transformers 5: padding is the correct mode
         max_length=None,
-        disable_tqdm=True,
-        ddp_backend="gloo" if world > 1 else None,
     )
     trainer = InOrderSFTTrainer(
         model=run["model"], args=config, train_dataset=run["dataset"], processing_class=run["tokenizer"],
