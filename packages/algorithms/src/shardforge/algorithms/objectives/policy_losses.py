@@ -233,7 +233,7 @@ def _dppo_terms(
     mask = loss_mask != 0
     ratio = _ratio(lp, prox).detach()
     weight = ratio if config.dual_clip is None else ratio.clamp(max=config.dual_clip)
-    blocked = mask & torch.where(adv > 0, up_blocked, torch.where(adv < 0, down_blocked, torch.zeros_like(mask)))
+    blocked = mask & (((adv > 0) & up_blocked) | ((adv < 0) & down_blocked))
     pg = torch.where(blocked, lp.new_zeros(()), -adv * weight * lp)
     return _terms(pg, ratio, blocked, blocked & (adv < 0))
 
