@@ -120,8 +120,14 @@ def _assert_same_run(out: str, ref: str) -> None:
 
 @pytest.mark.parametrize(
     ("world", "layout", "loss_type"),
-    [(2, "d2", "sigmoid"), (4, "d2t2", "sigmoid"), (4, "d2c2", "sigmoid"), (4, "p2d2", "sigmoid"), (2, "d2", "simpo")],
-    ids=["fsdp2", "fsdp2xtp2", "fsdp2xcp2", "pp2xfsdp2", "simpo-fsdp2"],
+    [
+        pytest.param(2, "d2", "sigmoid", id="fsdp2"),
+        # heavy (~30-45 s): the TP forward is the engine's, proven for SFT (test_sft_layouts fsdp2xtp2)
+        pytest.param(4, "d2t2", "sigmoid", id="fsdp2xtp2", marks=pytest.mark.heavy),
+        pytest.param(4, "d2c2", "sigmoid", id="fsdp2xcp2"),
+        pytest.param(4, "p2d2", "sigmoid", id="pp2xfsdp2"),
+        pytest.param(2, "d2", "simpo", id="simpo-fsdp2"),
+    ],
 )
 def test_dpo_matches_world1(
     world: int, layout: str, loss_type: str, assets: dict[str, str], world1: dict[str, str], tmp_path: Path

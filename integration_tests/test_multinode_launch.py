@@ -108,12 +108,23 @@ def assert_same_run(single: Path, multi: Path, steps: int) -> None:
     )
 
 
-@pytest.mark.heavy  # heavy (~70 s): the two-node GRPO test runs the same rendezvous and the same comparison
+def _run_sft_on_rank(config_path: str) -> dict:
+    import torch.distributed as dist
+
+    from shardforge.algorithms.config_io import build_config, load_yaml
+    from shardforge.algorithms.trainers.sft import SFTConfig, run_sft
+
+    summary = run_sft(build_config(SFTConfig, load_yaml(config_path)))
+    return summary if dist.get_rank() == 0 else {}
+
+
 def test_two_node_sft_reproduces_the_single_node_run(tmp_path, assets):
+    """The reference is the same config on one node's 2 ranks (the shared rank pool: what
+    `shardforge train sft --nproc-per-node 2` runs on each rank, without a second CLI start-up)."""
+    from shardforge.mesh.testing import get_rank_pool
+
     single = _config(tmp_path, assets, "single")
-    result = subprocess.run([*CLI, "train", "sft", "--config", str(single), "--nproc-per-node", "2"],
-                            env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    get_rank_pool(2).run(_run_sft_on_rank, str(single), timeout_s=300)
     run_two_nodes("sft", _config(tmp_path, assets, "multi"))
     assert_same_run(tmp_path / "single", tmp_path / "multi", steps=4)
     # global rank 1 ran in the node-rank-1 command: each rank logged its own line
@@ -133,6 +144,7 @@ def test_preflight_checks_the_global_world_on_every_node_before_the_rendezvous(t
         assert "needs 4 ranks" in lines[-1] and "is 2" in lines[-1] and "Traceback" not in err, err
 
 
+@pytest.mark.heavy  # heavy (~86 s, 260 s on a loaded machine): the two-node SFT test runs the same rendezvous
 def test_two_node_grpo_reproduces_the_single_node_run(tmp_path, assets):
     """Rollouts (seeded per rank), rewards, advantages and updates: the same whichever node a rank is on.
     The reward is the response length: an untrained model scores 0 on exact match everywhere, which would

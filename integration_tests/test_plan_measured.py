@@ -45,7 +45,18 @@ CASES: list[tuple[str, int, dict[str, Any]]] = [
 ]
 
 
-@pytest.mark.parametrize(("layout", "world", "options"), CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+# heavy (~31-37 s): the activation-checkpointing terms are checked by hand in
+# test_plan_memory.py::test_activation_checkpointing_terms; CI measures the other d2 cases end to end.
+HEAVY_CASES = {1}
+
+
+@pytest.mark.parametrize(
+    ("layout", "world", "options"),
+    [
+        pytest.param(*c, id=f"{c[0]}-{c[2]}", marks=[pytest.mark.heavy] if i in HEAVY_CASES else [])
+        for i, c in enumerate(CASES)
+    ],
+)
 def test_predicted_peak_within_15_percent_of_measured(layout: str, world: int, options: dict[str, Any]) -> None:
     kwargs = {"seq_len": SEQ_LEN, "micro_batch_tokens": TOKENS, "engine_options": options}
     per_rank = measure_on_ranks(MODEL, layout, world, **kwargs)

@@ -231,7 +231,9 @@ def test_behaviour_kl_is_the_global_token_mean_at_world_2() -> None:
 
 def test_grpo_multi_turn_steps_match_across_layouts(model_dir: str) -> None:
     """GRPO steps on multi-turn trajectories (environment tokens between generated segments) give the
-    same losses, statistics and updates under world 1, FSDP 2 and FSDP 2 x TP 2 (tolerances above)."""
+    same losses, statistics and updates under world 1 and FSDP 2 (tolerances above). The masks are the
+    only difference from single-turn batches; FSDP 2 x TP 2 runs the same engine path in
+    test_grpo_steps_match_across_layouts (left out here to keep CI within its budget)."""
     from shardforge.algorithms import TrainEngine
 
     reference_engine = TrainEngine(model_dir, "d1")
@@ -243,7 +245,7 @@ def test_grpo_multi_turn_steps_match_across_layouts(model_dir: str) -> None:
     del reference_engine
     single = _train(model_dir, "d1", old, multi_turn=True)
     assert single["history"][0]["clip_frac"] > 0, "the data exercises clipping"
-    for world, layout in ((2, "d2"), (4, "d2t2")):
+    for world, layout in ((2, "d2"),):
         sharded = get_rank_pool(world).run(_train, model_dir, layout, old, None, None, True, timeout_s=300)[0]
         for step, (a, b) in enumerate(zip(single["history"], sharded["history"], strict=True)):
             assert abs(a["loss"] - b["loss"]) <= LOSS_TOL, (layout, step, a["loss"], b["loss"])

@@ -29,7 +29,12 @@ def assets(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("algorithm", "nproc", "layout"), [("sft", 4, "d2t2"), ("rm", 2, "d2")], ids=["sft-fsdp2xtp2", "rm-fsdp2"]
+    ("algorithm", "nproc", "layout"),
+    [
+        pytest.param("sft", 4, "d2t2", id="sft-fsdp2xtp2"),
+        # heavy (~20 s): the sft run goes through the same FSDP, export and logging paths
+        pytest.param("rm", 2, "d2", id="rm-fsdp2", marks=pytest.mark.heavy),
+    ],
 )
 def test_normal_run_prints_no_torch_warnings(algorithm, nproc, layout, assets, tmp_path):
     data = {

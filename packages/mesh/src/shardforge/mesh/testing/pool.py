@@ -132,8 +132,18 @@ class RankPool:
         self.close()
 
     # ------------------------------------------------------------------ running
-    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; return the results ordered by rank."""
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout_s: float | None = None,
+        grace_s: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results ordered by rank.
+
+        After the first rank fails, the others get ``grace_s`` (default: the pool's) to report their
+        own result or error; a test that expects every rank to raise its own error raises it."""
         import cloudpickle
 
         self.start()
@@ -146,7 +156,7 @@ class RankPool:
         errors: dict[int, str] = {}
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while len(results) + len(errors) < self.world_size:
-            limit = deadline if not errors else min(deadline, time.monotonic() + self.grace_s)
+            limit = deadline if not errors else min(deadline, time.monotonic() + (grace_s or self.grace_s))
             item = self._get(limit)
             if item is None:
                 break
