@@ -5,6 +5,7 @@ process, and the offline DCP -> HF converter."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,12 +94,23 @@ def test_resume_after_kill_is_bit_identical(assets: dict[str, str], tmp_path: Pa
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.mark.parametrize("target", ["r2d2", "d2t2"], ids=["fsdp4_to_hsdp2x2", "fsdp4_to_fsdp2xtp2"])
-def test_resume_under_another_layout(assets: dict[str, str], tmp_path: Path, target: str) -> None:
-    straight = tmp_path / "straight"
+@pytest.fixture(scope="module")
+def fsdp4_runs(assets: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The uninterrupted d2 run to 5 steps, and a d4 run saved at step 3 (shared by the targets below)."""
+    root = tmp_path_factory.mktemp("reshard")
+    straight, saved = root / "straight", root / "saved_d4"
     get_rank_pool(2).run(_run, _config(assets, straight, "d2", 5))
+    get_rank_pool(4).run(_run, _config(assets, saved, "d4", 3, save_every=3, export_hf_at_end=False))
+    return straight, saved
+
+
+@pytest.mark.parametrize("target", ["r2d2", "d2t2"], ids=["fsdp4_to_hsdp2x2", "fsdp4_to_fsdp2xtp2"])
+def test_resume_under_another_layout(
+    assets: dict[str, str], tmp_path: Path, target: str, fsdp4_runs: tuple[Path, Path]
+) -> None:
+    straight, saved = fsdp4_runs
     resharded = tmp_path / "resharded"
-    get_rank_pool(4).run(_run, _config(assets, resharded, "d4", 3, save_every=3, export_hf_at_end=False))
+    shutil.copytree(saved, resharded)  # each target resumes its own copy of the step-3 checkpoint
     [summary] = get_rank_pool(4).run(_run, _config(assets, resharded, target, 5, save_every=0))[:1]
     assert summary["resumed_from"] == 3
     a, b = _train_records(straight), _train_records(resharded)
