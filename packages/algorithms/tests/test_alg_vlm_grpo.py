@@ -90,3 +90,63 @@ def test_vlm_grpo_world1_matches_fsdp2(vlm: dict[str, Any]) -> None:
     assert any(k.startswith("model.visual.") for k in moved), "the steps carry a learning signal to the vision tower"
     for key, value in sharded["weights"].items():
         torch.testing.assert_close(value, single["weights"][key], rtol=0, atol=2e-5, msg=key)
+
+
+def test_multi_turn_episodes_keep_the_images_in_every_turn(vlm: dict[str, Any]) -> None:
+    """multi_turn (chat template, feedback turns): every turn generates with the prompt's images and the
+    trainer scores the whole episode as the engine sampled it."""
+    from shardforge.algorithms import EngineConfig, TrainEngine
+    from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS
+    from shardforge.algorithms.rollout import SamplingParams
+    from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
+    from shardforge.algorithms.workflows import PromptRow, WorkflowConfig, run_episodes, trajectories_to_batch
+    from shardforge.algorithms.workflows.multi_turn import MultiTurnWorkflow
+
+    prompts, tokenizer = _prompts(vlm)
+    rows = [
+        PromptRow(index=i, prompt=prompts.texts[i], reference=prompts.references[i], prompt_ids=prompts.ids[i],
+                  images=prompts.image(i))
+        for i in range(2)
+    ]  # fmt: skip
+    config = WorkflowConfig(name="multi_turn", max_turns=2, chat_template=True)
+    workflow = MultiTurnWorkflow(config, tokenizer, lambda prompt, response, reference: 0.0)
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
+    trajectories = run_episodes(workflow, HFRolloutEngine(vlm["model"], tokenizer), rows, 2, params)
+    assert all(len(t.turns) == 2 and t.images is rows[t.group].images for t in trajectories)
+    assert trajectories[0].token_ids[: len(rows[0].prompt_ids)] == rows[0].prompt_ids  # not re-rendered
+    batch = trajectories_to_batch(trajectories, torch.zeros(len(trajectories)))
+    mask = batch.loss_mask != 0
+    gap = (TrainEngine(vlm["model"], "d1", EngineConfig()).forward(batch) - batch.extras[BEHAVIOUR_LOGPROBS])[mask]
+    assert mask.sum() >= 8 and gap.abs().max() < 1e-4, gap.abs().max()
+
+
+def test_unsupported_image_prompt_settings_are_refused(vlm: dict[str, Any], tmp_path: Path) -> None:
+    from shardforge.algorithms.config_io import apply_overrides, build_config
+    from shardforge.algorithms.rollout import SamplingParams
+    from shardforge.algorithms.rollout.types import generate_rollouts
+    from shardforge.algorithms.trainers.grpo import GRPOConfig
+    from shardforge.algorithms.trainers.ppo import PPOConfig, _validate
+    from shardforge.algorithms.trainers.rl_common import check_rollout_batch
+
+    prompts, _ = _prompts(vlm)
+    base = {"model": vlm["model"], "train_file": str(vlm["train"]), "output_dir": str(tmp_path), "prompts_per_step": 2}
+
+    def grpo(*overrides: str) -> Any:
+        return build_config(GRPOConfig, apply_overrides(base, list(overrides)))
+
+    check_rollout_batch(grpo(), prompts, 1, 1024, "budget")
+    with pytest.raises(ValueError, match="embedded HF engine only; rollout_engine='vllm'"):
+        check_rollout_batch(grpo("rollout_engine=vllm"), prompts, 1, 1024, "budget")
+    with pytest.raises(ValueError, match="partial_rollouts"):
+        check_rollout_batch(grpo("partial_rollouts=true"), prompts, 1, 1024, "budget")
+    with pytest.raises(ValueError, match="system message in the rows"):
+        check_rollout_batch(grpo("workflow.system_prompt=be brief"), prompts, 1, 1024, "budget")
+    with pytest.raises(ValueError, match=r"ppo with image prompts .* use `shardforge train grpo`"):
+        _validate(build_config(PPOConfig, base), prompts, 1)
+
+    class TextOnly:  # a rollout engine without `accepts_images`
+        def generate(self, prompts: Any, params: Any) -> list[Any]:
+            raise AssertionError("not called")
+
+    with pytest.raises(ValueError, match="TextOnly cannot generate from image prompts"):
+        generate_rollouts(TextOnly(), prompts.ids[:1], SamplingParams(), prompts.images[:1])  # type: ignore[arg-type]

@@ -131,7 +131,9 @@ def load_image_prompts(
     for number, row in rows:
         where = f"{label}{sep}{number}"
         messages, reference = _prompt_and_reference(row, where)
-        prompt = encode_vlm_prompt(messages, tokenizer, image_processor, image_token=image_token, where=where, base=base)
+        prompt = encode_vlm_prompt(
+            messages, tokenizer, image_processor, image_token=image_token, where=where, base=base
+        )
         if max_prompt_len is not None and len(prompt.input_ids) > max_prompt_len:
             skipped += 1
             continue

@@ -132,7 +132,10 @@ class Trajectory:
             self.routed_experts, self.images = routed, images
         state["routed_experts"] = routed.tolist() if routed is not None else None
         if images is not None:
-            state["images"] = {"pixel_values": images.pixel_values.tolist(), "image_grid_thw": images.image_grid_thw.tolist()}
+            state["images"] = {
+                "pixel_values": images.pixel_values.tolist(),
+                "image_grid_thw": images.image_grid_thw.tolist(),
+            }
         return state
 
     @classmethod

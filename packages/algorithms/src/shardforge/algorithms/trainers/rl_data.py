@@ -18,7 +18,7 @@ from shardforge.algorithms.data.config import apply_chat_template_override, eval
 from shardforge.algorithms.data.source_set import IndexSampler, batch_sampler, loader_arg
 from shardforge.algorithms.data.sources import SourceConfig
 from shardforge.algorithms.rlvr import PromptSet, load_image_prompts, load_prompts
-from shardforge.algorithms.trainers.sft import image_rows
+from shardforge.algorithms.trainers.sft import ImageRows, image_rows
 
 __all__ = ["PromptData", "load_prompt_data"]
 
@@ -33,6 +33,8 @@ class PromptData:
     sizes: tuple[int, ...]
     """Prompts kept per source (after max_prompt_len), in the order of ``prompts``."""
     mix: bool
+    image_processor: Any = None
+    """A vision-language model's image processor (None: text prompts); saved next to the HF export."""
 
     def sampler(self, prompts_per_step: int, seed: int) -> IndexSampler:
         """Global batches of ``prompts_per_step`` prompt indices (a weighted mixture when ``mix``)."""
@@ -55,7 +57,8 @@ def load_prompt_data(config: Any, tokenizer: Any) -> PromptData:
     sources = train_sources(config)
     if not sources:
         raise ValueError("no training prompts: set train_file, data.train or data.mix")
-    load = _prompt_loader(config, tokenizer)
+    images = image_rows(config.model, tokenizer, getattr(config, "tokenizer", None))
+    load = _prompt_loader(images, tokenizer)
     per_source = [load(loader_arg(s), config.max_prompt_len) for s in sources]
     held = eval_source(config)
     return PromptData(
@@ -64,12 +67,12 @@ def load_prompt_data(config: Any, tokenizer: Any) -> PromptData:
         sources=tuple(sources),
         sizes=tuple(len(p) for p in per_source),
         mix=bool(config.data.mix),
+        image_processor=images.image_processor if images is not None else None,
     )
 
 
-def _prompt_loader(config: Any, tokenizer: Any) -> Callable[[Any, int | None], PromptSet]:
+def _prompt_loader(images: ImageRows | None, tokenizer: Any) -> Callable[[Any, int | None], PromptSet]:
     """(source, max_prompt_len) -> `PromptSet`: image chat rows for a vision-language model, else text rows."""
-    images = image_rows(config.model, tokenizer, getattr(config, "tokenizer", None))
     if images is None:
         return lambda source, max_len: load_prompts(source, tokenizer, max_prompt_len=max_len)
     processor, token = images.image_processor, images.image_token
