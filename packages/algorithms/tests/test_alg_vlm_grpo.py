@@ -150,3 +150,25 @@ def test_unsupported_image_prompt_settings_are_refused(vlm: dict[str, Any], tmp_
 
     with pytest.raises(ValueError, match="TextOnly cannot generate from image prompts"):
         generate_rollouts(TextOnly(), prompts.ids[:1], SamplingParams(), prompts.images[:1])  # type: ignore[arg-type]
+
+
+def test_engine_never_samples_the_image_placeholder(vlm: dict[str, Any]) -> None:
+    """A sampled image token would reach the trainer as an image without pixels: the engine suppresses it,
+    and its behaviour log-probs stay those of the full softmax (what the trainer computes)."""
+    from shardforge.algorithms.rollout import SamplingParams
+    from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
+
+    prompts, tokenizer = _prompts(vlm)
+    rollout = HFRolloutEngine(vlm["model"], tokenizer)
+    image_id = rollout.image_token_id
+    assert image_id is not None
+
+    def favour_image_token(module: Any, args: Any, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.clone()
+        logits[..., image_id] += 20.0
+        return logits
+
+    rollout.model.lm_head.register_forward_hook(favour_image_token)
+    outs = rollout.generate(prompts.ids[:2], SamplingParams(n=4, max_new_tokens=4, seed=0), images=prompts.images[:2])
+    assert all(image_id not in o.response_ids for o in outs)
+    assert max(max(o.logprobs) for o in outs) < -10.0, "log-probs of the unsuppressed softmax (the image token's mass)"
