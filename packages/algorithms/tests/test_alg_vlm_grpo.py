@@ -172,3 +172,34 @@ def test_engine_never_samples_the_image_placeholder(vlm: dict[str, Any]) -> None
     outs = rollout.generate(prompts.ids[:2], SamplingParams(n=4, max_new_tokens=4, seed=0), images=prompts.images[:2])
     assert all(image_id not in o.response_ids for o in outs)
     assert max(max(o.logprobs) for o in outs) < -10.0, "log-probs of the unsuppressed softmax (the image token's mass)"
+
+
+def test_image_prompt_rows_and_trajectory_state(vlm: dict[str, Any], tmp_path: Path) -> None:
+    """A row ending on the user's turn takes its reference from ``completion``; one without a reference is
+    refused with its file and line; a trajectory's images survive the async checkpoint state (JSON)."""
+    import json
+
+    from transformers import AutoImageProcessor
+
+    from shardforge.algorithms.rlvr import load_image_prompts
+    from shardforge.algorithms.rollout.trajectory import Trajectory
+
+    prompts, tokenizer = _prompts(vlm)
+    rows = [json.loads(line) for line in Path(vlm["train"]).read_text().splitlines()]
+    user_only = {"messages": rows[0]["messages"][:-1], "completion": rows[0]["messages"][-1]["content"]}
+    data = Path(vlm["train"]).parent / "user_only.jsonl"
+    data.write_text(json.dumps(user_only) + "\n" + json.dumps({"messages": rows[1]["messages"][:-1]}) + "\n")
+    processor = AutoImageProcessor.from_pretrained(vlm["model"])
+    with pytest.raises(ValueError, match=r"user_only.jsonl:2: an image prompt row needs its reference"):
+        load_image_prompts(data, tokenizer, processor, image_token="<|image_pad|>")
+    data.write_text(json.dumps(user_only) + "\n")
+    first = load_image_prompts(data, tokenizer, processor, image_token="<|image_pad|>")
+    assert first.ids == prompts.ids[:1] and first.references == prompts.references[:1]
+    assert torch.equal(first.images[0].pixel_values, prompts.images[0].pixel_values)
+
+    trajectory = Trajectory(group=0, token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -0.5], versions=[-1, 0],
+                            images=prompts.image(2))  # fmt: skip
+    restored = Trajectory.from_state(json.loads(json.dumps(trajectory.to_state())))
+    assert restored.images is not None and restored.images.num_images == 2
+    assert torch.equal(restored.images.pixel_values, prompts.images[2].pixel_values)
+    assert torch.equal(restored.images.image_grid_thw, prompts.images[2].image_grid_thw)
