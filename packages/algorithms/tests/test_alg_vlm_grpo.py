@@ -59,8 +59,11 @@ def test_trainer_logprobs_equal_the_engines_behaviour_logprobs(tmp_path: Path, f
                   images=prompts.image(i))
         for i in range(len(prompts))
     ]  # fmt: skip
+    text_chat = [{"role": "user", "content": "say red"}]  # a text-only row in the same batch: no images
+    text_ids = tokenizer.apply_chat_template(text_chat, add_generation_prompt=True, tokenize=True)
+    rows.append(PromptRow(index=len(rows), prompt="say red", reference="red", prompt_ids=list(text_ids["input_ids"])))
     workflow = RLVRWorkflow(WorkflowConfig(), tokenizer, colour_overlap_reward)
-    # One batched generate: prompts of different lengths (1 and 2 images) are left-padded together.
+    # One batched generate: prompts of different lengths (0, 1 and 2 images) are left-padded together.
     params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=0)
     trajectories = run_episodes(workflow, HFRolloutEngine(assets["model"], tokenizer), rows, 2, params)
     batch = trajectories_to_batch(trajectories, torch.zeros(len(trajectories)))

@@ -225,7 +225,7 @@ class HFRolloutEngine:
         recording = self.replay.record() if self.replay is not None else contextlib.nullcontext(None)
         if self.suppress_tokens:
             sampling["suppress_tokens"] = self.suppress_tokens
-        if images is not None:  # the rows' images in row order: generate fills the image tokens in that order
+        if images is not None and any(i is not None for i in images):  # row order: generate fills image tokens so
             sampling |= _visual_kwargs(input_ids, images, self.image_token_id, self.device)
         with recording as routed:
             result = self._run_generate(input_ids, attention, params, sampling)
