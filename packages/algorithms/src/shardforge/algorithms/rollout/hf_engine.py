@@ -226,6 +226,7 @@ class HFRolloutEngine:
         if self.suppress_tokens:
             sampling["suppress_tokens"] = self.suppress_tokens
         if images is not None and any(i is not None for i in images):  # row order: generate fills image tokens so
+            assert self.image_token_id is not None  # _check_images refused image prompts for a text model
             sampling |= _visual_kwargs(input_ids, images, self.image_token_id, self.device)
         with recording as routed:
             result = self._run_generate(input_ids, attention, params, sampling)
@@ -285,7 +286,7 @@ class HFRolloutEngine:
 
 
 def _visual_kwargs(
-    input_ids: torch.Tensor, images: list[ImageInputs | None], image_token_id: int | None, device: torch.device
+    input_ids: torch.Tensor, images: list[ImageInputs | None], image_token_id: int, device: torch.device
 ) -> dict[str, torch.Tensor]:
     """``generate``'s visual inputs for a batch of (left-padded) rows. ``mm_token_type_ids`` (1 at image
     tokens, what the HF processor returns): without it transformers 5 gives the image tokens 1-D text
