@@ -130,7 +130,7 @@ def demo_agent(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo_vlm(session: nox.Session) -> None:
-    """A tiny Qwen2.5-VL learns the colour of a square in generated images: SFT with FSDP on 2 CPU ranks."""
+    """A tiny Qwen2.5-VL learns the colour of a square in generated images: SFT, then GRPO, FSDP on 2 CPU ranks."""
     _install_workspace(session)
     out = session.posargs[0] if session.posargs else "outputs/demo_vlm"
     session.run("shardforge", "demo-vlm", "--out", out, "--nproc-per-node", "2", env=THREAD_ENV)

@@ -8,7 +8,7 @@
     shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600] [--prepare-only]
     shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 450] [--grpo-steps N]
     shardforge demo-agent [--out outputs/demo_agent] [--nproc-per-node 2] [--sft-steps N] [--grpo-steps N]
-    shardforge demo-vlm [--out outputs/demo_vlm] [--nproc-per-node 2] [--steps N] [--prepare-only]
+    shardforge demo-vlm [--out outputs/demo_vlm] [--nproc-per-node 2] [--steps N] [--grpo-steps N] [--prepare-only]
     shardforge plan llama3-70b --world-size 1024 --seq-len 8192 --memory 80GiB [--ac full] [--json] ...
 
 ``key=value`` overrides use dotted paths into the config (``engine.optimizer.lr=1e-3``).
@@ -135,15 +135,19 @@ def _parser() -> argparse.ArgumentParser:
     demo_agent.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default: the demo's)")
     demo_agent.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_agent_grpo.yaml)")
     demo_vlm = sub.add_parser(
-        "demo-vlm", help="run the CPU vision-language demo: a tiny Qwen2.5-VL learns the colour of a square (SFT)"
+        "demo-vlm",
+        help="run the CPU vision-language demo: a tiny Qwen2.5-VL learns the colour of a square (SFT, then GRPO)",
     )
     demo_vlm.add_argument("--out", default="outputs/demo_vlm", help="output directory")
     demo_vlm.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
     demo_vlm.add_argument("--steps", type=int, default=None, help="SFT steps (default: demo_vlm_sft.yaml)")
     demo_vlm.add_argument(
+        "--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_vlm_grpo.yaml; 0: SFT only)"
+    )
+    demo_vlm.add_argument(
         "--prepare-only",
         action="store_true",
-        help="only write the tiny VLM and the image data (examples/sft_vlm_tiny.yaml)",
+        help="only write the tiny VLM and the image data (examples/sft_vlm_tiny.yaml, examples/grpo_vlm_tiny.yaml)",
     )
     sub.add_parser("list", help="list every registry (trainers, losses, estimators, ...) with its names")
     from shardforge.algorithms.plan.report import add_plan_parser
@@ -310,7 +314,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
                 "tiny VLM + tokenizer + image processor: %s; data: %s, %s", made["model"], made["train"], made["eval"]
             )
             return 0
-        run_vlm_demo(args.out, nproc=args.nproc_per_node, steps=args.steps)
+        run_vlm_demo(args.out, nproc=args.nproc_per_node, steps=args.steps, grpo_steps=args.grpo_steps)
         return 0
     if args.command == "plan":
         from shardforge.algorithms.plan.report import run_plan

@@ -1,7 +1,9 @@
 """RLVR workflow pieces: prompt data, rollouts -> rewards -> advantages -> a packed batch.
 
 Rows are the SFT prompt/completion JSONL: ``{"prompt": "12+7=", "completion": "19"}``; the
-completion is the reference answer the reward function checks.
+completion is the reference answer the reward function checks. A vision-language model reads chat rows
+with image parts instead (`load_image_prompts`; the rows of VLM SFT, the last assistant message being
+the reference).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from shardforge.algorithms.batching import PackedBatch, pack_sequences
+from shardforge.algorithms.batching.visual import ImageInputs
 from shardforge.algorithms.data.sources import SourceConfig, read_rows
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS
 from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
@@ -24,10 +27,12 @@ from shardforge.algorithms.rollout.types import Rollout
 
 __all__ = [
     "BEHAVIOUR_LOGPROBS",
+    "IMAGE_PROMPT_ROW_FIELDS",
     "PROMPT_ROW_FIELDS",
     "AdvantageEstimator",
     "PromptSet",
     "group_advantages",
+    "load_image_prompts",
     "load_prompts",
     "rollouts_to_batch",
 ]
@@ -37,18 +42,40 @@ AdvantageEstimator = str
 reinforce_plus_plus_baseline, a user's) or its import path ``"package.module:function"``."""
 PROMPT_ROW_FIELDS = (("prompt", "completion"),)
 """The row shape of a prompt file: the prompt and its reference answer."""
+IMAGE_PROMPT_ROW_FIELDS = (("messages",),)
+"""The row shape of a vision-language model's prompt file: an HF chat with image parts (`load_image_prompts`)."""
 
 
 @dataclass(frozen=True, slots=True)
 class PromptSet:
-    """Tokenised prompts with their reference answers."""
+    """Tokenised prompts with their reference answers (and, for a vision-language model, their images)."""
 
     texts: list[str]
     references: list[str]
     ids: list[list[int]]
+    images: list[ImageInputs | None] | None = None
+    """One entry per prompt (None: text prompts only): what the rollout engine and the trainer's forward
+    take with the prompt's image tokens."""
 
     def __len__(self) -> int:
         return len(self.texts)
+
+    def image(self, index: int) -> ImageInputs | None:
+        """The images of prompt ``index`` (None without any)."""
+        return self.images[index] if self.images is not None else None
+
+    @staticmethod
+    def concat(parts: Sequence[PromptSet]) -> PromptSet:
+        """The prompts of ``parts`` one after the other."""
+        images = None
+        if any(p.images is not None for p in parts):
+            images = [p.image(i) for p in parts for i in range(len(p))]
+        return PromptSet(
+            [t for p in parts for t in p.texts],
+            [r for p in parts for r in p.references],
+            [i for p in parts for i in p.ids],
+            images,
+        )
 
 
 def load_prompts(path: str | Path | SourceConfig, tokenizer: Any, *, max_prompt_len: int | None = None) -> PromptSet:
@@ -79,6 +106,77 @@ def load_prompts(path: str | Path | SourceConfig, tokenizer: Any, *, max_prompt_
             f"every prompt of {path} is longer than max_prompt_len={max_prompt_len} tokens; raise max_prompt_len"
         )
     return PromptSet(texts, refs, ids)
+
+
+def load_image_prompts(
+    path: str | Path | SourceConfig,
+    tokenizer: Any,
+    image_processor: Any,
+    *,
+    image_token: str,
+    max_prompt_len: int | None = None,
+) -> PromptSet:
+    """Read chat rows with image parts (the rows of VLM SFT, `data.vlm`) as prompts: every message before
+    the last assistant one is the prompt (rendered with the generation prompt, image tokens expanded, the
+    images through the image processor; relative image paths resolve against the data file's directory),
+    that assistant message's content is the reference (or the row's ``completion`` when the messages end
+    on the user's turn). Prompts longer than ``max_prompt_len`` tokens are skipped (with a warning)."""
+    from shardforge.algorithms.data.vlm import encode_vlm_prompt
+
+    rows, label, sep = read_rows(path, "prompt file", IMAGE_PROMPT_ROW_FIELDS)
+    where_file = Path(path.source) if isinstance(path, SourceConfig) else Path(path)
+    base = where_file.parent if where_file.is_file() else None
+    texts, refs, ids, images = [], [], [], []
+    skipped = 0
+    for number, row in rows:
+        where = f"{label}{sep}{number}"
+        messages, reference = _prompt_and_reference(row, where)
+        prompt = encode_vlm_prompt(
+            messages, tokenizer, image_processor, image_token=image_token, where=where, base=base
+        )
+        if max_prompt_len is not None and len(prompt.input_ids) > max_prompt_len:
+            skipped += 1
+            continue
+        texts.append(_text_of(messages))
+        refs.append(reference)
+        ids.append(prompt.input_ids)
+        has_images = prompt.image_grid_thw.shape[0] > 0
+        images.append(ImageInputs(prompt.pixel_values, prompt.image_grid_thw) if has_images else None)
+    if skipped:
+        warnings.warn(f"skipped {skipped} prompt(s) of {label.name} longer than {max_prompt_len} tokens", stacklevel=2)
+    if not texts:
+        raise ValueError(
+            f"every prompt of {label} is longer than max_prompt_len={max_prompt_len} tokens; raise max_prompt_len"
+        )
+    return PromptSet(texts, refs, ids, images)
+
+
+def _prompt_and_reference(row: dict[str, Any], where: str) -> tuple[list[dict[str, Any]], str]:
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    if messages[-1].get("role") == "assistant":
+        messages, reference = messages[:-1], messages[-1].get("content")
+    else:
+        reference = row.get("completion")
+    if not isinstance(reference, str) or not messages:
+        raise ValueError(
+            f"{where}: an image prompt row needs its reference answer as a last assistant message with string "
+            "content (or a string 'completion' field) after at least one prompt message"
+        )
+    return messages, reference
+
+
+def _text_of(messages: list[dict[str, Any]]) -> str:
+    """The text parts of ``messages`` (what reward functions and logs see as the prompt)."""
+    parts = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts += [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return "\n".join(parts)
 
 
 def group_advantages(

@@ -25,10 +25,12 @@ __all__ = [
     "VLM_FAMILIES",
     "VLM_SPECIALS",
     "build_vlm_tokenizer",
+    "colour_overlap_reward",
     "make_color_rows",
     "tiny_qwen2_5_vl_config",
     "tiny_qwen3_vl_config",
     "tiny_vlm_assets",
+    "vlm_grpo_steps",
     "vlm_sft_steps",
 ]
 
@@ -256,3 +258,63 @@ def vlm_sft_steps(model_dir: str, train: str, layout: str, freeze: tuple[str, ..
     batch = pack_vlm_examples(examples, mine)
     losses = [engine.train_batch(batch)["loss"] for _ in range(steps)]
     return {"losses": losses, "weights": engine.full_state_dict()}
+
+
+def colour_overlap_reward(prompt: str, response: str, reference: str) -> float:
+    """1.0 for the exact answer, else the share of the reference's characters the response uses: a reward
+    that varies within a group even for an untrained model (tests need a learning signal)."""
+    if response.strip() == reference:
+        return 1.0
+    return len(set(response) & set(reference)) / max(len(set(reference)), 1) / 2
+
+
+def vlm_grpo_steps(model_dir: str, train: str, layout: str, steps: int = 2, group_size: int = 4) -> dict[str, Any]:
+    """``steps`` GRPO updates on the image prompts of ``train`` (chat rows; the last assistant message is the
+    reference): each step the embedded HF rollout engine samples ``group_size`` responses per prompt with a
+    seed that does not depend on the layout (every rank samples every prompt, then keeps its share), this
+    rank's `TrainEngine` recomputes the old log-probs and takes one PPO-clip step (lr 3e-3), and the new
+    weights are published in memory to the rollout engine. Returns the losses, the largest gap between the
+    trainer's old log-probs and the engine's behaviour log-probs, and the full trained weights (layout-parity
+    tests run it in a rank pool)."""
+    import torch
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from shardforge.algorithms.engine import EngineConfig, TrainEngine
+    from shardforge.algorithms.engine.config import OptimizerConfig
+    from shardforge.algorithms.objectives import PPOActorLossFn
+    from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
+    from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS, group_advantages, load_image_prompts
+    from shardforge.algorithms.rollout import SamplingParams
+    from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
+    from shardforge.algorithms.trainers.rl_publish import publish_in_process
+    from shardforge.algorithms.workflows import PromptRow, WorkflowConfig, run_episodes, trajectories_to_batch
+    from shardforge.algorithms.workflows.rlvr import RLVRWorkflow
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    prompts = load_image_prompts(train, tokenizer, processor, image_token="<|image_pad|>")
+    config = EngineConfig(optimizer=OptimizerConfig(lr=3e-3), max_tokens_per_microbatch=128)
+    engine = TrainEngine(model_dir, layout, config)
+    rollout = HFRolloutEngine(model_dir, tokenizer)
+    workflow = RLVRWorkflow(WorkflowConfig(), tokenizer, colour_overlap_reward)
+    actor = PPOActorLossFn()
+    rows = [
+        PromptRow(index=i, prompt=prompts.texts[i], reference=prompts.references[i], prompt_ids=prompts.ids[i],
+                  images=prompts.image(i))
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    mine = [i for i in range(len(rows) * group_size) if (i // group_size) % engine.dp_size == engine.dp_rank]
+    losses, gaps, rewards = [], [], []
+    for step in range(steps):
+        params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=1000 + step)
+        trajectories = run_episodes(workflow, rollout, rows, group_size, params, drop_failed=False)
+        reward = torch.tensor([t.reward for t in trajectories])
+        advantages = group_advantages(reward, group_size, "grpo")
+        batch = trajectories_to_batch([trajectories[i] for i in mine], advantages[mine])
+        batch.extras[OLD_LOGPROBS] = engine.forward(batch)
+        mask = batch.loss_mask != 0
+        gaps.append(float((batch.extras[OLD_LOGPROBS] - batch.extras[BEHAVIOUR_LOGPROBS])[mask].abs().max()))
+        losses.append(engine.train_batch(batch, actor, actor.loss_weight)["loss"])
+        rewards.append(float(reward.mean()))
+        publish_in_process(engine, rollout.receiver, "float32", None)
+    return {"losses": losses, "gaps": gaps, "rewards": rewards, "weights": engine.full_state_dict()}

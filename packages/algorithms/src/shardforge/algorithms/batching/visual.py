@@ -1,16 +1,53 @@
-"""Names of the per-sequence extras that carry a vision-language batch's images.
+"""A sequence's images as the model takes them (`ImageInputs`), and the per-sequence extras that carry a
+vision-language batch's images (`image_extras`).
 
-Written by `shardforge.algorithms.data.vlm.pack_vlm_examples`, read by the engine's
-`shardforge.algorithms.engine.vision.VisionLMHead`. Both are per-sequence ([N, ...]) extras, zero-padded
+Written by `shardforge.algorithms.data.vlm.pack_vlm_examples` (SFT) and
+`shardforge.algorithms.workflows.trajectories_to_batch` (RL), read by the engine's
+`shardforge.algorithms.engine.vision.VisionLMHead`. Both extras are per-sequence ([N, ...]), zero-padded
 to the batch's largest sequence, so `PackedBatch.select` (micro-batching) keeps each sequence's images
 with it.
 """
 
 from __future__ import annotations
 
-__all__ = ["VLM_GRIDS", "VLM_PIXELS"]
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["VLM_GRIDS", "VLM_PIXELS", "ImageInputs", "image_extras"]
 
 VLM_PIXELS = "pixel_values"
 """[N, max patches, patch dim] pixel values of each sequence's images, in order, zero-padded."""
 VLM_GRIDS = "image_grid_thw"
 """[N, max images, 3] (t, h, w) patch grids of each sequence's images; zero rows = no image."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInputs:
+    """The images of one prompt, as the image processor made them (in the order of their image tokens)."""
+
+    pixel_values: torch.Tensor
+    """[patches, C*t*p*p] of all images, in order."""
+    image_grid_thw: torch.Tensor
+    """[images, 3] int64 (t, h, w) patch grid of each image."""
+
+    @property
+    def num_images(self) -> int:
+        return int(self.image_grid_thw.shape[0])
+
+
+def image_extras(images: Sequence[ImageInputs | None]) -> dict[str, torch.Tensor]:
+    """``{VLM_PIXELS: [N, max patches, dim], VLM_GRIDS: [N, max images, 3]}`` for N sequences (None or an
+    empty `ImageInputs`: a sequence without images, all zeros)."""
+    present = [i for i in images if i is not None and i.pixel_values.numel()]
+    dim = max((i.pixel_values.shape[1] for i in present), default=1)
+    max_patches = max((i.pixel_values.shape[0] for i in present), default=1)
+    max_images = max((i.num_images for i in present), default=1)
+    pixels = torch.zeros(len(images), max_patches, dim)
+    grids = torch.zeros(len(images), max_images, 3, dtype=torch.long)
+    for n, inputs in enumerate(images):
+        if inputs is not None and inputs.pixel_values.numel():
+            pixels[n, : inputs.pixel_values.shape[0]] = inputs.pixel_values
+            grids[n, : inputs.num_images] = inputs.image_grid_thw
+    return {VLM_PIXELS: pixels, VLM_GRIDS: grids}

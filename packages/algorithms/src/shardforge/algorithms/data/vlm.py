@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from shardforge.algorithms.batching import PackedBatch, pack_sequences
-from shardforge.algorithms.batching.visual import VLM_GRIDS, VLM_PIXELS
+from shardforge.algorithms.batching.visual import VLM_GRIDS, VLM_PIXELS, ImageInputs, image_extras
 from shardforge.algorithms.data.sources import SourceConfig, read_rows
 
 __all__ = [
@@ -231,15 +231,5 @@ def pack_vlm_examples(examples: list[VLMExample], indices: list[int]) -> PackedB
     """Pack the examples at ``indices`` into one `PackedBatch` with ``VLM_PIXELS`` / ``VLM_GRIDS`` extras."""
     chosen = [examples[i] for i in indices]
     batch = pack_sequences([e.input_ids for e in chosen], [e.loss_mask for e in chosen])
-    dim = max((e.pixel_values.shape[1] for e in chosen if e.pixel_values.numel()), default=1)
-    max_patches = max((e.pixel_values.shape[0] for e in chosen), default=0)
-    max_images = max((e.image_grid_thw.shape[0] for e in chosen), default=0)
-    pixels = torch.zeros(len(chosen), max(max_patches, 1), dim)
-    grids = torch.zeros(len(chosen), max(max_images, 1), 3, dtype=torch.long)
-    for i, e in enumerate(chosen):
-        if e.pixel_values.numel():
-            pixels[i, : e.pixel_values.shape[0]] = e.pixel_values
-        grids[i, : e.image_grid_thw.shape[0]] = e.image_grid_thw
-    batch.extras[VLM_PIXELS] = pixels
-    batch.extras[VLM_GRIDS] = grids
+    batch.extras.update(image_extras([ImageInputs(e.pixel_values, e.image_grid_thw) for e in chosen]))
     return batch

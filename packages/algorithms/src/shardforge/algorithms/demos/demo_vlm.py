@@ -7,8 +7,12 @@
    is right at most as often as the commonest colour (the ``text_only_ceiling`` in the result).
 2. Held-out greedy exact match of the initial model, SFT through ``shardforge train sft``
    (`demo_vlm_sft.yaml`, FSDP on ``nproc`` CPU ranks through torchrun), exact match of the exported
-   HF model. Both accuracies come from plain ``transformers`` (``AutoModelForImageTextToText.generate``)
-   on the exported directories, and are written to ``demo_vlm_result.json``.
+   HF model.
+3. GRPO from the SFT export through ``shardforge train grpo`` (`demo_vlm_grpo.yaml`: the same image rows
+   as prompts, exact-match reward on the colour, the embedded HF rollout engine generating from the
+   images), exact match of its export. Every accuracy comes from plain ``transformers``
+   (``AutoModelForImageTextToText.generate``) on the exported directories, and is written to
+   ``demo_vlm_result.json``.
 """
 
 from __future__ import annotations
@@ -143,36 +147,71 @@ def held_out_vlm_accuracy(model_dir: str | Path, eval_file: Path) -> float:
 
 
 def run_vlm_demo(
-    out_dir: str | Path = "outputs/demo_vlm", *, nproc: int = 2, steps: int | None = None, seed: int = 0
+    out_dir: str | Path = "outputs/demo_vlm",
+    *,
+    nproc: int = 2,
+    steps: int | None = None,
+    grpo_steps: int | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Prepare, measure, SFT with FSDP on ``nproc`` ranks, measure again; return (and save) the result."""
+    """Prepare, measure, SFT with FSDP on ``nproc`` ranks, measure, GRPO from the SFT export (exact-match
+    reward on the same image prompts), measure again; return (and save) the result. ``grpo_steps=0`` skips
+    the GRPO stage."""
     out = Path(out_dir)
     started = time.time()
     assets = prepare_vlm_demo(out, seed=seed)
     before = held_out_vlm_accuracy(assets["model"], assets["eval"])
-    sft_dir = out / "sft"
-    overrides = [
-        f"model={assets['model']}", f"train_file={assets['train']}", f"eval_file={assets['eval']}",
-        f"output_dir={sft_dir}", f"layout=d{nproc}", "resume=never", "progress=false",
-    ]  # fmt: skip
+    sft_dir, grpo_dir, here = out / "sft", out / "grpo", Path(__file__).parent
+    paths = [f"train_file={assets['train']}", f"eval_file={assets['eval']}", f"layout=d{nproc}", "resume=never",
+             "progress=false"]  # fmt: skip
+    overrides = [f"model={assets['model']}", f"output_dir={sft_dir}", *paths]
     if steps is not None:
-        overrides.append(f"steps={steps}")
-    _torchrun(nproc, "sft", Path(__file__).parent / "demo_vlm_sft.yaml", overrides)
+        overrides += [f"steps={steps}", f"engine.scheduler.total_steps={steps}"]
+    _torchrun(nproc, "sft", here / "demo_vlm_sft.yaml", overrides)
     after = held_out_vlm_accuracy(sft_dir / "hf", assets["eval"])
+    logger.info(f"held-out exact match after SFT: {after:.1%}")
+    summary = json.loads((sft_dir / "summary.json").read_text())
+    grpo: dict[str, Any] = {}
+    if grpo_steps != 0:
+        overrides = [f"model={sft_dir / 'hf'}", f"output_dir={grpo_dir}", *paths]
+        if grpo_steps is not None:
+            overrides.append(f"steps={grpo_steps}")
+        _torchrun(nproc, "grpo", here / "demo_vlm_grpo.yaml", overrides)
+        grpo = _grpo_result(grpo_dir, assets["eval"])
     eval_rows = [json.loads(line) for line in assets["eval"].read_text().splitlines() if line.strip()]
     answers = Counter(r["messages"][-1]["content"] for r in eval_rows)
-    summary = json.loads((sft_dir / "summary.json").read_text())
     result = {
         "params": assets["num_params"], "train_rows": sum(1 for _ in assets["train"].open()),
         "eval_rows": len(eval_rows), "steps": summary["steps"], "ranks": nproc,
         "accuracy_before": before, "accuracy_after": after,
         "text_only_ceiling": max(answers.values()) / len(eval_rows),
-        "eval_loss": summary.get("eval_loss"), "minutes": (time.time() - started) / 60,
+        "eval_loss": summary.get("eval_loss"), **grpo, "minutes": (time.time() - started) / 60,
     }  # fmt: skip
     (out / "demo_vlm_result.json").write_text(json.dumps(result, indent=2))
+    grpo_note = ""
+    if grpo:
+        grpo_note = (
+            f", then {grpo['grpo_steps']} GRPO steps {grpo['accuracy_after_grpo']:.1%} (sampled at temperature 1: "
+            f"{grpo['sampled_accuracy_after_sft']:.1%} -> {grpo['sampled_accuracy_after_grpo']:.1%})"
+        )
     logger.info(
         f"held-out exact match (colour of the square): before {before:.1%}, after {summary['steps']} SFT steps "
-        f"{after:.1%} (a model blind to the image: at most {result['text_only_ceiling']:.1%}); "
+        f"{after:.1%}{grpo_note} (a model blind to the image: at most {result['text_only_ceiling']:.1%}); "
         f"{result['minutes']:.1f} min"
     )
     return result
+
+
+def _grpo_result(grpo_dir: Path, eval_file: Path) -> dict[str, Any]:
+    """Greedy exact match of the GRPO export (plain transformers) and the trainer's sampled held-out accuracy
+    (avg@n at temperature 1, `demo_vlm_grpo.yaml`'s eval_sampling) before and after GRPO."""
+    from shardforge.algorithms.loggers import read_metrics
+
+    evals = [r for r in read_metrics(grpo_dir / "metrics.jsonl", "eval") if any(k.startswith("avg@") for k in r)]
+    key = next(k for k in evals[0] if k.startswith("avg@"))
+    summary = json.loads((grpo_dir / "summary.json").read_text())
+    return {
+        "grpo_steps": summary["steps"], "accuracy_after_grpo": held_out_vlm_accuracy(grpo_dir / "hf", eval_file),
+        "sampled_metric": f"{key} at temperature 1", "sampled_accuracy_after_sft": evals[0][key],
+        "sampled_accuracy_after_grpo": evals[-1][key], "grpo_curves": str(grpo_dir / "curves.png"),
+    }  # fmt: skip

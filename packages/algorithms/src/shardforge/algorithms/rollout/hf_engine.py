@@ -4,6 +4,11 @@ It runs inside each trainer process (or any side process): it loads the initial 
 directory, samples responses with their behaviour log-probs, and refreshes its weights from
 versions that the trainer publishes with weight-sync (`DiskTransport` -> `DiskWeightSource`
 -> `WeightReceiver`: verified, all-or-nothing, monotonic versions).
+
+Vision-language models (the config has a ``vision_config``: Qwen2.5-VL, Qwen3-VL) load with
+``AutoModelForImageTextToText`` and generate from image prompts: ``generate(prompts, params,
+images=[ImageInputs | None per prompt])``; the prompt ids hold the expanded image tokens
+(`data.vlm.encode_vlm_prompt`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shardforge.algorithms.batching.visual import ImageInputs
 from shardforge.algorithms.engine.config import parse_dtype
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.weight_sync import DiskWeightSource, WeightReceiver, WeightVersionError
@@ -27,6 +33,8 @@ __all__ = ["HFRolloutEngine"]
 
 class HFRolloutEngine:
     """Sample with ``transformers`` ``generate``; weights follow a weight-sync disk root.
+
+    ``accepts_images``: `generate` takes ``images=`` (`rollout.types.generate_rollouts`).
 
     Args:
         model_dir: HF model directory with the initial weights (version 0).
@@ -47,16 +55,25 @@ class HFRolloutEngine:
         device: str | torch.device = "cpu",
         batch_size: int = 256,
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         if not Path(model_dir).is_dir():
             raise FileNotFoundError(f"rollout model directory {str(model_dir)!r} does not exist")
         self.tokenizer = tokenizer
         self.device = torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=parse_dtype(dtype))
+        vision = getattr(AutoConfig.from_pretrained(str(model_dir)), "vision_config", None) is not None
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto.from_pretrained(str(model_dir), dtype=parse_dtype(dtype))
         self.model = model.to(self.device)  # type: ignore[arg-type]
         self.model.eval()
         self.model.config.use_cache = True
+        self.image_token_id: int | None = getattr(self.model.config, "image_token_id", None) if vision else None
+        """The image token of a vision-language model (None: a text model, no image prompts)."""
+        # A VLM never samples its image/video placeholder tokens: the trainer's forward would take a generated
+        # one for an image without pixels. Behaviour log-probs stay those of the full softmax (raw logits), as the
+        # trainer computes them; the suppressed mass is what an (almost never) sampled placeholder would have had.
+        placeholders = (getattr(self.model.config, k, None) for k in ("image_token_id", "video_token_id"))
+        self.suppress_tokens = [t for t in placeholders if isinstance(t, int)] if vision else []
         self.receiver = WeightReceiver(self.model)
         self.replay: Any = None
         """A `shardforge.moe_ep.RouterReplay` when routing is recorded (`record_routing`)."""
@@ -72,6 +89,8 @@ class HFRolloutEngine:
         self.eos_id = tokenizer.eos_token_id
         if self.pad_id is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token; generation needs one to pad prompts")
+
+    accepts_images = True
 
     def record_routing(self) -> None:
         """Record each token's top-k experts per MoE layer into `Rollout.routed_experts` (router replay)."""
@@ -96,13 +115,24 @@ class HFRolloutEngine:
         return self.receiver.version
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
-        """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together)."""
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        images: Sequence[ImageInputs | None] | None = None,
+    ) -> list[Rollout]:
+        """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together).
+        ``images``: per prompt, its images (None: none); a vision-language model only."""
         if len(prompts) == 0:
             raise ValueError("generate() needs at least one prompt")
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty")
+        row_images: list[ImageInputs | None] | None = None
+        if images is not None and any(i is not None for i in images):
+            self._check_images(prompts, images)
+            row_images = [images[i] for i in range(len(prompts)) for _ in range(params.n)]
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         out: list[Rollout] = []
         # fork_rng restores the generators it forks: the GPU's too when sampling there (manual_seed reseeds it).
@@ -114,8 +144,26 @@ class HFRolloutEngine:
             for start in range(0, len(rows), self.batch_size):
                 batch = rows[start : start + self.batch_size]
                 chunked = self.interrupt_chunk_tokens is not None
-                out += self._generate_interruptible(batch, params) if chunked else self._generate_chunk(batch, params)
+                if chunked:
+                    out += self._generate_interruptible(batch, params)
+                else:
+                    visual = row_images[start : start + self.batch_size] if row_images is not None else None
+                    out += self._generate_chunk(batch, params, visual)
         return out
+
+    def _check_images(self, prompts: Sequence[Sequence[int]], images: Sequence[ImageInputs | None]) -> None:
+        if self.image_token_id is None:
+            raise ValueError("image prompts need a vision-language model (its config has a vision_config)")
+        if self.interrupt_chunk_tokens is not None:
+            raise ValueError("partial rollouts (interrupted generation) do not take image prompts yet")
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(images)} image entries (one per prompt)")
+        merge = int(self.model.config.vision_config.spatial_merge_size)
+        for i, (prompt, inputs) in enumerate(zip(prompts, images, strict=True)):
+            tokens = sum(1 for t in prompt if t == self.image_token_id)
+            expected = int(inputs.image_grid_thw.prod(-1).sum()) // merge**2 if inputs is not None else 0
+            if tokens != expected:
+                raise ValueError(f"prompt {i} has {tokens} image tokens but its images fill {expected}")
 
     def _generate_interruptible(self, rows: list[tuple[int, list[int]]], params: SamplingParams) -> list[Rollout]:
         """Partial rollouts: ``interrupt_chunk_tokens`` new tokens at a time; between chunks `between_chunks`
@@ -156,7 +204,12 @@ class HFRolloutEngine:
             for i, (prompt_index, prompt) in enumerate(rows)
         ]
 
-    def _generate_chunk(self, rows: list[tuple[int, list[int]]], params: SamplingParams) -> list[Rollout]:
+    def _generate_chunk(
+        self,
+        rows: list[tuple[int, list[int]]],
+        params: SamplingParams,
+        images: list[ImageInputs | None] | None = None,
+    ) -> list[Rollout]:
         width = max(len(p) for _, p in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -170,6 +223,11 @@ class HFRolloutEngine:
             else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
         )
         recording = self.replay.record() if self.replay is not None else contextlib.nullcontext(None)
+        if self.suppress_tokens:
+            sampling["suppress_tokens"] = self.suppress_tokens
+        if images is not None and any(i is not None for i in images):  # row order: generate fills image tokens so
+            assert self.image_token_id is not None  # _check_images refused image prompts for a text model
+            sampling |= _visual_kwargs(input_ids, images, self.image_token_id, self.device)
         with recording as routed:
             result = self._run_generate(input_ids, attention, params, sampling)
         new_tokens_dev = result.sequences[:, width:]
@@ -225,6 +283,20 @@ class HFRolloutEngine:
                 )
             )
         return rollouts
+
+
+def _visual_kwargs(
+    input_ids: torch.Tensor, images: list[ImageInputs | None], image_token_id: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """``generate``'s visual inputs for a batch of (left-padded) rows. ``mm_token_type_ids`` (1 at image
+    tokens, what the HF processor returns): without it transformers 5 gives the image tokens 1-D text
+    positions instead of the 3-D ones that training uses (`engine.vision.mrope_position_ids`)."""
+    present = [i for i in images if i is not None]
+    return {
+        "pixel_values": torch.cat([i.pixel_values for i in present]).to(device),
+        "image_grid_thw": torch.cat([i.image_grid_thw for i in present]).to(device),
+        "mm_token_type_ids": (input_ids == image_token_id).int().to(device),
+    }
 
 
 def routed_per_row(

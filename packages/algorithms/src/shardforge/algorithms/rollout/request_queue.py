@@ -22,7 +22,8 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from shardforge.algorithms.rollout.types import Rollout, RolloutEngine, SamplingParams
+from shardforge.algorithms.batching.visual import ImageInputs
+from shardforge.algorithms.rollout.types import Rollout, RolloutEngine, SamplingParams, generate_rollouts
 
 __all__ = ["EpisodeHandle", "RequestQueue"]
 
@@ -33,13 +34,17 @@ class _Request:
     prompt_ids: list[int]
     max_new_tokens: int
     future: asyncio.Future[Rollout]
+    images: ImageInputs | None = None
 
 
 class EpisodeHandle:
-    """What a workflow's episode sees of the rollout engine: ``await generate(token_ids)``."""
+    """What a workflow's episode sees of the rollout engine: ``await generate(token_ids)``.
 
-    def __init__(self, queue: RequestQueue, episode: int) -> None:
-        self.queue, self.episode = queue, episode
+    An episode of an image prompt generates with the prompt's images (`ImageInputs`) in every turn: its
+    token ids always start with the prompt, image tokens included, so workflows need not pass them."""
+
+    def __init__(self, queue: RequestQueue, episode: int, images: ImageInputs | None = None) -> None:
+        self.queue, self.episode, self.images = queue, episode, images
 
     @property
     def params(self) -> SamplingParams:
@@ -48,7 +53,8 @@ class EpisodeHandle:
 
     async def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int | None = None) -> Rollout:
         """One sampled continuation of ``prompt_ids`` (token ids in, token ids + log-probs out)."""
-        return await self.queue.submit(self.episode, prompt_ids, max_new_tokens or self.queue.params.max_new_tokens)
+        budget = max_new_tokens or self.queue.params.max_new_tokens
+        return await self.queue.submit(self.episode, prompt_ids, budget, images=self.images)
 
 
 class RequestQueue:
@@ -74,21 +80,23 @@ class RequestQueue:
         self._live.update(episodes)
 
     @contextlib.asynccontextmanager
-    async def episode(self, episode: int) -> AsyncIterator[EpisodeHandle]:
-        """A live episode for the duration of the block: its requests are sent in rounds; on exit it no
-        longer holds a round back."""
+    async def episode(self, episode: int, images: ImageInputs | None = None) -> AsyncIterator[EpisodeHandle]:
+        """A live episode for the duration of the block: its requests are sent in rounds (with ``images``, its
+        prompt's); on exit it no longer holds a round back."""
         self._live.add(episode)
         try:
-            yield EpisodeHandle(self, episode)
+            yield EpisodeHandle(self, episode, images)
         finally:
             self._live.discard(episode)
             self._maybe_flush()
 
-    async def submit(self, episode: int, prompt_ids: Sequence[int], max_new_tokens: int) -> Rollout:
+    async def submit(
+        self, episode: int, prompt_ids: Sequence[int], max_new_tokens: int, *, images: ImageInputs | None = None
+    ) -> Rollout:
         if episode not in self._live:
             raise RuntimeError(f"episode {episode} generates outside `async with queue.episode({episode})`")
         future: asyncio.Future[Rollout] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(episode, list(prompt_ids), max_new_tokens, future))
+        self._pending.append(_Request(episode, list(prompt_ids), max_new_tokens, future, images))
         self._maybe_flush()
         return await future
 
@@ -106,7 +114,8 @@ class RequestQueue:
             params = dataclasses.replace(self.params, max_new_tokens=budget, seed=seed)
             try:
                 self.generate_calls += 1
-                outputs = self.engine.generate([r.prompt_ids for r in batch], params)
+                prompts, images = [r.prompt_ids for r in batch], [r.images for r in batch]
+                outputs = generate_rollouts(self.engine, prompts, params, images)
             except Exception as error:  # every waiting episode fails with the engine's error
                 for r in batch:
                     r.future.set_exception(error)

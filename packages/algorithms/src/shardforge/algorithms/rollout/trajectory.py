@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shardforge.algorithms.batching.visual import ImageInputs
+
 __all__ = ["Trajectory", "TurnInfo"]
 
 
@@ -59,6 +61,9 @@ class Trajectory:
     routed_experts: Any = None
     """MoE router replay: [n, L, K] experts of the first n tokens (the last generate call's context and
     response, when it covered the whole trajectory so far; later environment tokens have none)."""
+    images: ImageInputs | None = None
+    """The images of the prompt (a vision-language model's image prompt; None: text only): the trainer's
+    forward takes them with the trajectory's image tokens, as the rollout engine did."""
 
     def __post_init__(self) -> None:
         lengths = {len(self.token_ids), len(self.loss_mask), len(self.logprobs), len(self.versions)}
@@ -119,20 +124,32 @@ class Trajectory:
 
     def to_state(self) -> dict[str, Any]:
         """JSON-able state (float32 log-probs round-trip exactly through Python floats)."""
-        routed, self.routed_experts = self.routed_experts, None  # a tensor: stored as nested lists
+        # tensors: stored as nested lists
+        routed, images, self.routed_experts, self.images = self.routed_experts, self.images, None, None
         try:
             state = asdict(self)
         finally:
-            self.routed_experts = routed
+            self.routed_experts, self.images = routed, images
         state["routed_experts"] = routed.tolist() if routed is not None else None
+        if images is not None:
+            state["images"] = {
+                "pixel_values": images.pixel_values.tolist(),
+                "image_grid_thw": images.image_grid_thw.tolist(),
+            }
         return state
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Trajectory:
         state = dict(state)
+        import torch
+
         state["turns"] = [TurnInfo(**t) for t in state.get("turns", [])]
         if state.get("routed_experts") is not None:
-            import torch
-
             state["routed_experts"] = torch.tensor(state["routed_experts"], dtype=torch.int16)
+        if state.get("images") is not None:
+            images = state["images"]
+            state["images"] = ImageInputs(
+                torch.tensor(images["pixel_values"], dtype=torch.float32),
+                torch.tensor(images["image_grid_thw"], dtype=torch.long),
+            )
         return cls(**state)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-__all__ = ["Rollout", "RolloutEngine", "SamplingParams"]
+if TYPE_CHECKING:
+    from shardforge.algorithms.batching.visual import ImageInputs
+
+__all__ = ["Rollout", "RolloutEngine", "SamplingParams", "generate_rollouts"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,9 +79,34 @@ class RolloutEngine(Protocol):
     def version(self) -> int: ...
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
-        """``len(prompts) * params.n`` rollouts, grouped by prompt (prompt 0's n samples first)."""
+        """``len(prompts) * params.n`` rollouts, grouped by prompt (prompt 0's n samples first).
+
+        An engine that serves vision-language models also takes ``images=`` (one `ImageInputs` or None
+        per prompt) and says so with a true ``accepts_images`` attribute (see `generate_rollouts`)."""
         ...
 
     def update_weights(self, version: int | None = None) -> int:
         """Switch to ``version`` (None = the newest published one); return the serving version."""
         ...
+
+
+def generate_rollouts(
+    engine: RolloutEngine,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    images: Sequence[ImageInputs | None] | None = None,
+) -> list[Rollout]:
+    """``engine.generate(prompts, params)``, with ``images=`` when any prompt has images; an engine without
+    ``accepts_images`` is then a `ValueError` (text-only engines keep the two-argument ``generate``)."""
+    if images is None or all(i is None for i in images):
+        return engine.generate(prompts, params)
+    if not getattr(engine, "accepts_images", False):
+        raise ValueError(
+            f"{type(engine).__name__} cannot generate from image prompts; the embedded HF engine can "
+            "(rollout_engine=hf; docs/packages/algorithms-vlm.md)"
+        )
+    if len(images) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(images)} image entries (one per prompt, None: no images)")
+    generate: Any = engine.generate
+    rollouts: list[Rollout] = generate(prompts, params, images=images)
+    return rollouts

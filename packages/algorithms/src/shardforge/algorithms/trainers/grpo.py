@@ -302,6 +302,11 @@ class GRPOTrainer(Trainer[GRPOConfig]):
     def eval_summary(self, result: dict[str, float], at_start: bool) -> dict[str, Any]:
         return {"accuracy_start" if at_start else "accuracy_end": result["accuracy"]}
 
+    def export_extra(self, summary: dict[str, Any]) -> None:
+        processor = self.prompt_data.image_processor  # a VLM: AutoImageProcessor.from_pretrained(hf_dir)
+        if processor is not None and self.engine.is_main and "hf_dir" in summary:
+            processor.save_pretrained(summary["hf_dir"])
+
     def close(self) -> None:
         source: RolloutSource | None = getattr(self, "source", None)
         if source is not None:

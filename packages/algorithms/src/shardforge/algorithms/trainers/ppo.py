@@ -94,6 +94,12 @@ class PPOConfig(RLTrainerConfig):
 
 
 def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
+    if prompts.images is not None:
+        raise ValueError(
+            "ppo with image prompts (a vision-language model) is not supported yet: its critic would be a value head "
+            "on the VLM, which the engine does not build (engine.head='lm' only for VLMs); use `shardforge train "
+            "grpo` (docs/packages/algorithms-vlm.md)"
+        )
     budget = min(config.engine.max_tokens_per_microbatch, config.critic_engine.max_tokens_per_microbatch)
     check_rollout_batch(
         config, prompts, dp_size, budget, f"the smaller max_tokens_per_microbatch of engine/critic_engine is {budget}"

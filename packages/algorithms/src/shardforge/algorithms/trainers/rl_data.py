@@ -10,13 +10,15 @@ change on resume, so they are part of `PromptData.data_state`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from shardforge.algorithms.data.config import apply_chat_template_override, eval_source, train_sources
 from shardforge.algorithms.data.source_set import IndexSampler, batch_sampler, loader_arg
 from shardforge.algorithms.data.sources import SourceConfig
-from shardforge.algorithms.rlvr import PromptSet, load_prompts
+from shardforge.algorithms.rlvr import PromptSet, load_image_prompts, load_prompts
+from shardforge.algorithms.trainers.sft import ImageRows, image_rows
 
 __all__ = ["PromptData", "load_prompt_data"]
 
@@ -31,6 +33,8 @@ class PromptData:
     sizes: tuple[int, ...]
     """Prompts kept per source (after max_prompt_len), in the order of ``prompts``."""
     mix: bool
+    image_processor: Any = None
+    """A vision-language model's image processor (None: text prompts); saved next to the HF export."""
 
     def sampler(self, prompts_per_step: int, seed: int) -> IndexSampler:
         """Global batches of ``prompts_per_step`` prompt indices (a weighted mixture when ``mix``)."""
@@ -45,23 +49,33 @@ class PromptData:
 
 def load_prompt_data(config: Any, tokenizer: Any) -> PromptData:
     """Read the training and held-out prompts of an RL trainer config; ``data.chat_template`` replaces the
-    tokenizer's template (what the chat workflows render with)."""
+    tokenizer's template (what the chat workflows render with). A vision-language ``model`` (its config has
+    a vision tower) reads chat rows with image parts (`rlvr.load_image_prompts`), any other prompt/completion
+    rows (`rlvr.load_prompts`)."""
     apply_chat_template_override(tokenizer, config.data.chat_template)
 
     sources = train_sources(config)
     if not sources:
         raise ValueError("no training prompts: set train_file, data.train or data.mix")
-    per_source = [load_prompts(loader_arg(s), tokenizer, max_prompt_len=config.max_prompt_len) for s in sources]
-    prompts = PromptSet(
-        [t for p in per_source for t in p.texts],
-        [r for p in per_source for r in p.references],
-        [i for p in per_source for i in p.ids],
-    )
+    images = image_rows(config.model, tokenizer, getattr(config, "tokenizer", None))
+    load = _prompt_loader(images, tokenizer)
+    per_source = [load(loader_arg(s), config.max_prompt_len) for s in sources]
     held = eval_source(config)
     return PromptData(
-        prompts=prompts,
-        held_out=load_prompts(loader_arg(held), tokenizer) if held is not None else None,
+        prompts=PromptSet.concat(per_source),
+        held_out=load(loader_arg(held), None) if held is not None else None,
         sources=tuple(sources),
         sizes=tuple(len(p) for p in per_source),
         mix=bool(config.data.mix),
+        image_processor=images.image_processor if images is not None else None,
+    )
+
+
+def _prompt_loader(images: ImageRows | None, tokenizer: Any) -> Callable[[Any, int | None], PromptSet]:
+    """(source, max_prompt_len) -> `PromptSet`: image chat rows for a vision-language model, else text rows."""
+    if images is None:
+        return lambda source, max_len: load_prompts(source, tokenizer, max_prompt_len=max_len)
+    processor, token = images.image_processor, images.image_token
+    return lambda source, max_len: load_image_prompts(
+        source, tokenizer, processor, image_token=token, max_prompt_len=max_len
     )

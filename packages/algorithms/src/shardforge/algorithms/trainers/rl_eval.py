@@ -18,6 +18,7 @@ from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives.passk import sampled_eval_sums
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams
+from shardforge.algorithms.rollout.types import generate_rollouts
 
 __all__ = ["EvalSamplingConfig", "evaluate_prompts"]
 
@@ -86,8 +87,8 @@ def evaluate_prompts(
             sums |= {f"avg@{n}": 0.0} | {f"pass@{k}": 0.0 for k in ks}
         if not mine:
             return sums
-        ids = [prompts.ids[i] for i in mine]
-        greedy = rollout_.generate(ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0))
+        ids, images = [prompts.ids[i] for i in mine], [prompts.image(i) for i in mine]
+        greedy = generate_rollouts(rollout_, ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0), images)
         for out, reward in zip(greedy, _score(reward_fn, prompts, mine, greedy), strict=True):
             sums["correct"] += float(reward >= sampling.correct_threshold)
             sums["greedy_len"] += len(out.response_ids)
@@ -96,7 +97,7 @@ def evaluate_prompts(
                 n=n, max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                 seed=sampling.seed + engine.dp_rank,
             )  # fmt: skip
-            sampled = rollout_.generate(ids, params)
+            sampled = generate_rollouts(rollout_, ids, params, images)
             rewards: list[list[float]] = [[] for _ in mine]
             for out, reward in zip(sampled, _score(reward_fn, prompts, mine, sampled), strict=True):
                 rewards[out.prompt_index].append(reward)

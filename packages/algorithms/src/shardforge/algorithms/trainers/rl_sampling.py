@@ -66,7 +66,13 @@ def workflow_round_fn(
             seed=(config.seed * 1_000_003 + index) * 1_009 + dp_rank + 104_729 * round_,
         )
         rows = [
-            PromptRow(index=g, prompt=prompts.texts[i], reference=prompts.references[i], prompt_ids=prompts.ids[i])
+            PromptRow(
+                index=g,
+                prompt=prompts.texts[i],
+                reference=prompts.references[i],
+                prompt_ids=prompts.ids[i],
+                images=prompts.image(i),
+            )
             for g, i in enumerate(indices)
         ]
         # Every (prompt, sample) is one concurrent episode; their generate calls are batched per round.

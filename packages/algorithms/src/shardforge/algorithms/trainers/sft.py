@@ -23,7 +23,7 @@ from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
 from shardforge.algorithms.trainers.common import SourceSetState, check_max_positions, with_total_steps
 
-__all__ = ["ImageRows", "SFTConfig", "SFTRows", "SFTTrainer", "TextRows", "run_sft", "sft_rows"]
+__all__ = ["ImageRows", "SFTConfig", "SFTRows", "SFTTrainer", "TextRows", "image_rows", "run_sft", "sft_rows"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,11 +104,17 @@ class ImageRows:
 
 
 def sft_rows(model: str, tokenizer: Any, processor_dir: str | None = None) -> SFTRows:
-    """`ImageRows` when ``model``'s config has a vision tower, else `TextRows`. The image processor is read
-    from ``processor_dir`` (the tokenizer directory) when it has one, else from the model directory."""
+    """`ImageRows` when ``model``'s config has a vision tower, else `TextRows` (see `image_rows`)."""
+    return image_rows(model, tokenizer, processor_dir) or TextRows()
+
+
+def image_rows(model: str, tokenizer: Any, processor_dir: str | None = None) -> ImageRows | None:
+    """`ImageRows` (the image processor and image token) when ``model``'s config has a vision tower, else
+    None. The image processor is read from ``processor_dir`` (the tokenizer directory) when it has one,
+    else from the model directory; the SFT and RL trainers read their image rows with it."""
     hf_config = load_hf_config(model)
     if not is_vlm(hf_config):
-        return TextRows()
+        return None
     from shardforge.algorithms.data.vlm import load_image_processor
 
     image_id = getattr(hf_config, "image_token_id", None)

@@ -90,7 +90,13 @@ def evaluate_workflow(
     n, ks = sampling.samples, sampling.pass_k
     guarded = _ScoredZeroOnError(workflow)
     rows = [
-        PromptRow(index=g, prompt=prompts.texts[i], reference=prompts.references[i], prompt_ids=prompts.ids[i])
+        PromptRow(
+            index=g,
+            prompt=prompts.texts[i],
+            reference=prompts.references[i],
+            prompt_ids=prompts.ids[i],
+            images=prompts.image(i),
+        )
         for g, i in enumerate(mine)
     ]
 

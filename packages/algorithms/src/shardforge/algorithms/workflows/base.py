@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from shardforge.algorithms.batching.visual import ImageInputs
 from shardforge.algorithms.registry import Registry
 from shardforge.algorithms.rollout.request_queue import EpisodeHandle
 from shardforge.algorithms.rollout.trajectory import Trajectory
@@ -81,7 +82,11 @@ class PromptRow:
     reference: str
     """The reference answer the reward function checks."""
     prompt_ids: list[int]
-    """The prompt tokenised without a chat template (what rlvr feeds the engine)."""
+    """The prompt tokenised without a chat template (what rlvr feeds the engine); an image prompt's ids are
+    its chat rendered with the generation prompt, image tokens expanded (`rlvr.load_image_prompts`)."""
+    images: ImageInputs | None = None
+    """The prompt's images (a vision-language model's image prompt; None: text only). Every generate call
+    of the row's episodes carries them, and so do its trajectories."""
 
 
 class Workflow(Protocol):
@@ -119,8 +124,8 @@ def build_workflow(config: WorkflowConfig, tokenizer: Any, reward_fn: Any) -> Wo
 
 
 def new_trajectory(row: PromptRow, prompt_ids: list[int]) -> Trajectory:
-    """A trajectory holding just the (masked) prompt of ``row``."""
-    trajectory = Trajectory(group=row.index, token_ids=[], loss_mask=[], logprobs=[], versions=[])
+    """A trajectory holding just the (masked) prompt of ``row`` (and its images)."""
+    trajectory = Trajectory(group=row.index, token_ids=[], loss_mask=[], logprobs=[], versions=[], images=row.images)
     trajectory.append(list(prompt_ids))
     return trajectory
 

@@ -54,9 +54,10 @@ class ChatCodec:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def prompt_ids(self, prompt: str, plain_ids: list[int]) -> list[int]:
-        """The first prompt: the chat template around a user message, or the plain ids as they are."""
-        if not self.chat_template:
+    def prompt_ids(self, prompt: str, plain_ids: list[int], *, rendered: bool = False) -> list[int]:
+        """The first prompt: the chat template around a user message, or the plain ids as they are.
+        ``rendered``: the ids already are a rendered chat (an image prompt's, `rlvr.load_image_prompts`)."""
+        if not self.chat_template or rendered:
             return list(plain_ids)
         return self._encode(self._render([*self.system, {"role": "user", "content": prompt}], True))
 

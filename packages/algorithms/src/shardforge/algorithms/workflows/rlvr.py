@@ -20,7 +20,9 @@ class RLVRWorkflow:
         self.codec = ChatCodec(tokenizer, chat_template=config.chat_template, system_prompt=config.system_prompt)
 
     async def run_episode(self, engine: EpisodeHandle, row: PromptRow) -> list[Trajectory]:
-        trajectory = new_trajectory(row, self.codec.prompt_ids(row.prompt, row.prompt_ids))
+        trajectory = new_trajectory(
+            row, self.codec.prompt_ids(row.prompt, row.prompt_ids, rendered=row.images is not None)
+        )
         out = await engine.generate(trajectory.token_ids)
         trajectory.append(out.response_ids, logprobs=out.logprobs, version=out.versions, routing=out.routed_experts)
         trajectory.reward = score(self.reward_fn, row, out.text)

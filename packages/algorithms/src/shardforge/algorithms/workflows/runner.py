@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from shardforge.algorithms.batching import PackedBatch, pack_sequences
+from shardforge.algorithms.batching.visual import image_extras
 from shardforge.algorithms.engine.features.router_replay import ROUTED_EXPERTS
 from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
 from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS
@@ -85,8 +86,12 @@ async def _run(
     queue.reserve(ids)
 
     async def episode(index: int) -> list[Trajectory]:
-        async with queue.episode(index) as handle:
-            return await workflow.run_episode(handle, rows[index // group_size])
+        row = rows[index // group_size]
+        async with queue.episode(index, row.images) as handle:
+            trajectories = await workflow.run_episode(handle, row)
+        for t in trajectories:  # a user workflow may build its trajectories without `new_trajectory`
+            t.images = row.images
+        return trajectories
 
     results = await asyncio.gather(*(episode(i) for i in ids), return_exceptions=True)
     kept = EpisodeList()
@@ -138,7 +143,9 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], advantages: torch.
     Extras ([T], on the masked tokens, 0 elsewhere): ``advantages`` (the trajectory's advantage),
     ``old_logprobs`` and ``behaviour_logprobs`` (both the rollout engine's log-probs; a trainer may
     overwrite ``old_logprobs`` with recomputed ones). Tool output, user turns and template markers
-    have mask 0: no advantage, no loss, no KL, no value target.
+    have mask 0: no advantage, no loss, no KL, no value target. Trajectories of image prompts add the
+    per-sequence image extras (`batching.visual.image_extras`), so every forward (old, reference,
+    current log-probs) sees each sequence's images.
     """
     if len(trajectories) != advantages.numel():
         raise ValueError(f"{len(trajectories)} trajectories but {advantages.numel()} advantages")
@@ -160,4 +167,6 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], advantages: torch.
             if r is not None:
                 experts[bounds[i] : bounds[i] + len(r)] = r.to(torch.int64)
         batch.extras[ROUTED_EXPERTS] = experts
+    if any(t.images is not None for t in trajectories):
+        batch.extras.update(image_extras([t.images for t in trajectories]))
     return batch

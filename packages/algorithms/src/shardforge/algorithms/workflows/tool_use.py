@@ -46,7 +46,9 @@ class ToolUseWorkflow:
 
     async def run_episode(self, engine: EpisodeHandle, row: PromptRow) -> list[Trajectory]:
         config = self.config
-        trajectory = new_trajectory(row, self.codec.prompt_ids(row.prompt, row.prompt_ids))
+        trajectory = new_trajectory(
+            row, self.codec.prompt_ids(row.prompt, row.prompt_ids, rendered=row.images is not None)
+        )
         trajectory.stop_reason = "max_turns"
         for turn in range(config.max_turns):
             budget = config.max_total_tokens
