@@ -73,6 +73,16 @@ def test_rl_trace_shows_every_phase(name: str, expected: set[str], assets: dict[
     assert list(found) == ["rank0_steps1-2.json"]
     assert found["rank0_steps1-2.json"] >= expected, found
     assert found["rank0_steps1-2.json"] <= set(PHASES)  # only the documented names
+    # The same phases' wall times are logged every step: timing_s/<phase> inside timing_s/step.
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for row in train:
+        timings = {k.removeprefix("timing_s/"): v for k, v in row.items() if k.startswith("timing_s/")}
+        step_s = timings.pop("step")
+        assert set(timings) >= expected and set(timings) <= set(PHASES), timings
+        assert all(v > 0 for v in timings.values()) and step_s > 0, timings
+        assert sum(timings.values()) <= step_s * 1.01 + 1e-3, (timings, step_s)  # phases do not overlap here
 
 
 @pytest.mark.slow  # ~110 s on the shared 2-core machine (pool start-up + 2 ranks), over the ~40 s budget

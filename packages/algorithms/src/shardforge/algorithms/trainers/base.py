@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Literal, TypeVar
@@ -30,7 +31,7 @@ from shardforge.algorithms.log import rank_log_file
 from shardforge.algorithms.loggers import MetricsLogger, TrackerConfig, truncate_metrics, write_curves
 from shardforge.algorithms.trainers.common import progress_bar
 from shardforge.algorithms.trainers.fault_injection import kill_if_requested, sleep_if_requested
-from shardforge.algorithms.trainers.profiling import ProfileConfig, StepProfiler
+from shardforge.algorithms.trainers.profiling import ProfileConfig, StepProfiler, take_phase_seconds
 from shardforge.algorithms.trainers.stop import StopSignal
 from shardforge.algorithms.trainers.watchdog import StepWatchdog, collective_timeout_error, is_collective_timeout
 from shardforge.checkpoint_dcp import Checkpointer
@@ -292,7 +293,10 @@ class Trainer(Generic[C]):
                 watchdog.arm(step + 1)
                 sleep_if_requested(step + 1)  # tests only: SHARDFORGE_FAULT_SLEEP
                 profiler.before_step(step + 1)
+                take_phase_seconds()  # drop what ran between steps (eval, setup)
+                step_start = time.perf_counter()
                 stats = self.train_step(step)
+                stats |= _timings(take_phase_seconds(), time.perf_counter() - step_start)
                 profiler.after_step(step + 1)
                 if not math.isfinite(stats["loss"]):
                     raise FloatingPointError(
@@ -402,3 +406,10 @@ class Trainer(Generic[C]):
             self.engine.export_lora(self.out / "lora", base_model_name_or_path=self.config.model)
             summary["lora_dir"] = str(self.out / "lora")
         self.export_extra(summary)
+
+
+def _timings(phases: dict[str, float], step_s: float) -> dict[str, float]:
+    """``timing_s/<phase>`` and ``timing_s/step``: this rank's wall seconds (rank 0's are logged)."""
+    return {f"timing_s/{name}": round(seconds, 4) for name, seconds in sorted(phases.items())} | {
+        "timing_s/step": round(step_s, 4)
+    }

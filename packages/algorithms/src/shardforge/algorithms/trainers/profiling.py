@@ -5,18 +5,24 @@ CUDA kernels too when a GPU is present.
 
 RL steps mark their phases with `phase` (``shardforge/generate``, ``shardforge/weight_sync``, ...): named
 ranges in the trace, so a step's time splits into generation, log-prob passes, training and publishing.
+Every phase's wall time is also summed per step and logged as ``timing_s/<phase>`` (with
+``timing_s/step``), traced or not, as verl's ``timing_s/*`` and TRL's timing logs do.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.profiler
 
-__all__ = ["PHASES", "ProfileConfig", "StepProfiler", "phase"]
+__all__ = ["PHASES", "ProfileConfig", "StepProfiler", "phase", "take_phase_seconds"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +40,38 @@ PHASES: dict[str, str] = {
 """The phase names `phase` accepts (the trace shows them as ``shardforge/<name>``) and what each covers."""
 
 
-def phase(name: str) -> torch.profiler.record_function:
+_seconds: dict[str, float] = {}
+_seconds_lock = threading.Lock()
+
+
+def phase(name: str) -> AbstractContextManager[None]:
     """A named range ``shardforge/<name>`` in a torch.profiler trace around one phase of a step
-    (`PHASES`); outside a traced step it costs a few microseconds."""
+    (`PHASES`), and its wall time added to this step's ``timing_s/<name>`` (`take_phase_seconds`).
+    Outside a traced step it costs a few microseconds. Phases run by another thread (the async
+    rollout generator) add their time too: there ``timing_s/generate`` overlapped training."""
     if name not in PHASES:
         raise ValueError(f"unknown step phase {name!r}; known phases: {sorted(PHASES)}")
-    return torch.profiler.record_function(f"shardforge/{name}")
+    return _timed_phase(name)
+
+
+@contextmanager
+def _timed_phase(name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        with torch.profiler.record_function(f"shardforge/{name}"):
+            yield
+    finally:
+        elapsed = time.perf_counter() - start
+        with _seconds_lock:
+            _seconds[name] = _seconds.get(name, 0.0) + elapsed
+
+
+def take_phase_seconds() -> dict[str, float]:
+    """The wall seconds each phase took since the last call (this process), and reset them."""
+    with _seconds_lock:
+        taken = dict(_seconds)
+        _seconds.clear()
+    return taken
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
