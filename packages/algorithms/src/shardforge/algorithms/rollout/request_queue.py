@@ -12,6 +12,9 @@ samples an episode gets therefore never depends on how long a tool took or on th
 runs are reproducible, resumable and the same under every data-parallel layout. Round 0 uses
 ``seed`` itself, so single-turn episodes sample exactly what one ``generate(prompts, n)`` call
 with that seed samples.
+
+Engines that keep per-session state (`SessionRolloutEngine`: the embedded HF engine's KV cache across
+turns) get each request's episode as its session key, and `end_sessions` when the episode ends.
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from shardforge.algorithms.rollout.types import Rollout, RolloutEngine, SamplingParams
+from shardforge.algorithms.rollout.types import Rollout, RolloutEngine, SamplingParams, SessionRolloutEngine
 
 __all__ = ["EpisodeHandle", "RequestQueue"]
+
+_QUEUE_IDS = itertools.count()
 
 
 @dataclass(slots=True)
@@ -63,6 +69,8 @@ class RequestQueue:
         if params.n != 1:
             raise ValueError(f"RequestQueue samples one continuation per request; got n={params.n} (run n episodes)")
         self.engine, self.params = engine, params
+        self._sessions = engine if isinstance(engine, SessionRolloutEngine) else None
+        self._id = next(_QUEUE_IDS)  # session keys (queue, episode) stay distinct across queues on one engine
         self._pending: list[_Request] = []
         self._live: set[int] = set()
         self.rounds = 0
@@ -82,6 +90,8 @@ class RequestQueue:
             yield EpisodeHandle(self, episode)
         finally:
             self._live.discard(episode)
+            if self._sessions is not None:
+                self._sessions.end_sessions([(self._id, episode)])
             self._maybe_flush()
 
     async def submit(self, episode: int, prompt_ids: Sequence[int], max_new_tokens: int) -> Rollout:
@@ -106,7 +116,11 @@ class RequestQueue:
             params = dataclasses.replace(self.params, max_new_tokens=budget, seed=seed)
             try:
                 self.generate_calls += 1
-                outputs = self.engine.generate([r.prompt_ids for r in batch], params)
+                prompts = [r.prompt_ids for r in batch]
+                if self._sessions is not None:
+                    outputs = self._sessions.generate(prompts, params, sessions=[(self._id, r.episode) for r in batch])
+                else:
+                    outputs = self.engine.generate(prompts, params)
             except Exception as error:  # every waiting episode fails with the engine's error
                 for r in batch:
                     r.future.set_exception(error)

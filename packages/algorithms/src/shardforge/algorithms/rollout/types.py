@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Rollout", "RolloutEngine", "SamplingParams"]
+__all__ = ["Rollout", "RolloutEngine", "SamplingParams", "SessionRolloutEngine"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,4 +81,25 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, version: int | None = None) -> int:
         """Switch to ``version`` (None = the newest published one); return the serving version."""
+        ...
+
+
+@runtime_checkable
+class SessionRolloutEngine(RolloutEngine, Protocol):
+    """A rollout engine that keeps state per session between calls (the embedded HF engine: a multi-turn
+    episode's KV cache, so a turn prefills only the tokens it adds). The workflows' request queue passes
+    each episode as a session and ends it when the episode ends."""
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        sessions: Sequence[Hashable | None] | None = None,
+    ) -> list[Rollout]:
+        """As `RolloutEngine.generate`; ``sessions``: one key per prompt (``params.n`` = 1)."""
+        ...
+
+    def end_sessions(self, sessions: Iterable[Hashable]) -> None:
+        """Forget the state of ``sessions``."""
         ...
