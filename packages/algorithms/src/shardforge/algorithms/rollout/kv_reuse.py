@@ -109,7 +109,11 @@ class KVReuseCache:
     def put(self, session: Hashable, entry: KVSession) -> None:
         """Keep ``entry`` as the newest session; evict the oldest ones past ``max_tokens``."""
         old = self._sessions.pop(session, None)
-        self.tokens += len(entry.ids) - (len(old.ids) if old is not None else 0)
+        self.tokens -= len(old.ids) if old is not None else 0
+        if len(entry.ids) > self.max_tokens:  # alone past the cap: keep the others rather than evict them all
+            self.stats["evicted"] += 1
+            return
+        self.tokens += len(entry.ids)
         self._sessions[session] = entry
         while self.tokens > self.max_tokens:
             _, evicted = self._sessions.popitem(last=False)
