@@ -101,10 +101,11 @@ def test_a_weight_change_drops_every_cached_session(chat: dict[str, Any], tmp_pa
     _perturb(new)
     WeightPublisher(new, DiskTransport(tmp_path / "w"), bucket_bytes=1 << 16).publish(1)
     assert reuse.update_weights(1) == 1 and plain.update_weights(1) == 1
-    assert len(reuse.kv_cache) == 0 and reuse.kv_cache.stats["invalidated"] == 2
+    held_after_update = len(reuse.kv_cache)
     got = _turn(reuse, second, keys, seed=2)
     assert _same_rollouts(got, _turn(plain, second, None, seed=2))
-    assert reuse.kv_cache.stats["hits"] == 0
+    assert reuse.kv_cache.stats["hits"] == 0 and reuse.kv_cache.stats["invalidated"] == 2
+    assert held_after_update == 0, "update_weights frees the stale KV at once"
     # 2) Weights edited in place with no version bump (load_state_dict, an in-memory publish): the same.
     third = _next_prompts(chat, second, got)
     _perturb(reuse.model, 0.3)
