@@ -185,3 +185,23 @@ def test_partial_rollout_chunks_reuse_the_cache_and_equal_reencoding(chat: dict[
             assert engine.kv_cache.stats["hits"] > 0 and engine.kv_cache.stats["invalidated"] > 0
             assert len(engine.kv_cache) == 0, "a chunked call's own sessions end with it"
     assert _same_rollouts(outs[0], outs[1])
+
+
+def test_the_trainer_knobs_reach_the_embedded_engine(chat: dict[str, Any]) -> None:
+    from shardforge.algorithms.config_io import apply_overrides, build_config
+    from shardforge.algorithms.trainers.grpo import GRPOConfig
+    from shardforge.algorithms.trainers.rl_common import configure_kv_reuse
+
+    data = {"model": chat["model"], "output_dir": "unused"}
+    assert build_config(GRPOConfig, data).rollout_kv_reuse, "on by default"
+    config = build_config(
+        GRPOConfig, apply_overrides(data, ["rollout_kv_reuse=false", "rollout_kv_reuse_max_tokens=100"])
+    )
+    engine = _engine(chat)
+    configure_kv_reuse(config, engine)
+    assert engine.kv_reuse is False and engine.kv_cache.max_tokens == 100
+    tokenizer = chat["tokenizer"]
+    prompt = tokenizer("hi", add_special_tokens=False)["input_ids"]
+    out = _turn(engine, [prompt], ["s"])
+    _turn(engine, _next_prompts(chat, [prompt], out), ["s"])
+    assert len(engine.kv_cache) == 0 and engine.kv_cache.stats["hits"] == 0, "off: nothing is cached"
