@@ -42,18 +42,26 @@ def _assert_same(got: list[Any], want: list[Any]) -> None:
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_multi_turn_with_kv_reuse_equals_reencoding(chat: dict[str, Any], temperature: float) -> None:
+def _eos_prone(engine: Any, bias: float) -> Any:
+    """Raise the EOS logit so some turns end early: batches then mix finished rows (pads after EOS) and full ones."""
+    with torch.no_grad():
+        engine.model.lm_head.weight[engine.eos_id] += bias
+    return engine
+
+
+@pytest.mark.parametrize(("temperature", "eos_bias"), [(0.0, 0.05), (0.9, 0.6)])
+def test_multi_turn_with_kv_reuse_equals_reencoding(chat: dict[str, Any], temperature: float, eos_bias: float) -> None:
     tokenizer = chat["tokenizer"]
     config = WorkflowConfig(name="multi_turn", max_turns=3, chat_template=True)
     workflow = build_workflow(config, tokenizer, lambda p, r, ref: 0.0)
     # Prompts of different lengths: every batch mixes cached lengths (and suffix lengths).
     rows = _rows(["what is 6*7?", "2+2", "name a prime number larger than ten"])
     params = SamplingParams(max_new_tokens=7, temperature=temperature, seed=12)
-    reuse, plain = _engine(chat), _engine(chat, kv_reuse=False)
+    reuse, plain = _eos_prone(_engine(chat), eos_bias), _eos_prone(_engine(chat, kv_reuse=False), eos_bias)
     got = run_episodes(workflow, reuse, rows, 2, params, drop_failed=False)
     want = run_episodes(workflow, plain, rows, 2, params, drop_failed=False)
     assert all(len(t.turns) == 3 for t in got)
+    assert {turn.finished for t in got for turn in t.turns} == {True, False}, "some turns end on EOS, some do not"
     _assert_same(got, want)
     stats = reuse.kv_cache.stats
     assert stats["hits"] == 6 * 2 and stats["misses"] == 6, stats  # turns 2 and 3 of all 6 episodes reused turn 1's

@@ -252,14 +252,20 @@ class HFRolloutEngine:
         routing = routed_per_row(routed, rows, width, new_tokens_dev.shape[1]) if routed is not None else None
         rollouts = self._rollouts(rows, result, new_tokens_dev, greedy, params, routing)
         if reuse:
-            self._keep_sessions(keys, rollouts, result.past_key_values, attention, width)
+            self._keep_sessions(keys, rollouts, result.past_key_values, cached, width_cached, width)
         return rollouts
 
     def _keep_sessions(
-        self, keys: list[Hashable | None], rollouts: list[Rollout], cache: Any, attention: torch.Tensor, width: int
+        self,
+        keys: list[Hashable | None],
+        rollouts: list[Rollout],
+        cache: Any,
+        cached: list[int],
+        width_cached: int,
+        width: int,
     ) -> None:
-        """Cache each keyed row's KV of ``prompt + response[:-1]``: its unmasked input columns, then its generated
-        ones (the last generated token was never fed)."""
+        """Cache each keyed row's KV of ``prompt + response[:-1]`` (the last generated token was never fed): its
+        cached columns, then its new prompt columns and generated ones (`kv_reuse.batch_layout`)."""
         if not cache_supports_reuse(cache):
             self._kv_unsupported = True
             logger.warning(
@@ -271,11 +277,11 @@ class HFRolloutEngine:
         for row, (key, rollout) in enumerate(zip(keys, rollouts, strict=True)):
             if key is None:
                 continue
-            kept = len(rollout.response_ids) - 1
-            columns = torch.cat([attention[row].nonzero()[:, 0], torch.arange(width, width + kept)])
+            kept, new = len(rollout.response_ids) - 1, len(rollout.prompt_ids) - cached[row]
+            spans = [(width_cached - cached[row], width_cached), (width - new, width + kept)]
+            assert width + kept <= cache.layers[0].keys.shape[2]
             ids = rollout.prompt_ids + rollout.response_ids[:-1]
-            assert len(columns) == len(ids) and width + kept <= cache.layers[0].keys.shape[2]
-            self.kv_cache.put(key, session_from_cache(cache, row, columns.to(self.device), ids))
+            self.kv_cache.put(key, session_from_cache(cache, row, spans, ids))
 
     def _run_generate(
         self,

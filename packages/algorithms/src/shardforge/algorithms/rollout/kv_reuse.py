@@ -142,17 +142,13 @@ def batch_layout(
     come from its session (0: none). With no session at all it is plain left padding (``C = 0``)."""
     width_cached = max(cached)
     width_new = max(len(p) - c for p, c in zip(prompts, cached, strict=True))
-    width = width_cached + width_new
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, (ids, c) in enumerate(zip(prompts, cached, strict=True)):
+    ids_rows, mask_rows = [], []
+    for ids, c in zip(prompts, cached, strict=True):
         # The cached ids go into input_ids too: HF slices the fed columns off the end, never reads these.
-        attention[row, width_cached - c : width_cached] = 1
-        input_ids[row, width_cached - c : width_cached] = torch.tensor(ids[:c], dtype=torch.long)
-        suffix = ids[c:]
-        input_ids[row, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
-        attention[row, width - len(suffix) :] = 1
-    return input_ids, attention, width_cached
+        new = len(ids) - c
+        ids_rows.append([pad_id] * (width_cached - c) + list(ids[:c]) + [pad_id] * (width_new - new) + list(ids[c:]))
+        mask_rows.append([0] * (width_cached - c) + [1] * c + [0] * (width_new - new) + [1] * new)
+    return torch.tensor(ids_rows, dtype=torch.long), torch.tensor(mask_rows, dtype=torch.long), width_cached
 
 
 def past_from_sessions(entries: Sequence[KVSession | None], width_cached: int) -> Any:
@@ -183,7 +179,12 @@ def cache_supports_reuse(cache: Any) -> bool:
     return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
-def session_from_cache(cache: Any, row: int, columns: torch.Tensor, ids: list[int]) -> KVSession:
-    """Row ``row``'s keys/values at ``columns`` (its valid positions, in order) of a batched cache, copied."""
-    layers = [(layer.keys[row][:, columns], layer.values[row][:, columns]) for layer in cache.layers]
+def session_from_cache(cache: Any, row: int, spans: Sequence[tuple[int, int]], ids: list[int]) -> KVSession:
+    """Row ``row``'s keys/values at the column ``spans`` (``[start, end)``, in order) of a batched cache, copied."""
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[row, :, start:end] for start, end in spans], dim=1)
+
+    layers = [(cut(layer.keys), cut(layer.values)) for layer in cache.layers]
+    assert layers[0][0].shape[1] == len(ids)
     return KVSession(ids=ids, layers=layers)
