@@ -14,7 +14,8 @@ runs are reproducible, resumable and the same under every data-parallel layout. 
 with that seed samples.
 
 Engines that keep per-session state (`SessionRolloutEngine`: the embedded HF engine's KV cache across
-turns) get each request's episode as its session key, and `end_sessions` when the episode ends.
+turns) get each request's episode as its session key, and `end_sessions` when the episode ends. (An engine
+whose ``generate`` was replaced by a wrapper without ``sessions`` / ``**kwargs`` is called without them.)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import itertools
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -69,7 +71,7 @@ class RequestQueue:
         if params.n != 1:
             raise ValueError(f"RequestQueue samples one continuation per request; got n={params.n} (run n episodes)")
         self.engine, self.params = engine, params
-        self._sessions = engine if isinstance(engine, SessionRolloutEngine) else None
+        self._sessions = engine if isinstance(engine, SessionRolloutEngine) and _takes_sessions(engine) else None
         self._id = next(_QUEUE_IDS)  # session keys (queue, episode) stay distinct across queues on one engine
         self._pending: list[_Request] = []
         self._live: set[int] = set()
@@ -127,3 +129,11 @@ class RequestQueue:
                 continue
             for r, out in zip(batch, outputs, strict=True):
                 r.future.set_result(out)
+
+
+def _takes_sessions(engine: SessionRolloutEngine) -> bool:
+    try:
+        parameters = inspect.signature(engine.generate).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "sessions" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
