@@ -8,15 +8,18 @@ user turn, answer again, ...), ``MAX_NEW_TOKENS`` per turn at temperature 1.
 Measured, ``ROUNDS`` rounds alternating the order:
 
 * concurrent: ``EPISODES`` episodes through `run_episodes` (one asyncio task per episode; their
-  generate calls batched by the request queue: one engine call per turn for all episodes);
+  generate calls batched by the request queue: one engine call per turn for all episodes; the engine
+  keeps each episode's KV cache between turns, so a turn prefills only the tokens it adds);
+* concurrent, no KV reuse: the same with ``engine.kv_reuse = False`` (every turn re-encodes the
+  whole conversation); its tokens must equal the reuse run's (same seed), checked;
 * one at a time: the same episodes, each its own `run_episodes` call;
 * single-turn: one ``generate`` of ``TURNS * MAX_NEW_TOKENS`` new tokens for each of the same prompts
   (the generated length a 3-turn episode produces, without the turn boundaries).
 
 Reported: episodes/s concurrent vs one at a time (target >= 3x) and generated tokens/s of the
-concurrent multi-turn episodes vs single-turn generation (target >= 0.8x; missed: each turn
-re-encodes the whole conversation, ~5x the single-turn prefill, since the embedded engine keeps no
-KV cache across turns; 0.58x at hidden 64, 0.40x at hidden 256). Run: ``python benchmarks/bench_workflows.py`` (~1-2 min).
+concurrent multi-turn episodes vs single-turn generation (target >= 0.8x; without KV reuse each turn
+re-encodes the whole conversation, ~5x the single-turn prefill: 0.58x at hidden 64 before reuse).
+Run: ``python benchmarks/bench_workflows.py`` (~2 min).
 """
 
 from __future__ import annotations
@@ -75,9 +78,18 @@ def run_concurrent(s: dict[str, Any], seed: int) -> dict[str, float]:
     start = time.perf_counter()
     out = run_episodes(s["workflow"], s["engine"], s["rows"], 1, params, drop_failed=False)
     seconds = time.perf_counter() - start
+    s.setdefault("samples", {}).setdefault(seed, []).append([t.token_ids for t in out])
     turns = sum(len(t.turns) for t in out) / len(out)
     return {"seconds": seconds, "episodes": len(out), "tokens": _generated(out), "turns": turns,
             "generate_calls": out.generate_calls}  # fmt: skip
+
+
+def run_concurrent_no_reuse(s: dict[str, Any], seed: int) -> dict[str, float]:
+    s["engine"].kv_reuse = False
+    try:
+        return run_concurrent(s, seed)
+    finally:
+        s["engine"].kv_reuse = True
 
 
 def run_one_at_a_time(s: dict[str, Any], seed: int) -> dict[str, float]:
@@ -106,8 +118,9 @@ def run_single_turn(s: dict[str, Any], seed: int) -> dict[str, float]:
 def main() -> int:
     started = time.perf_counter()
     info = _common.machine_info()
-    runs: dict[str, list[dict[str, float]]] = {"concurrent": [], "one_at_a_time": [], "single_turn": []}
-    fns = {"concurrent": run_concurrent, "one_at_a_time": run_one_at_a_time, "single_turn": run_single_turn}
+    fns = {"concurrent": run_concurrent, "concurrent_no_reuse": run_concurrent_no_reuse,
+           "one_at_a_time": run_one_at_a_time, "single_turn": run_single_turn}  # fmt: skip
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in fns}
     with tempfile.TemporaryDirectory(prefix="bench_workflows_") as tmp:
         s = _setup(Path(tmp))
         run_concurrent(s, seed=99)  # warm-up (first-call allocations)
@@ -118,6 +131,8 @@ def main() -> int:
                 runs[mode].append(run)
                 print(f"[{NAME}] round {index + 1} {mode}: {run['episodes'] / run['seconds']:.2f} episodes/s, "
                       f"{run['tokens'] / run['seconds']:,.0f} generated tok/s", flush=True)  # fmt: skip
+        # Same seed, with and without KV reuse: the same tokens (reuse is exact up to float reduction order).
+        identical = all(pair[0] == pair[1] for pair in s["samples"].values() if len(pair) == 2)
     eps = [
         c["episodes"] / c["seconds"] / (o["episodes"] / o["seconds"])
         for c, o in zip(runs["concurrent"], runs["one_at_a_time"])
@@ -126,10 +141,15 @@ def main() -> int:
         c["tokens"] / c["seconds"] / (t["tokens"] / t["seconds"])
         for c, t in zip(runs["concurrent"], runs["single_turn"])
     ]
+    tps_no_reuse = [
+        c["tokens"] / c["seconds"] / (t["tokens"] / t["seconds"])
+        for c, t in zip(runs["concurrent_no_reuse"], runs["single_turn"])
+    ]
     med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
     payload = {"benchmark": NAME, "episodes": EPISODES, "turns": TURNS, "max_new_tokens": MAX_NEW_TOKENS,
                "hidden": HIDDEN, "rounds": ROUNDS, "runs": runs, "median": med,
-               "episodes_ratio": eps, "tokens_ratio": tps, "machine": info, "date": _common.today(),
+               "episodes_ratio": eps, "tokens_ratio": tps, "tokens_ratio_no_kv_reuse": tps_no_reuse,
+               "kv_reuse_tokens_identical": identical, "machine": info, "date": _common.today(),
                "seconds": time.perf_counter() - started}  # fmt: skip
     json_path = _common.write_json(NAME, payload)
     setting = (f"{EPISODES} 3-turn multi_turn episodes x {MAX_NEW_TOKENS} new tokens per turn, embedded HF engine, "
@@ -147,7 +167,8 @@ def main() -> int:
     )
     _common.upsert_result_row(
         benchmark="workflows_vs_single_turn",
-        metric=f"generated tokens/s, concurrent multi-turn episodes vs one single-turn generate of "
+        metric=f"generated tokens/s, concurrent multi-turn episodes (KV reused across turns; without reuse "
+        f"{statistics.median(tps_no_reuse):.2f}x, same tokens: {identical}) vs one single-turn generate of "
         f"{TURNS * MAX_NEW_TOKENS} new tokens per prompt; {setting}",
         ours=f"{conc['tokens'] / conc['seconds']:,.0f}",
         baseline=f"{single['tokens'] / single['seconds']:,.0f}",
@@ -156,8 +177,9 @@ def main() -> int:
         machine=_common.machine_label(info),
     )
     print(f"[{NAME}] concurrent / one at a time: {statistics.median(eps):.2f}x episodes/s (target >= 3); multi-turn / "
-          f"single-turn: {statistics.median(tps):.2f}x tokens/s (target >= 0.8); wrote {json_path}")  # fmt: skip
-    return 0
+          f"single-turn: {statistics.median(tps):.2f}x tokens/s (target >= 0.8; without KV reuse "
+          f"{statistics.median(tps_no_reuse):.2f}x; same tokens: {identical}); wrote {json_path}")  # fmt: skip
+    return 0 if identical else 1
 
 
 if __name__ == "__main__":

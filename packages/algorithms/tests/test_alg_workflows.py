@@ -102,9 +102,9 @@ def test_multi_turn_is_token_in_token_out_and_logprobs_match_the_trainer(chat: d
     calls: list[list[list[int]]] = []
     generate = engine.generate
 
-    def recording_generate(prompts: Any, params: SamplingParams) -> list[Rollout]:
+    def recording_generate(prompts: Any, params: SamplingParams, **sessions: Any) -> list[Rollout]:
         calls.append([list(p) for p in prompts])
-        return generate(prompts, params)
+        return generate(prompts, params, **sessions)
 
     engine.generate = recording_generate  # type: ignore[method-assign]
     rows = _rows(tokenizer, ["what is 6*7?", "and 40+2?"])

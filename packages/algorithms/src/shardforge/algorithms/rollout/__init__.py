@@ -23,7 +23,7 @@ from shardforge.algorithms.rollout.reward_functions import (
     load_reward_fn,
     score_rollouts,
 )
-from shardforge.algorithms.rollout.types import Rollout, RolloutEngine, SamplingParams
+from shardforge.algorithms.rollout.types import Rollout, RolloutEngine, SamplingParams, SessionRolloutEngine
 
 if TYPE_CHECKING:
     from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
@@ -40,6 +40,7 @@ __all__ = [
     "RolloutEngine",
     "RolloutEngineKind",
     "SamplingParams",
+    "SessionRolloutEngine",
     "VLLMOptions",
     "VLLMRolloutEngine",
     "VLLMServerRolloutEngine",

@@ -9,14 +9,19 @@ Vision-language models (the config has a ``vision_config``: Qwen2.5-VL, Qwen3-VL
 ``AutoModelForImageTextToText`` and generate from image prompts: ``generate(prompts, params,
 images=[ImageInputs | None per prompt])``; the prompt ids hold the expanded image tokens
 (`data.vlm.encode_vlm_prompt`).
+Multi-turn episodes (``generate(..., sessions=...)``, which the workflows' request queue passes) and
+partial-rollout chunks keep their KV cache between calls and prefill only the new tokens
+(`rollout.kv_reuse`; ``kv_reuse=False`` re-encodes the whole context every call).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +30,20 @@ import torch.nn.functional as F
 
 from shardforge.algorithms.batching.visual import ImageInputs
 from shardforge.algorithms.engine.config import parse_dtype
+from shardforge.algorithms.rollout.kv_reuse import (
+    KVReuseCache,
+    batch_layout,
+    cache_supports_reuse,
+    past_from_sessions,
+    session_from_cache,
+    weights_key,
+)
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.weight_sync import DiskWeightSource, WeightReceiver, WeightVersionError
 
 __all__ = ["HFRolloutEngine"]
+
+logger = logging.getLogger(__name__)
 
 
 class HFRolloutEngine:
@@ -43,6 +58,9 @@ class HFRolloutEngine:
             refreshed.
         dtype: dtype of the rollout model ("float32", "bf16", ...).
         batch_size: rows per ``generate`` call (prompts x samples are chunked).
+        kv_reuse: keep each session's KV cache between calls and prefill only the tokens its next prompt adds
+            (equal to re-encoding up to float reduction order; dropped on any weight change). False: re-encode.
+        kv_reuse_max_tokens: cap on the tokens cached over all sessions (the oldest sessions are evicted).
     """
 
     def __init__(
@@ -54,6 +72,8 @@ class HFRolloutEngine:
         dtype: str = "float32",
         device: str | torch.device = "cpu",
         batch_size: int = 256,
+        kv_reuse: bool = True,
+        kv_reuse_max_tokens: int = 65536,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -85,6 +105,12 @@ class HFRolloutEngine:
         self.between_chunks: Callable[[], None] | None = None
         """Called between two chunks; it may switch the weights (`update_weights`), and the rest of every
         unfinished response is then generated, and its log-probs taken, under the new ones."""
+        self.kv_reuse = kv_reuse
+        """Reuse sessions' KV caches across calls (multi-turn episodes, partial-rollout chunks)."""
+        self.kv_cache = KVReuseCache(kv_reuse_max_tokens)
+        """The sessions' KV caches (``kv_cache.stats``: hits, misses, reused tokens, evictions, invalidations)."""
+        self._kv_unsupported = False
+        self._chunk_calls = itertools.count()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
         if self.pad_id is None:
@@ -112,7 +138,13 @@ class HFRolloutEngine:
         if target != self.receiver.version:
             manifest = self.source.manifest(target)
             self.receiver.apply(manifest, self.source.tensors(manifest))
+            # Drop the stale KV now (to free it); other weight changes are caught by the next call's check.
+            self.kv_cache.check_weights(weights_key(self.version, self.model))
         return self.receiver.version
+
+    def end_sessions(self, sessions: Iterable[Hashable]) -> None:
+        """Drop the cached KV of ``sessions`` (their episodes ended)."""
+        self.kv_cache.end(sessions)
 
     @torch.no_grad()
     def generate(
@@ -121,9 +153,16 @@ class HFRolloutEngine:
         params: SamplingParams,
         *,
         images: Sequence[ImageInputs | None] | None = None,
+        sessions: Sequence[Hashable | None] | None = None,
     ) -> list[Rollout]:
         """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together).
-        ``images``: per prompt, its images (None: none); a vision-language model only."""
+
+        ``images``: per prompt, its images (None: none); a vision-language model only.
+        ``sessions`` (``params.n`` = 1): one key per prompt (None: none). A session's KV cache is kept after
+        the call; when its next prompt extends ``prompt + response[:-1]`` only the new tokens are prefilled.
+        `end_sessions` drops it; so do a weight change, a prompt that does not extend it, and the cap.
+        (Vision-language models re-encode every call: their mRoPE positions depend on the whole prompt.)
+        """
         if len(prompts) == 0:
             raise ValueError("generate() needs at least one prompt")
         for i, prompt in enumerate(prompts):
@@ -133,7 +172,13 @@ class HFRolloutEngine:
         if images is not None and any(i is not None for i in images):
             self._check_images(prompts, images)
             row_images = [images[i] for i in range(len(prompts)) for _ in range(params.n)]
+        if sessions is not None and (len(sessions) != len(prompts) or params.n != 1):
+            raise ValueError(
+                f"sessions: one key per prompt with n=1; got {len(sessions)} keys for {len(prompts)} prompts, "
+                f"n={params.n}"
+            )
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+        keys: list[Hashable | None] = list(sessions) if sessions is not None else [None] * len(rows)
         out: list[Rollout] = []
         # fork_rng restores the generators it forks: the GPU's too when sampling there (manual_seed reseeds it).
         devices = [self.device] if self.device.type == "cuda" else []
@@ -142,13 +187,12 @@ class HFRolloutEngine:
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             for start in range(0, len(rows), self.batch_size):
-                batch = rows[start : start + self.batch_size]
-                chunked = self.interrupt_chunk_tokens is not None
-                if chunked:
-                    out += self._generate_interruptible(batch, params)
+                batch, batch_keys = rows[start : start + self.batch_size], keys[start : start + self.batch_size]
+                if self.interrupt_chunk_tokens is not None:
+                    out += self._generate_interruptible(batch, params, batch_keys)
                 else:
                     visual = row_images[start : start + self.batch_size] if row_images is not None else None
-                    out += self._generate_chunk(batch, params, visual)
+                    out += self._generate_chunk(batch, params, batch_keys, visual)
         return out
 
     def _check_images(self, prompts: Sequence[Sequence[int]], images: Sequence[ImageInputs | None]) -> None:
@@ -165,12 +209,28 @@ class HFRolloutEngine:
             if tokens != expected:
                 raise ValueError(f"prompt {i} has {tokens} image tokens but its images fill {expected}")
 
-    def _generate_interruptible(self, rows: list[tuple[int, list[int]]], params: SamplingParams) -> list[Rollout]:
+    def _generate_interruptible(
+        self, rows: list[tuple[int, list[int]]], params: SamplingParams, keys: list[Hashable | None]
+    ) -> list[Rollout]:
         """Partial rollouts: ``interrupt_chunk_tokens`` new tokens at a time; between chunks `between_chunks`
         may load newer weights, and unfinished rows continue from their prompt + generated ids (the
         context is recomputed under the new weights, as AReaL's interruptible generation does). Rows that
-        finished leave the batch. Every token keeps the version and behaviour log-prob that produced it."""
+        finished leave the batch. Every token keeps the version and behaviour log-prob that produced it. Rows
+        without a session key get one for this call: a chunk prefills only the new tokens unless the weights
+        changed."""
         assert self.interrupt_chunk_tokens is not None and self.replay is None
+        call = next(self._chunk_calls)
+        own = [("chunks", call, i) for i, key in enumerate(keys) if key is None]
+        keys = [("chunks", call, i) if key is None else key for i, key in enumerate(keys)]
+        try:
+            return self._chunks(rows, params, keys)
+        finally:
+            self.end_sessions(own)
+
+    def _chunks(
+        self, rows: list[tuple[int, list[int]]], params: SamplingParams, keys: list[Hashable | None]
+    ) -> list[Rollout]:
+        assert self.interrupt_chunk_tokens is not None
         ids: list[list[int]] = [[] for _ in rows]
         logprobs: list[list[float]] = [[] for _ in rows]
         versions: list[list[int]] = [[] for _ in rows]
@@ -179,7 +239,8 @@ class HFRolloutEngine:
         while True:
             budget = min(self.interrupt_chunk_tokens, remaining)
             context = [(rows[i][0], rows[i][1] + ids[i]) for i in active]
-            parts = self._generate_chunk(context, dataclasses.replace(params, max_new_tokens=budget))
+            params_ = dataclasses.replace(params, max_new_tokens=budget)
+            parts = self._generate_chunk(context, params_, [keys[i] for i in active])
             for i, part in zip(active, parts, strict=True):
                 ids[i] += part.response_ids
                 logprobs[i] += part.logprobs
@@ -208,14 +269,27 @@ class HFRolloutEngine:
         self,
         rows: list[tuple[int, list[int]]],
         params: SamplingParams,
+        keys: list[Hashable | None],
         images: list[ImageInputs | None] | None = None,
     ) -> list[Rollout]:
-        width = max(len(p) for _, p in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for row, (_, ids) in enumerate(rows):  # left padding: every prompt ends at the same column
-            input_ids[row, width - len(ids) :] = torch.tensor(ids)
-            attention[row, width - len(ids) :] = 1
+        # Router replay records the routing of the whole prompt, which a cached prefix would skip; a VLM's
+        # mRoPE positions (and its image features) are computed from the whole prompt in one pass.
+        reuse = (
+            self.kv_reuse
+            and self.replay is None
+            and self.image_token_id is None
+            and not self._kv_unsupported
+            and any(k is not None for k in keys)
+        )
+        if reuse:
+            self.kv_cache.check_weights(weights_key(self.version, self.model))
+        entries = [self.kv_cache.take(k, ids) if reuse and k is not None else None for k, (_, ids) in zip(keys, rows)]
+        cached = [len(e.ids) if e is not None else 0 for e in entries]
+        # Left padding (every prompt ends at the same column); with sessions, their cached ids in front.
+        input_ids, attention, width_cached = batch_layout([ids for _, ids in rows], cached, self.pad_id)
+        past = past_from_sessions(entries, width_cached) if width_cached else None
+        del entries
+        width = input_ids.shape[1]
         greedy = params.temperature == 0
         sampling: dict[str, Any] = (
             {"do_sample": False}
@@ -229,20 +303,58 @@ class HFRolloutEngine:
             assert self.image_token_id is not None  # _check_images refused image prompts for a text model
             sampling |= _visual_kwargs(input_ids, images, self.image_token_id, self.device)
         with recording as routed:
-            result = self._run_generate(input_ids, attention, params, sampling)
+            result = self._run_generate(input_ids, attention, params, sampling, past)
         new_tokens_dev = result.sequences[:, width:]
         routing = routed_per_row(routed, rows, width, new_tokens_dev.shape[1]) if routed is not None else None
-        return self._rollouts(rows, result, new_tokens_dev, greedy, params, routing)
+        rollouts = self._rollouts(rows, result, new_tokens_dev, greedy, params, routing)
+        if reuse:
+            self._keep_sessions(keys, rollouts, result.past_key_values, cached, width_cached, width)
+        return rollouts
+
+    def _keep_sessions(
+        self,
+        keys: list[Hashable | None],
+        rollouts: list[Rollout],
+        cache: Any,
+        cached: list[int],
+        width_cached: int,
+        width: int,
+    ) -> None:
+        """Cache each keyed row's KV of ``prompt + response[:-1]`` (the last generated token was never fed): its
+        cached columns, then its new prompt columns and generated ones (`kv_reuse.batch_layout`)."""
+        if not cache_supports_reuse(cache):
+            self._kv_unsupported = True
+            logger.warning(
+                "kv_reuse is off for this model: its generate cache is %s (reuse needs a DynamicCache of full-attention "
+                "layers; sliding-window and linear-attention layers cannot be cut per row)",
+                type(cache).__name__,
+            )
+            return
+        for row, (key, rollout) in enumerate(zip(keys, rollouts, strict=True)):
+            if key is None:
+                continue
+            kept, new = len(rollout.response_ids) - 1, len(rollout.prompt_ids) - cached[row]
+            spans = [(width_cached - cached[row], width_cached), (width - new, width + kept)]
+            assert width + kept <= cache.layers[0].keys.shape[2]
+            ids = rollout.prompt_ids + rollout.response_ids[:-1]
+            self.kv_cache.put(key, session_from_cache(cache, row, spans, ids))
 
     def _run_generate(
-        self, input_ids: torch.Tensor, attention: torch.Tensor, params: SamplingParams, sampling: dict[str, Any]
+        self,
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        params: SamplingParams,
+        sampling: dict[str, Any],
+        past: Any = None,
     ) -> Any:
+        # With ``past`` (a batched cache of the first columns), HF feeds only the columns after it.
         return self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention.to(self.device),
             max_new_tokens=params.max_new_tokens,
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_id,
+            past_key_values=past,
             output_logits=True,
             return_dict_in_generate=True,
             **sampling,

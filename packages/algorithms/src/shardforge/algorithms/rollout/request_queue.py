@@ -12,6 +12,10 @@ samples an episode gets therefore never depends on how long a tool took or on th
 runs are reproducible, resumable and the same under every data-parallel layout. Round 0 uses
 ``seed`` itself, so single-turn episodes sample exactly what one ``generate(prompts, n)`` call
 with that seed samples.
+
+Engines that keep per-session state (`SessionRolloutEngine`: the embedded HF engine's KV cache across
+turns) get each request's episode as its session key, and `end_sessions` when the episode ends. (An engine
+whose ``generate`` was replaced by a wrapper without ``sessions`` / ``**kwargs`` is called without them.)
 """
 
 from __future__ import annotations
@@ -19,13 +23,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
+import itertools
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from shardforge.algorithms.batching.visual import ImageInputs
-from shardforge.algorithms.rollout.types import Rollout, RolloutEngine, SamplingParams, generate_rollouts
+from shardforge.algorithms.rollout.types import (
+    Rollout,
+    RolloutEngine,
+    SamplingParams,
+    SessionRolloutEngine,
+    generate_rollouts,
+)
 
 __all__ = ["EpisodeHandle", "RequestQueue"]
+
+_QUEUE_IDS = itertools.count()
 
 
 @dataclass(slots=True)
@@ -69,6 +83,8 @@ class RequestQueue:
         if params.n != 1:
             raise ValueError(f"RequestQueue samples one continuation per request; got n={params.n} (run n episodes)")
         self.engine, self.params = engine, params
+        self._sessions = engine if isinstance(engine, SessionRolloutEngine) and _takes_sessions(engine) else None
+        self._id = next(_QUEUE_IDS)  # session keys (queue, episode) stay distinct across queues on one engine
         self._pending: list[_Request] = []
         self._live: set[int] = set()
         self.rounds = 0
@@ -88,6 +104,8 @@ class RequestQueue:
             yield EpisodeHandle(self, episode, images)
         finally:
             self._live.discard(episode)
+            if self._sessions is not None:
+                self._sessions.end_sessions([(self._id, episode)])
             self._maybe_flush()
 
     async def submit(
@@ -115,10 +133,21 @@ class RequestQueue:
             try:
                 self.generate_calls += 1
                 prompts, images = [r.prompt_ids for r in batch], [r.images for r in batch]
-                outputs = generate_rollouts(self.engine, prompts, params, images)
+                if self._sessions is not None and all(i is None for i in images):
+                    outputs = self._sessions.generate(prompts, params, sessions=[(self._id, r.episode) for r in batch])
+                else:  # image prompts: the engine re-encodes them every call (no sessions)
+                    outputs = generate_rollouts(self.engine, prompts, params, images)
             except Exception as error:  # every waiting episode fails with the engine's error
                 for r in batch:
                     r.future.set_exception(error)
                 continue
             for r, out in zip(batch, outputs, strict=True):
                 r.future.set_result(out)
+
+
+def _takes_sessions(engine: SessionRolloutEngine) -> bool:
+    try:
+        parameters = inspect.signature(engine.generate).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "sessions" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

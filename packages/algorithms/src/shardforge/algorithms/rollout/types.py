@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from shardforge.algorithms.batching.visual import ImageInputs
 
-__all__ = ["Rollout", "RolloutEngine", "SamplingParams", "generate_rollouts"]
+__all__ = ["Rollout", "RolloutEngine", "SamplingParams", "SessionRolloutEngine", "generate_rollouts"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,3 +110,24 @@ def generate_rollouts(
     generate: Any = engine.generate
     rollouts: list[Rollout] = generate(prompts, params, images=images)
     return rollouts
+
+
+@runtime_checkable
+class SessionRolloutEngine(RolloutEngine, Protocol):
+    """A rollout engine that keeps state per session between calls (the embedded HF engine: a multi-turn
+    episode's KV cache, so a turn prefills only the tokens it adds). The workflows' request queue passes
+    each episode as a session and ends it when the episode ends."""
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        sessions: Sequence[Hashable | None] | None = None,
+    ) -> list[Rollout]:
+        """As `RolloutEngine.generate`; ``sessions``: one key per prompt (``params.n`` = 1)."""
+        ...
+
+    def end_sessions(self, sessions: Iterable[Hashable]) -> None:
+        """Forget the state of ``sessions``."""
+        ...

@@ -60,6 +60,7 @@ from shardforge.algorithms.trainers.rl_common import (
     check_eval_split,
     check_prompt_positions,
     check_rollout_batch,
+    configure_kv_reuse,
     dynamic_sampling_stats,
     global_reward_stats,
     publish_version,
@@ -203,6 +204,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         )  # fmt: skip
 
         record_routing(config, rollout)
+        configure_kv_reuse(config, rollout)
         enable_partial_rollouts(config, rollout)
         receiver = in_process_receiver(
             rollout, enabled=config.publish_in_memory and engine.dims.pp == 1, asynchronous=config.async_rollouts

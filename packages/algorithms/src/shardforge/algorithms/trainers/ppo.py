@@ -49,6 +49,7 @@ from shardforge.algorithms.trainers.rl_common import (
     check_eval_split,
     check_prompt_positions,
     check_rollout_batch,
+    configure_kv_reuse,
     dynamic_sampling_stats,
     global_reward_stats,
     publish_to_rollout,
@@ -189,6 +190,7 @@ class PPOTrainer(Trainer[PPOConfig]):
             dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
         )  # fmt: skip
         record_routing(config, self.rollout)
+        configure_kv_reuse(config, self.rollout)
         self.receiver = in_process_receiver(
             self.rollout, enabled=config.publish_in_memory and actor.dims.pp == 1, asynchronous=False
         )

@@ -19,6 +19,8 @@ from shardforge.algorithms.objectives.rollout_correction import ROLLOUT_CORRECTI
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout.dynamic_sampling import DynamicSamplingConfig
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, RolloutEngineKind
+from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
+from shardforge.algorithms.rollout.kv_reuse import KVReuseCache
 from shardforge.algorithms.rollout.reward_compose import RewardTermConfig, build_reward
 from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
@@ -38,6 +40,7 @@ __all__ = [
     "check_image_prompts",
     "check_prompt_positions",
     "check_rollout_batch",
+    "configure_kv_reuse",
     "dynamic_sampling_stats",
     "global_reward_stats",
     "publish_to_rollout",
@@ -97,6 +100,11 @@ class RLTrainerConfig(TrainerConfig):
     """Dtype of the rollout model and of the published weights."""
     rollout_engine: RolloutEngineKind = "hf"
     """'hf' (embedded generate in every trainer process) or 'vllm' (optional extra; see `vllm`)."""
+    rollout_kv_reuse: bool = True
+    """rollout_engine=hf: keep each episode's KV cache between its turns (and between partial-rollout chunks) and
+    prefill only the tokens a turn adds; dropped on every weight change. false: re-encode the context every turn."""
+    rollout_kv_reuse_max_tokens: int = 65536
+    """rollout_engine=hf: most tokens of KV cache kept over all live episodes (the oldest episodes' go first)."""
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     """vLLM rollout engine options (rollout_engine=vllm only)."""
     eval_size: int | None = None
@@ -253,6 +261,13 @@ def record_routing(config: RLTrainerConfig, rollout: PublishedRolloutEngine) -> 
     """With ``engine.router_replay``, make the (embedded HF) rollout engine record every token's experts."""
     if config.engine.router_replay:
         getattr(rollout, "record_routing")()  # noqa: B009  (HFRolloutEngine: check_rollout_batch made sure)
+
+
+def configure_kv_reuse(config: RLTrainerConfig, rollout: PublishedRolloutEngine) -> None:
+    """Apply ``rollout_kv_reuse`` / ``rollout_kv_reuse_max_tokens`` to the embedded HF engine (others: no-op)."""
+    if isinstance(rollout, HFRolloutEngine):
+        rollout.kv_reuse = config.rollout_kv_reuse
+        rollout.kv_cache = KVReuseCache(config.rollout_kv_reuse_max_tokens)
 
 
 def build_reward_model(config: RLTrainerConfig, policy: TrainEngine) -> RewardModelScorer | None:
