@@ -127,6 +127,11 @@ def _parser() -> argparse.ArgumentParser:
     demo_kd.add_argument("--student-steps", type=int, default=150, help="SFT steps of the student before the split")
     demo_kd.add_argument("--extra-steps", type=int, default=100, help="steps of each continuation (SFT / distill)")
     demo_kd.add_argument("--teacher", default=None, help="reuse this teacher HF dir (e.g. an earlier run's teacher/hf)")
+    demo_kd.add_argument("--student-hidden", type=int, default=128, help="student hidden size")
+    demo_kd.add_argument("--student-layers", type=int, default=2, help="student decoder layers")
+    demo_kd.add_argument(
+        "--distill-loss", default=None, help="distill_loss of the distillation stage (default: demo_distill.yaml's)"
+    )
     demo_agent = sub.add_parser(
         "demo-agent", help="run the CPU agent demo: SFT on calculator tool-call traces, then GRPO with tool_use"
     )
@@ -288,6 +293,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         run_distill_demo(
             args.out, nproc=args.nproc_per_node, teacher_steps=args.teacher_steps,
             student_steps=args.student_steps, extra_steps=args.extra_steps, teacher_dir=args.teacher,
+            student_hidden=args.student_hidden, student_layers=args.student_layers, distill_loss=args.distill_loss,
         )  # fmt: skip
         return 0
     if args.command == "demo-rl":

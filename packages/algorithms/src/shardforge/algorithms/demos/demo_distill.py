@@ -46,6 +46,7 @@ def run_distill_demo(
     student_layers: int = 2,
     seed: int = 0,
     teacher_dir: str | Path | None = None,
+    distill_loss: str | None = None,
 ) -> dict[str, Any]:
     """Run the four stages and return the held-out accuracies (also in ``demo_distill_result.json``)."""
     out = Path(out_dir)
@@ -71,7 +72,9 @@ def run_distill_demo(
     _torchrun(nproc, "distill", Path(__file__).parent / "demo_distill.yaml", [
         f"model={student}", f"teacher_model={teacher}", f"train_file={assets['train']}",
         f"output_dir={distill_dir}", f"steps={extra_steps}", f"layout=d{nproc}", "resume=never",
+        *([f"distill_loss={distill_loss}"] if distill_loss else []),
     ])  # fmt: skip
+    resolved = json.loads((distill_dir / "config.json").read_text())
     accuracy = {
         name: held_out_accuracy(path, assets["eval"])
         for name, path in (
@@ -82,6 +85,8 @@ def run_distill_demo(
     result = {
         "teacher_params": assets["num_params"], "student_params": student_params,
         "teacher_steps": teacher_steps, "student_steps": student_steps, "extra_steps": extra_steps,
+        "student_hidden": student_hidden, "student_layers": student_layers,
+        "distill_loss": resolved.get("distill_loss"), "distill_lr": resolved["engine"]["optimizer"]["lr"],
         "accuracy": accuracy, "ranks": nproc, "minutes": (time.time() - started) / 60,
     }  # fmt: skip
     (out / "demo_distill_result.json").write_text(json.dumps(result, indent=2))

@@ -179,7 +179,12 @@ class PipelineRunner:
         return self.ctx.local_rank("pp") == 0 and self.ctx.local_rank("tp") == 0
 
     def forward_backward(
-        self, mbs: MicroBatches, loss_fn: LossFn, grad_scale: float, *, wants_entropy: bool,
+        self,
+        mbs: MicroBatches,
+        loss_fn: LossFn,
+        grad_scale: float,
+        *,
+        wants_entropy: bool,
         wants_distribution: bool = False,
     ) -> tuple[float, dict[str, float]]:
         if wants_entropy or wants_distribution:

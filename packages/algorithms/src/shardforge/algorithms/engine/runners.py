@@ -59,7 +59,12 @@ class Runner(Protocol):
     def microbatches(self, batch: PackedBatch) -> MicroBatches: ...
 
     def forward_backward(
-        self, mbs: MicroBatches, loss_fn: LossFn, grad_scale: float, *, wants_entropy: bool,
+        self,
+        mbs: MicroBatches,
+        loss_fn: LossFn,
+        grad_scale: float,
+        *,
+        wants_entropy: bool,
         wants_distribution: bool = False,
     ) -> tuple[float, dict[str, float]]:
         """Run every micro-batch forward and backward with losses scaled by ``grad_scale``; return
@@ -121,7 +126,12 @@ class SPMDRunner:
         return MicroBatches(split_microbatches(batch, budget, group=group))
 
     def forward_backward(
-        self, mbs: MicroBatches, loss_fn: LossFn, grad_scale: float, *, wants_entropy: bool,
+        self,
+        mbs: MicroBatches,
+        loss_fn: LossFn,
+        grad_scale: float,
+        *,
+        wants_entropy: bool,
         wants_distribution: bool = False,
     ) -> tuple[float, dict[str, float]]:
         loss_sum = torch.zeros((), dtype=torch.float64)

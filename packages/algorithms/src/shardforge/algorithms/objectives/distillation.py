@@ -39,8 +39,8 @@ __all__ = [
     "DIVERGENCES",
     "TEACHER_LOGPROBS",
     "TEACHER_TOKEN_IDS",
-    "Divergence",
     "DistributionDistillTerm",
+    "Divergence",
     "FullDistillActorLossFn",
     "FullDistillOnPolicyActorLossFn",
     "bucketed_logprobs",
@@ -130,7 +130,9 @@ class DistributionDistillTerm:
         student = distribution_TV[mask].float()
         teacher = mb.extras[TEACHER_LOGPROBS].to(student.device)[mask].float()
         if TEACHER_TOKEN_IDS in mb.extras:
-            student, teacher = bucketed_logprobs(student, teacher, mb.extras[TEACHER_TOKEN_IDS].to(student.device)[mask])
+            student, teacher = bucketed_logprobs(
+                student, teacher, mb.extras[TEACHER_TOKEN_IDS].to(student.device)[mask]
+            )
         elif student.shape != teacher.shape:
             raise ValueError(
                 f"student rows {tuple(student.shape)} and teacher rows {tuple(teacher.shape)} differ: both must cover "

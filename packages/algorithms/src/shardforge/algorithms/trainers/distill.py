@@ -279,7 +279,6 @@ class DistillTrainer(GRPOTrainer):
             "distill/teacher_logprob": teacher_sum / max(count, 1.0),
         }
 
-
     def _teacher_rows(self, batch: PackedBatch) -> torch.Tensor:
         """Put the teacher's per-position rows into ``batch.extras``; return its [T] log-prob of each sampled
         token (top-k: the token's bucket, i.e. the tail's log-mass when the token is outside the top k)."""
