@@ -168,7 +168,7 @@ def test_full_distribution_distillation_matches_world1_under_fsdp2(
 ) -> None:
     single = _train_full(models, "d1", loss, top_k)
     sharded = get_rank_pool(2).run(_train_full, models, "d2", loss, top_k, timeout_s=300)[0]
-    assert single["losses"][0] > 0.05  # a peaked teacher far from the student
+    assert single["losses"][0] > 0.01  # a peaked teacher far from the student (JSD is the smaller: ~0.018)
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(torch.tensor(sharded["norms"]), torch.tensor(single["norms"]), rtol=1e-5, atol=0)
     for name, value in single["weights"].items():
