@@ -124,9 +124,18 @@ def _parser() -> argparse.ArgumentParser:
     demo_kd.add_argument("--out", default="outputs/demo_distill", help="output directory")
     demo_kd.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
     demo_kd.add_argument("--teacher-steps", type=int, default=600, help="SFT steps of the teacher")
-    demo_kd.add_argument("--student-steps", type=int, default=150, help="SFT steps of the student before the split")
+    demo_kd.add_argument("--student-steps", type=int, default=300, help="SFT steps of the student before the split")
     demo_kd.add_argument("--extra-steps", type=int, default=100, help="steps of each continuation (SFT / distill)")
     demo_kd.add_argument("--teacher", default=None, help="reuse this teacher HF dir (e.g. an earlier run's teacher/hf)")
+    demo_kd.add_argument("--student-hidden", type=int, default=128, help="student hidden size")
+    demo_kd.add_argument("--student-layers", type=int, default=4, help="student decoder layers")
+    demo_kd.add_argument(
+        "--distill-loss", default=None, help="distill_loss of the distillation stage (default: demo_distill.yaml's)"
+    )
+    demo_kd.add_argument(
+        "--distill-set", action="append", default=[], metavar="KEY=VALUE",
+        help="extra override of the distillation stage (repeatable), e.g. engine.optimizer.lr=5e-4",
+    )  # fmt: skip
     demo_agent = sub.add_parser(
         "demo-agent", help="run the CPU agent demo: SFT on calculator tool-call traces, then GRPO with tool_use"
     )
@@ -292,6 +301,8 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         run_distill_demo(
             args.out, nproc=args.nproc_per_node, teacher_steps=args.teacher_steps,
             student_steps=args.student_steps, extra_steps=args.extra_steps, teacher_dir=args.teacher,
+            student_hidden=args.student_hidden, student_layers=args.student_layers, distill_loss=args.distill_loss,
+            distill_overrides=args.distill_set,
         )  # fmt: skip
         return 0
     if args.command == "demo-rl":

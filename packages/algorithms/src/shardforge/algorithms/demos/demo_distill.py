@@ -4,8 +4,9 @@
 2. Student: a smaller Qwen3 (same tokenizer), SFT ``student_steps`` on the same data.
 3. From that student, the same number of further steps two ways:
    - SFT-only baseline: ``extra_steps`` more SFT steps on the ground-truth answers;
-   - on-policy distillation: ``extra_steps`` distill steps (the student samples, the teacher's
-     per-token log-probs give the reverse-KL advantage).
+   - on-policy distillation: ``extra_steps`` distill steps (the student samples; the teacher's
+     per-token log-probs give the reverse-KL advantage, or with ``distill_loss`` = full_reverse_kl /
+     full_forward_kl / jsd its whole next-token distributions give GKD's exact per-position loss).
 Held-out greedy exact match of every model is measured on the same 500 unseen pairs and written
 to ``demo_distill_result.json``. Every stage runs with FSDP on ``nproc`` CPU ranks through torchrun.
 """
@@ -40,12 +41,14 @@ def run_distill_demo(
     *,
     nproc: int = 2,
     teacher_steps: int = 600,
-    student_steps: int = 150,
+    student_steps: int = 300,
     extra_steps: int = 100,
     student_hidden: int = 128,
-    student_layers: int = 2,
+    student_layers: int = 4,
     seed: int = 0,
     teacher_dir: str | Path | None = None,
+    distill_loss: str | None = None,
+    distill_overrides: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run the four stages and return the held-out accuracies (also in ``demo_distill_result.json``)."""
     out = Path(out_dir)
@@ -71,7 +74,9 @@ def run_distill_demo(
     _torchrun(nproc, "distill", Path(__file__).parent / "demo_distill.yaml", [
         f"model={student}", f"teacher_model={teacher}", f"train_file={assets['train']}",
         f"output_dir={distill_dir}", f"steps={extra_steps}", f"layout=d{nproc}", "resume=never",
+        *([f"distill_loss={distill_loss}"] if distill_loss else []), *(distill_overrides or []),
     ])  # fmt: skip
+    resolved = json.loads((distill_dir / "config.json").read_text())
     accuracy = {
         name: held_out_accuracy(path, assets["eval"])
         for name, path in (
@@ -82,6 +87,8 @@ def run_distill_demo(
     result = {
         "teacher_params": assets["num_params"], "student_params": student_params,
         "teacher_steps": teacher_steps, "student_steps": student_steps, "extra_steps": extra_steps,
+        "student_hidden": student_hidden, "student_layers": student_layers,
+        "distill_loss": resolved.get("distill_loss"), "distill_lr": resolved["engine"]["optimizer"]["lr"],
         "accuracy": accuracy, "ranks": nproc, "minutes": (time.time() - started) / 60,
     }  # fmt: skip
     (out / "demo_distill_result.json").write_text(json.dumps(result, indent=2))

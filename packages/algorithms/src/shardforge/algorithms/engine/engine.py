@@ -47,7 +47,9 @@ LossFn = Callable[[torch.Tensor, PackedBatch], torch.Tensor]
 """(target log-probs [T], micro-batch) -> summed loss (0-dim); a value-head engine passes
 per-position values [T] instead of log-probs. A loss function with a true
 ``wants_entropy`` attribute is called as ``loss_fn(logprobs, mb, entropy=[T] entropies)``
-(differentiable; vocab-parallel under TP, gathered under CP)."""
+(differentiable; vocab-parallel under TP, gathered under CP); one with a true ``wants_distribution``
+gets ``distribution=[T, V]`` float32 log-probs of each target's whole distribution (differentiable;
+row t = the distribution token t was drawn from; LM heads, tp = pp = 1)."""
 LossWeightFn = Callable[[PackedBatch], torch.Tensor]
 """micro-batch -> its weight in the global normalisation (e.g. number of target tokens)."""
 
@@ -177,6 +179,9 @@ class TrainEngine(EngineIO):
         wants_entropy = bool(getattr(loss_fn, "wants_entropy", False))
         if wants_entropy and not self.head.has_token_distribution:
             raise ValueError("a value-head engine has no token distribution: its loss_fn cannot want entropy")
+        wants_distribution = bool(getattr(loss_fn, "wants_distribution", False))
+        if wants_distribution:
+            self._check_full_distribution()
         start = time.perf_counter()
         self.model.train()
         mbs = self.runner.microbatches(batch)
@@ -195,7 +200,9 @@ class TrainEngine(EngineIO):
             global_weight = float(fixed)
         # FSDP averages gradients over the dp_cp ranks; undo that so the sum is global.
         grad_scale = self.dims.dp_cp / global_weight
-        loss_sum, extra = self.runner.forward_backward(mbs, loss_fn, grad_scale, wants_entropy=wants_entropy)
+        loss_sum, extra = self.runner.forward_backward(
+            mbs, loss_fn, grad_scale, wants_entropy=wants_entropy, wants_distribution=wants_distribution
+        )
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = self.runner.grad_norm(params, self.config.optimizer.max_grad_norm)
         norm = float(grad_norm)
@@ -234,6 +241,30 @@ class TrainEngine(EngineIO):
         return [T] per-position values."""
         self.model.eval()
         return self.runner.forward(batch)
+
+    @torch.no_grad()
+    @offloaded_between_calls
+    def forward_distribution(self, batch: PackedBatch, *, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[T, V] float32 log-probs of each target's whole next-token distribution at ``logprob_temperature``
+        (row t: the distribution token t was drawn from; 0 off ``loss_mask``), on the host, and None; with
+        ``top_k > 0`` the [T, k] largest log-probs and their [T, k] token ids (memory: T x k, not T x V)."""
+        self._check_full_distribution()
+        if top_k < 0:
+            raise ValueError(f"top_k={top_k} must be >= 0 (0 = the whole vocabulary)")
+        self.model.eval()
+        return self.runner.forward_distribution(batch, top_k)
+
+    def _check_full_distribution(self) -> None:
+        if not self.head.has_full_distribution:
+            raise ValueError(
+                f"this engine's head ({type(self.head).__name__}) has no full next-token distribution: "
+                "full-vocabulary losses need a causal-LM head on a text model"
+            )
+        if self.dims.tp > 1 or self.dims.pp > 1:
+            raise ValueError(
+                f"full-vocabulary distributions need the whole vocabulary and the whole model on each rank; this "
+                f"layout has tp={self.dims.tp}, pp={self.dims.pp}: use tp=1 and pp=1 (FSDP/HSDP/CP layouts)"
+            )
 
     @torch.no_grad()
     @offloaded_between_calls

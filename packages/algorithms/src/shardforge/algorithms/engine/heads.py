@@ -151,6 +151,8 @@ class Head(ABC):
     """Whether LoRA adapters can train this head's model (a new head would stay frozen)."""
     has_token_distribution: ClassVar[bool]
     """Whether ``outputs`` can return entropies (loss functions that want them need this)."""
+    has_full_distribution: ClassVar[bool] = False
+    """Whether `distribution_outputs` returns each position's whole next-token distribution."""
 
     temperature: float = 1.0
     """LM heads: log-probs and entropies are those of softmax(logits / T). RL trainers set T to the
@@ -187,6 +189,15 @@ class Head(ABC):
         """[T] per-token outputs of micro-batch ``mb`` (differentiable) and, if asked, [T] entropies."""
         ...
 
+    def distribution_outputs(
+        self, model: nn.Module, ctx: ParallelContext, mb: PackedBatch, *, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``outputs`` plus the [T, V] float32 log-probs of each target's whole distribution (one forward)."""
+        raise ValueError(
+            f"the {self.name!r} head has no full next-token distribution per position (full-vocabulary losses "
+            "need a causal-LM head on a text model)"
+        )
+
 
 class LMHead(Head):
     """The causal LM: target-aligned log-probs (and entropies)."""
@@ -195,6 +206,7 @@ class LMHead(Head):
     supports_pipeline = True
     supports_lora = True
     has_token_distribution = True
+    has_full_distribution = True
 
     def hf_config(self, hf_config: Any) -> Any:
         return hf_config
@@ -219,6 +231,19 @@ class LMHead(Head):
     def outputs(
         self, model: nn.Module, ctx: ParallelContext, mb: PackedBatch, *, entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logprobs, entropies, _ = self._forward(model, ctx, mb, entropy=entropy, distribution=False)
+        return logprobs, entropies
+
+    def distribution_outputs(
+        self, model: nn.Module, ctx: ParallelContext, mb: PackedBatch, *, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        logprobs, entropies, log_p = self._forward(model, ctx, mb, entropy=entropy, distribution=True)
+        assert log_p is not None
+        return logprobs, entropies, log_p
+
+    def _forward(
+        self, model: nn.Module, ctx: ParallelContext, mb: PackedBatch, *, entropy: bool, distribution: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         num_tokens = mb.num_tokens
         padded = _padded(ctx, mb)
         # Next-token targets come from the full sequence, before any CP slicing.
@@ -231,20 +256,28 @@ class LMHead(Head):
         def realign(per_position: torch.Tensor) -> torch.Tensor:
             # Gather CP chunks back to the whole sequence (autograd: each rank keeps its chunk's grad).
             whole = gather_sequence(per_position, cp_group)
-            # Position t predicted token t+1; re-align so entry t belongs to token t.
-            shifted = torch.cat([whole.new_zeros(1), whole[:-1]]).masked_fill(starts, 0.0)
+            # Position t predicted token t+1; re-align so entry (row) t belongs to token t.
+            shifted = torch.cat([whole.new_zeros((1, *whole.shape[1:])), whole[:-1]])
+            shifted = shifted.masked_fill(starts.view(-1, *([1] * (whole.dim() - 1))), 0.0)
             return shifted[:num_tokens]
 
-        entropies = None
+        scaled = logits / self.temperature if self.temperature != 1.0 else logits
+        entropies = log_p = None
+        if distribution:
+            if isinstance(scaled, DTensor):
+                raise ValueError(
+                    "full-vocabulary losses need each position's whole distribution on one rank, but tp > 1 shards "
+                    "the vocabulary; use a layout with tp=1 (FSDP/HSDP/CP) or a per-token loss"
+                )
+            log_p = F.log_softmax(scaled.float(), dim=-1)
         if entropy:
-            scaled = logits / self.temperature if self.temperature != 1.0 else logits
             if isinstance(scaled, DTensor):
                 entropies = vocab_parallel_entropy(scaled)
             else:
-                log_p = F.log_softmax(scaled.float(), dim=-1)
-                entropies = -(log_p.exp() * log_p).sum(-1)
+                lp = log_p if log_p is not None else F.log_softmax(scaled.float(), dim=-1)
+                entropies = -(lp.exp() * lp).sum(-1)
             entropies = realign(entropies)
-        return realign(next_logprobs), entropies
+        return realign(next_logprobs), entropies, (realign(log_p) if log_p is not None else None)
 
 
 class ValueHead(Head):

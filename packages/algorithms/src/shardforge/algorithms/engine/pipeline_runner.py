@@ -179,10 +179,19 @@ class PipelineRunner:
         return self.ctx.local_rank("pp") == 0 and self.ctx.local_rank("tp") == 0
 
     def forward_backward(
-        self, mbs: MicroBatches, loss_fn: LossFn, grad_scale: float, *, wants_entropy: bool
+        self,
+        mbs: MicroBatches,
+        loss_fn: LossFn,
+        grad_scale: float,
+        *,
+        wants_entropy: bool,
+        wants_distribution: bool = False,
     ) -> tuple[float, dict[str, float]]:
-        if wants_entropy:
-            raise NotImplementedError("entropy-aware losses (loss_fn.wants_entropy) are not supported with pp > 1 yet")
+        if wants_entropy or wants_distribution:
+            raise NotImplementedError(
+                "entropy- or distribution-aware losses (loss_fn.wants_entropy / wants_distribution) are not "
+                "supported with pp > 1 yet"
+            )
         kwargs, input_ids, num_tokens = mbs.data
         cu_rows = kwargs["cu_seqlens"]
 
@@ -218,6 +227,9 @@ class PipelineRunner:
             return mbs, None
         rows = [_aligned(out[i], kwargs["cu_seqlens"][i], num_tokens[i]).float().cpu() for i in range(len(mbs.items))]
         return mbs, rows
+
+    def forward_distribution(self, batch: PackedBatch, top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError("full next-token distributions are not supported with pp > 1 yet; use pp=1")
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Computed on the last stage, broadcast to the pp group."""

@@ -28,7 +28,8 @@ from shardforge.fsdp_wrap import clip_grad_norm_, total_grad_norm
 __all__ = ["LossFn", "LossWeightFn", "MicroBatches", "Report", "Runner", "SPMDRunner", "dummy_microbatch"]
 
 LossFn = Any
-"""(outputs [T], micro-batch[, entropy=[T]]) -> summed loss (see `shardforge.algorithms.engine.LossFn`)."""
+"""(outputs [T], micro-batch[, entropy=[T]][, distribution=[T, V]]) -> summed loss (see
+`shardforge.algorithms.engine.LossFn`)."""
 LossWeightFn = Any
 """micro-batch -> its weight in the global normalisation."""
 
@@ -58,7 +59,13 @@ class Runner(Protocol):
     def microbatches(self, batch: PackedBatch) -> MicroBatches: ...
 
     def forward_backward(
-        self, mbs: MicroBatches, loss_fn: LossFn, grad_scale: float, *, wants_entropy: bool
+        self,
+        mbs: MicroBatches,
+        loss_fn: LossFn,
+        grad_scale: float,
+        *,
+        wants_entropy: bool,
+        wants_distribution: bool = False,
     ) -> tuple[float, dict[str, float]]:
         """Run every micro-batch forward and backward with losses scaled by ``grad_scale``; return
         this rank's unscaled loss sum and extra statistics."""
@@ -73,6 +80,8 @@ class Runner(Protocol):
         ...
 
     def forward(self, batch: PackedBatch) -> torch.Tensor: ...
+
+    def forward_distribution(self, batch: PackedBatch, top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def eval_sums(self, batch: PackedBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> Report: ...
 
@@ -117,16 +126,30 @@ class SPMDRunner:
         return MicroBatches(split_microbatches(batch, budget, group=group))
 
     def forward_backward(
-        self, mbs: MicroBatches, loss_fn: LossFn, grad_scale: float, *, wants_entropy: bool
+        self,
+        mbs: MicroBatches,
+        loss_fn: LossFn,
+        grad_scale: float,
+        *,
+        wants_entropy: bool,
+        wants_distribution: bool = False,
     ) -> tuple[float, dict[str, float]]:
         loss_sum = torch.zeros((), dtype=torch.float64)
         for _, mb in mbs.items:
             real = mb is not None
             mb = (mb if mb is not None else dummy_microbatch()).to(self.ctx.device)
             with replaying(self.replay, mb):  # forward and backward (activation-checkpoint recompute)
+                kwargs: dict[str, Any] = {}
                 with recording(self.moe, mb.num_tokens, real):
-                    outputs, entropy = self.head.outputs(self.model, self.ctx, mb, entropy=wants_entropy)
-                loss = loss_fn(outputs, mb, entropy=entropy) if wants_entropy else loss_fn(outputs, mb)
+                    if wants_distribution:
+                        outputs, entropy, kwargs["distribution"] = self.head.distribution_outputs(
+                            self.model, self.ctx, mb, entropy=wants_entropy
+                        )
+                    else:
+                        outputs, entropy = self.head.outputs(self.model, self.ctx, mb, entropy=wants_entropy)
+                if wants_entropy:
+                    kwargs["entropy"] = entropy
+                loss = loss_fn(outputs, mb, **kwargs)
                 if not real:
                     loss = loss * 0.0
                 (loss * grad_scale + aux_term(self.moe, len(mbs.items))).backward()
@@ -156,6 +179,32 @@ class SPMDRunner:
             if mb is not None:
                 scatter_rows(out, bounds, indices, values)
         return out
+
+    def forward_distribution(self, batch: PackedBatch, top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[T, V] float32 log-probs of each target's distribution (rows off ``loss_mask`` are 0; top_k > 0:
+        the [T, k] largest and their [T, k] token ids), on the host."""
+        bounds = batch.cu_seqlens.tolist()
+        rows: torch.Tensor | None = None
+        ids: torch.Tensor | None = None
+        for indices, mb in self.microbatches(batch).items:
+            run = mb if mb is not None else dummy_microbatch()  # every rank runs as many forwards (FSDP)
+            with replaying(self.replay, run):
+                log_p = self.head.distribution_outputs(self.model, self.ctx, run, entropy=False)[2]
+            if mb is None:
+                continue
+            log_p = log_p.masked_fill((mb.loss_mask == 0).to(log_p.device)[:, None], 0.0)
+            top = log_p.topk(top_k, dim=-1) if top_k > 0 else None
+            values = (top.values if top is not None else log_p).cpu()
+            if rows is None:
+                rows = torch.zeros(batch.num_tokens, values.shape[1], dtype=torch.float32)
+                ids = torch.zeros(batch.num_tokens, top_k, dtype=torch.long) if top is not None else None
+            scatter_rows(rows, bounds, indices, values)
+            if top is not None and ids is not None:
+                scatter_rows(ids, bounds, indices, top.indices.cpu())
+        if rows is None:  # no sequence on this rank
+            rows = torch.zeros(batch.num_tokens, max(top_k, 0), dtype=torch.float32)
+            ids = torch.zeros(batch.num_tokens, top_k, dtype=torch.long) if top_k > 0 else None
+        return rows, ids
 
     def eval_sums(self, batch: PackedBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> Report:
         loss_sum, weight = 0.0, 0.0

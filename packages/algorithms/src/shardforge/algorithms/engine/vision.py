@@ -111,6 +111,12 @@ class VisionLMHead(LMHead):
     name = "lm"
     supports_pipeline = False
     supports_lora = True
+    has_full_distribution = False  # `distribution_outputs` is LMHead's text-only forward: not for visual inputs
+
+    def distribution_outputs(
+        self, model: nn.Module, ctx: ParallelContext, mb: PackedBatch, *, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        raise ValueError("full-vocabulary losses are not supported for image+text models yet; use a per-token loss")
 
     def model_class(self) -> Any:
         from transformers import AutoModelForImageTextToText

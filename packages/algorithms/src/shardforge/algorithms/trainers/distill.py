@@ -14,6 +14,14 @@ outcome reward through the GRPO estimator (KDRL-style; needs group_size >= 2 unl
 ``advantage: dr_grpo``). The PPO-clip loss, rollout correction, evaluation and checkpoints are GRPO's.
 Metrics: ``distill/reverse_kl`` (per-token mean over the global batch), ``distill/teacher_logprob``.
 
+``distill_loss`` other than ``token_reverse_kl`` replaces that single-sample advantage by an exact
+per-position divergence over the whole vocabulary (GKD's full-distribution form; `DIVERGENCES`:
+``full_reverse_kl``, ``full_forward_kl``, ``jsd`` with TRL's ``beta``) on the student's own samples:
+the teacher's [T, V] log-probs (float32, response rows only, or its top ``teacher_top_k`` tokens plus a
+tail bucket) travel in the packed batch and the loss differentiates through the student's whole
+distribution, ``distill_coef * D_t`` per target, aggregated like the actor loss; a task reward still
+enters through the PPO term's advantages. Metric: ``distill/<distill_loss>`` (per-token mean).
+
 ``mode: off_policy`` is supervised (sequence-level) distillation on the teacher's samples (Kim & Rush
 2016, "Sequence-Level Knowledge Distillation"): the teacher generates (on its own rollout engine, ``teacher_engine``: the embedded HF
 engine or vLLM with the run's ``vllm:`` options; it never receives the student's weights) and the student minimises its negative log-likelihood
@@ -34,7 +42,16 @@ from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.batching.collectives import all_reduce_sum
 from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.loading import load_hf_config
+from shardforge.algorithms.objectives.distillation import (
+    DIVERGENCES,
+    TEACHER_LOGPROBS,
+    TEACHER_TOKEN_IDS,
+    DistributionDistillTerm,
+    FullDistillActorLossFn,
+    FullDistillOnPolicyActorLossFn,
+)
 from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
+from shardforge.algorithms.objectives.on_policy import OnPolicyActorLossFn
 from shardforge.algorithms.objectives.rollout_correction import BEHAVIOUR_LOGPROBS, RolloutCorrectionConfig
 from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, AdvantageEstimator
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, RolloutEngineKind, build_rollout_engine
@@ -58,7 +75,16 @@ class DistillConfig(GRPOConfig):
     advantage: AdvantageEstimator = "dr_grpo"
     """Outcome estimator for the task-reward term (task_reward_coef > 0)."""
     distill_coef: float = 1.0
-    """Weight of the per-token reverse-KL advantage (teacher - student log-prob)."""
+    """Weight of the distillation signal (the per-token reverse-KL advantage, or the full-distribution loss term)."""
+    distill_loss: Literal["token_reverse_kl", "full_reverse_kl", "full_forward_kl", "jsd"] = "token_reverse_kl"
+    """on_policy: token_reverse_kl = the sampled token's log-ratio as a PPO advantage (single-sample estimate);
+    full_reverse_kl / full_forward_kl / jsd = the exact per-position divergence over the vocabulary in the loss
+    (GKD; the teacher's [T, V] log-probs travel with the batch)."""
+    beta: float = 0.5
+    """distill_loss=jsd: the teacher's weight in the mixture (TRL GKD's beta: 0 = forward KL, 1 = reverse KL)."""
+    teacher_top_k: int = 0
+    """Full-distribution losses: keep the teacher's k most likely tokens per position plus one tail bucket
+    (memory T x k instead of T x V); 0 = the whole vocabulary (exact)."""
     task_reward_coef: float = 0.0
     """Weight of the outcome-reward advantage (0 = pure distillation)."""
     kl_baseline: Literal["none", "mean"] = "none"
@@ -77,6 +103,7 @@ class DistillConfig(GRPOConfig):
                 f"distill_coef={self.distill_coef} and task_reward_coef={self.task_reward_coef} must be >= 0 and not "
                 "both 0 (distill_coef=1, task_reward_coef=0 is pure on-policy distillation)"
             )
+        _check_distill_loss(self)
         if self.mode == "off_policy":
             _check_off_policy(self)
         elif self.teacher_engine != "hf":
@@ -85,6 +112,32 @@ class DistillConfig(GRPOConfig):
                 "(on_policy: the student samples and the teacher scores in the trainer); use mode=off_policy or "
                 "teacher_engine=hf"
             )
+
+
+def _check_distill_loss(config: DistillConfig) -> None:
+    """Refuse full-distribution settings that cannot apply (the layout and mode rules of those losses)."""
+    from shardforge.mesh import ParallelDims
+
+    if config.distill_loss == "token_reverse_kl":
+        if config.teacher_top_k:
+            raise ValueError(f"teacher_top_k={config.teacher_top_k} needs a full-distribution distill_loss "
+                             f"({', '.join(DIVERGENCES.names())}); token_reverse_kl reads one log-prob per token")  # fmt: skip
+        return
+    problems = []
+    if config.mode != "on_policy":
+        problems.append(f"mode={config.mode!r} (use mode=on_policy: the teacher scores the student's samples)")
+    if config.kl_baseline != "none":
+        problems.append(f"kl_baseline={config.kl_baseline!r} (a baseline for the single-sample advantage only)")
+    if not 0.0 <= config.beta <= 1.0:
+        problems.append(f"beta={config.beta} (must be in [0, 1])")
+    if config.teacher_top_k < 0:
+        problems.append(f"teacher_top_k={config.teacher_top_k} (>= 0; 0 = the whole vocabulary)")
+    dims = ParallelDims.parse(config.layout)
+    if dims.tp > 1 or dims.pp > 1:
+        problems.append(f"layout={config.layout!r} with tp={dims.tp}, pp={dims.pp} (the loss needs the whole "
+                        "vocabulary and model on each rank: FSDP/HSDP/CP layouts)")  # fmt: skip
+    if problems:
+        raise ValueError(f"distill_loss={config.distill_loss!r} does not take " + "; ".join(problems))
 
 
 def _check_off_policy(config: DistillConfig) -> None:
@@ -147,8 +200,34 @@ class DistillTrainer(GRPOTrainer):
         _check_vocab(self.teacher.hf_config.vocab_size, engine.hf_config.vocab_size)
         if config.temperature > 0:
             self.teacher.logprob_temperature = config.temperature
+        if 0 < config.teacher_top_k and config.teacher_top_k >= engine.hf_config.vocab_size:
+            raise ValueError(
+                f"teacher_top_k={config.teacher_top_k} keeps the whole vocabulary ({engine.hf_config.vocab_size}); "
+                "set teacher_top_k=0 (exact) or a smaller k"
+            )
         self.advantage_hook = self._distill_hook
         return engine
+
+    def setup(self, start: int, restored: dict[str, Any]) -> None:
+        super().setup(start, restored)
+        config = self.config
+        assert isinstance(config, DistillConfig)
+        if config.distill_loss == "token_reverse_kl":
+            return
+        # the PPO actor loss keeps the task-reward term (advantages: task_reward_coef * A_task), plus the divergence
+        term = DistributionDistillTerm(divergence=config.distill_loss, beta=config.beta, coef=config.distill_coef)
+        if isinstance(self.actor, OnPolicyActorLossFn):
+            self.actor = FullDistillOnPolicyActorLossFn(self.actor.config, self.actor.correction, term)
+        else:
+            self.actor = FullDistillActorLossFn(self.actor.config, term)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        stats = super().train_step(step)
+        config = self.config
+        assert isinstance(config, DistillConfig)
+        if "actor/distill_divergence" in stats:  # the loss term's per-token mean, under the loss's name
+            stats[f"distill/{config.distill_loss}"] = stats.pop("actor/distill_divergence")
+        return stats
 
     def sampling_rollout(self, rollout: PublishedRolloutEngine) -> PublishedRolloutEngine:
         config = self.config
@@ -181,10 +260,11 @@ class DistillTrainer(GRPOTrainer):
     def _distill_hook(self, batch: PackedBatch) -> dict[str, float]:
         config = self.config
         assert isinstance(config, DistillConfig)
-        teacher = self.teacher.forward(batch)
+        full = config.distill_loss != "token_reverse_kl"
+        teacher = self._teacher_rows(batch) if full else self.teacher.forward(batch)
         advantages, reverse_kl = distill_advantages(
-            batch, teacher, distill_coef=config.distill_coef, task_reward_coef=config.task_reward_coef
-        )
+            batch, teacher, distill_coef=0.0 if full else config.distill_coef, task_reward_coef=config.task_reward_coef
+        )  # full-distribution losses: the divergence is in the loss, the advantage carries the task reward only
         mask = batch.loss_mask != 0
         kl_sum, teacher_sum, count = all_reduce_sum(
             reverse_kl.double().sum(), teacher.double()[mask].sum(), mask.sum(),
@@ -198,6 +278,21 @@ class DistillTrainer(GRPOTrainer):
             "distill/reverse_kl": kl_sum / max(count, 1.0),
             "distill/teacher_logprob": teacher_sum / max(count, 1.0),
         }
+
+    def _teacher_rows(self, batch: PackedBatch) -> torch.Tensor:
+        """Put the teacher's per-position rows into ``batch.extras``; return its [T] log-prob of each sampled
+        token (top-k: the token's bucket, i.e. the tail's log-mass when the token is outside the top k)."""
+        config = self.config
+        assert isinstance(config, DistillConfig)
+        rows, ids = self.teacher.forward_distribution(batch, top_k=config.teacher_top_k)
+        batch.extras[TEACHER_LOGPROBS] = rows
+        tokens = batch.input_ids[:, None]
+        if ids is None:
+            return rows.gather(1, tokens)[:, 0]
+        batch.extras[TEACHER_TOKEN_IDS] = ids
+        tail = torch.log(torch.clamp(1.0 - rows.exp().sum(-1), min=torch.finfo(torch.float32).tiny))
+        hit = ids == tokens
+        return torch.where(hit.any(-1), (rows * hit).sum(-1), tail)
 
 
 def _check_vocab(teacher: int, student: int) -> None:
