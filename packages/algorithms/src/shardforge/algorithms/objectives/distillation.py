@@ -83,9 +83,9 @@ def generalized_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float) -
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"jsd beta={beta} must be in [0, 1] (0: forward KL, 1: reverse KL, in between: JSD)")
     if beta == 0.0:  # the mixture is the student: TRL special-cases the ends to the two KLs
-        return full_forward_kl(student, teacher)
+        return full_forward_kl(student, teacher, 0.0)
     if beta == 1.0:
-        return full_reverse_kl(student, teacher)
+        return full_reverse_kl(student, teacher, 1.0)
     weights = torch.tensor([1.0 - beta, beta], dtype=student.dtype, device=student.device).log()
     mixture = torch.logsumexp(torch.stack([student + weights[0], teacher + weights[1]]), dim=0)
     return beta * _kl(teacher, mixture) + (1.0 - beta) * _kl(student, mixture)
