@@ -111,28 +111,12 @@ def test_scheduler_follows_lr_factor():
     assert seen == pytest.approx([1.0, 2.0, 2.0, 1.5, 1.0, 0.5, 0.0])
 
 
-def test_fused_is_chosen_for_cuda_and_plain_cpu_parameters_unless_asked():
-    from torch.distributed.tensor import DTensor
-
+def test_fused_is_chosen_on_cuda_only_unless_asked():
     from shardforge.memory import AnyPrecisionAdamW
-    from shardforge.mesh.testing import fake_process_group
 
     model = nn.Linear(4, 4)
     default = build_optimizer(model, OptimizerConfig())
-    assert default.defaults["fused"] is True  # plain CPU fp32 parameters (world 1, DDP): fused, as transformers
-    loop = build_optimizer(model, OptimizerConfig(fused=False))
-    assert loop.defaults["foreach"] is False and not loop.defaults["fused"]
-    with fake_process_group(world_size=1):  # sharded (DTensor) CPU parameters: the plain loop
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        mesh = init_device_mesh("cpu", (1,))
-        sharded = nn.Linear(4, 4)
-        sharded.weight = nn.Parameter(distribute_tensor(sharded.weight.data, mesh, [Shard(0)]))
-        sharded.bias = nn.Parameter(distribute_tensor(sharded.bias.data, mesh, [Shard(0)]))
-        assert isinstance(sharded.weight, DTensor)
-        on_dtensor = build_optimizer(sharded, OptimizerConfig())
-        assert on_dtensor.defaults["foreach"] is False and not on_dtensor.defaults["fused"]
+    assert default.defaults["foreach"] is False and not default.defaults["fused"]  # CPU: the plain loop
     forced = build_optimizer(model, OptimizerConfig(fused=True))
     assert forced.defaults["fused"] is True
     anyp = build_optimizer(model, OptimizerConfig(name="anyprecision_adamw", fused=False))

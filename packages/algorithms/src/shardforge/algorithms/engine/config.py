@@ -56,10 +56,9 @@ class OptimizerConfig:
     """Clip the global gradient norm to this value (None = no clipping)."""
     fused: bool | None = None
     """One fused kernel per update instead of an eager per-parameter loop: torch AdamW's
-    ``fused=True``, AnyPrecisionAdamW's compiled update. None = AdamW fused on CUDA parameters and on
-    plain (world 1 / DDP) CPU parameters, as `transformers` >= 5 does (4x faster than the loop on the
-    demo model); sharded CPU parameters keep the eager loop; AnyPrecisionAdamW compiles on CUDA only
-    (on an H100 its eager loop was half of a 1B model's step)."""
+    ``fused=True``, AnyPrecisionAdamW's compiled update. None = on CUDA parameters only (on an H100
+    the eager AnyPrecisionAdamW loop was half of a 1B model's step); the eager loop on CPU keeps
+    updates bit-identical across layouts."""
 
     def __post_init__(self) -> None:
         if self.name not in ("adamw", "anyprecision_adamw"):
