@@ -118,6 +118,7 @@ def _run_sft_on_rank(config_path: str) -> dict:
     return summary if dist.get_rank() == 0 else {}
 
 
+@pytest.mark.heavy  # heavy (~50 s, 93 s under load): CI keeps the two-node preflight launch and the torchrun flags
 def test_two_node_sft_reproduces_the_single_node_run(tmp_path, assets):
     """The reference is the same config on one node's 2 ranks (the shared rank pool: what
     `shardforge train sft --nproc-per-node 2` runs on each rank, without a second CLI start-up)."""
