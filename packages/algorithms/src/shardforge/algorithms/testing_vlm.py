@@ -298,11 +298,7 @@ def vlm_grpo_steps(model_dir: str, train: str, layout: str, steps: int = 2, grou
     rollout = HFRolloutEngine(model_dir, tokenizer)
     workflow = RLVRWorkflow(WorkflowConfig(), tokenizer, colour_overlap_reward)
     actor = PPOActorLossFn()
-    rows = [
-        PromptRow(index=i, prompt=prompts.texts[i], reference=prompts.references[i], prompt_ids=prompts.ids[i],
-                  images=prompts.image(i))
-        for i in range(len(prompts))
-    ]  # fmt: skip
+    rows = [PromptRow.from_prompts(prompts, i, index=i) for i in range(len(prompts))]
     mine = [i for i in range(len(rows) * group_size) if (i // group_size) % engine.dp_size == engine.dp_rank]
     losses, gaps, rewards = [], [], []
     for step in range(steps):

@@ -65,16 +65,7 @@ def workflow_round_fn(
             temperature=config.temperature,
             seed=(config.seed * 1_000_003 + index) * 1_009 + dp_rank + 104_729 * round_,
         )
-        rows = [
-            PromptRow(
-                index=g,
-                prompt=prompts.texts[i],
-                reference=prompts.references[i],
-                prompt_ids=prompts.ids[i],
-                images=prompts.image(i),
-            )
-            for g, i in enumerate(indices)
-        ]
+        rows = [PromptRow.from_prompts(prompts, i, index=g) for g, i in enumerate(indices)]
         # Every (prompt, sample) is one concurrent episode; their generate calls are batched per round.
         # max_failed_fraction=0: a crash raises as it is (no group is dropped).
         drop = config.workflow.max_failed_fraction > 0

@@ -89,16 +89,7 @@ def evaluate_workflow(
     mine = list(range(count))[engine.dp_rank :: engine.dp_size]
     n, ks = sampling.samples, sampling.pass_k
     guarded = _ScoredZeroOnError(workflow)
-    rows = [
-        PromptRow(
-            index=g,
-            prompt=prompts.texts[i],
-            reference=prompts.references[i],
-            prompt_ids=prompts.ids[i],
-            images=prompts.image(i),
-        )
-        for g, i in enumerate(mine)
-    ]
+    rows = [PromptRow.from_prompts(prompts, i, index=g) for g, i in enumerate(mine)]
 
     def local(rollout_: RolloutEngine) -> dict[str, float]:
         sums = _greedy_sums([], sampling.correct_threshold) | {"sampled_len": 0.0, "sampled_failed": 0.0}

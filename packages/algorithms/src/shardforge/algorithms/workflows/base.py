@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shardforge.algorithms.batching.visual import ImageInputs
 from shardforge.algorithms.registry import Registry
 from shardforge.algorithms.rollout.request_queue import EpisodeHandle
 from shardforge.algorithms.rollout.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from shardforge.algorithms.rlvr import PromptSet
 
 __all__ = [
     "WORKFLOWS",
@@ -87,6 +90,17 @@ class PromptRow:
     images: ImageInputs | None = None
     """The prompt's images (a vision-language model's image prompt; None: text only). Every generate call
     of the row's episodes carries them, and so do its trajectories."""
+
+    @classmethod
+    def from_prompts(cls, prompts: PromptSet, i: int, index: int) -> PromptRow:
+        """Prompt ``i`` of a loaded `rlvr.PromptSet` as the row at ``index`` of this rank's batch."""
+        return cls(
+            index=index,
+            prompt=prompts.texts[i],
+            reference=prompts.references[i],
+            prompt_ids=prompts.ids[i],
+            images=prompts.image(i),
+        )
 
 
 class Workflow(Protocol):
