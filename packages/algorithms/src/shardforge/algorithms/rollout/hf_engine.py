@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import LogitsProcessor, LogitsProcessorList, TopPLogitsWarper
 
 from shardforge.algorithms.engine.config import parse_dtype
+from shardforge.algorithms.rollout.seeds import SEED_LIMIT, prompt_seeds
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.weight_sync import DiskWeightSource, WeightReceiver, WeightVersionError
 
@@ -97,27 +99,30 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
-        """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together)."""
+        """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together).
+
+        Sample ``j`` of prompt ``i`` draws from its own generator, seeded ``seeds[i] + j`` (`rollout.seeds`):
+        what it samples does not depend on the other rows of the batch, on ``batch_size`` or on chunking."""
         if len(prompts) == 0:
             raise ValueError("generate() needs at least one prompt")
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty")
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+        uniforms = None if params.temperature == 0 else _row_uniforms(params, len(prompts))
         out: list[Rollout] = []
-        # fork_rng restores the generators it forks: the GPU's too when sampling there (manual_seed reseeds it).
-        devices = [self.device] if self.device.type == "cuda" else []
-        seed_ctx = torch.random.fork_rng(devices=devices) if params.seed is not None else contextlib.nullcontext()
-        with seed_ctx:
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
-            for start in range(0, len(rows), self.batch_size):
-                batch = rows[start : start + self.batch_size]
-                chunked = self.interrupt_chunk_tokens is not None
-                out += self._generate_interruptible(batch, params) if chunked else self._generate_chunk(batch, params)
+        for start in range(0, len(rows), self.batch_size):
+            batch = rows[start : start + self.batch_size]
+            draws = None if uniforms is None else uniforms[start : start + self.batch_size]
+            if self.interrupt_chunk_tokens is not None:
+                out += self._generate_interruptible(batch, params, draws)
+            else:
+                out += self._generate_chunk(batch, params, draws)
         return out
 
-    def _generate_interruptible(self, rows: list[tuple[int, list[int]]], params: SamplingParams) -> list[Rollout]:
+    def _generate_interruptible(
+        self, rows: list[tuple[int, list[int]]], params: SamplingParams, uniforms: torch.Tensor | None
+    ) -> list[Rollout]:
         """Partial rollouts: ``interrupt_chunk_tokens`` new tokens at a time; between chunks `between_chunks`
         may load newer weights, and unfinished rows continue from their prompt + generated ids (the
         context is recomputed under the new weights, as AReaL's interruptible generation does). Rows that
@@ -131,7 +136,10 @@ class HFRolloutEngine:
         while True:
             budget = min(self.interrupt_chunk_tokens, remaining)
             context = [(rows[i][0], rows[i][1] + ids[i]) for i in active]
-            parts = self._generate_chunk(context, dataclasses.replace(params, max_new_tokens=budget))
+            # Unfinished rows generated every token so far: each continues at the same position of its stream.
+            done = params.max_new_tokens - remaining
+            draws = None if uniforms is None else uniforms[active, done : done + budget]
+            parts = self._generate_chunk(context, dataclasses.replace(params, max_new_tokens=budget), draws)
             for i, part in zip(active, parts, strict=True):
                 ids[i] += part.response_ids
                 logprobs[i] += part.logprobs
@@ -156,28 +164,27 @@ class HFRolloutEngine:
             for i, (prompt_index, prompt) in enumerate(rows)
         ]
 
-    def _generate_chunk(self, rows: list[tuple[int, list[int]]], params: SamplingParams) -> list[Rollout]:
+    def _generate_chunk(
+        self, rows: list[tuple[int, list[int]]], params: SamplingParams, uniforms: torch.Tensor | None
+    ) -> list[Rollout]:
         width = max(len(p) for _, p in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
         for row, (_, ids) in enumerate(rows):  # left padding: every prompt ends at the same column
             input_ids[row, width - len(ids) :] = torch.tensor(ids)
             attention[row, width - len(ids) :] = 1
-        greedy = params.temperature == 0
-        sampling: dict[str, Any] = (
-            {"do_sample": False}
-            if greedy
-            else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
-        )
+        greedy = uniforms is None
+        # Sampling is the logits processor's (one uniform per row and token); `generate` then takes its argmax.
+        sampler = [] if greedy else [_RowSampler(uniforms.to(self.device), width, params)]
         recording = self.replay.record() if self.replay is not None else contextlib.nullcontext(None)
         with recording as routed:
-            result = self._run_generate(input_ids, attention, params, sampling)
+            result = self._run_generate(input_ids, attention, params, LogitsProcessorList(sampler))
         new_tokens_dev = result.sequences[:, width:]
         routing = routed_per_row(routed, rows, width, new_tokens_dev.shape[1]) if routed is not None else None
         return self._rollouts(rows, result, new_tokens_dev, greedy, params, routing)
 
     def _run_generate(
-        self, input_ids: torch.Tensor, attention: torch.Tensor, params: SamplingParams, sampling: dict[str, Any]
+        self, input_ids: torch.Tensor, attention: torch.Tensor, params: SamplingParams, sampler: LogitsProcessorList
     ) -> Any:
         return self.model.generate(
             input_ids=input_ids.to(self.device),
@@ -187,7 +194,8 @@ class HFRolloutEngine:
             eos_token_id=self.eos_id,
             output_logits=True,
             return_dict_in_generate=True,
-            **sampling,
+            do_sample=False,
+            logits_processor=sampler,
         )
 
     def _rollouts(
@@ -225,6 +233,43 @@ class HFRolloutEngine:
                 )
             )
         return rollouts
+
+
+def _row_uniforms(params: SamplingParams, num_prompts: int) -> torch.Tensor:
+    """[rows, max_new_tokens] float64 uniforms: row (prompt i, sample j) from a generator seeded ``seeds[i] + j``
+    (unseeded: seeds drawn from the global torch generator, so ``torch.manual_seed`` still fixes them). Drawn on
+    the CPU, one short call per row: the same numbers on every device and machine."""
+    seeds = prompt_seeds(params, num_prompts)
+    if seeds is None:
+        seeds = torch.randint(0, SEED_LIMIT - params.n, (num_prompts,)).tolist()
+    generator = torch.Generator()
+    draws = []
+    for seed in seeds:
+        for j in range(params.n):
+            generator.manual_seed(seed + j)
+            draws.append(torch.rand(params.max_new_tokens, generator=generator, dtype=torch.float64))
+    return torch.stack(draws)
+
+
+class _RowSampler(LogitsProcessor):
+    """Samples each row's next token by inverting the CDF of its own softmax(scores / temperature) (top-p as HF's
+    warper) at the row's uniform for this position, and leaves only that token finite (greedy search picks it).
+    A row's sample depends on its logits and its uniform alone, never on the batch's other rows."""
+
+    def __init__(self, uniforms: torch.Tensor, width: int, params: SamplingParams) -> None:
+        self.uniforms, self.width, self.temperature = uniforms, width, params.temperature
+        self.top_p = TopPLogitsWarper(params.top_p) if params.top_p < 1 else None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scaled = scores.float() / self.temperature
+        if self.top_p is not None:
+            scaled = self.top_p(input_ids, scaled)
+        cdf = torch.softmax(scaled, dim=-1).double().cumsum(dim=-1)
+        u = self.uniforms[:, input_ids.shape[1] - self.width, None] * cdf[:, -1:]
+        # The first token whose CDF exceeds u (right=True: a zero-probability token is never picked).
+        token = torch.searchsorted(cdf, u, right=True).clamp_(max=scores.shape[-1] - 1)
+        chosen = torch.full_like(scores, float("-inf"))
+        return chosen.scatter_(1, token, 0.0)  # type: ignore[return-value]
 
 
 def routed_per_row(

@@ -82,6 +82,9 @@ class PromptRow:
     """The reference answer the reward function checks."""
     prompt_ids: list[int]
     """The prompt tokenised without a chat template (what rlvr feeds the engine)."""
+    seed: int | None = None
+    """Seed of this prompt's episodes (sample ``j``: ``seed + j``; see `rollout.seeds`), so they sample the same
+    whichever rank runs them; None: derived from the call's ``SamplingParams.seed`` and ``index``."""
 
 
 class Workflow(Protocol):
