@@ -148,7 +148,14 @@ def test_the_async_source_switches_weights_between_chunks_and_checkpoints_token_
     r = second.rollouts[0]
     assert (second.policy_step, r.token_versions, r.version) == (0, [10, 11, 11], 10)
     # This rank's counts (the trainer sums them over ranks into partial/*): lags [1, 0, 0].
-    counts = {"lag_sum": 1.0, "tokens": 3.0, "fresher_tokens": 2.0, "interrupted": 1.0, "sequences": 1.0, "lag_max": 1.0}
+    counts = {
+        "lag_sum": 1.0,
+        "tokens": 3.0,
+        "fresher_tokens": 2.0,
+        "interrupted": 1.0,
+        "sequences": 1.0,
+        "lag_max": 1.0,
+    }
     assert second.stats == counts
     assert staleness_metrics(second.stats) == {"partial/token_staleness_mean": 1 / 3, "partial/token_staleness_max": 1.0,
                                                "partial/fresher_token_frac": 2 / 3, "partial/interrupted_frac": 1.0}  # fmt: skip
@@ -284,7 +291,9 @@ def test_grpo_with_partial_rollouts_two_ranks_match_world1(
     # Every request samples from a seed of (run seed, step, round, global prompt position, sample, turn), so
     # FSDP 2's ranks (2 prompts x 4 samples each) sample what world 1 (4 x 4) samples from the same weights.
     shared = {k: assets[k] for k in ("model", "train", "root")}
-    runs = get_rank_pool(2).run(_train_and_weights, shared, tmp_path / layout, layout=layout, save_every=0, timeout_s=300)
+    runs = get_rank_pool(2).run(
+        _train_and_weights, shared, tmp_path / layout, layout=layout, save_every=0, timeout_s=300
+    )
     d1, fsdp = _train(partial_d1), runs[0]
     weights = {}
     for path in sorted((partial_d1 / "hf").glob("*.safetensors")):

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from shardforge.algorithms.engine.config import parse_dtype
 from shardforge.algorithms.log import get_logger
+from shardforge.algorithms.rollout.seeds import prompt_seeds
 from shardforge.algorithms.rollout.server_health import (
     REQUEST_FAILURES,
     HealthCounters,
@@ -51,7 +52,6 @@ from shardforge.algorithms.rollout.server_health import (
     down_message,
     probe_health,
 )
-from shardforge.algorithms.rollout.seeds import prompt_seeds
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.algorithms.rollout.vllm_engine import (
     VLLMOptions,

@@ -69,9 +69,12 @@ def workflow_round_fn(
         params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=seed)
         rows = [
             PromptRow(
-                index=g, prompt=prompts.texts[i], reference=prompts.references[i], prompt_ids=prompts.ids[i],
+                index=g,
+                prompt=prompts.texts[i],
+                reference=prompts.references[i],
+                prompt_ids=prompts.ids[i],
                 seed=request_seed(seed, position, config.group_size),
-            )  # fmt: skip
+            )
             for g, (i, position) in enumerate(zip(indices, positions, strict=True))
         ]
         # Every (prompt, sample) is one concurrent episode; their generate calls are batched per round.
