@@ -87,6 +87,9 @@ class PromptRow:
     images: ImageInputs | None = None
     """The prompt's images (a vision-language model's image prompt; None: text only). Every generate call
     of the row's episodes carries them, and so do its trajectories."""
+    seed: int | None = None
+    """Seed of this prompt's episodes (sample ``j``: ``seed + j``; see `rollout.seeds`), so they sample the same
+    whichever rank runs them; None: derived from the call's ``SamplingParams.seed`` and ``index``."""
 
 
 class Workflow(Protocol):
