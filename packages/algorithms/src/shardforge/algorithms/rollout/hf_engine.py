@@ -307,7 +307,7 @@ class HFRolloutEngine:
         greedy = uniforms is None
         # Sampling is the logits processor's (one uniform per row and token); `generate` then takes its argmax.
         # `width` counts the cached columns too: the processor's step index is independent of reuse.
-        sampler = [] if greedy else [RowSampler(uniforms.to(self.device), width, params)]
+        sampler = [] if uniforms is None else [RowSampler(uniforms.to(self.device), width, params)]
         extra: dict[str, Any] = {"logits_processor": LogitsProcessorList(sampler)}
         recording = self.replay.record() if self.replay is not None else contextlib.nullcontext(None)
         if self.suppress_tokens:
