@@ -6,8 +6,8 @@ the background generator, and resume.
   thread timing, so world 1 and TP 2 (2 processes, each with its own generator thread; the
   same data-parallel size, hence the same sampling seeds) give the same metrics and weights,
   and stale batches are corrected by the rollout-correction weight (behaviour != proximal log-probs).
-  FSDP 2 is not compared with world 1: its ranks sample their halves of the prompts with seeds
-  that depend on the dp rank (as in the synchronous mode), so its rollouts differ.
+  FSDP 2 vs world 1 (per-request seeds make their samples the same) is compared with partial
+  rollouts on in packages/algorithms/tests/test_alg_partial_rollouts.py.
 - A reward function that raises in the background thread surfaces on every rank, with its
   message, instead of hanging a collective.
 - Resume: the prefetched batches (made by weights older than the checkpoint) are saved with

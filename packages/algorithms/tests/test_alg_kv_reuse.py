@@ -91,6 +91,26 @@ def _perturb(model: Any, scale: float = 0.5) -> None:
             p.add_(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
 
 
+def test_a_reused_row_samples_its_own_stream(chat: dict[str, Any]) -> None:
+    """Per-request seeds (`SamplingParams.seeds`): a row whose prompt is prefilled from its session's KV samples
+    what the same request samples re-encoded, alone or in another batch order."""
+    tokenizer = chat["tokenizer"]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ["hi", "one two three", "x y"]]
+    reuse, plain = _engine(chat), _engine(chat, kv_reuse=False)
+    keys = ["a", "b", "c"]
+
+    def params(*seeds: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=6, temperature=0.9, seeds=seeds)
+
+    nxt = _next_prompts(chat, prompts, reuse.generate(prompts, params(11, 12, 13), sessions=keys))
+    got = reuse.generate(nxt, params(21, 22, 23), sessions=keys)
+    assert reuse.kv_cache.stats["hits"] == 3
+    alone = [plain.generate([p], params(s))[0] for p, s in zip(nxt, (21, 22, 23), strict=True)]
+    assert _same_rollouts(got, alone)
+    assert _same_rollouts(got[::-1], plain.generate(nxt[::-1], params(23, 22, 21)))
+    assert len({tuple(r.response_ids) for r in got}) == 3
+
+
 def test_a_weight_change_drops_every_cached_session(chat: dict[str, Any], tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -18,6 +18,7 @@ import torch
 
 from shardforge.algorithms.rlvr import load_prompts
 from shardforge.algorithms.rollout import Rollout, SamplingParams
+from shardforge.algorithms.rollout.partial_stats import staleness_metrics, token_staleness_counts
 from shardforge.algorithms.rollout.sources import AsyncRollouts
 from shardforge.algorithms.rollout.trajectory import Trajectory
 
@@ -139,15 +140,25 @@ def test_the_async_source_switches_weights_between_chunks_and_checkpoints_token_
     fake.gate = {1: threading.Event(), 2: threading.Event()}
     source = _source(fake, published, start=0)
     first = source.batch(0)  # batch 1 is generated next, under policy 0, and stops at its gate after one chunk
-    assert first.rollouts[0].token_versions == [10, 10, 10] and first.stats["partial/interrupted_frac"] == 0.0
+    assert first.rollouts[0].token_versions == [10, 10, 10] and first.stats["interrupted"] == 0.0
     source.publish(1)  # version 11 = policy step 1 (batch 1 may use it: staleness 0 for those tokens)
     source.publish(2)  # version 12 = policy step 2: newer than batch 1 may ever use (step 1 trains on it)
     fake.gate[1].set()
     second = source.batch(1)
     r = second.rollouts[0]
     assert (second.policy_step, r.token_versions, r.version) == (0, [10, 11, 11], 10)
-    assert second.stats == {"partial/token_staleness_mean": 1 / 3, "partial/token_staleness_max": 1.0,
-                            "partial/fresher_token_frac": 2 / 3, "partial/interrupted_frac": 1.0}  # fmt: skip
+    # This rank's counts (the trainer sums them over ranks into partial/*): lags [1, 0, 0].
+    counts = {
+        "lag_sum": 1.0,
+        "tokens": 3.0,
+        "fresher_tokens": 2.0,
+        "interrupted": 1.0,
+        "sequences": 1.0,
+        "lag_max": 1.0,
+    }
+    assert second.stats == counts
+    assert staleness_metrics(second.stats) == {"partial/token_staleness_mean": 1 / 3, "partial/token_staleness_max": 1.0,
+                                               "partial/fresher_token_frac": 2 / 3, "partial/interrupted_frac": 1.0}  # fmt: skip
     fake.gate[2].set()  # batch 2 (started under policy 1) may continue under policy 2
     state = source.checkpoint_state()  # the prefetched batch 2, which a resumed run cannot regenerate
     saved = state["ranks"][0][0]["rollouts"][0]
@@ -159,8 +170,7 @@ def test_the_async_source_switches_weights_between_chunks_and_checkpoints_token_
     resumed.close()
     assert again.rollouts[0].token_versions == saved["token_versions"] == [11, 12, 12]
     assert again.rollouts[0].logprobs == saved["logprobs"] == [-5.75, -6.25, -6.25]
-    assert again.stats == {"partial/token_staleness_mean": 1 / 3, "partial/token_staleness_max": 1.0,
-                           "partial/fresher_token_frac": 2 / 3, "partial/interrupted_frac": 1.0}  # fmt: skip
+    assert again.stats == counts
 
 
 def test_a_batch_after_a_continued_one_starts_with_the_newer_weights() -> None:
@@ -185,7 +195,7 @@ def _config(assets: dict[str, Any], out: Path, **overrides: Any) -> Any:
     data = {
         "model": assets["model"], "train_file": assets["train"], "output_dir": str(out), "layout": "d1",
         "steps": 4, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 5, "progress": False,
-        "reward_fn": "partial_rewards_mod:has_seven", "save_every": 2, "export_hf_at_end": False,
+        "reward_fn": "partial_rewards_mod:has_seven", "save_every": 2, "export_hf_at_end": True,
         "async_rollouts": True, "max_staleness": 2, "partial_rollouts": True, "interrupt_chunk_tokens": 2,
         "engine": {"max_tokens_per_microbatch": 64, "optimizer": {"lr": 3e-3}},
     }  # fmt: skip
@@ -243,34 +253,97 @@ def test_grpo_with_partial_rollouts_resumes_mid_run_to_the_same_steps(
     assert all(1.0 < r["partial/token_staleness_mean"] < 2.0 for r in a[2:]), "tokens of policies k - 2 and k - 1"
 
 
-def _run_on_rank(assets: dict[str, Any], out: Path) -> list[dict[str, Any]]:
+def _train_and_weights(assets: dict[str, Any], out: Path, **overrides: Any) -> dict[str, Any]:
+    """A deterministic partial-rollout run (on every rank of a pool, or here); rank 0 returns metrics and the
+    exported weights."""
     import torch.distributed as dist
+    from safetensors.torch import load_file
 
     from shardforge.algorithms.trainers.grpo import run_grpo
 
-    AsyncRollouts._refresh = _refresh_to_previous_policy  # type: ignore[method-assign]  # this rank process only
     if assets["root"] not in sys.path:
         sys.path.insert(0, assets["root"])
-    run_grpo(_config(assets, out, layout="t2", save_every=0))
-    return _train(out) if dist.get_rank() == 0 else []
+    refresh = AsyncRollouts._refresh
+    AsyncRollouts._refresh = _refresh_to_previous_policy  # type: ignore[method-assign]
+    try:
+        run_grpo(_config(assets, out, **overrides))
+    finally:  # the pool's processes serve later tests
+        AsyncRollouts._refresh = refresh  # type: ignore[method-assign]
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    weights: dict[str, torch.Tensor] = {}
+    for path in sorted((out / "hf").glob("*.safetensors")):
+        weights |= load_file(str(path))
+    return {"train": _train(out), "weights": weights}
 
 
-@pytest.mark.heavy  # 30-50 s on 2 cores; the trainer's layout parity in async mode is test_grpo_async.py's
-def test_grpo_with_partial_rollouts_tp2_matches_world1(
-    assets: dict[str, Any], partial_d1: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    "layout",
+    ["d2", pytest.param("t2", marks=pytest.mark.heavy)],  # TP 2: one dp rank, the same samples even before seeds
+)
+def test_grpo_with_partial_rollouts_two_ranks_match_world1(
+    assets: dict[str, Any], partial_d1: Path, tmp_path: Path, layout: str
 ) -> None:
+    from safetensors.torch import load_file
+
     from shardforge.mesh.testing import get_rank_pool
 
-    # FSDP 2 is not compared: its ranks sample their halves of the prompts with dp-rank seeds (different
-    # rollouts by design, as in test_grpo_async.py); TP 2 keeps one data-parallel rank.
-    d1 = _train(partial_d1)
+    # Every request samples from a seed of (run seed, step, round, global prompt position, sample, turn), so
+    # FSDP 2's ranks (2 prompts x 4 samples each) sample what world 1 (4 x 4) samples from the same weights.
     shared = {k: assets[k] for k in ("model", "train", "root")}
-    t2 = get_rank_pool(2).run(_run_on_rank, shared, tmp_path / "t2", timeout_s=240)[0]
-    # TP sums partial matmuls in another order (fp32): losses agree to 1e-5 (as test_grpo_async.py's TP 2).
-    for a, b in zip(d1, t2, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
-        for key in ("reward_mean", "response_len_mean", "partial/token_staleness_mean", "partial/fresher_token_frac"):
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    runs = get_rank_pool(2).run(
+        _train_and_weights, shared, tmp_path / layout, layout=layout, save_every=0, timeout_s=300
+    )
+    d1, fsdp = _train(partial_d1), runs[0]
+    weights = {}
+    for path in sorted((partial_d1 / "hf").glob("*.safetensors")):
+        weights |= load_file(str(path))
+    assert [r["step"] for r in fsdp["train"]] == [1, 2, 3, 4]
+    # FSDP reduce-scatters gradients (TP sums partial matmuls) in another order than one process (fp32): metrics to
+    # rel 1e-5, weights after 4 Adam steps at lr 3e-3 to 2e-5. The samples must be the very same token ids:
+    # identical seeds and uniforms, and logits that differ by float rounding only (batch rows, left padding,
+    # the updated weights), which moves a token only if its uniform falls within ~1e-6 of a CDF boundary
+    # (odds ~1e-4 over the run's few hundred tokens, and fixed per machine); then loss and rewards would differ
+    # by far more than the tolerances, which is what the test is there to catch.
+    for a, b in zip(d1, fsdp["train"], strict=True):
+        for key in ("loss", "reward_mean", "response_len_mean", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-8), (a["step"], key, a[key], b[key])
+        # behaviour_kl is trainer-vs-engine rounding noise (~1e-8 here: the same weights on both sides), so it
+        # differs between layouts by its own size (TP 2: 5.4e-8 vs 7.1e-8); a wrong version or log-prob gives >1e-3.
+        assert b["behaviour_kl"] == pytest.approx(a["behaviour_kl"], abs=1e-6), (a["step"], a["behaviour_kl"])
+        # partial/* are sums of per-token integer counts over both ranks (rank 0's own half before): exact
+        # given the same tokens and versions (the deterministic refresh fixes each chunk's version).
+        for key in ("token_staleness_mean", "token_staleness_max", "fresher_token_frac", "interrupted_frac"):
+            assert b[f"partial/{key}"] == pytest.approx(a[f"partial/{key}"], rel=1e-12), (a["step"], key)
+    assert weights.keys() == fsdp["weights"].keys() and weights
+    worst = max(float((weights[k] - fsdp["weights"][k]).abs().max()) for k in weights)
+    assert worst <= 2e-5, worst
+
+
+def _stats_on_rank(rollouts: list[list[Any]]) -> dict[str, float]:
+    import torch.distributed as dist
+
+    from shardforge.algorithms.trainers.rl_partial import partial_rollout_stats
+
+    engine = type("Engine", (), {"dp_group": dist.group.WORLD, "device": torch.device("cpu")})()
+    counts = token_staleness_counts(rollouts[dist.get_rank()], 3, {10: 0, 11: 1, 12: 2, 13: 3})
+    return partial_rollout_stats(counts, engine)
+
+
+def test_partial_metrics_describe_every_ranks_share() -> None:
+    from shardforge.mesh.testing import get_rank_pool
+
+    def rollout(versions: list[int]) -> Rollout:
+        return Rollout(prompt_index=0, prompt_ids=[1], response_ids=[2] * len(versions), logprobs=[0.0] * len(versions),
+                       finished=True, version=min(versions), token_versions=versions)  # fmt: skip
+
+    # Rank 0: fresh, uninterrupted tokens (lag 0); rank 1: older, interrupted ones (lags 2, 2, 1 and 1, 0).
+    shares = [[rollout([13, 13]), rollout([13])], [rollout([11, 11, 12]), rollout([12, 13])]]
+    everything = staleness_metrics(token_staleness_counts(shares[0] + shares[1], 3, {10: 0, 11: 1, 12: 2, 13: 3}))
+    assert everything == {"partial/token_staleness_mean": 6 / 8, "partial/token_staleness_max": 2.0,
+                          "partial/fresher_token_frac": 2 / 8, "partial/interrupted_frac": 2 / 4}  # fmt: skip
+    reduced = get_rank_pool(2).run(_stats_on_rank, shares, timeout_s=60)
+    assert reduced == [everything, everything], "sums of counts and max lag over ranks, the same on each rank"
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,7 @@ def test_rlvr_workflow_samples_what_the_plain_rollout_path_sampled(chat: dict[st
     from shardforge.algorithms.data import GlobalBatchSampler
     from shardforge.algorithms.rlvr import load_prompts, rollouts_to_batch
     from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams, load_reward_fn, score_rollouts
+    from shardforge.algorithms.rollout.seeds import request_seed
     from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, workflow_round_fn
     from shardforge.algorithms.workflows import trajectories_to_batch
 
@@ -89,8 +90,11 @@ def test_rlvr_workflow_samples_what_the_plain_rollout_path_sampled(chat: dict[st
         indices = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=config.seed).local_batch(
             step, dp_rank, dp_size
         )
-        seed = (config.seed * 1_000_003 + step) * 1_009 + dp_rank
-        params = SamplingParams(n=3, max_new_tokens=4, temperature=0.9, seed=seed)
+        # Each prompt's seed: of its position in the step's global batch (rank dp_rank holds every dp_size-th).
+        seed = (config.seed * 1_000_003 + step) * 1_009
+        positions = range(dp_rank, config.prompts_per_step, dp_size)
+        seeds = tuple(request_seed(seed, p, config.group_size) for p in positions)
+        params = SamplingParams(n=3, max_new_tokens=4, temperature=0.9, seeds=seeds)
         rollouts = rollout.generate([prompts.ids[i] for i in indices], params)
         want_rewards = score_rollouts(
             rollouts, [prompts.texts[i] for i in indices], [prompts.references[i] for i in indices], reward_fn

@@ -179,6 +179,26 @@ def test_engine_never_samples_the_image_placeholder(vlm: dict[str, Any]) -> None
     assert max(max(o.logprobs) for o in outs) < -10.0, "log-probs of the unsuppressed softmax (the image token's mass)"
 
 
+def test_image_rows_sample_from_their_own_seeds(vlm: dict[str, Any]) -> None:
+    """Per-request seeds with image prompts: an image row samples the same alone as in a batch with other rows."""
+    from shardforge.algorithms.rollout import SamplingParams
+    from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
+
+    prompts, tokenizer = _prompts(vlm)
+    engine = HFRolloutEngine(vlm["model"], tokenizer)
+
+    def params(*seeds: int) -> SamplingParams:
+        return SamplingParams(n=2, max_new_tokens=5, temperature=1.0, seeds=seeds)
+
+    both = engine.generate(prompts.ids[:2], params(3, 4), images=prompts.images[:2])
+    alone = engine.generate(prompts.ids[1:2], params(4), images=prompts.images[1:2])
+    assert [r.response_ids for r in both[2:]] == [r.response_ids for r in alone]
+    for a, b in zip(both[2:], alone, strict=True):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    again = engine.generate(prompts.ids[1:2], params(5), images=prompts.images[1:2])
+    assert [r.response_ids for r in again] != [r.response_ids for r in alone], "another seed, other samples"
+
+
 def test_image_prompt_rows_and_trajectory_state(vlm: dict[str, Any], tmp_path: Path) -> None:
     """A row ending on the user's turn takes its reference from ``completion``; one without a reference is
     refused with its file and line; a trajectory's images survive the async checkpoint state (JSON)."""

@@ -17,7 +17,8 @@ import pytest
 from shardforge.algorithms.config_io import apply_overrides, build_config
 from shardforge.algorithms.rollout import HFRolloutEngine
 from shardforge.algorithms.rollout.factory import build_rollout_engine
-from shardforge.algorithms.rollout.vllm_engine import VLLMOptions, _request_seed, _tokenizer_dir, require_main_thread
+from shardforge.algorithms.rollout.seeds import request_seed
+from shardforge.algorithms.rollout.vllm_engine import VLLMOptions, _tokenizer_dir, require_main_thread
 
 
 @pytest.fixture(scope="module")
@@ -130,13 +131,13 @@ def test_trainer_configs_select_the_engine(trainer: str) -> None:
 
 def test_request_seeds_are_distinct_and_leave_room_for_the_sample_index() -> None:
     n = 8
-    seeds = [_request_seed(s, i, n) for s in range(50) for i in range(64)]
+    seeds = [request_seed(s, i, n) for s in range(50) for i in range(64)]
     assert len(set(seeds)) == len(seeds)
     assert all(0 <= s < 2**62 - n for s in seeds)
     # vLLM gives sample k of a prompt seed s + k: the ranges of different prompts must not overlap.
     spans = sorted(seeds)
     assert all(b - a >= n for a, b in itertools.pairwise(spans))
-    assert _request_seed(3, 5, n) == _request_seed(3, 5, n)
+    assert request_seed(3, 5, n) == request_seed(3, 5, n)
 
 
 def test_vllm_gets_the_tokenizer_directory_the_trainer_loaded(tiny: tuple[str, Any], tmp_path: Path) -> None:

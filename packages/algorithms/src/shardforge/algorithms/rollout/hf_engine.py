@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import LogitsProcessorList
 
 from shardforge.algorithms.batching.visual import ImageInputs
 from shardforge.algorithms.engine.config import parse_dtype
@@ -38,6 +39,7 @@ from shardforge.algorithms.rollout.kv_reuse import (
     session_from_cache,
     weights_key,
 )
+from shardforge.algorithms.rollout.row_sampler import RowSampler, row_uniforms
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.weight_sync import DiskWeightSource, WeightReceiver, WeightVersionError
 
@@ -157,6 +159,10 @@ class HFRolloutEngine:
     ) -> list[Rollout]:
         """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together).
 
+        Sample ``j`` of prompt ``i`` draws from its own generator, seeded ``seeds[i] + j`` (`rollout.seeds`):
+        what it samples does not depend on the other rows of the batch, on ``batch_size``, on chunking or on
+        whether its session's KV cache was reused.
+
         ``images``: per prompt, its images (None: none); a vision-language model only.
         ``sessions`` (``params.n`` = 1): one key per prompt (None: none). A session's KV cache is kept after
         the call; when its next prompt extends ``prompt + response[:-1]`` only the new tokens are prefilled.
@@ -179,20 +185,16 @@ class HFRolloutEngine:
             )
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         keys: list[Hashable | None] = list(sessions) if sessions is not None else [None] * len(rows)
+        uniforms = None if params.temperature == 0 else row_uniforms(params, len(prompts))
         out: list[Rollout] = []
-        # fork_rng restores the generators it forks: the GPU's too when sampling there (manual_seed reseeds it).
-        devices = [self.device] if self.device.type == "cuda" else []
-        seed_ctx = torch.random.fork_rng(devices=devices) if params.seed is not None else contextlib.nullcontext()
-        with seed_ctx:
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
-            for start in range(0, len(rows), self.batch_size):
-                batch, batch_keys = rows[start : start + self.batch_size], keys[start : start + self.batch_size]
-                if self.interrupt_chunk_tokens is not None:
-                    out += self._generate_interruptible(batch, params, batch_keys)
-                else:
-                    visual = row_images[start : start + self.batch_size] if row_images is not None else None
-                    out += self._generate_chunk(batch, params, batch_keys, visual)
+        for start in range(0, len(rows), self.batch_size):
+            batch, batch_keys = rows[start : start + self.batch_size], keys[start : start + self.batch_size]
+            draws = None if uniforms is None else uniforms[start : start + self.batch_size]
+            if self.interrupt_chunk_tokens is not None:
+                out += self._generate_interruptible(batch, params, batch_keys, draws)
+            else:
+                visual = row_images[start : start + self.batch_size] if row_images is not None else None
+                out += self._generate_chunk(batch, params, batch_keys, draws, visual)
         return out
 
     def _check_images(self, prompts: Sequence[Sequence[int]], images: Sequence[ImageInputs | None]) -> None:
@@ -210,7 +212,11 @@ class HFRolloutEngine:
                 raise ValueError(f"prompt {i} has {tokens} image tokens but its images fill {expected}")
 
     def _generate_interruptible(
-        self, rows: list[tuple[int, list[int]]], params: SamplingParams, keys: list[Hashable | None]
+        self,
+        rows: list[tuple[int, list[int]]],
+        params: SamplingParams,
+        keys: list[Hashable | None],
+        uniforms: torch.Tensor | None,
     ) -> list[Rollout]:
         """Partial rollouts: ``interrupt_chunk_tokens`` new tokens at a time; between chunks `between_chunks`
         may load newer weights, and unfinished rows continue from their prompt + generated ids (the
@@ -223,12 +229,16 @@ class HFRolloutEngine:
         own = [("chunks", call, i) for i, key in enumerate(keys) if key is None]
         keys = [("chunks", call, i) if key is None else key for i, key in enumerate(keys)]
         try:
-            return self._chunks(rows, params, keys)
+            return self._chunks(rows, params, keys, uniforms)
         finally:
             self.end_sessions(own)
 
     def _chunks(
-        self, rows: list[tuple[int, list[int]]], params: SamplingParams, keys: list[Hashable | None]
+        self,
+        rows: list[tuple[int, list[int]]],
+        params: SamplingParams,
+        keys: list[Hashable | None],
+        uniforms: torch.Tensor | None,
     ) -> list[Rollout]:
         assert self.interrupt_chunk_tokens is not None
         ids: list[list[int]] = [[] for _ in rows]
@@ -239,8 +249,11 @@ class HFRolloutEngine:
         while True:
             budget = min(self.interrupt_chunk_tokens, remaining)
             context = [(rows[i][0], rows[i][1] + ids[i]) for i in active]
+            # Unfinished rows generated every token so far: each continues at the same position of its stream.
+            done = params.max_new_tokens - remaining
+            draws = None if uniforms is None else uniforms[active, done : done + budget]
             params_ = dataclasses.replace(params, max_new_tokens=budget)
-            parts = self._generate_chunk(context, params_, [keys[i] for i in active])
+            parts = self._generate_chunk(context, params_, [keys[i] for i in active], draws)
             for i, part in zip(active, parts, strict=True):
                 ids[i] += part.response_ids
                 logprobs[i] += part.logprobs
@@ -270,6 +283,7 @@ class HFRolloutEngine:
         rows: list[tuple[int, list[int]]],
         params: SamplingParams,
         keys: list[Hashable | None],
+        uniforms: torch.Tensor | None,
         images: list[ImageInputs | None] | None = None,
     ) -> list[Rollout]:
         # Router replay records the routing of the whole prompt, which a cached prefix would skip; a VLM's
@@ -290,20 +304,19 @@ class HFRolloutEngine:
         past = past_from_sessions(entries, width_cached) if width_cached else None
         del entries
         width = input_ids.shape[1]
-        greedy = params.temperature == 0
-        sampling: dict[str, Any] = (
-            {"do_sample": False}
-            if greedy
-            else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
-        )
+        greedy = uniforms is None
+        # Sampling is the logits processor's (one uniform per row and token); `generate` then takes its argmax.
+        # `width` counts the cached columns too: the processor's step index is independent of reuse.
+        sampler = [] if uniforms is None else [RowSampler(uniforms.to(self.device), width, params)]
+        extra: dict[str, Any] = {"logits_processor": LogitsProcessorList(sampler)}
         recording = self.replay.record() if self.replay is not None else contextlib.nullcontext(None)
         if self.suppress_tokens:
-            sampling["suppress_tokens"] = self.suppress_tokens
+            extra["suppress_tokens"] = self.suppress_tokens
         if images is not None and any(i is not None for i in images):  # row order: generate fills image tokens so
             assert self.image_token_id is not None  # _check_images refused image prompts for a text model
-            sampling |= _visual_kwargs(input_ids, images, self.image_token_id, self.device)
+            extra |= _visual_kwargs(input_ids, images, self.image_token_id, self.device)
         with recording as routed:
-            result = self._run_generate(input_ids, attention, params, sampling, past)
+            result = self._run_generate(input_ids, attention, params, extra, past)
         new_tokens_dev = result.sequences[:, width:]
         routing = routed_per_row(routed, rows, width, new_tokens_dev.shape[1]) if routed is not None else None
         rollouts = self._rollouts(rows, result, new_tokens_dev, greedy, params, routing)
@@ -344,7 +357,7 @@ class HFRolloutEngine:
         input_ids: torch.Tensor,
         attention: torch.Tensor,
         params: SamplingParams,
-        sampling: dict[str, Any],
+        extra: dict[str, Any],
         past: Any = None,
     ) -> Any:
         # With ``past`` (a batched cache of the first columns), HF feeds only the columns after it.
@@ -357,7 +370,8 @@ class HFRolloutEngine:
             past_key_values=past,
             output_logits=True,
             return_dict_in_generate=True,
-            **sampling,
+            do_sample=False,
+            **extra,
         )
 
     def _rollouts(

@@ -7,11 +7,13 @@ is running a tool is not waiting yet; an episode that ended no longer counts). S
 episodes cost about three batched ``generate`` calls instead of 96 single ones.
 
 Rounds, not timers, decide the batches: round r holds the requests of every episode still alive
-at its r-th generation, in episode order, sampled with a seed derived from (seed, r). Which
-samples an episode gets therefore never depends on how long a tool took or on thread timing:
-runs are reproducible, resumable and the same under every data-parallel layout. Round 0 uses
-``seed`` itself, so single-turn episodes sample exactly what one ``generate(prompts, n)`` call
-with that seed samples.
+at its r-th generation, in episode order. Each request carries its own seed (`rollout.seeds`): its
+episode's seed at the episode's first generation, ``request_seed(episode seed, t)`` at its t-th
+(t >= 1). Which samples an episode gets therefore depends neither on how long a tool took, on thread
+timing, nor on which other episodes share its call: runs are reproducible, resumable and the same
+under every data-parallel layout when the caller names episodes by what they are (the trainers: the
+prompt's position in the step's global batch). With no episode seeds, round r has one call seed
+derived from (``params.seed``, r) (None: unseeded).
 
 Engines that keep per-session state (`SessionRolloutEngine`: the embedded HF engine's KV cache across
 turns) get each request's episode as its session key, and `end_sessions` when the episode ends. (An engine
@@ -29,6 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from shardforge.algorithms.batching.visual import ImageInputs
+from shardforge.algorithms.rollout.seeds import request_seed
 from shardforge.algorithms.rollout.types import (
     Rollout,
     RolloutEngine,
@@ -76,15 +79,22 @@ class RequestQueue:
 
     Args:
         engine: any `RolloutEngine` (its ``generate`` takes token-id prompts).
-        params: sampling parameters; ``n`` must be 1 (a group is ``n`` episodes), ``seed`` seeds round 0.
+        params: sampling parameters; ``n`` must be 1 (a group is ``n`` episodes), ``seed`` seeds round 0
+            (when there are no ``episode_seeds``).
+        episode_seeds: episode id -> the seed of its first generation (later ones derive from it); each request
+            then samples the same in whichever call it lands.
     """
 
-    def __init__(self, engine: RolloutEngine, params: SamplingParams) -> None:
+    def __init__(
+        self, engine: RolloutEngine, params: SamplingParams, episode_seeds: Sequence[int] | None = None
+    ) -> None:
         if params.n != 1:
             raise ValueError(f"RequestQueue samples one continuation per request; got n={params.n} (run n episodes)")
         self.engine, self.params = engine, params
         self._sessions = engine if isinstance(engine, SessionRolloutEngine) and _takes_sessions(engine) else None
         self._id = next(_QUEUE_IDS)  # session keys (queue, episode) stay distinct across queues on one engine
+        self.episode_seeds = episode_seeds
+        self._turns: dict[int, int] = {}
         self._pending: list[_Request] = []
         self._live: set[int] = set()
         self.rounds = 0
@@ -127,9 +137,17 @@ class RequestQueue:
         if seed is not None and self.rounds:
             seed = (seed * 1_000_003 + self.rounds) % (2**63)
         self.rounds += 1
+        seeds = {}
+        for r in requests:
+            turn = self._turns[r.episode] = self._turns.get(r.episode, -1) + 1
+            if self.episode_seeds is not None:
+                first = self.episode_seeds[r.episode]
+                seeds[r.episode] = first if turn == 0 else request_seed(first, turn)
         for budget in sorted({r.max_new_tokens for r in requests}):
             batch = [r for r in requests if r.max_new_tokens == budget]
             params = dataclasses.replace(self.params, max_new_tokens=budget, seed=seed)
+            if self.episode_seeds is not None:
+                params = dataclasses.replace(params, seeds=tuple(seeds[r.episode] for r in batch))
             try:
                 self.generate_calls += 1
                 prompts, images = [r.prompt_ids for r in batch], [r.images for r in batch]

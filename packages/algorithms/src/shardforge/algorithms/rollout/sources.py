@@ -22,9 +22,9 @@ failed: then every rank raises (the failing rank its original exception), so no 
 waiting in a collective. Generation runs torch ops, which release the GIL, so on CPU it overlaps
 with training as far as cores allow.
 
-HF ``generate`` samples from the process-global torch RNG (it takes no generator), seeded per
-batch inside ``fork_rng``: the trainer itself must not draw random numbers while a batch is
-generated (GRPO's training step does not; a policy with dropout would make runs timing-dependent).
+The embedded engine samples every seeded response (the trainers always seed) from its own generator
+(`rollout.seeds`), not from the process-global torch RNG, so the trainer's own random draws (dropout)
+cannot change what a batch samples, whatever the thread timing.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from shardforge.algorithms.batching.collectives import all_reduce_max
 from shardforge.algorithms.rollout import Rollout, RolloutEngine
+from shardforge.algorithms.rollout.partial_stats import token_staleness_counts
 from shardforge.algorithms.rollout.trajectory import Trajectory
 
 __all__ = [
@@ -53,7 +54,6 @@ __all__ = [
     "SampledBatch",
     "SyncRollouts",
     "generation_policy_step",
-    "token_staleness",
 ]
 
 T = TypeVar("T")
@@ -85,7 +85,8 @@ class SampledBatch:
     wait_s: float = 0.0
     """Time the trainer waited for it."""
     stats: dict[str, float] = field(default_factory=dict)
-    """Partial rollouts: per-token staleness and interruption metrics (see `token_staleness`)."""
+    """Partial rollouts: this rank's per-token staleness counts (`rollout.partial_stats.token_staleness_counts`;
+    the trainer sums them over ranks into the ``partial/*`` metrics)."""
 
 
 def generation_policy_step(index: int, max_staleness: int, start: int) -> int:
@@ -296,7 +297,7 @@ class AsyncRollouts:
             rollouts=rollouts,
             rewards=rewards,
             generate_s=time.perf_counter() - started,
-            stats=token_staleness(rollouts, index, steps) if self.partial_rollouts else {},
+            stats=token_staleness_counts(rollouts, index, steps) if self.partial_rollouts else {},
         )
 
     def _start_step(self, policy_step: int) -> int:  # generator thread
@@ -390,29 +391,3 @@ def _decode(state: dict[str, Any] | None, start: int, dp_rank: int, dp_size: int
             stats=item.get("stats", {}),
         )
     return batches
-
-
-def token_staleness(rollouts: list[Any], index: int, policy_steps: dict[int, int]) -> dict[str, float]:
-    """Per-token staleness of batch ``index`` (``policy_steps``: weight version -> policy step): the mean and the
-    oldest token's (what the staleness limit bounds), the share of tokens made by newer weights than their
-    sequence's first token, and the share of sequences that were interrupted and continued."""
-    lags: list[int] = []
-    fresher = interrupted = 0
-    for r in rollouts:
-        if isinstance(r, Trajectory):
-            versions = [v for v, m in zip(r.versions, r.loss_mask, strict=True) if m]
-        else:
-            versions = r.versions
-        if not versions:
-            continue
-        lags += [index - policy_steps[v] for v in versions]
-        fresher += sum(v != versions[0] for v in versions)
-        interrupted += len(set(versions)) > 1
-    if not lags:
-        return {}
-    return {
-        "partial/token_staleness_mean": sum(lags) / len(lags),
-        "partial/token_staleness_max": float(max(lags)),
-        "partial/fresher_token_frac": fresher / len(lags),
-        "partial/interrupted_frac": interrupted / len(rollouts),
-    }

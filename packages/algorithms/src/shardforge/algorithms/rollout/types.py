@@ -26,7 +26,11 @@ class SamplingParams:
     """Nucleus sampling mass (1.0 = off). Behaviour log-probs are those of the full softmax at
     ``temperature``; keep top_p = 1 for unbiased PPO ratios."""
     seed: int | None = None
-    """Seed of this generation call (None = the engine's running generator)."""
+    """Seed of this generation call (None = the engine's running generator): prompt ``i``'s samples draw from
+    ``rollout.seeds.request_seed(seed, i, n) + j``, so they depend on the prompt's position in the call."""
+    seeds: tuple[int, ...] | None = None
+    """Per-prompt seeds (one per prompt of the call; sample ``j`` of prompt ``i`` draws from ``seeds[i] + j``);
+    set, they replace ``seed``: a request then samples the same in any call, batch or rank (`rollout.seeds`)."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -37,6 +41,9 @@ class SamplingParams:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        for i, seed in enumerate(self.seeds or ()):
+            if not 0 <= seed < 2**63 - self.n:
+                raise ValueError(f"seeds[{i}]={seed} must be in [0, 2**63 - n) (n={self.n}: seed + sample index)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

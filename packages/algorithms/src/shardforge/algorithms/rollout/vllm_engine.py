@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from shardforge.algorithms.engine.config import parse_dtype
+from shardforge.algorithms.rollout.seeds import prompt_seeds
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.weight_sync import DiskWeightSource, WeightVersionError
 
@@ -277,6 +278,7 @@ class VLLMRolloutEngine:
         for prompts, params in requests:
             if len(prompts) == 0:
                 raise ValueError("generate() needs at least one prompt")
+            seeds = prompt_seeds(params, len(prompts))
             for i, prompt in enumerate(prompts):
                 if len(prompt) == 0:
                     raise ValueError(f"prompt {i} is empty")
@@ -297,7 +299,7 @@ class VLLMRolloutEngine:
                         logprobs=0,  # the sampled token's log-prob only
                         detokenize=False,
                         # n samples of prompt i get seeds s_i .. s_i + n - 1 (vLLM adds the sample index).
-                        seed=None if params.seed is None else _request_seed(params.seed, i, params.n),
+                        seed=None if seeds is None else seeds[i],
                     )
                 )
         outputs = self.llm.generate(inputs, sampling, use_tqdm=False)
@@ -350,15 +352,6 @@ def _tokenizer_dir(tokenizer: Any, model_dir: str | os.PathLike[str]) -> str:
     the model directory. vLLM needs one to start, although responses are decoded here."""
     path = getattr(tokenizer, "name_or_path", "")
     return str(path) if path and Path(path).is_dir() else str(model_dir)
-
-
-def _request_seed(seed: int, prompt_index: int, n: int) -> int:
-    """A well-mixed 62-bit seed per (call seed, prompt); leaves room for vLLM's ``+ sample index``."""
-    value = (seed * 0x9E3779B97F4A7C15 + prompt_index * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    value ^= value >> 31
-    value = (value * 0x94D049BB133111EB) & (2**64 - 1)
-    value ^= value >> 29
-    return (value >> 2) % (2**62 - n)
 
 
 @contextlib.contextmanager

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from shardforge.algorithms.engine.config import parse_dtype
 from shardforge.algorithms.log import get_logger
+from shardforge.algorithms.rollout.seeds import prompt_seeds
 from shardforge.algorithms.rollout.server_health import (
     REQUEST_FAILURES,
     HealthCounters,
@@ -54,7 +55,6 @@ from shardforge.algorithms.rollout.server_health import (
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.algorithms.rollout.vllm_engine import (
     VLLMOptions,
-    _request_seed,
     _tokenizer_dir,
     _vllm_process_env,
     require_main_thread,
@@ -251,6 +251,7 @@ class VLLMServerRolloutEngine:
         """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together)."""
         if len(prompts) == 0:
             raise ValueError("generate() needs at least one prompt")
+        seeds = prompt_seeds(params, len(prompts))
         bodies = []
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
@@ -267,7 +268,7 @@ class VLLMServerRolloutEngine:
                     "top_p": params.top_p, "top_k": 0, "logprobs": 0, "return_token_ids": True,
                     "stop_token_ids": [self.eos_id] if self.eos_id is not None else [],
                     "skip_special_tokens": False,
-                    "seed": None if params.seed is None else _request_seed(params.seed, i, params.n),
+                    "seed": None if seeds is None else seeds[i],
                 }
             )  # fmt: skip
         replies = self._complete_all(bodies)

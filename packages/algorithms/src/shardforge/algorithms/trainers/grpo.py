@@ -69,7 +69,11 @@ from shardforge.algorithms.trainers.rl_common import (
     rollout_server_stats,
 )
 from shardforge.algorithms.trainers.rl_data import load_prompt_data
-from shardforge.algorithms.trainers.rl_partial import check_partial_rollouts, enable_partial_rollouts
+from shardforge.algorithms.trainers.rl_partial import (
+    check_partial_rollouts,
+    enable_partial_rollouts,
+    partial_rollout_stats,
+)
 from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
 from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
 from shardforge.algorithms.trainers.workflow_eval import evaluate_held_out
@@ -425,7 +429,9 @@ def _train_step(
             "rollout_policy_step": float(sampled.policy_step),
             "rollout_wait_s": sampled.wait_s,
             "generate_overlap_s": max(sampled.generate_s - sampled.wait_s, 0.0),
-        } | sampled.stats
+        }
+    if config.partial_rollouts:  # every rank's counts, summed: the whole batch's staleness
+        stats |= partial_rollout_stats(sampled.stats, engine)
     return stats
 
 

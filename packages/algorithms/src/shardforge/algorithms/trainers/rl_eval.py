@@ -18,6 +18,7 @@ from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives.passk import sampled_eval_sums
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams
+from shardforge.algorithms.rollout.seeds import request_seed
 from shardforge.algorithms.rollout.types import generate_rollouts
 
 __all__ = ["EvalSamplingConfig", "evaluate_prompts"]
@@ -95,7 +96,7 @@ def evaluate_prompts(
         if n:
             params = SamplingParams(
                 n=n, max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                seed=sampling.seed + engine.dp_rank,
+                seeds=tuple(request_seed(sampling.seed, i, n) for i in mine),  # by prompt, not rank: any layout
             )  # fmt: skip
             sampled = generate_rollouts(rollout_, ids, params, images)
             rewards: list[list[float]] = [[] for _ in mine]

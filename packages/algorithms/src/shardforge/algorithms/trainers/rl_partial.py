@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["check_partial_rollouts", "enable_partial_rollouts"]
+from shardforge.algorithms.batching.collectives import all_reduce_max, all_reduce_sum
+from shardforge.algorithms.rollout.partial_stats import STALENESS_COUNTS, staleness_metrics
+
+__all__ = ["check_partial_rollouts", "enable_partial_rollouts", "partial_rollout_stats"]
 
 
 def check_partial_rollouts(config: Any) -> None:
@@ -51,3 +54,12 @@ def enable_partial_rollouts(config: Any, rollout: Any) -> None:
     """Make the (embedded HF) rollout engine generate in interruptible chunks when partial rollouts are on."""
     if config.partial_rollouts:
         rollout.interrupt_chunk_tokens = config.interrupt_chunk_tokens
+
+
+def partial_rollout_stats(counts: dict[str, float], engine: Any) -> dict[str, float]:
+    """The step's ``partial/*`` metrics from every data-parallel rank's staleness counts (`SampledBatch.stats`):
+    sums of the counts, max of the oldest token's lag (two collectives over ``engine.dp_group``; every rank calls
+    it). A batch restored from a checkpoint written before the counts existed contributes zeros."""
+    sums = all_reduce_sum(*(counts.get(k, 0.0) for k in STALENESS_COUNTS), group=engine.dp_group, device=engine.device)
+    (lag_max,) = all_reduce_max(counts.get("lag_max", 0.0), group=engine.dp_group, device=engine.device)
+    return staleness_metrics(dict(zip(STALENESS_COUNTS, sums, strict=True)) | {"lag_max": lag_max})

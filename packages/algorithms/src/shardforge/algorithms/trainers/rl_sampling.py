@@ -4,8 +4,10 @@ dynamic sampling (`shardforge.algorithms.rollout.dynamic_sampling`).
 
 Round 0 of batch ``index`` is the step's usual prompts (``GlobalBatchSampler(seed)``, this rank's
 share); dynamic sampling's backfill round r draws from its own prompt stream (seed ``seed + 7919 r``).
-The sampling seed depends only on (seed, batch index, round, dp rank), so a resumed run and the
-asynchronous mode (batches generated on another thread) sample the same.
+Each prompt's episodes sample from a seed of (seed, batch index, round, the prompt's position in the
+round's global batch) (`rollout.seeds`), never of the dp rank or batch row: a resumed run, the
+asynchronous mode (batches generated on another thread) and every data-parallel layout (world 1, FSDP 2,
+...) sample the same responses from the same weights.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from shardforge.algorithms.objectives.rewards import RewardShapingConfig, shape_
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams
 from shardforge.algorithms.rollout.dynamic_sampling import DynamicSampler, GenerateRoundFn
+from shardforge.algorithms.rollout.seeds import request_seed
 from shardforge.algorithms.rollout.sources import SampleFn
 from shardforge.algorithms.trainers.rl_common import RLTrainerConfig
 from shardforge.algorithms.workflows import PromptRow, Workflow, build_workflow, run_episodes
@@ -60,12 +63,14 @@ def workflow_round_fn(
             else:
                 samplers[round_] = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=seed)
         indices = samplers[round_].local_batch(index, dp_rank, dp_size)
-        params = SamplingParams(
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.temperature,
-            seed=(config.seed * 1_000_003 + index) * 1_009 + dp_rank + 104_729 * round_,
-        )
-        rows = [PromptRow.from_prompts(prompts, i, index=g) for g, i in enumerate(indices)]
+        # This rank's prompts are positions dp_rank, dp_rank + dp_size, ... of the global batch (local_batch).
+        positions = range(dp_rank, dp_size * len(indices), dp_size)
+        seed = (config.seed * 1_000_003 + index) * 1_009 + 104_729 * round_
+        params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=seed)
+        rows = [
+            PromptRow.from_prompts(prompts, i, index=g, seed=request_seed(seed, position, config.group_size))
+            for g, (i, position) in enumerate(zip(indices, positions, strict=True))
+        ]
         # Every (prompt, sample) is one concurrent episode; their generate calls are batched per round.
         # max_failed_fraction=0: a crash raises as it is (no group is dropped).
         drop = config.workflow.max_failed_fraction > 0

@@ -30,6 +30,7 @@ from shardforge.algorithms.objectives.passk import sampled_eval_sums
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams
 from shardforge.algorithms.rollout.request_queue import EpisodeHandle
+from shardforge.algorithms.rollout.seeds import request_seed
 from shardforge.algorithms.rollout.trajectory import Trajectory
 from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig, evaluate_prompts
 from shardforge.algorithms.workflows import PromptRow, Workflow, WorkflowConfig, episode_counts, run_episodes
@@ -89,7 +90,11 @@ def evaluate_workflow(
     mine = list(range(count))[engine.dp_rank :: engine.dp_size]
     n, ks = sampling.samples, sampling.pass_k
     guarded = _ScoredZeroOnError(workflow)
-    rows = [PromptRow.from_prompts(prompts, i, index=g) for g, i in enumerate(mine)]
+    # Seeded by prompt, not by rank: every layout samples the same responses.
+    rows = [
+        PromptRow.from_prompts(prompts, i, index=g, seed=request_seed(sampling.seed, i, max(n, 1)))
+        for g, i in enumerate(mine)
+    ]
 
     def local(rollout_: RolloutEngine) -> dict[str, float]:
         sums = _greedy_sums([], sampling.correct_threshold) | {"sampled_len": 0.0, "sampled_failed": 0.0}
@@ -102,7 +107,7 @@ def evaluate_workflow(
         if n:
             params = SamplingParams(
                 max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                seed=sampling.seed + engine.dp_rank,
+                seed=sampling.seed,
             )  # fmt: skip
             sampled = run_episodes(guarded, rollout_, rows, n, params)
             rewards = [[t.reward for t in sampled[g * n : (g + 1) * n]] for g in range(len(rows))]

@@ -90,9 +90,12 @@ class PromptRow:
     images: ImageInputs | None = None
     """The prompt's images (a vision-language model's image prompt; None: text only). Every generate call
     of the row's episodes carries them, and so do its trajectories."""
+    seed: int | None = None
+    """Seed of this prompt's episodes (sample ``j``: ``seed + j``; see `rollout.seeds`), so they sample the same
+    whichever rank runs them; None: derived from the call's ``SamplingParams.seed`` and ``index``."""
 
     @classmethod
-    def from_prompts(cls, prompts: PromptSet, i: int, index: int) -> PromptRow:
+    def from_prompts(cls, prompts: PromptSet, i: int, index: int, seed: int | None = None) -> PromptRow:
         """Prompt ``i`` of a loaded `rlvr.PromptSet` as the row at ``index`` of this rank's batch."""
         return cls(
             index=index,
@@ -100,6 +103,7 @@ class PromptRow:
             reference=prompts.references[i],
             prompt_ids=prompts.ids[i],
             images=prompts.image(i),
+            seed=seed,
         )
 
 

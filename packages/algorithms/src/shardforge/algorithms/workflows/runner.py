@@ -22,6 +22,7 @@ from shardforge.algorithms.engine.features.router_replay import ROUTED_EXPERTS
 from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
 from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS
 from shardforge.algorithms.rollout.request_queue import RequestQueue
+from shardforge.algorithms.rollout.seeds import request_seed
 from shardforge.algorithms.rollout.trajectory import Trajectory
 from shardforge.algorithms.rollout.types import RolloutEngine, SamplingParams
 from shardforge.algorithms.workflows.base import PromptRow, Workflow
@@ -67,9 +68,11 @@ def run_episodes(
     *,
     drop_failed: bool = True,
 ) -> EpisodeList:
-    """Run ``group_size`` episodes per row concurrently (``params.n`` must be 1; ``params.seed`` fixes
-    the samples); trajectories come back grouped by row, in sample order. ``drop_failed=False``:
-    the first crashed episode's exception is raised (nothing is dropped)."""
+    """Run ``group_size`` episodes per row concurrently (``params.n`` must be 1); trajectories come back grouped by
+    row, in sample order. Episode ``j`` of row ``g`` samples from its own seed: ``row.seed + j``, or without row
+    seeds ``request_seed(params.seed, g, group_size) + j`` (what ``generate(prompts, n=group_size)`` with that seed
+    gives row ``g``'s samples); unseeded when neither is set. ``drop_failed=False``: the first crashed episode's
+    exception is raised (nothing is dropped)."""
     return asyncio.run(_run(workflow, engine, rows, group_size, params, drop_failed))
 
 
@@ -81,7 +84,7 @@ async def _run(
     params: SamplingParams,
     drop_failed: bool,
 ) -> EpisodeList:
-    queue = RequestQueue(engine, params)
+    queue = RequestQueue(engine, params, _episode_seeds(rows, group_size, params))
     ids = list(range(len(rows) * group_size))
     queue.reserve(ids)
 
@@ -118,6 +121,17 @@ async def _run(
             continue
         kept += [r[0] for r in group if not isinstance(r, BaseException)]
     return kept
+
+
+def _episode_seeds(rows: Sequence[PromptRow], group_size: int, params: SamplingParams) -> list[int] | None:
+    seeds = [row.seed for row in rows]
+    if params.seed is not None:
+        seeds = [request_seed(params.seed, g, group_size) if s is None else s for g, s in enumerate(seeds)]
+    elif any(s is None for s in seeds):
+        if any(s is not None for s in seeds):
+            raise ValueError("some PromptRows carry a seed and others do not, with SamplingParams.seed=None: seed all")
+        return None
+    return [s + j for s in seeds for j in range(group_size)]  # type: ignore[operator]
 
 
 def episode_counts(trajectories: Sequence[Trajectory]) -> dict[str, float]:
