@@ -144,3 +144,38 @@ def test_shardforge_eval_writes_results_per_dataset(tmp_path: Path) -> None:
         assert metrics["num_prompts"] == 6 and {"accuracy", "avg@2", "pass@1", "pass@2"} <= set(metrics)
     bad = subprocess.run([*cmd, "eval_sampling.pass_k=[5]"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "every k in [1, samples=2]" in bad.stderr + bad.stdout
+
+
+class _SeedRecorder(_StubRollout):
+    """Records the seed each prompt's samples were asked for (None when the call gave no per-prompt seeds)."""
+
+    def __init__(self, prompts: Any) -> None:
+        super().__init__(prompts)
+        self.seeds: dict[int, int | None] = {}
+
+    def generate(self, ids: list[list[int]], params: Any) -> list[Any]:
+        if params.temperature > 0:
+            for p, one in enumerate(ids):
+                self.seeds[self.prompts.ids.index(one)] = None if params.seeds is None else params.seeds[p]
+        return super().generate(ids, params)
+
+
+def test_sampled_eval_seeds_each_prompt_alike_on_every_layout() -> None:
+    """A held-out prompt samples from a seed of its own (its index in the eval set), not from one derived from
+    the data-parallel rank: world 1 and two ranks sample the same responses, so avg@k/pass@k agree across layouts."""
+    from shardforge.algorithms.rlvr import PromptSet
+    from shardforge.algorithms.rollout import exact_match_reward
+    from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig, evaluate_prompts
+
+    prompts = PromptSet([f"{i}+1=" for i in range(7)], [str(i + 1) for i in range(7)], [[2, i] for i in range(7)])
+    sampling = EvalSamplingConfig(samples=4, pass_k=(1, 2))
+    one = _SeedRecorder(prompts)
+    evaluate_prompts(one, prompts, _Engine(0, 1), exact_match_reward, sampling, 8)  # type: ignore[arg-type]
+    split: dict[int, int | None] = {}
+    for rank in (0, 1):
+        half = _SeedRecorder(prompts)
+        evaluate_prompts(half, prompts, _Engine(rank, 2), exact_match_reward, sampling, 8)  # type: ignore[arg-type]
+        split |= half.seeds
+    assert set(one.seeds) == set(range(7)) and None not in one.seeds.values()
+    assert split == one.seeds
+    assert len(set(one.seeds.values())) == 7  # every prompt its own stream
