@@ -230,7 +230,8 @@ def test_behaviour_kl_is_the_global_token_mean_at_world_2() -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "layout"), [(2, "d2"), pytest.param(4, "d2t2", marks=pytest.mark.heavy)]  # d2t2: CI budget
+    ("world", "layout"),
+    [(2, "d2"), pytest.param(4, "d2t2", marks=pytest.mark.heavy)],  # d2t2: CI budget
 )
 def test_grpo_multi_turn_steps_match_across_layouts(model_dir: str, world: int, layout: str) -> None:
     """GRPO steps on multi-turn trajectories (environment tokens between generated segments) give the

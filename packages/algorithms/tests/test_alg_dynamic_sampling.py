@@ -82,6 +82,83 @@ def test_the_cap_on_rounds_trains_on_fewer_and_logs(caplog: pytest.LogCaptureFix
         DynamicSamplingConfig(max_rounds=0)
 
 
+def _sharded_rounds(table: dict[tuple[int, int], list[float]], rank: int, dp: int) -> Any:
+    """Rank ``rank``'s share of `_fake_round`'s global rounds: positions rank, rank + dp, ... (batch rows 0, 1, ...);
+    each rollout records (round, global position)."""
+
+    def generate(index: int, round_: int) -> tuple[list[Rollout], torch.Tensor]:
+        rewards = table[(index, round_)]
+        rollouts, mine = [], []
+        for row, position in enumerate(range(rank, len(rewards) // GROUP, dp)):
+            for i in range(GROUP):
+                rollouts.append(Rollout(prompt_index=row, prompt_ids=[1], response_ids=[round_, position],
+                                        logprobs=[0.0, 0.0], finished=True, version=0))  # fmt: skip
+                mine.append(rewards[position * GROUP + i])
+        return rollouts, torch.tensor(mine)
+
+    return generate
+
+
+class _Exchange:
+    """`keep_exchange` between threads (a barrier instead of a process group)."""
+
+    def __init__(self, dp: int) -> None:
+        import threading
+
+        self.flags: list[list[bool]] = [[] for _ in range(dp)]
+        self.barrier = threading.Barrier(dp)
+
+    def for_rank(self, rank: int) -> Any:
+        def exchange(flags: list[bool]) -> list[list[bool]]:
+            self.flags[rank] = flags
+            self.barrier.wait()
+            every = [list(f) for f in self.flags]
+            self.barrier.wait()
+            return every
+
+        return exchange
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        # uneven shares: rank 0 holds three of the four chosen groups
+        {(0, 0): [1, 0, 0, 0, 1, 0, 0, 0], (0, 1): [0, 0, 0, 0, 1, 0, 0, 1]},
+        # the target is met inside round 1: its later informative groups are left out on both ranks
+        {(0, 0): [0, 0, 1, 0, 0, 0, 0, 1], (0, 1): [1, 0, 0, 1, 1, 0, 0, 1]},
+        # the cap is hit: every rank trains on what was chosen
+        {(0, 0): [0, 0, 1, 0, 0, 0, 0, 0], (0, 1): [0, 0, 0, 0, 1, 0, 0, 0], (0, 2): [1, 1, 1, 1, 0, 1, 0, 0]},
+    ],
+)
+def test_two_ranks_choose_world1s_groups(table: dict[tuple[int, int], list[float]]) -> None:
+    """Two data-parallel ranks, each generating its share of every round, keep together exactly world 1's groups
+    (same rounds, same statistics summed), because they choose in global position order after exchanging flags."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = DynamicSamplingConfig(enabled=True, max_rounds=3)
+    generate, _ = _fake_round(table)
+    world1 = DynamicSampler(generate, group_size=GROUP, target_groups=4, config=config)
+    rollouts, rewards = world1(0)
+    expected = sorted((r.response_ids[0], r.response_ids[1] // GROUP, float(w)) for r, w in zip(rollouts, rewards))
+    exchange = _Exchange(2)
+    ranks = [
+        DynamicSampler(_sharded_rounds(table, k, 2), group_size=GROUP, target_groups=2, config=config,
+                       dp_rank=k, dp_size=2, exchange=exchange.for_rank(k))
+        for k in range(2)
+    ]  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda s: s(0), ranks))
+    got = sorted((r.response_ids[0], r.response_ids[1], float(w)) for out in results for r, w in zip(*out))
+    assert got == expected  # (round, global position, reward) of every kept sample
+    stats = [s.pop_stats(0) for s in ranks]
+    one = world1.pop_stats(0)
+    for key in ("groups_generated", "groups_kept", "filtered_all_pass", "filtered_all_fail"):
+        assert sum(st[key] for st in stats) == one[key], key
+    assert all(st["rounds"] == one["rounds"] and st["cap_hit"] == one["cap_hit"] for st in stats)
+    with pytest.raises(ValueError, match="needs an exchange"):
+        DynamicSampler(generate, group_size=GROUP, target_groups=2, config=config, dp_size=2)
+
+
 REWARDS = textwrap.dedent(
     """
     def binary_seven(prompt, response, reference):
@@ -98,7 +175,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tiny = tiny_assets(root, seed=11, max_operand=20, num_eval=4, data_seed=2)
     (root / "ds_rewards_mod.py").write_text(REWARDS)
     sys.path.insert(0, str(root))
-    return {"model": str(root / "model"), "train": str(tiny["train"])}
+    return {"model": str(root / "model"), "train": str(tiny["train"]), "root": str(root)}
 
 
 def _run(assets: dict[str, Any], out: Path, **overrides: Any) -> list[dict[str, Any]]:
@@ -138,3 +215,43 @@ def test_grpo_with_dynamic_sampling_trains_only_informative_groups(
         # Step 1 samples round 0 from the same weights and seeds in both runs (later steps' weights differ).
         assert train[0]["dynamic_sampling/filtered_all_fail"] + train[0]["dynamic_sampling/filtered_all_pass"] > 0
         assert plain[0]["advantage_nonzero_frac"] < 1.0, plain
+
+
+def _run_and_weights(assets: dict[str, Any], out: Path, **overrides: Any) -> dict[str, Any]:
+    """`_run` on every rank of a pool (or here); rank 0 returns the train metrics and the exported weights."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    if assets["root"] not in sys.path:
+        sys.path.insert(0, assets["root"])
+    train = _run(assets, out, export_hf_at_end=True, **overrides)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    weights: dict[str, torch.Tensor] = {}
+    for path in sorted((out / "hf").glob("*.safetensors")):
+        weights |= load_file(str(path))
+    return {"train": train, "weights": weights}
+
+
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.heavy), "async"])  # one path in CI
+def test_grpo_with_dynamic_sampling_two_ranks_match_world1(assets: dict[str, Any], tmp_path: Path, mode: str) -> None:
+    """FSDP 2 trains on world 1's groups: after every round the ranks exchange which of their groups carry a
+    signal (a gloo group of its own, also from the asynchronous generator thread) and choose in global order.
+    Samples are the same by per-request seeds; losses agree because the engine normalises over the global batch.
+    Metrics to rel 1e-5 and weights after 2 Adam steps to 2e-5, as the other layout tests; the group counts are
+    exact given the same samples (a sampled token moved by rounding would change the losses far more)."""
+    from shardforge.mesh.testing import get_rank_pool
+
+    settings = {"prompts_per_step": 8, "async_rollouts": mode == "async"}
+    single = _run_and_weights(assets, tmp_path / "d1", **settings)
+    shared = {k: assets[k] for k in ("model", "train", "root")}
+    fsdp = get_rank_pool(2).run(_run_and_weights, shared, tmp_path / "d2", layout="d2", timeout_s=300, **settings)[0]
+    assert [r["step"] for r in fsdp["train"]] == [1, 2]
+    assert any(r["dynamic_sampling/rounds"] > 1 for r in single["train"]), "backfill rounds ran"
+    for a, b in zip(single["train"], fsdp["train"], strict=True):
+        for key in ("loss", "grad_norm", "reward_mean", "reward_std", "response_len_mean", "advantage_nonzero_frac"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-8), (a["step"], key, a[key], b[key])
+        for key in ("groups_generated", "groups_kept", "filtered_all_pass", "filtered_all_fail", "rounds", "cap_hit"):
+            assert b[f"dynamic_sampling/{key}"] == a[f"dynamic_sampling/{key}"], (a["step"], key)
+    worst = max(float((single["weights"][k] - v).abs().max()) for k, v in fsdp["weights"].items())
+    assert worst <= 2e-5, worst

@@ -102,7 +102,9 @@ def test_a_reward_that_never_returns_does_not_block_interpreter_exit(tmp_path: P
         print(reward("p", "r", "x"))
     """)
     )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180
+    )  # imports torch: slow on a loaded machine
     assert done.returncode == 0 and done.stdout.strip() == "0.0", done.stderr[-1000:]
 
 
@@ -165,10 +167,12 @@ def test_reward_shaping_is_reachable_from_the_rl_config_and_applies_after_sampli
     def round_fn(index: int, round_: int) -> tuple[list[Any], torch.Tensor]:
         return trajectories, raw.clone()
 
-    plain, _ = make_sample_fn(build_config(GRPOConfig, base), round_fn, 1)
+    one_rank: Any = SimpleNamespace(dp_rank=0, dp_size=1)
+
+    plain, _ = make_sample_fn(build_config(GRPOConfig, base), round_fn, one_rank)
     assert plain(0)[1].tolist() == raw.tolist()
     shaping = {"overlong_max_length": 6, "overlong_cache_length": 4, "scale": 2.0}
-    shaped_fn, _ = make_sample_fn(build_config(GRPOConfig, base | {"reward_shaping": shaping}), round_fn, 1)
+    shaped_fn, _ = make_sample_fn(build_config(GRPOConfig, base | {"reward_shaping": shaping}), round_fn, one_rank)
     penalty = overlong_penalty(torch.tensor(lengths), max_length=6, cache_length=4)  # DAPO eq. 13
     assert penalty.tolist() == [0.0, -0.25, -0.75, -1.0]  # free up to 2 tokens, then -1/4 per token, -1 above 6
     torch.testing.assert_close(shaped_fn(0)[1], 2.0 * (raw + penalty))

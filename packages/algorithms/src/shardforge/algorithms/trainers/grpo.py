@@ -152,9 +152,8 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
     ds_rank0 = config.rollout_engine == "vllm" and config.vllm.placement == "rank0" and dp_size > 1
     if config.dynamic_sampling.enabled and ds_rank0:
         raise ValueError(
-            "dynamic_sampling with vllm.placement=rank0 and several data-parallel ranks is not supported: each rank "
-            "backfills its own groups, so ranks may run different numbers of generate calls while rank 0's vLLM "
-            "needs all of them in each; use vllm.placement=each_rank or rollout_engine=hf"
+            "dynamic_sampling with vllm.placement=rank0 and several data-parallel ranks is not supported yet (never "
+            "run: rank 0's vLLM serving every rank's backfill rounds); use vllm.placement=each_rank or rollout_engine=hf"
         )
     if config.actor.behav_weight_cap is not None:
         raise ValueError(
@@ -222,7 +221,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         prompt_sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
         sampler = self.sampling_rollout(rollout)
         generate_round = workflow_round_fn(config, sampler, self.prompts, self.workflow, engine, prompt_sampler)
-        sample_fn, self.dynamic = make_sample_fn(config, generate_round, engine.dp_size)
+        sample_fn, self.dynamic = make_sample_fn(config, generate_round, engine)
         sample_fn = _traced(sample_fn)  # the generate range, on whichever thread samples
         self.source: RolloutSource | None = None
         if config.async_rollouts:

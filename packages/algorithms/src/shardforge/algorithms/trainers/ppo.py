@@ -127,8 +127,8 @@ def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
     if config.dynamic_sampling.enabled and config.rollout_engine == "vllm" and config.vllm.placement == "rank0":
         if dp_size > 1:
             raise ValueError(
-                "dynamic_sampling with vllm.placement=rank0 and several data-parallel ranks is not supported: ranks "
-                "may run different numbers of generate calls; use vllm.placement=each_rank or rollout_engine=hf"
+                "dynamic_sampling with vllm.placement=rank0 and several data-parallel ranks is not supported yet "
+                "(never run); use vllm.placement=each_rank or rollout_engine=hf"
             )
     if config.actor.behav_weight_cap is not None:
         raise ValueError(
@@ -201,7 +201,7 @@ class PPOTrainer(Trainer[PPOConfig]):
             self.kl_ctrl.value = float(restored["kl_coef"])
         sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
         generate_round = workflow_round_fn(config, self.rollout, self.prompts, self.workflow, actor, sampler)
-        self.sample, self.dynamic = make_sample_fn(config, generate_round, actor.dp_size)
+        self.sample, self.dynamic = make_sample_fn(config, generate_round, actor)
 
     def _publish(self, version: int | None) -> int:
         """Publish the actor as ``version`` (None: the first) and serve it; return the next version number.

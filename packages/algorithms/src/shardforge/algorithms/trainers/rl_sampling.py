@@ -24,7 +24,7 @@ from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives.rewards import RewardShapingConfig, shape_rewards
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams
-from shardforge.algorithms.rollout.dynamic_sampling import DynamicSampler, GenerateRoundFn
+from shardforge.algorithms.rollout.dynamic_sampling import DynamicSampler, GenerateRoundFn, keep_exchange
 from shardforge.algorithms.rollout.seeds import request_seed
 from shardforge.algorithms.rollout.sources import SampleFn
 from shardforge.algorithms.trainers.rl_common import RLTrainerConfig
@@ -107,17 +107,18 @@ def set_greedy_baselines(
 
 
 def make_sample_fn(
-    config: RLTrainerConfig, generate_round: GenerateRoundFn, dp_size: int
+    config: RLTrainerConfig, generate_round: GenerateRoundFn, engine: TrainEngine
 ) -> tuple[SampleFn, DynamicSampler | None]:
     """The per-batch sampler: round 0 as it is, or dynamic sampling over rounds (returned too, for its stats).
     ``reward_shaping`` (DAPO overlong penalty, scale, clip) applies after sampling: dynamic sampling
-    filters on the raw rewards."""
+    filters on the raw rewards. Collective with dynamic sampling on (its exchange's process group)."""
     dynamic = None
     sample_fn: SampleFn = lambda index: generate_round(index, 0)  # noqa: E731
     if config.dynamic_sampling.enabled:
+        dp_rank, dp_size = engine.dp_rank, engine.dp_size
         dynamic = DynamicSampler(
             generate_round, group_size=config.group_size, target_groups=config.prompts_per_step // dp_size,
-            config=config.dynamic_sampling,
+            config=config.dynamic_sampling, dp_rank=dp_rank, dp_size=dp_size, exchange=keep_exchange(dp_rank, dp_size),
         )  # fmt: skip
         sample_fn = dynamic
     if config.reward_shaping == RewardShapingConfig():
