@@ -352,7 +352,6 @@ def test_partial_metrics_describe_every_ranks_share() -> None:
         ({"async_rollouts": False}, "partial_rollouts=true .* set async_rollouts=true"),
         ({"max_staleness": 0}, "max_staleness=0 never overlaps"),
         ({"interrupt_chunk_tokens": 0}, "interrupt_chunk_tokens=0 must be >= 1"),
-        ({"rollout_engine": "vllm"}, "rollout_engine='vllm' cannot be interrupted yet"),
         ({"engine.router_replay": True}, "router_replay=true is not supported"),
     ],
 )
@@ -363,3 +362,77 @@ def test_partial_rollout_settings_errors(
 
     with pytest.raises(ValueError, match=match):
         check_partial_rollouts(_config(assets, tmp_path, **overrides))
+
+
+def test_partial_rollouts_on_vllm_refuse_engines_shared_by_ranks(
+    assets: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardforge.algorithms.trainers import rl_partial
+
+    check = rl_partial.check_partial_rollouts
+    check(_config(assets, tmp_path, rollout_engine="vllm"))  # world 1: in-process or server, any placement
+    check(_config(assets, tmp_path, rollout_engine="vllm", **{"vllm.mode": "server"}))
+    monkeypatch.setattr(rl_partial.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(rl_partial.dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(ValueError, match="placement=rank0 and 2 ranks is not supported"):
+        check(_config(assets, tmp_path, rollout_engine="vllm"))
+    with pytest.raises(ValueError, match="vLLM server needs a trainer world size of 1"):
+        check(
+            _config(assets, tmp_path, rollout_engine="vllm", **{"vllm.mode": "server", "vllm.placement": "each_rank"})
+        )
+    check(_config(assets, tmp_path, rollout_engine="vllm", **{"vllm.placement": "each_rank"}))
+
+
+class _RequestEngine:
+    """A whole-request engine (as vLLM's): response token t of a request is ``seed % 97 + t`` (the seed it was
+    given), its log-prob ``-version``; it stops (EOS 0) after ``stop_after[prompt[0]]`` tokens in all."""
+
+    def __init__(self, stop_after: dict[int, int]) -> None:
+        self.version, self.stop_after, self.calls = 1, stop_after, []  # type: ignore[var-annotated]
+
+    def generate(self, prompts: list[list[int]], params: Any) -> list[Any]:
+        from shardforge.algorithms.rollout import Rollout
+
+        assert params.n == 1 and params.seeds is not None and len(params.seeds) == len(prompts)
+        self.calls.append((len(prompts), params.max_new_tokens, params.seeds))
+        out = []
+        for prompt, seed in zip(prompts, params.seeds, strict=True):
+            left = self.stop_after[prompt[0]] - (len(prompt) - 2)  # prompts are 2 tokens long
+            tokens = [seed % 97 + t for t in range(min(left, params.max_new_tokens))]
+            finished = left <= params.max_new_tokens
+            if finished:
+                tokens[-1] = 0
+            out.append(Rollout(prompt_index=0, prompt_ids=prompt, response_ids=tokens, logprobs=[-float(self.version)]
+                               * len(tokens), finished=finished, version=self.version))  # fmt: skip
+        return out
+
+
+def test_chunked_requests_continue_from_the_returned_ids_under_new_weights() -> None:
+    """vLLM's partial rollouts (`rollout.chunked.chunked_requests`): each response is re-sent with its ids so far
+    after every chunk; a weight switch between chunks shows in the per-token versions and log-probs; finished
+    responses leave; the first chunk samples from the response's own seed, a continuation from a seed of
+    (that seed, tokens done)."""
+    from shardforge.algorithms.rollout import SamplingParams
+    from shardforge.algorithms.rollout.chunked import chunked_requests
+    from shardforge.algorithms.rollout.seeds import request_seed
+
+    engine = _RequestEngine({5: 3, 6: 7})
+    switches = []
+
+    def between() -> None:
+        switches.append(engine.version)
+        engine.version += 1
+
+    params = SamplingParams(n=2, max_new_tokens=7, temperature=1.0, seeds=(100, 200))
+    out = chunked_requests(engine.generate, [[5, 9], [6, 9]], params, 3, between, lambda ids: str(ids))
+    assert [r.prompt_index for r in out] == [0, 0, 1, 1] and [r.prompt_ids for r in out] == [[5, 9]] * 2 + [[6, 9]] * 2
+    assert [len(r.response_ids) for r in out] == [3, 3, 7, 7]
+    assert [r.finished for r in out] == [True, True, True, True]
+    # Chunk 1 (version 1) for all four; chunks 2 and 3 only for prompt 6's two responses, under versions 2 and 3.
+    assert [c[:2] for c in engine.calls] == [(4, 3), (2, 3), (2, 1)] and switches == [1, 2]
+    assert out[2].token_versions == [1, 1, 1, 2, 2, 2, 3] and out[2].version == 1
+    assert out[0].token_versions == [1, 1, 1] and out[2].logprobs == [-1.0] * 3 + [-2.0] * 3 + [-3.0]
+    assert engine.calls[0][2] == (100, 101, 200, 201)
+    assert engine.calls[1][2] == (request_seed(200, 3), request_seed(201, 3))
+    assert out[2].response_ids[:3] == [200 % 97 + t for t in range(3)]
+    assert out[2].response_ids[3:6] == [request_seed(200, 3) % 97 + t for t in range(3)]

@@ -269,3 +269,54 @@ def test_server_mode_samples_and_follows_publishes(assets: dict[str, Any], tmp_p
         assert [r.response_ids for r in after] != [r.response_ids for r in before]
     finally:
         server.shutdown()
+
+
+def test_partial_rollouts_continue_under_new_weights(
+    served: tuple[Any, Any, Any], assets: dict[str, Any], tmp_path: Path
+) -> None:
+    """Partial rollouts on vLLM (`rollout.chunked`): chunked greedy generation equals the whole request under
+    the same weights; with weights published between chunks, the first chunk keeps the old version's tokens and
+    every later token is the new weights' greedy continuation of prompt + tokens so far, tagged with its version."""
+    import dataclasses
+
+    engine, rollout, transport = served
+    tokenizer, prompts = assets["tokenizer"], assets["prompts"].ids[:6]
+    greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    old = rollout.version + 1
+    publish_to_rollout(engine, transport, rollout, "float32", old)
+    whole = rollout.generate(prompts, greedy)
+    rollout.interrupt_chunk_tokens = 3
+    try:
+        chunked = rollout.generate(prompts, greedy)
+        assert [r.response_ids for r in chunked] == [r.response_ids for r in whole]
+        assert all(r.token_versions == [old] * len(r.response_ids) for r in chunked)
+        gap = max(abs(a - b) for r, w in zip(chunked, whole) for a, b in zip(r.logprobs, w.logprobs))
+        assert gap < LOGPROB_ATOL, gap
+
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # the trainer's next step
+            for param in engine.model.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * 0.3)
+        published: list[int] = []
+
+        def between_chunks() -> None:  # the asynchronous generator's refresh: newer weights arrive once
+            if not published:
+                publish_to_rollout(engine, transport, rollout, "float32", old + 1)
+                published.append(old + 1)
+
+        rollout.between_chunks = between_chunks
+        mixed = rollout.generate(prompts, greedy)
+    finally:
+        rollout.interrupt_chunk_tokens, rollout.between_chunks = None, None
+    assert published == [old + 1] and rollout.version == old + 1
+    continued = [r for r in mixed if len(r.response_ids) > 3]
+    assert continued, "some responses outlive the first chunk"
+    for r, w in zip(mixed, whole):
+        assert r.response_ids[:3] == w.response_ids[:3]
+        assert r.token_versions == [old] * min(3, len(r.response_ids)) + [old + 1] * (len(r.response_ids) - 3)
+    engine.export_hf(tmp_path / "hf", tokenizer=tokenizer)
+    new_hf = HFRolloutEngine(tmp_path / "hf", tokenizer)
+    rest = dataclasses.replace(greedy, max_new_tokens=MAX_NEW - 3)
+    expected = new_hf.generate([list(r.prompt_ids) + r.response_ids[:3] for r in continued], rest)
+    assert [r.response_ids[3:] for r in continued] == [e.response_ids for e in expected]
+    assert [r.response_ids for r in mixed] != [r.response_ids for r in whole], "the new weights changed the tail"

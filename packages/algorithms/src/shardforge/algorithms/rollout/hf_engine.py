@@ -22,6 +22,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from transformers import LogitsProcessorList
 
 from shardforge.algorithms.batching.visual import ImageInputs
 from shardforge.algorithms.engine.config import parse_dtype
+from shardforge.algorithms.rollout.chunked import generate_in_chunks
 from shardforge.algorithms.rollout.kv_reuse import (
     KVReuseCache,
     batch_layout,
@@ -241,42 +243,17 @@ class HFRolloutEngine:
         uniforms: torch.Tensor | None,
     ) -> list[Rollout]:
         assert self.interrupt_chunk_tokens is not None
-        ids: list[list[int]] = [[] for _ in rows]
-        logprobs: list[list[float]] = [[] for _ in rows]
-        versions: list[list[int]] = [[] for _ in rows]
-        finished = [False] * len(rows)
-        active, remaining = list(range(len(rows))), params.max_new_tokens
-        while True:
-            budget = min(self.interrupt_chunk_tokens, remaining)
-            context = [(rows[i][0], rows[i][1] + ids[i]) for i in active]
-            # Unfinished rows generated every token so far: each continues at the same position of its stream.
-            done = params.max_new_tokens - remaining
+
+        def chunk(active: list[int], context: list[tuple[int, list[int]]], budget: int, done: int) -> list[Rollout]:
+            # Each unfinished row continues at the same position of its own stream of uniforms.
             draws = None if uniforms is None else uniforms[active, done : done + budget]
             params_ = dataclasses.replace(params, max_new_tokens=budget)
-            parts = self._generate_chunk(context, params_, [keys[i] for i in active], draws)
-            for i, part in zip(active, parts, strict=True):
-                ids[i] += part.response_ids
-                logprobs[i] += part.logprobs
-                versions[i] += [part.version] * len(part.response_ids)
-                finished[i] = part.finished
-            active, remaining = [i for i in active if not finished[i]], remaining - budget
-            if not active or remaining <= 0:
-                break
-            if self.between_chunks is not None:
-                self.between_chunks()
-        return [
-            Rollout(
-                prompt_index=prompt_index,
-                prompt_ids=prompt,
-                response_ids=ids[i],
-                logprobs=logprobs[i],
-                finished=finished[i],
-                version=min(versions[i]),
-                text=self.tokenizer.decode(ids[i], skip_special_tokens=True),
-                token_versions=versions[i],
-            )
-            for i, (prompt_index, prompt) in enumerate(rows)
-        ]
+            return self._generate_chunk(context, params_, [keys[i] for i in active], draws)
+
+        decode = partial(self.tokenizer.decode, skip_special_tokens=True)
+        return generate_in_chunks(
+            rows, params.max_new_tokens, self.interrupt_chunk_tokens, chunk, self.between_chunks, decode
+        )
 
     def _generate_chunk(
         self,

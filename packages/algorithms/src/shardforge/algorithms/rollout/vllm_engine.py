@@ -37,8 +37,9 @@ import contextlib
 import dataclasses
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from shardforge.algorithms.engine.config import parse_dtype
+from shardforge.algorithms.rollout.chunked import chunked_requests
 from shardforge.algorithms.rollout.seeds import prompt_seeds
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.weight_sync import DiskWeightSource, WeightVersionError
@@ -186,6 +188,10 @@ class VLLMRolloutEngine:
         self.owns_llm = self.options.placement == "each_rank" or self.rank == 0
         self.llm: Any = None
         self.max_model_len = 0
+        self.interrupt_chunk_tokens: int | None = None
+        """Partial rollouts: generate this many new tokens at a time (`rollout.chunked`); None: whole requests."""
+        self.between_chunks: Callable[[], None] | None = None
+        """Called between two chunks (the asynchronous generator loads newer weights there)."""
         if self.owns_llm:
             import_vllm()
             serving_dtype = str(parse_dtype(dtype)).removeprefix("torch.")
@@ -239,7 +245,20 @@ class VLLMRolloutEngine:
         return self._version
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
-        """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together)."""
+        """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together). Partial
+        rollouts (``interrupt_chunk_tokens`` set): in chunks, `between_chunks` after each (`rollout.chunked`)."""
+        if self.interrupt_chunk_tokens is not None:
+            if self.collective:
+                raise ValueError(
+                    "partial rollouts with vllm.placement=rank0 and several ranks are not supported (ranks would "
+                    "need the same number of chunks): use vllm.placement=each_rank"
+                )
+            decode = partial(self.tokenizer.decode, skip_special_tokens=True)
+            chunk = self.interrupt_chunk_tokens
+            return chunked_requests(self._generate, prompts, params, chunk, self.between_chunks, decode)
+        return self._generate(prompts, params)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
         request = ([list(p) for p in prompts], params)
         if not self.collective:
             return self._run([request])[0]

@@ -34,8 +34,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ import torch.distributed as dist
 
 from shardforge.algorithms.engine.config import parse_dtype
 from shardforge.algorithms.log import get_logger
+from shardforge.algorithms.rollout.chunked import chunked_requests
 from shardforge.algorithms.rollout.seeds import prompt_seeds
 from shardforge.algorithms.rollout.server_health import (
     REQUEST_FAILURES,
@@ -105,6 +107,10 @@ class VLLMServerRolloutEngine:
         """The command that started the server when this engine started it (None: given by URL)."""
         self.log_path: Path | None = None
         self.health = HealthCounters()
+        self.interrupt_chunk_tokens: int | None = None
+        """Partial rollouts: this many new tokens per request (`rollout.chunked`); None: whole requests."""
+        self.between_chunks: Callable[[], None] | None = None
+        """Called between two chunks (the asynchronous generator loads newer weights there)."""
         url = self.options.server_url
         if self.rank == 0:
             if url is None:
@@ -248,7 +254,22 @@ class VLLMServerRolloutEngine:
         _post(self.url, "/reset_prefix_cache", {})  # cached KV blocks hold the old weights' keys/values
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
-        """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together)."""
+        """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together). Partial
+        rollouts (``interrupt_chunk_tokens`` set): each chunk is a completion request that continues from the
+        returned token ids, `between_chunks` after each (`rollout.chunked`)."""
+        if self.interrupt_chunk_tokens is not None:
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                raise ValueError(
+                    "partial rollouts on a shared vLLM server need a trainer world size of 1 (one rank's weight "
+                    "switch between its chunks would change the weights under the other ranks' requests); use "
+                    "vllm.mode=inprocess with placement=each_rank"
+                )
+            decode = partial(self.tokenizer.decode, skip_special_tokens=True)
+            chunk = self.interrupt_chunk_tokens
+            return chunked_requests(self._generate, prompts, params, chunk, self.between_chunks, decode)
+        return self._generate(prompts, params)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
         if len(prompts) == 0:
             raise ValueError("generate() needs at least one prompt")
         seeds = prompt_seeds(params, len(prompts))

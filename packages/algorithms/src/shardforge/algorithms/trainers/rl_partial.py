@@ -1,6 +1,7 @@
 """Partial (interruptible) rollouts for asynchronous GRPO: the settings' checks and the engine switch.
 
-With ``partial_rollouts=true`` the embedded engine generates ``interrupt_chunk_tokens`` tokens at a time;
+With ``partial_rollouts=true`` the rollout engine (embedded HF, or vLLM in-process / server through
+`rollout.chunked`) generates ``interrupt_chunk_tokens`` tokens at a time;
 between chunks the background generator loads the newest weights the batch may use, and unfinished
 responses continue under them (`AsyncRollouts`, `HFRolloutEngine`). Every token keeps its weight version
 and behaviour log-prob, which the decoupled loss and rollout correction use token by token.
@@ -9,6 +10,8 @@ and behaviour log-prob, which the decoupled loss and rollout correction use toke
 from __future__ import annotations
 
 from typing import Any
+
+import torch.distributed as dist
 
 from shardforge.algorithms.batching.collectives import all_reduce_max, all_reduce_sum
 from shardforge.algorithms.rollout.partial_stats import STALENESS_COUNTS, staleness_metrics
@@ -37,11 +40,19 @@ def check_partial_rollouts(config: Any) -> None:
             "partial_rollouts=true with max_staleness=0 never overlaps generation with training, so no newer weights "
             "arrive mid-generation: set max_staleness >= 1 or partial_rollouts=false"
         )
-    if config.rollout_engine != "hf":
-        raise ValueError(
-            f"partial_rollouts=true is built for the embedded engine (rollout_engine=hf); rollout_engine="
-            f"{config.rollout_engine!r} cannot be interrupted yet: use rollout_engine=hf or partial_rollouts=false"
-        )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if config.rollout_engine == "vllm" and world > 1:
+        if config.vllm.mode == "server":
+            raise ValueError(
+                f"partial_rollouts=true on a vLLM server needs a trainer world size of 1 (got {world}): one rank's "
+                "weight switch between its chunks would change the weights under the other ranks' requests; use "
+                "vllm.mode=in_process with vllm.placement=each_rank, or rollout_engine=hf"
+            )
+        if config.vllm.placement == "rank0":
+            raise ValueError(
+                f"partial_rollouts=true with vllm.placement=rank0 and {world} ranks is not supported (every rank "
+                "would need the same number of chunks): use vllm.placement=each_rank, or rollout_engine=hf"
+            )
     if config.engine.router_replay:
         raise ValueError(
             "partial_rollouts=true with engine.router_replay=true is not supported: a continued generation "
@@ -51,7 +62,7 @@ def check_partial_rollouts(config: Any) -> None:
 
 
 def enable_partial_rollouts(config: Any, rollout: Any) -> None:
-    """Make the (embedded HF) rollout engine generate in interruptible chunks when partial rollouts are on."""
+    """Make the rollout engine (HF or vLLM) generate in interruptible chunks when partial rollouts are on."""
     if config.partial_rollouts:
         rollout.interrupt_chunk_tokens = config.interrupt_chunk_tokens
 
