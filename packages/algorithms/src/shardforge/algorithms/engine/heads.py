@@ -177,6 +177,10 @@ class Head(ABC):
         """The TP plan (None = the family's default plan)."""
         return None
 
+    def after_tensor_parallel(self, model: nn.Module, ctx: ParallelContext) -> None:
+        """Called once after the TP plan is applied (tp > 1), before FSDP: e.g. a VLM's sequence chunking."""
+        return None
+
     def keep_input_dtype_classes(self, model: nn.Module) -> tuple[str, ...]:
         """FSDP unit classes that keep their forward inputs' dtype under mixed precision (none by default;
         a VLM's vision blocks, see `engine.vision.VisionLMHead`)."""
