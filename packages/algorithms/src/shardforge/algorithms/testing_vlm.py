@@ -345,3 +345,52 @@ def vlm_grpo_steps(model_dir: str, train: str, layout: str, steps: int = 2, grou
         rewards.append(float(reward.mean()))
         publish_in_process(engine, rollout.receiver, "float32", None)
     return {"losses": losses, "gaps": gaps, "rewards": rewards, "weights": engine.full_state_dict()}
+
+
+def entropy_sft_loss(logprobs: Any, batch: Any, entropy: Any) -> Any:
+    """SFT loss minus 0.05 x the entropy at the target positions (layout tests: the entropy's gradient
+    flows too, vocab-parallel under TP)."""
+    return -((logprobs + 0.05 * entropy) * batch.loss_mask).sum()
+
+
+entropy_sft_loss.wants_entropy = True  # type: ignore[attr-defined]
+
+
+def vlm_tp_steps(model_dir: str, train: str, layout: str, sequence_parallel: bool, steps: int = 2) -> dict[str, Any]:
+    """For TP parity tests: log-probs of the first 4 image rows of ``train`` and of a text-only row, then
+    ``steps`` SFT steps with `entropy_sft_loss` (lr 3e-3). With dp 2, rank 0 trains on the image rows and
+    rank 1 on the text-only row alone (its micro-batch runs the dummy image); else every rank on all 5."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from shardforge.algorithms.data.vlm import load_vlm_examples, pack_vlm_examples, tokenize_vlm_row
+    from shardforge.algorithms.engine import EngineConfig, TrainEngine
+    from shardforge.algorithms.engine.config import OptimizerConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    examples = load_vlm_examples(train, tokenizer, processor, image_token="<|image_pad|>")[:4]
+    text_row = {"messages": [{"role": "user", "content": "say red"}, {"role": "assistant", "content": "red"}]}
+    examples.append(tokenize_vlm_row(text_row, tokenizer, processor, image_token="<|image_pad|>"))  # index 4
+    config = EngineConfig(optimizer=OptimizerConfig(lr=3e-3), sequence_parallel=sequence_parallel)
+    engine = TrainEngine(model_dir, layout, config)
+    images = engine.forward(pack_vlm_examples(examples, [0, 1, 2, 3]))
+    text = engine.forward(pack_vlm_examples(examples, [4]))
+    mine = [[0, 1, 2, 3], [4]][engine.dp_rank] if engine.dp_size == 2 else [0, 1, 2, 3, 4]
+    batch = pack_vlm_examples(examples, mine)
+    losses = [engine.train_batch(batch, loss_fn=entropy_sft_loss)["loss"] for _ in range(steps)]
+    return {"images": images, "text": text, "losses": losses, "weights": engine.full_state_dict()}
+
+
+def check_vlm_parity(single: dict[str, Any], sharded: dict[str, Any], initial: dict[str, Any]) -> None:
+    """`vlm_tp_steps` results of a sharded layout vs one process. fp32; TP sums partial matmuls and the
+    vocab-parallel softmax in another order: rounding only (the HSDP VLM test's tolerances)."""
+    import torch
+
+    torch.testing.assert_close(sharded["images"], single["images"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sharded["text"], single["text"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
+    assert sharded["weights"].keys() == single["weights"].keys()
+    for key, value in sharded["weights"].items():
+        torch.testing.assert_close(value, single["weights"][key], rtol=0, atol=2e-5, msg=lambda m, k=key: f"{k}: {m}")
+    moved = [k for k in initial if k.startswith("model.visual.") and not torch.equal(single["weights"][k], initial[k])]
+    assert moved, "the vision tower trains"
