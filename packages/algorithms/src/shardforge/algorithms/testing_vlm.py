@@ -347,18 +347,19 @@ def vlm_grpo_steps(model_dir: str, train: str, layout: str, steps: int = 2, grou
     return {"losses": losses, "gaps": gaps, "rewards": rewards, "weights": engine.full_state_dict()}
 
 
-def entropy_sft_loss(logprobs: Any, batch: Any, entropy: Any) -> Any:
+class EntropySFTLoss:
     """SFT loss minus 0.05 x the entropy at the target positions (layout tests: the entropy's gradient
     flows too, vocab-parallel under TP)."""
-    return -((logprobs + 0.05 * entropy) * batch.loss_mask).sum()
 
+    wants_entropy = True
 
-entropy_sft_loss.wants_entropy = True  # type: ignore[attr-defined]
+    def __call__(self, logprobs: Any, batch: Any, entropy: Any = None) -> Any:
+        return -((logprobs + 0.05 * entropy) * batch.loss_mask).sum()
 
 
 def vlm_tp_steps(model_dir: str, train: str, layout: str, sequence_parallel: bool, steps: int = 2) -> dict[str, Any]:
     """For TP parity tests: log-probs of the first 4 image rows of ``train`` and of a text-only row, then
-    ``steps`` SFT steps with `entropy_sft_loss` (lr 3e-3). With dp 2, rank 0 trains on the image rows and
+    ``steps`` SFT steps with `EntropySFTLoss` (lr 3e-3). With dp 2, rank 0 trains on the image rows and
     rank 1 on the text-only row alone (its micro-batch runs the dummy image); else every rank on all 5."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
@@ -377,7 +378,7 @@ def vlm_tp_steps(model_dir: str, train: str, layout: str, sequence_parallel: boo
     text = engine.forward(pack_vlm_examples(examples, [4]))
     mine = [[0, 1, 2, 3], [4]][engine.dp_rank] if engine.dp_size == 2 else [0, 1, 2, 3, 4]
     batch = pack_vlm_examples(examples, mine)
-    losses = [engine.train_batch(batch, loss_fn=entropy_sft_loss)["loss"] for _ in range(steps)]
+    losses = [engine.train_batch(batch, loss_fn=EntropySFTLoss())["loss"] for _ in range(steps)]
     return {"images": images, "text": text, "losses": losses, "weights": engine.full_state_dict()}
 
 
@@ -391,6 +392,10 @@ def check_vlm_parity(single: dict[str, Any], sharded: dict[str, Any], initial: d
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
     assert sharded["weights"].keys() == single["weights"].keys()
     for key, value in sharded["weights"].items():
-        torch.testing.assert_close(value, single["weights"][key], rtol=0, atol=2e-5, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(value, single["weights"][key], rtol=0, atol=2e-5, msg=_named(key))
     moved = [k for k in initial if k.startswith("model.visual.") and not torch.equal(single["weights"][k], initial[k])]
     assert moved, "the vision tower trains"
+
+
+def _named(key: str) -> Any:
+    return lambda message: f"{key}: {message}"

@@ -177,8 +177,9 @@ class Head(ABC):
         """The TP plan (None = the family's default plan)."""
         return None
 
-    def after_tensor_parallel(self, model: nn.Module, ctx: ParallelContext) -> None:
-        """Called once after the TP plan is applied (tp > 1), before FSDP: e.g. a VLM's sequence chunking."""
+    def adapt_to_layout(self, model: nn.Module, ctx: ParallelContext) -> None:
+        """Called once on a distributed build, after the TP plan (if any) and before FSDP: e.g. a VLM's
+        sequence chunking for SP / CP."""
         return None
 
     def keep_input_dtype_classes(self, model: nn.Module) -> tuple[str, ...]:

@@ -15,7 +15,9 @@ black image as an extra packed sequence whose outputs are dropped but kept in th
 so every rank joins the same all-gathers and reduce-scatters.
 
 Layouts: FSDP / HSDP / DDP, FSDP x TP (`engine.vision_tp`: the language model's TP plan, the vision tower
-replicated over TP ranks) and one process; CP, PP and EP are refused (`check_vlm`).
+replicated over TP ranks), FSDP x Ulysses CP (the language model's input and mRoPE positions cut per CP
+rank after the image features are merged, `vision_tp.install_sequence_chunking`) and one process; PP, EP
+and CP x TP are refused (`check_vlm`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from shardforge.algorithms.engine.loading import is_model_dir
 from shardforge.algorithms.engine.vision_tp import VLM_TP_FAMILIES, install_sequence_chunking, vlm_tp_plan
 from shardforge.tensor_parallel import vocab_parallel_entropy
 from shardforge.tensor_parallel.validate import validate_tp
-from shardforge.ulysses_cp import packed_model_kwargs
+from shardforge.ulysses_cp import gather_sequence, packed_model_kwargs, slice_for_rank
 
 __all__ = ["VISION_TOWERS", "VisionLMHead", "check_vlm", "is_vlm", "mrope_position_ids", "vision_tower"]
 
@@ -49,13 +51,16 @@ def check_vlm(dims: Any, hf_config: Any, head: str) -> None:
     if not is_vlm(hf_config):
         return
     kind = getattr(hf_config, "model_type", None)
-    unsupported = {"cp": dims.cp, "pp": dims.pp, "ep": dims.ep}
+    unsupported = {"pp": dims.pp, "ep": dims.ep}
+    if dims.cp > 1 and dims.tp > 1:
+        unsupported["cp x tp"] = dims.cp * dims.tp
     bad = {k: v for k, v in unsupported.items() if v > 1}
     if bad:
         raise ValueError(
             f"vision-language models ({kind}) support data-parallel layouts (FSDP d, HSDP r x d, DDP r) and "
-            f"tensor parallelism composed with them (e.g. d2t2, t2), not {bad}; use e.g. layout "
-            f"d{dims.world_size} or d{dims.world_size // 2}t2 (see docs/packages/algorithms-vlm.md)"
+            f"either tensor parallelism or Ulysses context parallelism composed with them (e.g. d2t2, t2, d2c2, "
+            f"c2), not {bad}; use e.g. layout d{dims.world_size} or d{dims.world_size // 2}t2 (see "
+            "docs/packages/algorithms-vlm.md)"
         )
     if dims.tp > 1:
         if kind not in VLM_TP_FAMILIES:
@@ -139,8 +144,10 @@ class VisionLMHead(LMHead):
     def tp_plan(self, model: nn.Module, *, sequence_parallel: bool) -> dict[str, Any] | None:
         return vlm_tp_plan(model, sequence_parallel=sequence_parallel)
 
-    def after_tensor_parallel(self, model: nn.Module, ctx: ParallelContext) -> None:
-        if ctx.config.sequence_parallel:
+    def adapt_to_layout(self, model: nn.Module, ctx: ParallelContext) -> None:
+        if ctx.dims.cp > 1:  # Ulysses: every CP rank keeps its chunk's gradient; FSDP sums them over cp
+            install_sequence_chunking(model, ctx.cp_group, ctx.cp_rank, ctx.dims.cp, cp=True)
+        if ctx.dims.tp > 1 and ctx.config.sequence_parallel:
             assert ctx.mesh is not None
             install_sequence_chunking(model, ctx.mesh.get("tp").get_group(), ctx.local_rank("tp"), ctx.dims.tp)
 
@@ -195,7 +202,7 @@ class VisionLMHead(LMHead):
             "pixel_values": pixels.to(ids.device),
             "image_grid_thw": flat.to(ids.device),
             "use_cache": False,
-            **packed_model_kwargs(cu),
+            **packed_model_kwargs(cu, cp_group=ctx.cp_group),
         }
         return kwargs, real
 
@@ -204,9 +211,12 @@ class VisionLMHead(LMHead):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         padded = mb.to(ctx.device)  # `model_inputs` pads to the token multiple (after the dummy image)
         kwargs, real = self.model_inputs(model, ctx, padded)
-        logits = model(**kwargs).logits[0]
-        ids = kwargs["input_ids"][0]
-        next_logprobs = self.next_token_logprobs(logits, torch.roll(ids, -1))
+        logits = model(**kwargs).logits[0]  # under CP: this rank's chunk of the sequence
+        targets = torch.roll(kwargs["input_ids"][0], -1)
+        cp_group = ctx.cp_group
+        if cp_group is not None:
+            targets = slice_for_rank(targets, ctx.cp_rank, ctx.dims.cp)
+        next_logprobs = gather_sequence(self.next_token_logprobs(logits, targets), cp_group)
         # A dummy image sequence (if any) and the padding are dropped, but kept in the graph with weight 0 so its vision
         # parameters get (zero) gradients on this rank like on the others.
         keep = next_logprobs[real:].sum() * 0.0
@@ -221,10 +231,11 @@ class VisionLMHead(LMHead):
         if entropy:
             scaled = logits / self.temperature if self.temperature != 1.0 else logits
             if isinstance(scaled, DTensor):  # vocab-sharded logits (TP)
-                entropies = realign(vocab_parallel_entropy(scaled))
+                local = vocab_parallel_entropy(scaled)
             else:
                 log_p = torch.log_softmax(scaled.float(), dim=-1)
-                entropies = realign(-(log_p.exp() * log_p).sum(-1))
+                local = -(log_p.exp() * log_p).sum(-1)
+            entropies = realign(gather_sequence(local, cp_group))
         return realign(next_logprobs), entropies
 
 

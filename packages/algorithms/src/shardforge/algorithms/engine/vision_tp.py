@@ -1,4 +1,6 @@
-"""Tensor parallelism for vision-language models (Qwen2.5-VL, Qwen3-VL): `vlm_tp_plan`.
+"""Tensor parallelism for vision-language models (Qwen2.5-VL, Qwen3-VL): `vlm_tp_plan`; and the sequence
+chunking after the image merge that TP's sequence parallelism and Ulysses CP share
+(`install_sequence_chunking`).
 
 The language model gets its text family's plan (`shardforge.tensor_parallel.plans.dense_decoder_plan`,
 with Qwen3's q/k norms for Qwen3-VL) under ``model.language_model``; the vision tower and its
@@ -75,24 +77,32 @@ class _SequenceChunk(torch.autograd.Function):
 
 
 def _chunk(x: torch.Tensor, dim: int, start: int, length: int, group: Any) -> torch.Tensor:
-    if not x.requires_grad:
+    if group is None or not x.requires_grad:
         return x.narrow(dim, start, length)
     out: torch.Tensor = _SequenceChunk.apply(x, dim, start, length, group)
     return out
 
 
-def install_sequence_chunking(model: nn.Module, tp_group: Any, tp_rank: int, tp: int) -> None:
-    """Under sequence parallelism: cut the language model's inputs to this rank's chunk (module docstring)."""
+def install_sequence_chunking(model: nn.Module, group: Any, rank: int, size: int, *, cp: bool = False) -> None:
+    """Cut the language model's inputs to this rank's contiguous chunk of the sequence, after the image
+    features are merged: under TP's sequence parallelism (module docstring; the chunks' gradients are
+    summed over the TP group, positions stay whole) or, with ``cp``, under Ulysses context parallelism
+    (as `shardforge.ulysses_cp.slice_for_rank`: the mRoPE positions are cut too, since each rank
+    rotates its own chunk's queries and keys; gradients stay per chunk, and FSDP sums them over cp
+    like every other parameter's)."""
     text = model.get_submodule(_TEXT)
+    grad_group = None if cp else group
 
     def pre_hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         embeds = kwargs["inputs_embeds"]
         total = embeds.shape[1]
-        if total % tp:
-            raise ValueError(f"sequence parallelism needs a length divisible by tp={tp}, got {total}")
-        length = total // tp
-        start = tp_rank * length
-        kwargs["inputs_embeds"] = _chunk(embeds, 1, start, length, tp_group)
+        if total % size:
+            raise ValueError(f"sequence chunking needs a length divisible by {size}, got {total}")
+        length = total // size
+        start = rank * length
+        kwargs["inputs_embeds"] = _chunk(embeds, 1, start, length, grad_group)
+        if cp:
+            kwargs["position_ids"] = kwargs["position_ids"].narrow(-1, start, length)
         mask = kwargs.get("visual_pos_masks")
         if mask is not None:  # Qwen3-VL DeepStack: features of the image tokens in this chunk only
             before = int(mask[:, :start].sum())
@@ -100,7 +110,7 @@ def install_sequence_chunking(model: nn.Module, tp_group: Any, tp_rank: int, tp:
             kwargs["visual_pos_masks"] = mask[:, start : start + length]
             deep = kwargs.get("deepstack_visual_embeds")
             if deep is not None:
-                kwargs["deepstack_visual_embeds"] = [_chunk(d, 0, before, mine, tp_group) for d in deep]
+                kwargs["deepstack_visual_embeds"] = [_chunk(d, 0, before, mine, grad_group) for d in deep]
         return args, kwargs
 
     text.register_forward_pre_hook(pre_hook, with_kwargs=True)
