@@ -1,6 +1,7 @@
-"""A vision-language model (tiny Qwen2.5-VL) under HSDP (r2d2, world 4) vs one process: same losses and
-same trained weights after a few SFT steps on image chat rows, with one rank's micro-batch holding only a
-text-only row (it runs the dummy image, so the vision tower's collectives still match)."""
+"""A vision-language model (tiny Qwen2.5-VL) under HSDP (r2d2, world 4) and FSDP x TP (d2t2, world 4) vs
+one process: same losses and same trained weights after a few SFT steps on image chat rows, with one
+rank's micro-batch holding only a text-only row (it runs the dummy image, so the vision tower's
+collectives still match)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,20 @@ def test_hsdp_matches_one_process(vlm: dict[str, Any]) -> None:
     assert hsdp["weights"].keys() == single["weights"].keys()
     for key, value in hsdp["weights"].items():
         torch.testing.assert_close(value, single["weights"][key], rtol=0, atol=2e-5, msg=key)
+
+
+@pytest.mark.heavy  # heavy (world 4; ~40 s, more under load): CI keeps t2 for both families (test_alg_vlm_tp.py)
+def test_fsdp_x_tp_matches_one_process(tmp_path: Any) -> None:
+    """FSDP 2 x TP 2 with sequence parallelism (Qwen2.5-VL, world 4) vs one process: log-probs on image rows
+    and a text-only row, losses and trained weights after SFT steps with an entropy term; one dp rank
+    trains on the text-only row alone (dummy image, padded to the token multiple)."""
+    from transformers import AutoModelForImageTextToText
+
+    from shardforge.algorithms.testing_vlm import check_vlm_parity, tiny_vlm_assets, vlm_tp_steps
+
+    assets = tiny_vlm_assets(tmp_path, seed=1, num_train=4, num_eval=1, vocab_size=112)
+    single = vlm_tp_steps(assets["model"], str(assets["train"]), "d1", True)
+    assert single["losses"][-1] < single["losses"][0], single["losses"]
+    sharded = get_rank_pool(4).run(vlm_tp_steps, assets["model"], str(assets["train"]), "d2t2", True, timeout_s=600)
+    initial = AutoModelForImageTextToText.from_pretrained(assets["model"]).state_dict()
+    check_vlm_parity(single, sharded[0], initial)

@@ -1,6 +1,6 @@
 """Vision-language models (tiny Qwen2.5-VL): assets load with the HF auto classes, a packed forward with
 per-sequence mRoPE equals each sample run alone through plain transformers, SFT on image chat rows lowers
-the loss, and FSDP 2 matches world 1 (loss and trained weights); TP/CP/PP are refused before any collective."""
+the loss, and FSDP 2 matches world 1 (loss and trained weights); TP and the refusals: test_alg_vlm_tp.py."""
 
 from __future__ import annotations
 
@@ -109,21 +109,6 @@ def test_vlm_sft_world1_matches_fsdp2(vlm: dict[str, Any], freeze: tuple[str, ..
     visual = [k for k in single["weights"] if k.startswith("model.visual.")]
     moved = [k for k in visual if not torch.equal(single["weights"][k], initial[k])]
     assert visual and bool(moved) != bool(freeze), "the vision tower trains unless frozen"
-
-
-def test_vlm_refuses_tp_cp_pp() -> None:
-    from shardforge.algorithms.engine.checks import check_engine
-    from shardforge.algorithms.engine.config import EngineConfig
-    from shardforge.algorithms.testing_vlm import build_vlm_tokenizer, tiny_qwen2_5_vl_config
-    from shardforge.mesh import ParallelDims
-
-    config = tiny_qwen2_5_vl_config(build_vlm_tokenizer())
-    check_engine(ParallelDims(dp_shard=2), config, EngineConfig())
-    for dims in (ParallelDims(tp=2, dp_shard=1), ParallelDims(cp=2, dp_shard=1), ParallelDims(pp=2, dp_shard=1)):
-        with pytest.raises(ValueError, match="data-parallel layouts only"):
-            check_engine(dims, config, EngineConfig())
-    with pytest.raises(ValueError, match="head='lm' only"):
-        check_engine(ParallelDims(dp_shard=2), config, EngineConfig(head="value"))
 
 
 def _mixed_steps(model_dir: str, train: str, layout: str) -> list[float]:

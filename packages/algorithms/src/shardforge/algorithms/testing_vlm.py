@@ -75,7 +75,13 @@ def build_vlm_tokenizer() -> Any:
 
 
 def tiny_qwen2_5_vl_config(
-    tokenizer: Any, *, hidden: int = 32, layers: int = 2, vision_depth: int = 2, initializer_range: float = 0.02
+    tokenizer: Any,
+    *,
+    hidden: int = 32,
+    layers: int = 2,
+    vision_depth: int = 2,
+    initializer_range: float = 0.02,
+    vocab_size: int | None = None,
 ) -> Any:
     """A Qwen2.5-VL config: ``layers`` text layers of width ``hidden``, a ``vision_depth``-block vision
     tower (patch 14, 2x2 merge: a 56x56 image is 16 patches and 4 image tokens). A larger
@@ -88,7 +94,7 @@ def tiny_qwen2_5_vl_config(
         raise ValueError(f"hidden={hidden} must be a multiple of 32 (4 heads, 1:1:2 mRoPE split of head_dim / 2)")
     q = hidden // 4 // 2 // 4
     text = {
-        "vocab_size": len(tokenizer), "hidden_size": hidden, "intermediate_size": hidden * 2,
+        "vocab_size": vocab_size or len(tokenizer), "hidden_size": hidden, "intermediate_size": hidden * 2,
         "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 2048, "tie_word_embeddings": False,
         # head_dim / 2 rotary frequencies (hidden 32: 4), split 1:1:2 over (temporal, height, width)
@@ -114,7 +120,13 @@ def tiny_qwen2_5_vl_config(
 
 
 def tiny_qwen3_vl_config(
-    tokenizer: Any, *, hidden: int = 32, layers: int = 2, vision_depth: int = 2, initializer_range: float = 0.02
+    tokenizer: Any,
+    *,
+    hidden: int = 32,
+    layers: int = 2,
+    vision_depth: int = 2,
+    initializer_range: float = 0.02,
+    vocab_size: int | None = None,
 ) -> Any:
     """A Qwen3-VL config, shaped like `tiny_qwen2_5_vl_config` but with Qwen3-VL's differences: patch 16
     (a 64x64 image is 16 patches, 4 image tokens), interleaved mRoPE, learned vision position
@@ -131,7 +143,7 @@ def tiny_qwen3_vl_config(
         "initializer_range": initializer_range,
     }  # fmt: skip
     text = {
-        "vocab_size": len(tokenizer), "hidden_size": hidden, "intermediate_size": hidden * 2,
+        "vocab_size": vocab_size or len(tokenizer), "hidden_size": hidden, "intermediate_size": hidden * 2,
         "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4,
         "max_position_embeddings": 2048, "tie_word_embeddings": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [q, q, 2 * q],
@@ -199,10 +211,12 @@ def tiny_vlm_assets(
     initializer_range: float = 0.02,
     sizes: tuple[tuple[int, int], ...] | None = None,
     family: str = "qwen2_5_vl",
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
     """Build a tiny VLM of ``family`` (`VLM_FAMILIES`: Qwen2.5-VL or Qwen3-VL; weights from ``seed``), its
     tokenizer + image processor, and colour chat rows (train / eval JSONL) under ``root``; ``sizes``
-    default to the family's.
+    default to the family's; ``vocab_size`` (default: the tokenizer's 105 tokens) pads the embedding,
+    e.g. to 112 so tensor parallelism can split it.
 
     Returns ``{"root": Path, "model": str (model dir), "tokenizer", "image_processor", "train": Path,
     "eval": Path}``.
@@ -224,7 +238,12 @@ def tiny_vlm_assets(
         patch_size=spec["patch"], min_pixels=merged * merged, max_pixels=merged * merged * 16
     )
     config = spec["config"](
-        tokenizer, hidden=hidden, layers=layers, vision_depth=vision_depth, initializer_range=initializer_range
+        tokenizer,
+        hidden=hidden,
+        layers=layers,
+        vision_depth=vision_depth,
+        initializer_range=initializer_range,
+        vocab_size=vocab_size,
     )
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).save_pretrained(str(model_dir))
@@ -239,7 +258,14 @@ def tiny_vlm_assets(
     return {"root": root, "model": str(model_dir), "tokenizer": tokenizer, "image_processor": image_processor} | files
 
 
-def vlm_sft_steps(model_dir: str, train: str, layout: str, freeze: tuple[str, ...], steps: int = 4) -> dict[str, Any]:
+def vlm_sft_steps(
+    model_dir: str,
+    train: str,
+    layout: str,
+    freeze: tuple[str, ...],
+    steps: int = 4,
+    sequence_parallel: bool = True,
+) -> dict[str, Any]:
     """``steps`` SFT updates of a `TrainEngine` on this rank's share of the rows in ``train`` (lr 3e-3);
     returns the losses and the full trained weights (layout-parity tests run it in a rank pool)."""
     from transformers import AutoImageProcessor, AutoTokenizer
@@ -252,7 +278,12 @@ def vlm_sft_steps(model_dir: str, train: str, layout: str, freeze: tuple[str, ..
     examples = load_vlm_examples(
         train, tokenizer, AutoImageProcessor.from_pretrained(model_dir), image_token="<|image_pad|>"
     )
-    config = EngineConfig(optimizer=OptimizerConfig(lr=3e-3), max_tokens_per_microbatch=96, freeze_module_prefix=freeze)
+    config = EngineConfig(
+        optimizer=OptimizerConfig(lr=3e-3),
+        max_tokens_per_microbatch=96,
+        freeze_module_prefix=freeze,
+        sequence_parallel=sequence_parallel,
+    )
     engine = TrainEngine(model_dir, layout, config)
     mine = list(range(engine.dp_rank, len(examples), engine.dp_size))
     batch = pack_vlm_examples(examples, mine)
@@ -314,3 +345,57 @@ def vlm_grpo_steps(model_dir: str, train: str, layout: str, steps: int = 2, grou
         rewards.append(float(reward.mean()))
         publish_in_process(engine, rollout.receiver, "float32", None)
     return {"losses": losses, "gaps": gaps, "rewards": rewards, "weights": engine.full_state_dict()}
+
+
+class EntropySFTLoss:
+    """SFT loss minus 0.05 x the entropy at the target positions (layout tests: the entropy's gradient
+    flows too, vocab-parallel under TP)."""
+
+    wants_entropy = True
+
+    def __call__(self, logprobs: Any, batch: Any, entropy: Any = None) -> Any:
+        return -((logprobs + 0.05 * entropy) * batch.loss_mask).sum()
+
+
+def vlm_tp_steps(model_dir: str, train: str, layout: str, sequence_parallel: bool, steps: int = 2) -> dict[str, Any]:
+    """For TP parity tests: log-probs of the first 4 image rows of ``train`` and of a text-only row, then
+    ``steps`` SFT steps with `EntropySFTLoss` (lr 3e-3). With dp 2, rank 0 trains on the image rows and
+    rank 1 on the text-only row alone (its micro-batch runs the dummy image); else every rank on all 5."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from shardforge.algorithms.data.vlm import load_vlm_examples, pack_vlm_examples, tokenize_vlm_row
+    from shardforge.algorithms.engine import EngineConfig, TrainEngine
+    from shardforge.algorithms.engine.config import OptimizerConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    examples = load_vlm_examples(train, tokenizer, processor, image_token="<|image_pad|>")[:4]
+    text_row = {"messages": [{"role": "user", "content": "say red"}, {"role": "assistant", "content": "red"}]}
+    examples.append(tokenize_vlm_row(text_row, tokenizer, processor, image_token="<|image_pad|>"))  # index 4
+    config = EngineConfig(optimizer=OptimizerConfig(lr=3e-3), sequence_parallel=sequence_parallel)
+    engine = TrainEngine(model_dir, layout, config)
+    images = engine.forward(pack_vlm_examples(examples, [0, 1, 2, 3]))
+    text = engine.forward(pack_vlm_examples(examples, [4]))
+    mine = [[0, 1, 2, 3], [4]][engine.dp_rank] if engine.dp_size == 2 else [0, 1, 2, 3, 4]
+    batch = pack_vlm_examples(examples, mine)
+    losses = [engine.train_batch(batch, loss_fn=EntropySFTLoss())["loss"] for _ in range(steps)]
+    return {"images": images, "text": text, "losses": losses, "weights": engine.full_state_dict()}
+
+
+def check_vlm_parity(single: dict[str, Any], sharded: dict[str, Any], initial: dict[str, Any]) -> None:
+    """`vlm_tp_steps` results of a sharded layout vs one process. fp32; TP sums partial matmuls and the
+    vocab-parallel softmax in another order: rounding only (the HSDP VLM test's tolerances)."""
+    import torch
+
+    torch.testing.assert_close(sharded["images"], single["images"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sharded["text"], single["text"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
+    assert sharded["weights"].keys() == single["weights"].keys()
+    for key, value in sharded["weights"].items():
+        torch.testing.assert_close(value, single["weights"][key], rtol=0, atol=2e-5, msg=_named(key))
+    moved = [k for k in initial if k.startswith("model.visual.") and not torch.equal(single["weights"][k], initial[k])]
+    assert moved, "the vision tower trains"
+
+
+def _named(key: str) -> Any:
+    return lambda message: f"{key}: {message}"

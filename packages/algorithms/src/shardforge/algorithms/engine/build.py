@@ -93,6 +93,7 @@ def build_model(ctx: ParallelContext, head: Head, hf_config: Any, source: Any) -
         plan = lora.tp_plan(model, head.tp_plan(model, sequence_parallel=sp), config)
         apply_tensor_parallel(model, ctx.mesh.get("tp"), plan=plan, sequence_parallel=sp)
         _embedding_output_not_a_view(model)
+    head.adapt_to_layout(model, ctx)  # e.g. a VLM cuts its language model's input for SP / CP
     efsdp_mesh = apply_moe(model, ctx.dims, ctx.mesh)  # EP / expert TP (MoE models only)
     _tile_mlps(model, ctx)
     if ctx.dims.pp > 1:

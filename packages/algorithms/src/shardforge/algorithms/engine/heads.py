@@ -177,6 +177,11 @@ class Head(ABC):
         """The TP plan (None = the family's default plan)."""
         return None
 
+    def adapt_to_layout(self, model: nn.Module, ctx: ParallelContext) -> None:
+        """Called once on a distributed build, after the TP plan (if any) and before FSDP: e.g. a VLM's
+        sequence chunking for SP / CP."""
+        return None
+
     def keep_input_dtype_classes(self, model: nn.Module) -> tuple[str, ...]:
         """FSDP unit classes that keep their forward inputs' dtype under mixed precision (none by default;
         a VLM's vision blocks, see `engine.vision.VisionLMHead`)."""

@@ -14,7 +14,10 @@ every rank): one without images (a text-only micro-batch or a rank's placeholder
 black image as an extra packed sequence whose outputs are dropped but kept in the graph with weight 0,
 so every rank joins the same all-gathers and reduce-scatters.
 
-Layouts: FSDP / HSDP / DDP and one process; TP, CP and PP are refused (`check_vlm`).
+Layouts: FSDP / HSDP / DDP, FSDP x TP (`engine.vision_tp`: the language model's TP plan, the vision tower
+replicated over TP ranks), FSDP x Ulysses CP (the language model's input and mRoPE positions cut per CP
+rank after the image features are merged, `vision_tp.install_sequence_chunking`) and one process; PP, EP
+and CP x TP are refused (`check_vlm`).
 """
 
 from __future__ import annotations
@@ -23,13 +26,17 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardforge.algorithms.batching import PackedBatch, sequence_start_mask
 from shardforge.algorithms.batching.visual import VLM_GRIDS, VLM_PIXELS
 from shardforge.algorithms.engine.context import ParallelContext
 from shardforge.algorithms.engine.heads import LMHead
 from shardforge.algorithms.engine.loading import is_model_dir
-from shardforge.ulysses_cp import packed_model_kwargs
+from shardforge.algorithms.engine.vision_tp import VLM_TP_FAMILIES, install_sequence_chunking, vlm_tp_plan
+from shardforge.tensor_parallel import vocab_parallel_entropy
+from shardforge.tensor_parallel.validate import validate_tp
+from shardforge.ulysses_cp import gather_sequence, packed_model_kwargs, slice_for_rank
 
 __all__ = ["VISION_TOWERS", "VisionLMHead", "check_vlm", "is_vlm", "mrope_position_ids", "vision_tower"]
 
@@ -44,13 +51,24 @@ def check_vlm(dims: Any, hf_config: Any, head: str) -> None:
     if not is_vlm(hf_config):
         return
     kind = getattr(hf_config, "model_type", None)
-    unsupported = {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "ep": dims.ep}
+    unsupported = {"pp": dims.pp, "ep": dims.ep}
+    if dims.cp > 1 and dims.tp > 1:
+        unsupported["cp x tp"] = dims.cp * dims.tp
     bad = {k: v for k, v in unsupported.items() if v > 1}
     if bad:
         raise ValueError(
-            f"vision-language models ({kind}) support data-parallel layouts only for now (FSDP d, HSDP r x d, "
-            f"DDP r), got {bad}; use e.g. layout d{dims.world_size} (see docs/packages/algorithms-vlm.md)"
+            f"vision-language models ({kind}) support data-parallel layouts (FSDP d, HSDP r x d, DDP r) and "
+            f"either tensor parallelism or Ulysses context parallelism composed with them (e.g. d2t2, t2, d2c2, "
+            f"c2), not {bad}; use e.g. layout d{dims.world_size} or d{dims.world_size // 2}t2 (see "
+            "docs/packages/algorithms-vlm.md)"
         )
+    if dims.tp > 1:
+        if kind not in VLM_TP_FAMILIES:
+            raise ValueError(
+                f"tensor parallelism for vision-language models has plans for {sorted(VLM_TP_FAMILIES)}, not "
+                f"{kind!r}; use a data-parallel layout (e.g. d{dims.world_size})"
+            )
+        validate_tp(hf_config.text_config, dims.tp)  # the language model's heads / vocab / MLP split over tp
     if head != "lm":
         raise ValueError(f"vision-language models ({kind}) support engine.head='lm' only, got {head!r}")
 
@@ -123,6 +141,16 @@ class VisionLMHead(LMHead):
 
         return _AttnFixed(AutoModelForImageTextToText)
 
+    def tp_plan(self, model: nn.Module, *, sequence_parallel: bool) -> dict[str, Any] | None:
+        return vlm_tp_plan(model, sequence_parallel=sequence_parallel)
+
+    def adapt_to_layout(self, model: nn.Module, ctx: ParallelContext) -> None:
+        if ctx.dims.cp > 1:  # Ulysses: every CP rank keeps its chunk's gradient; FSDP sums them over cp
+            install_sequence_chunking(model, ctx.cp_group, ctx.cp_rank, ctx.dims.cp, cp=True)
+        if ctx.dims.tp > 1 and ctx.config.sequence_parallel:
+            assert ctx.mesh is not None
+            install_sequence_chunking(model, ctx.mesh.get("tp").get_group(), ctx.local_rank("tp"), ctx.dims.tp)
+
     def keep_input_dtype_classes(self, model: nn.Module) -> tuple[str, ...]:
         """The vision tower's block classes (the FSDP-wrapped classes found under it): FSDP does not cast
         their inputs to the compute dtype, so the fp32 rotary cos/sin reach them unrounded (HF's vision
@@ -143,8 +171,9 @@ class VisionLMHead(LMHead):
         return AutoModelForImageTextToText.from_config(hf_config, dtype=dtype, attn_implementation=_vision_attn(attn))
 
     def model_inputs(self, model: nn.Module, ctx: ParallelContext, padded: PackedBatch) -> tuple[dict[str, Any], int]:
-        """The model's kwargs for ``padded`` (plus a dummy image sequence when it has no image) and the
-        number of its tokens that belong to ``padded``."""
+        """The model's kwargs for ``padded`` (plus a dummy image sequence when it has no image, then one
+        padding sequence up to the layout's token multiple) and the number of its tokens that belong
+        to ``padded``."""
         config = _hf_config(model)
         merge = int(config.vision_config.spatial_merge_size)
         image_id = int(config.image_token_id)
@@ -160,6 +189,11 @@ class VisionLMHead(LMHead):
             extra = grids.new_zeros(1, *grids.shape[1:])
             extra[0, 0] = torch.tensor([1, merge, merge])
             grids = torch.cat([grids, extra])
+        pad = (-ids.numel()) % ctx.token_multiple  # sequence-parallel TP splits the sequence
+        if pad:  # its own text-only sequence (token 0), like `pad_to_multiple`
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            cu = torch.cat([cu, cu[-1:] + pad])
+            grids = torch.cat([grids, grids.new_zeros(1, *grids.shape[1:])])
         flat = torch.stack([g for seq in grids for g in seq if int(g.prod()) > 0])
         positions = mrope_position_ids(ids.cpu(), cu.cpu(), grids.cpu(), image_token_id=image_id, merge_size=merge)
         kwargs = {
@@ -168,19 +202,22 @@ class VisionLMHead(LMHead):
             "pixel_values": pixels.to(ids.device),
             "image_grid_thw": flat.to(ids.device),
             "use_cache": False,
-            **packed_model_kwargs(cu),
+            **packed_model_kwargs(cu, cp_group=ctx.cp_group),
         }
         return kwargs, real
 
     def outputs(
         self, model: nn.Module, ctx: ParallelContext, mb: PackedBatch, *, entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        padded = mb.to(ctx.device)  # no TP/CP: no token multiple
+        padded = mb.to(ctx.device)  # `model_inputs` pads to the token multiple (after the dummy image)
         kwargs, real = self.model_inputs(model, ctx, padded)
-        logits = model(**kwargs).logits[0]
-        ids = kwargs["input_ids"][0]
-        next_logprobs = self.next_token_logprobs(logits, torch.roll(ids, -1))
-        # A dummy image sequence (if any) is dropped, but kept in the graph with weight 0 so its vision
+        logits = model(**kwargs).logits[0]  # under CP: this rank's chunk of the sequence
+        targets = torch.roll(kwargs["input_ids"][0], -1)
+        cp_group = ctx.cp_group
+        if cp_group is not None:
+            targets = slice_for_rank(targets, ctx.cp_rank, ctx.dims.cp)
+        next_logprobs = gather_sequence(self.next_token_logprobs(logits, targets), cp_group)
+        # A dummy image sequence (if any) and the padding are dropped, but kept in the graph with weight 0 so its vision
         # parameters get (zero) gradients on this rank like on the others.
         keep = next_logprobs[real:].sum() * 0.0
         starts = sequence_start_mask(padded.cu_seqlens, real)
@@ -193,8 +230,12 @@ class VisionLMHead(LMHead):
         entropies = None
         if entropy:
             scaled = logits / self.temperature if self.temperature != 1.0 else logits
-            log_p = torch.log_softmax(scaled.float(), dim=-1)
-            entropies = realign(-(log_p.exp() * log_p).sum(-1))
+            if isinstance(scaled, DTensor):  # vocab-sharded logits (TP)
+                local = vocab_parallel_entropy(scaled)
+            else:
+                log_p = torch.log_softmax(scaled.float(), dim=-1)
+                local = -(log_p.exp() * log_p).sum(-1)
+            entropies = realign(gather_sequence(local, cp_group))
         return realign(next_logprobs), entropies
 
 
