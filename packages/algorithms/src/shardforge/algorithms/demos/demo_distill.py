@@ -74,6 +74,7 @@ def run_distill_demo(
     _torchrun(nproc, "distill", Path(__file__).parent / "demo_distill.yaml", [
         f"model={student}", f"teacher_model={teacher}", f"train_file={assets['train']}",
         f"output_dir={distill_dir}", f"steps={extra_steps}", f"layout=d{nproc}", "resume=never",
+        f"engine.scheduler.total_steps={extra_steps}",
         *([f"distill_loss={distill_loss}"] if distill_loss else []), *(distill_overrides or []),
     ])  # fmt: skip
     resolved = json.loads((distill_dir / "config.json").read_text())
