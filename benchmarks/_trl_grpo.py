@@ -75,7 +75,7 @@ def run_ours_grpo(assets: dict[str, Any], nproc: int, out: Path, env: dict[str, 
                 "layout": layout, "steps": STEPS, "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP,
                 "max_new_tokens": MAX_NEW_TOKENS, "temperature": TEMPERATURE, "reward_fn": REWARD,
                 "advantage": "grpo", "seed": SEED, "log_every": 1, "export_hf_at_end": False,
-                "resume": "never", "progress": False,
+                "resume": "never", "progress": False, "loggers": ["jsonl"],
                 "actor": {"clip_eps_low": CLIP[0], "clip_eps_high": CLIP[1], "aggregation": "token-mean"},
                 "engine": {
                     "data_parallel": "ddp" if nproc == 2 else "fsdp", "seed": SEED,

@@ -114,6 +114,7 @@ def run_ours(assets: dict[str, Any], nproc: int, out: Path) -> dict[str, Any]:
                 "export_hf_at_end": False,
                 "resume": "never",
                 "progress": False,
+                "loggers": ["jsonl"],  # TRL's worker logs to no tracker (report_to=[]): no TensorBoard here either
                 "engine": {
                     "data_parallel": "ddp" if nproc == 2 else "fsdp",
                     "seed": SEED,

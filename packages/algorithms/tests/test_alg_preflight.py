@@ -70,3 +70,27 @@ def test_a_model_dir_without_config_json_is_refused_for_every_layout(run_files, 
 def test_needs_model_config(layout, engine, needed):
     config = build_config(SFTConfig, {"model": "m", "train_file": "t", "output_dir": "o", "engine": engine})
     assert needs_model_config(ParallelDims.parse(layout).resolve(4), config.engine) is needed
+
+
+def test_a_one_process_run_parses_its_data_once(run_files, monkeypatch):
+    # `shardforge train` with one rank trains in the launching process: the rows preflight read are
+    # handed to the trainer's read of the same file instead of being parsed again.
+    from shardforge.algorithms.data import jsonl
+
+    parsed = []
+    real = jsonl.iter_jsonl
+    monkeypatch.setattr(jsonl, "iter_jsonl", lambda *a, **k: parsed.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(jsonl, "_KEPT", {})
+    config = build_config(SFTConfig, {**run_files, "layout": "d1"})
+    preflight(config, 1, (("prompt", "completion"),), keep_rows=True)
+    rows = jsonl.read_jsonl(run_files["train_file"], "train file", (("prompt", "completion"),))
+    assert rows == [(1, {"prompt": "1+1=", "completion": "2"})] and len(parsed) == 1
+    jsonl.read_jsonl(run_files["train_file"], "train file", (("prompt", "completion"),))
+    assert len(parsed) == 2  # handed over once: a later read parses the file again
+    two_ranks = build_config(SFTConfig, {**run_files, "layout": "d2"})
+    preflight(two_ranks, 2, (("prompt", "completion"),))  # a launcher (ranks elsewhere) keeps nothing
+    assert jsonl._KEPT == {}
+    preflight(config, 1, (("prompt", "completion"),), keep_rows=True)
+    with open(run_files["train_file"], "a") as handle:  # the file changed since: parsed again, new row seen
+        handle.write(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    assert len(jsonl.read_jsonl(run_files["train_file"], "train file", (("prompt", "completion"),))) == 2

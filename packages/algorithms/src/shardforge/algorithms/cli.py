@@ -196,7 +196,8 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         from shardforge.algorithms.preflight import preflight
 
         spec = launch_spec(args)  # --nnodes/--node-rank/--rdzv-endpoint or Slurm's environment
-        dims = preflight(config, spec.world_size, trainer.row_fields)
+        trains_here = not (args.dry_run or spec.launcher == "ray" or spec.needs_agent)
+        dims = preflight(config, spec.world_size, trainer.row_fields, keep_rows=trains_here)
         if args.dry_run:
             from shardforge.algorithms.dryrun import dry_run_report
 

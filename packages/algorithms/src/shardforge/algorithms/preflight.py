@@ -25,8 +25,11 @@ from shardforge.mesh import ParallelDims
 __all__ = ["check_layout_for_ranks", "check_output_dir", "needs_model_config", "preflight"]
 
 
-def preflight(config: Any, nproc: int, row_fields: RowFields = ()) -> ParallelDims:
-    """Raise `ValueError` / `FileNotFoundError` for the first problem; return the resolved layout."""
+def preflight(config: Any, nproc: int, row_fields: RowFields = (), *, keep_rows: bool = False) -> ParallelDims:
+    """Raise `ValueError` / `FileNotFoundError` for the first problem; return the resolved layout.
+
+    ``keep_rows``: this process trains next (one rank, no relaunch): the JSONL rows read here are kept
+    for the trainer's own read (`read_jsonl`'s ``keep``) instead of being parsed twice."""
     dims = check_layout_for_ranks(config.layout, nproc)
     hf_config = None
     for name in ("model", *(f.name for f in dataclasses.fields(config) if f.name.endswith("_model"))):
@@ -49,7 +52,7 @@ def preflight(config: Any, nproc: int, row_fields: RowFields = ()) -> ParallelDi
     check_engine(dims, hf_config, config.engine)
     for role, source in labelled_sources(config):  # train_file/eval_file, or data.train/eval/mix sources
         if is_plain_jsonl(source):
-            read_jsonl(source.source, role.replace("_", " "), row_fields)
+            read_jsonl(source.source, role.replace("_", " "), row_fields, keep=keep_rows)
         else:
             read_source(source, row_fields)
     check_output_dir(config.output_dir)

@@ -43,17 +43,37 @@ def iter_jsonl(path: str | Path, what: str = "data file") -> Iterator[tuple[int,
             yield number, row
 
 
-def read_jsonl(path: str | Path, what: str = "data file", fields: RowFields = ()) -> list[tuple[int, dict[str, Any]]]:
+_KEPT: dict[tuple[Any, ...], list[tuple[int, dict[str, Any]]]] = {}
+"""Rows read with ``keep=True``, by file identity and fields, until this process reads them again."""
+
+
+def _file_key(path: Path, fields: RowFields) -> tuple[Any, ...]:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_mtime_ns, stat.st_size, tuple(tuple(keys) for keys in fields)
+
+
+def read_jsonl(
+    path: str | Path, what: str = "data file", fields: RowFields = (), *, keep: bool = False
+) -> list[tuple[int, dict[str, Any]]]:
     """All rows of a JSONL file as ``(line_number, row)``; an empty file is a `ValueError`.
 
-    ``fields`` (see `RowFields`) checks that each row has one of the accepted key sets.
+    ``fields`` (see `RowFields`) checks that each row has one of the accepted key sets. ``keep``: also
+    hold the rows for this process's next read of the same unchanged file with the same ``fields``, which
+    takes them instead of parsing the file again (the CLI's pre-launch check in a one-process run, where
+    the trainer then reads the same file: 9,800 demo rows were parsed twice).
     """
-    rows = []
-    for number, row in iter_jsonl(path, what):
-        check_row_fields(row, fields, f"{path}:{number}")
-        rows.append((number, row))
-    if not rows:
-        raise ValueError(f"{what} {str(path)!r} is empty (no JSON lines); expected one JSON object per line")
+    path = Path(path)
+    key = _file_key(path, fields) if path.is_file() else None
+    rows = _KEPT.pop(key, None) if key is not None else None
+    if rows is None:
+        rows = []
+        for number, row in iter_jsonl(path, what):
+            check_row_fields(row, fields, f"{path}:{number}")
+            rows.append((number, row))
+        if not rows:
+            raise ValueError(f"{what} {str(path)!r} is empty (no JSON lines); expected one JSON object per line")
+    if keep and key is not None:
+        _KEPT[key] = list(rows)
     return rows
 
 
