@@ -26,6 +26,7 @@ from shardforge.algorithms.log import get_logger
 from shardforge.algorithms.rollout.placement import actor_for_rank
 from shardforge.algorithms.rollout.server_health import RolloutServerError
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
+from shardforge.weight_sync import DiskWeightSource
 
 __all__ = ["RayRolloutClient", "RolloutActor"]
 
@@ -103,7 +104,7 @@ class RayRolloutClient:
         timeout_s: how long a weight transfer may wait for the other side (the collective transport's timeout).
     """
 
-    source = None  # no weight-sync disk root: versions arrive over the collective transport
+    source: DiskWeightSource | None = None  # no disk root: versions arrive over the collective transport
     accepts_images = False
 
     def __init__(self, names: Sequence[str], *, timeout_s: float = 300.0) -> None:
