@@ -198,18 +198,20 @@ def ray_grpo(work: Path, assets: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def main_ray() -> None:
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         result = ray_grpo(work, tiny_assets(work / "assets", max_operand=9, num_eval=10))
+    load = (load_before, os.getloadavg()[0])
     info = _common.machine_info()
     base = result["torchrun"]["step_s"]
     ratios = {name: row["step_s"] / base for name, row in result.items()}
-    payload = {"ray_grpo": result, "ratios_vs_torchrun": ratios, "steps": RAY_STEPS, "machine": info}
+    payload = {"ray_grpo": result, "ratios_vs_torchrun": ratios, "steps": RAY_STEPS, "load_1min": load, "machine": info}
     path = _common.write_json(NAME + "_ray", payload)
     print(json.dumps(payload, indent=2), f"\nwrote {path}")
     _common.upsert_result_row(
         benchmark="scale_out_ray (GRPO, 2 ranks: Ray colocated [Ray disaggregated, 1 rollout actor] vs torchrun)",
-        metric="median GRPO step_s, tiny Qwen3, gloo, equal work",
+        metric=f"median GRPO step_s, tiny Qwen3, gloo, equal work, one run each (1-min load {load[0]:.1f}-{load[1]:.1f})",
         ours=f"{result['ray_colocated']['step_s']:.3f} [{result['ray_disaggregated']['step_s']:.3f}]",
         baseline=f"{base:.3f} (torchrun)",
         ratio=f"{ratios['ray_colocated']:.3f} [{ratios['ray_disaggregated']:.3f}]",
