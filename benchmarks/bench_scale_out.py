@@ -16,8 +16,14 @@ CPU, ``OMP_NUM_THREADS=1``, global batch 4, ``engine.max_tokens_per_microbatch=6
     batch in flight, ``vllm.on_server_failure: restart``: seconds from the failed batch to its
     resent batch served (health check, restart, weight-version restore, resend). A real vLLM
     server's restart adds its own start-up (model load, minutes on GPUs); this is our overhead.
-(b) GRPO under Ray (colocated, disaggregated) vs torchrun: not measured here: Ray is installed in
-    the ``nox -s ray`` venv only and disaggregated placement is not implemented yet.
+(b) GRPO at 2 trainer ranks, equal work (``prompts_per_step=4, group_size=4, max_new_tokens=8``,
+    ``RAY_STEPS`` steps, length reward): median ``step_s`` (rollouts + update + publish) and its
+    ``generate_s`` part under torchrun (colocated), ``--launcher ray`` colocated, and ``--launcher ray``
+    with ``rollout_placement: disaggregated`` (1 rollout actor). Ray is installed in the ``nox -s ray``
+    venv only: run ``.nox/ray/bin/python benchmarks/bench_scale_out.py --ray`` (this part only; without
+    ``--ray`` it is skipped). Target: Ray colocated / torchrun <= 1.10. Disaggregated on one machine
+    serialises the two ranks' generate calls on one actor (and shares the cores), so its ratio shows the
+    placement's cost here, not its benefit on separate devices.
 """
 
 from __future__ import annotations
@@ -151,7 +157,73 @@ def rollout_server_restart(work: Path) -> dict[str, float]:
     return {"healthy_batch_s": healthy, "batch_with_restart_s": recovered}
 
 
+RAY_STEPS = 8
+LENGTH_REWARD = "def reward(prompt, response, reference):\n    return float(len(response))\n"
+
+
+def _grpo_config(work: Path, assets: dict[str, Any], name: str, **entries: Any) -> Path:
+    data = {
+        "model": str(assets["model"]), "train_file": str(assets["train"]), "output_dir": str(work / name),
+        "steps": RAY_STEPS, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 8, "progress": False,
+        "reward_fn": "length_reward:reward", "save_every": 0, "export_hf_at_end": False, "eval_every": 0,
+        "engine": {"max_tokens_per_microbatch": 128},
+    } | entries  # fmt: skip
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def ray_grpo(work: Path, assets: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """(b): median step_s / generate_s (steps 2..) of each placement, runs alternated."""
+    (work / "length_reward.py").write_text(LENGTH_REWARD)
+    env = ENV | {"PYTHONPATH": os.pathsep.join(filter(None, [str(work), ENV.get("PYTHONPATH")]))}
+    env |= {"RAY_USAGE_STATS_ENABLED": "0"}
+    placements = {
+        "torchrun": ((), {}),
+        "ray_colocated": (("--launcher", "ray"), {}),
+        "ray_disaggregated": (("--launcher", "ray"), {"rollout_placement": "disaggregated"}),
+    }
+    out: dict[str, dict[str, float]] = {}
+    for name, (launch, entries) in placements.items():
+        config = _grpo_config(work, assets, name, **entries)
+        started = time.perf_counter()
+        _run([*CLI, "train", "grpo", "--config", str(config), "--nproc-per-node", "2", *launch], env)
+        rows = _rows(work / name)[1:]  # step 1 pays the first-call warm-up
+        out[name] = {
+            "step_s": statistics.median(r["step_s"] for r in rows),
+            "generate_s": statistics.median(r.get("generate_s", float("nan")) for r in rows),
+            "wall_s": time.perf_counter() - started,
+        }
+    return out
+
+
+def main_ray() -> None:
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        result = ray_grpo(work, tiny_assets(work / "assets", max_operand=9, num_eval=10))
+    load = (load_before, os.getloadavg()[0])
+    info = _common.machine_info()
+    base = result["torchrun"]["step_s"]
+    ratios = {name: row["step_s"] / base for name, row in result.items()}
+    payload = {"ray_grpo": result, "ratios_vs_torchrun": ratios, "steps": RAY_STEPS, "load_1min": load, "machine": info}
+    path = _common.write_json(NAME + "_ray", payload)
+    print(json.dumps(payload, indent=2), f"\nwrote {path}")
+    _common.upsert_result_row(
+        benchmark="scale_out_ray (GRPO, 2 ranks: Ray colocated [Ray disaggregated, 1 rollout actor] vs torchrun)",
+        metric=f"median GRPO step_s, tiny Qwen3, gloo, equal work, one run each (1-min load {load[0]:.1f}-{load[1]:.1f})",
+        ours=f"{result['ray_colocated']['step_s']:.3f} [{result['ray_disaggregated']['step_s']:.3f}]",
+        baseline=f"{base:.3f} (torchrun)",
+        ratio=f"{ratios['ray_colocated']:.3f} [{ratios['ray_disaggregated']:.3f}]",
+        target=_common.target_cell("<= 1.10", ratios["ray_colocated"] <= 1.10),
+        machine=_common.machine_label(info),
+    )
+
+
 def main() -> None:
+    if "--ray" in sys.argv[1:]:
+        main_ray()
+        return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         assets = tiny_assets(work / "assets", max_operand=9, num_eval=10)
@@ -167,7 +239,7 @@ def main() -> None:
     ratio = multi_s / single_s
     info = _common.machine_info()
     payload = {"single_node_step_s": single_s, "two_node_step_s": multi_s, "single_runs": single, "multi_runs": multi, "ratio": ratio, "steps": STEPS,
-               "restart": restart, "rollout_server": server, "ray": "not measured (see the module docstring)",
+               "restart": restart, "rollout_server": server, "ray": "see scale_out_ray (--ray)",
                "machine": info}  # fmt: skip
     path = _common.write_json(NAME, payload)
     print(json.dumps(payload, indent=2), f"\nwrote {path}")

@@ -80,28 +80,41 @@ def _weights(hf_dir: Path) -> dict:
     return tensors
 
 
-def test_grpo_under_ray_reproduces_the_torchrun_run(tmp_path, assets):
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory, assets) -> Path:
+    """The reference: the same GRPO under torchrun (2 ranks, colocated rollouts); its output directory."""
+    tmp_path = tmp_path_factory.mktemp("torchrun")
     torchrun = _train(_config(tmp_path, assets, "torchrun"))
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
-    ray_run = _train(_config(tmp_path, assets, "ray"), "--launcher", "ray")
-    assert ray_run.returncode == 0, (ray_run.stdout[-3000:], ray_run.stderr[-3000:])
-    reference, curve = _metrics(tmp_path / "torchrun"), _metrics(tmp_path / "ray")
+    return tmp_path / "torchrun"
+
+
+def assert_same_run(reference_dir: Path, run_dir: Path) -> list[dict]:
+    """Same rollouts and rewards, same losses and updates, same final weights; returns ``run_dir``'s curve."""
+    reference, curve = _metrics(reference_dir), _metrics(run_dir)
     assert [r["step"] for r in curve] == [r["step"] for r in reference] == [1, 2, 3]
     assert any(r["loss"] != 0.0 for r in reference), reference  # the comparison is not vacuous
     for expected, got in zip(reference, curve):
-        # the same rollouts (seeded per rank) and rewards ...
+        # the same rollouts (seeded per request) and rewards ...
         assert got["response_len_mean"] == expected["response_len_mean"], (got, expected)
         assert got["reward_mean"] == expected["reward_mean"], (got, expected)
         # ... so the same losses and updates
         for key in ("loss", "grad_norm", "actor/entropy"):
             assert abs(got[key] - expected[key]) <= 1e-6 * abs(expected[key]), (key, got[key], expected[key])
-    weights = [_weights(tmp_path / name / "hf") for name in ("torchrun", "ray")]
+    weights = [_weights(path / "hf") for path in (reference_dir, run_dir)]
     assert weights[0].keys() == weights[1].keys()
     for name, tensor in weights[0].items():
         torch.testing.assert_close(weights[1][name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+    return curve
+
+
+def test_grpo_under_ray_reproduces_the_torchrun_run(tmp_path, assets, torchrun_run):
+    ray_run = _train(_config(tmp_path, assets, "ray"), "--launcher", "ray")
+    assert ray_run.returncode == 0, (ray_run.stdout[-3000:], ray_run.stderr[-3000:])
+    assert_same_run(torchrun_run, tmp_path / "ray")
     # both ranks ran under Ray and logged their own line; the summary records the same layout
     assert "rank 1 of 2" in (tmp_path / "ray" / "logs" / "rank1.log").read_text()
-    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("torchrun", "ray")]
+    summaries = [json.loads((path / "summary.json").read_text()) for path in (torchrun_run, tmp_path / "ray")]
     assert summaries[0]["layout"] == summaries[1]["layout"]
 
 
@@ -123,3 +136,48 @@ def test_preflight_refuses_a_bad_layout_before_any_actor_starts(tmp_path, assets
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and lines[-1].startswith("shardforge: error: "), result.stderr[-3000:]
     assert "needs 4 ranks" in lines[-1] and "Traceback" not in result.stderr, lines[-1]
+
+
+def _rollout_actor_stats(output: str) -> list[dict]:
+    """The driver's ``ray: rollout actor {...}`` lines (what each rollout actor served)."""
+    prefix = "ray: rollout actor "
+    return [json.loads(line.split(prefix, 1)[1]) for line in output.splitlines() if prefix in line]
+
+
+def test_disaggregated_rollout_actor_reproduces_the_colocated_run(tmp_path, assets, torchrun_run):
+    """rollout_placement=disaggregated: 2 trainer actors generate through 1 rollout actor (the embedded HF engine
+    in an actor of its own), which gets every new version over the collective transport. Sampling is seeded per
+    request, so the run is the colocated run (torchrun; the Ray colocated run equals it, test above) step for step:
+    the same rollouts, rewards, losses and final weights."""
+    config = _config(tmp_path, assets, "disagg", rollout_placement="disaggregated", num_rollout_actors=1)
+    result = _train(config, "--launcher", "ray")
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    curve = assert_same_run(torchrun_run, tmp_path / "disagg")
+    assert all("reward_mean" in row and "reward_std" in row for row in curve)
+    stats = _rollout_actor_stats(result.stdout + result.stderr)
+    assert len(stats) == 1, (result.stdout[-3000:], result.stderr[-3000:])
+    # the initial publish (v1) and one per step, each verified and applied on the actor, in order ...
+    assert stats[0]["received"] == [1, 2, 3, 4] and stats[0]["version"] == 4, stats
+    # ... and step k's rollouts (2 prompts x 2 samples) came from version k, generated on the actor
+    for version in (1, 2, 3):
+        assert stats[0]["rollouts_by_version"][str(version)] >= 4, stats
+    assert stats[0]["generate_calls"] >= 6, stats  # 3 steps x 2 ranks (+ held-out evaluation)
+
+
+@pytest.mark.parametrize(
+    ("entries", "launch", "fragment"),
+    [
+        ({}, (), "which only --launcher ray starts (this run's launcher: local)"),
+        ({"rollout_engine": "vllm"}, ("--launcher", "ray"), "use rollout_engine=hf"),
+        ({"num_rollout_actors": 0}, ("--launcher", "ray"), "num_rollout_actors=0 must be >= 1"),
+    ],
+)
+def test_unsupported_disaggregated_setups_are_refused_before_any_actor_starts(
+    tmp_path, assets, entries, launch, fragment
+):
+    config = _config(tmp_path, assets, "refused", rollout_placement="disaggregated", **entries)
+    result = _train(config, *launch)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and lines[-1].startswith("shardforge: error: "), result.stderr[-3000:]
+    assert fragment in lines[-1] and "Traceback" not in result.stderr, lines[-1]
+    assert "ray: " not in result.stderr and not (tmp_path / "refused" / "metrics.jsonl").exists()

@@ -198,6 +198,9 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         spec = launch_spec(args)  # --nnodes/--node-rank/--rdzv-endpoint or Slurm's environment
         trains_here = not (args.dry_run or spec.launcher == "ray" or spec.needs_agent)
         dims = preflight(config, spec.world_size, trainer.row_fields, keep_rows=trains_here)
+        from shardforge.algorithms.rollout.placement import rollout_actor_spec
+
+        rollout_actors = rollout_actor_spec(config, spec.launcher)  # rollout_placement=disaggregated: Ray only
         if args.dry_run:
             from shardforge.algorithms.dryrun import dry_run_report
 
@@ -207,7 +210,12 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             from shardforge.algorithms.ray_launch import launch_ray
 
             return launch_ray(
-                spec, argv, entry="shardforge.algorithms.cli:main", address=args.ray_address, debug=args.debug
+                spec,
+                argv,
+                entry="shardforge.algorithms.cli:main",
+                address=args.ray_address,
+                debug=args.debug,
+                rollout=rollout_actors,
             )
         if spec.needs_agent:
             from shardforge.algorithms.launch import relaunch

@@ -10,7 +10,12 @@ exactly as under torchrun, and the run (seeds, data order, losses) is the same.
 Errors: each actor returns its exit code and its one-line error (`launch.write_rank_error`, into a
 directory of its own: Ray nodes share no filesystem). When the first rank fails the others are
 killed (they would only wait for the collective timeout) and the earliest error line is printed,
-as under torchrun. Ctrl-C kills every actor. Not supported under Ray: ``--max-restarts`` (use the
+as under torchrun. Ctrl-C kills every actor.
+
+``rollout_placement: disaggregated`` (`shardforge.algorithms.rollout.placement`): ``num_rollout_actors`` more
+bundles in the same group hold `RolloutActor`s (the embedded HF engine each); every rank learns their names
+from ``SHARDFORGE_RAY_ROLLOUT_ACTORS`` and generates through them (`rollout.ray_rollout`). At the end the
+driver logs what each served (the weight versions it received, its generate calls). Not supported under Ray: ``--max-restarts`` (use the
 torchrun launcher) and graceful stop at a step boundary (SIGTERM reaches only this driver).
 See docs/multinode.md, "Ray".
 """
@@ -29,6 +34,7 @@ from typing import Any
 
 from shardforge.algorithms.log import get_logger
 from shardforge.algorithms.multinode import LaunchSpec, strip_launch_args
+from shardforge.algorithms.rollout.placement import ROLLOUT_ACTORS_ENV, RolloutActorSpec, actor_names
 
 __all__ = ["launch_ray"]
 
@@ -92,11 +98,13 @@ def launch_ray(
     entry: str,
     address: str | None,
     debug: bool = False,
+    rollout: RolloutActorSpec | None = None,
 ) -> int:
     """Run ``entry(argv)`` on ``spec.world_size`` Ray actors, one rank each; return the exit code.
 
     ``entry`` is ``"module:function"`` (the CLI passes its ``main``; this module does not import the CLI,
-    and a function of ``__main__`` would not reach the actors by name)."""
+    and a function of ``__main__`` would not reach the actors by name). ``rollout``: the rollout actors to start
+    next to the ranks (``rollout_placement=disaggregated``; None: rollouts stay in the ranks)."""
     try:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -106,15 +114,22 @@ def launch_ray(
             f"--launcher ray needs Ray ({exc}); install it with `pip install 'shardforge-algorithms[ray]'`"
         ) from exc
     world = spec.world_size
-    ray.init(address=address, log_to_driver=True, configure_logging=False)
-    bundle = _bundle(world, ray)
-    group = placement_group([dict(bundle) for _ in range(world)], strategy="PACK", name="shardforge-ranks")
+    num_rollout = rollout.num_actors if rollout is not None else 0
+    extra: dict[str, Any] = {}
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        # A new local cluster: enough logical CPUs for every bundle (ranks and rollout actors share this
+        # machine's cores anyway, as colocated rollouts do); Ray would otherwise count the cores only.
+        extra["num_cpus"] = max(os.cpu_count() or 1, world + num_rollout)
+    ray.init(address=address, log_to_driver=True, configure_logging=False, **extra)
+    bundle = _bundle(world + num_rollout, ray)
+    bundles = [dict(bundle) for _ in range(world + num_rollout)]
+    group = placement_group(bundles, strategy="PACK", name="shardforge-ranks")
     ready, _ = ray.wait([group.ready()], timeout=120)
     if not ready:
         available = ray.cluster_resources()
         remove_placement_group(group)
         raise ValueError(
-            f"the Ray cluster cannot place {world} ranks of {bundle} each (it has CPU={available.get('CPU', 0):g}, "
+            f"the Ray cluster cannot place {world} ranks (+ {num_rollout} rollout actors) of {bundle} each (it has CPU={available.get('CPU', 0):g}, "
             f"GPU={available.get('GPU', 0):g}); lower --nproc-per-node/--nnodes or add nodes"
         )
     actor_cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0))(_RankActor)
@@ -127,16 +142,49 @@ def launch_ray(
         ).remote()
         for index in range(world)
     ]
+    rollout_actors = _start_rollout_actors(ray, rollout, group, world, bundle) if rollout is not None else []
+    env = {ROLLOUT_ACTORS_ENV: ",".join(actor_names(num_rollout))} if rollout_actors else {}
     try:
-        return _run_ranks(ray, actors, entry, strip_launch_args(argv), bundle, debug)
+        return _run_ranks(ray, actors, entry, strip_launch_args(argv), bundle, debug, env)
     except KeyboardInterrupt:
         log.warning("interrupted: killing every rank")
         return 130
     finally:
-        for actor in actors:
+        _log_rollout_stats(ray, rollout_actors)
+        for actor in actors + rollout_actors:
             ray.kill(actor)
         remove_placement_group(group)
         ray.shutdown()
+
+
+def _start_rollout_actors(
+    ray: Any, spec: RolloutActorSpec, group: Any, first_bundle: int, bundle: dict[str, float]
+) -> list[Any]:
+    """``spec.num_actors`` `RolloutActor`s on the group's bundles from ``first_bundle`` on (they load the model
+    while the ranks start; the ranks' clients wait for them)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from shardforge.algorithms.rollout.ray_rollout import RolloutActor
+
+    actor_cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0))(RolloutActor)
+    strategies = [
+        PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=first_bundle + index)
+        for index in range(spec.num_actors)
+    ]
+    return [
+        actor_cls.options(scheduling_strategy=strategy, name=name).remote(spec, index)  # type: ignore[attr-defined]
+        for index, (name, strategy) in enumerate(zip(actor_names(spec.num_actors), strategies))
+    ]
+
+
+def _log_rollout_stats(ray: Any, rollout_actors: list[Any]) -> None:
+    """Log what every rollout actor served (nothing when one is gone: the run's own error says why)."""
+    for actor in rollout_actors:
+        try:
+            stats = ray.get(actor.stats.remote(), timeout=30)
+        except Exception:
+            continue
+        log.info("ray: rollout actor %s", json.dumps(stats, sort_keys=True))
 
 
 def _rank_env(index: int, ips: list[str], master: tuple[str, int], gpu: bool) -> dict[str, str]:
@@ -165,13 +213,14 @@ def _run_ranks(
     argv: list[str],
     bundle: dict[str, float],
     debug: bool,
+    env: dict[str, str],
 ) -> int:
     places = ray.get([actor.where.remote() for actor in actors])
     ips = [ip for ip, _ in places]
     master = places[0]
     log.info("ray: %d ranks on %d node(s); rendezvous at %s:%d", len(actors), len(set(ips)), *master)
     pending = {
-        actor.run.remote(entry, argv, _rank_env(index, ips, master, "GPU" in bundle)): index
+        actor.run.remote(entry, argv, _rank_env(index, ips, master, "GPU" in bundle) | env): index
         for index, actor in enumerate(actors)
     }
     results: list[dict[str, Any]] = []

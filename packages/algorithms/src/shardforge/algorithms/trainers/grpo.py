@@ -46,7 +46,7 @@ from shardforge.algorithms.rlvr import (
     PromptSet,
     group_advantages,
 )
-from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, build_rollout_engine
+from shardforge.algorithms.rollout.factory import PublishedRolloutEngine
 from shardforge.algorithms.rollout.sources import AsyncRollouts, RolloutSource, SampledBatch, SampleFn, SyncRollouts
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
@@ -74,7 +74,7 @@ from shardforge.algorithms.trainers.rl_partial import (
     enable_partial_rollouts,
     partial_rollout_stats,
 )
-from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
+from shardforge.algorithms.trainers.rl_publish import build_placed_rollout, direct_publisher, in_process_receiver
 from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
 from shardforge.algorithms.trainers.workflow_eval import evaluate_held_out
 from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
@@ -201,10 +201,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         # Async mode: the generator may still need the weights of max_staleness steps ago.
         keep_weights = max(2, config.max_staleness + 2) if config.async_rollouts else 2
         transport = DiskTransport(weights_root, keep_last=keep_weights) if engine.is_main else None
-        self.rollout = rollout = build_rollout_engine(
-            config.rollout_engine, config.model, self.tokenizer, weights_root=weights_root,
-            dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
-        )  # fmt: skip
+        self.rollout = rollout = build_placed_rollout(config, self.tokenizer, weights_root)
 
         record_routing(config, rollout)
         configure_kv_reuse(config, rollout)
@@ -213,9 +210,11 @@ class GRPOTrainer(Trainer[GRPOConfig]):
             rollout, enabled=config.publish_in_memory and engine.dims.pp == 1, asynchronous=config.async_rollouts
         )
 
+        direct = direct_publisher(engine, rollout, receiver, config.rollout_dtype)  # in memory, or to Ray actors
+
         def publish(version: int | None) -> int:
-            if receiver is not None:  # same process: no disk round trip
-                return publish_in_process(engine, receiver, config.rollout_dtype, version)
+            if direct is not None:
+                return direct(version)
             return publish_version(engine, transport, rollout, config.rollout_dtype, version)
 
         prompt_sampler = partial(self.prompt_data.sampler, config.prompts_per_step)

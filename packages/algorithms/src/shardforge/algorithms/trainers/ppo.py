@@ -30,7 +30,6 @@ from shardforge.algorithms.objectives import KLEstimator, PPOActorLossFn, PPOCri
 from shardforge.algorithms.objectives.kl_control import KLController, build_kl_controller
 from shardforge.algorithms.objectives.rollout_correction import ROLLOUT_CORRECTIONS
 from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, PromptSet
-from shardforge.algorithms.rollout.factory import build_rollout_engine
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
 from shardforge.algorithms.trainers.common import with_total_steps
@@ -58,7 +57,7 @@ from shardforge.algorithms.trainers.rl_common import (
     rollout_server_stats,
 )
 from shardforge.algorithms.trainers.rl_data import load_prompt_data
-from shardforge.algorithms.trainers.rl_publish import in_process_receiver, publish_in_process
+from shardforge.algorithms.trainers.rl_publish import build_placed_rollout, direct_publisher, in_process_receiver
 from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
 from shardforge.algorithms.trainers.workflow_eval import evaluate_held_out
 from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
@@ -185,15 +184,13 @@ class PPOTrainer(Trainer[PPOConfig]):
         config, actor = self.config, self.engine
         weights_root = self.out / "weights"
         self.transport = DiskTransport(weights_root, keep_last=2) if actor.is_main else None
-        self.rollout = build_rollout_engine(
-            config.rollout_engine, config.model, self.tokenizer, weights_root=weights_root,
-            dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
-        )  # fmt: skip
+        self.rollout = build_placed_rollout(config, self.tokenizer, weights_root)
         record_routing(config, self.rollout)
         configure_kv_reuse(config, self.rollout)
-        self.receiver = in_process_receiver(
+        receiver = in_process_receiver(
             self.rollout, enabled=config.publish_in_memory and actor.dims.pp == 1, asynchronous=False
         )
+        self.direct = direct_publisher(actor, self.rollout, receiver, config.rollout_dtype)  # in memory / Ray actors
         self.version = self._publish(None)
         self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
         self.kl_ctrl: KLController = build_kl_controller(dataclasses.replace(config.kl_ctrl, kl_coef=config.kl_coef))
@@ -205,10 +202,11 @@ class PPOTrainer(Trainer[PPOConfig]):
 
     def _publish(self, version: int | None) -> int:
         """Publish the actor as ``version`` (None: the first) and serve it; return the next version number.
-        In memory with the embedded HF engine (``publish_in_memory``), else through disk."""
+        In memory with the embedded HF engine (``publish_in_memory``), to the Ray rollout actors
+        (``rollout_placement=disaggregated``), else through disk."""
         config = self.config
-        if self.receiver is not None:
-            return publish_in_process(self.engine, self.receiver, config.rollout_dtype, version) + 1
+        if self.direct is not None:
+            return self.direct(version) + 1
         return publish_to_rollout(self.engine, self.transport, self.rollout, config.rollout_dtype, version)
 
     def train_step(self, step: int) -> dict[str, float]:

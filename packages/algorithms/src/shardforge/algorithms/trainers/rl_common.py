@@ -21,6 +21,7 @@ from shardforge.algorithms.rollout.dynamic_sampling import DynamicSamplingConfig
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, RolloutEngineKind
 from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
 from shardforge.algorithms.rollout.kv_reuse import KVReuseCache
+from shardforge.algorithms.rollout.placement import RolloutPlacement
 from shardforge.algorithms.rollout.reward_compose import RewardTermConfig, build_reward
 from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
@@ -100,6 +101,12 @@ class RLTrainerConfig(TrainerConfig):
     """Dtype of the rollout model and of the published weights."""
     rollout_engine: RolloutEngineKind = "hf"
     """'hf' (embedded generate in every trainer process) or 'vllm' (optional extra; see `vllm`)."""
+    rollout_placement: RolloutPlacement = "colocated"
+    """'colocated' (the rollout engine in every trainer process) or 'disaggregated' (--launcher ray, rollout_engine=hf:
+    the embedded HF engine in num_rollout_actors Ray actors of their own; weights over weight-sync's collective
+    transport after every step). See docs/multinode.md."""
+    num_rollout_actors: int = 1
+    """rollout_placement=disaggregated: rollout actors (trainer rank r generates through actor r % num_rollout_actors)."""
     rollout_kv_reuse: bool = True
     """rollout_engine=hf: keep each episode's KV cache between its turns (and between partial-rollout chunks) and
     prefill only the tokens a turn adds; dropped on every weight change. false: re-encode the context every turn."""

@@ -9,15 +9,52 @@ no checksums: nothing crosses a process boundary). With several ranks every rank
 the full weights: `publish_in_process` all-gathers them to every rank (weight-sync's
 ``src_rank=None``; the disk path gathers to rank 0, writes, and every rank reads the files back). Asynchronous rollouts keep the disk path (the generator thread owns the engine and
 may still need an older version).
+
+``rollout_placement=disaggregated`` (`rollout.placement`): the engine is a `RayRolloutClient` of rollout actors,
+and `direct_publisher` sends the weights to them over weight-sync's collective transport instead.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
 from shardforge.algorithms.engine import TrainEngine
+from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, build_rollout_engine
 from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
+from shardforge.algorithms.rollout.placement import rollout_actor_names_from_env, rollout_actor_spec
+from shardforge.algorithms.rollout.ray_rollout import RayRolloutClient
 from shardforge.weight_sync import InProcessTransport, WeightReceiver
 
-__all__ = ["in_process_receiver", "publish_in_process"]
+__all__ = ["build_placed_rollout", "direct_publisher", "in_process_receiver", "publish_in_process"]
+
+
+def build_placed_rollout(config: Any, tokenizer: Any, weights_root: str | os.PathLike[str]) -> PublishedRolloutEngine:
+    """The rollout engine of an RL trainer ``config``: ``rollout_engine`` in this process (colocated), or a client
+    of the Ray launcher's rollout actors (``rollout_placement=disaggregated``)."""
+    if config.rollout_placement == "disaggregated":
+        names = rollout_actor_names_from_env(config.num_rollout_actors)  # refuses a rank not started by Ray
+        rollout_actor_spec(config, "ray")  # the other refusals, also under an outside launcher
+        return RayRolloutClient(names, timeout_s=config.engine.dist_timeout_s)
+    return build_rollout_engine(
+        config.rollout_engine, config.model, tokenizer, weights_root=weights_root,
+        dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
+    )  # fmt: skip
+
+
+def direct_publisher(
+    engine: TrainEngine, rollout: object, receiver: WeightReceiver | None, dtype: str
+) -> Callable[[int | None], int] | None:
+    """``publish(version) -> version`` without the disk (None: publish through disk): into ``receiver`` (see
+    `in_process_receiver`), or to the rollout actors of a `RayRolloutClient`. The rollout engine serves the
+    version when ``publish`` returns; ``version=None``: the one after the served version."""
+    if receiver is not None:  # same process: no disk round trip
+        return partial(publish_in_process, engine, receiver, dtype)
+    if isinstance(rollout, RayRolloutClient):
+        return partial(rollout.publish, engine, dtype)
+    return None
 
 
 def in_process_receiver(rollout: object, *, enabled: bool, asynchronous: bool) -> WeightReceiver | None:

@@ -1,0 +1,135 @@
+"""Where an RL trainer's rollouts run: ``rollout_placement: colocated | disaggregated``.
+
+- ``colocated`` (default): the rollout engine lives in every trainer process (the embedded HF engine, or a
+  vLLM engine/server the trainer starts), as it always did.
+- ``disaggregated`` (``--launcher ray`` only): ``num_rollout_actors`` Ray actors of their own, each holding
+  the embedded HF engine (`shardforge.algorithms.rollout.ray_rollout.RolloutActor`), placed in the same
+  placement group as the trainer ranks. Trainer rank ``r`` generates through actor ``r % num_rollout_actors``;
+  after each step trainer rank 0 sends the new weights to every actor over weight-sync's collective
+  transport (a gloo group of rank 0 + the actors, verified, version-tagged; no shared filesystem).
+
+This module is the pure part (no Ray import): the refusals, the actors' spec the launcher needs, and how
+the launcher tells the ranks the actors' names (an environment variable, as it passes the rank variables).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "ROLLOUT_ACTORS_ENV",
+    "RolloutActorSpec",
+    "RolloutPlacement",
+    "actor_for_rank",
+    "actor_names",
+    "rollout_actor_names_from_env",
+    "rollout_actor_spec",
+]
+
+RolloutPlacement = Literal["colocated", "disaggregated"]
+"""The placements a trainer config can name (config_io checks the value against it)."""
+
+ROLLOUT_ACTORS_ENV = "SHARDFORGE_RAY_ROLLOUT_ACTORS"
+"""Set by the Ray launcher on every rank: the rollout actors' names, comma-separated."""
+
+_HOW = "docs/multinode.md, 'Disaggregated rollouts'"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutActorSpec:
+    """What the Ray launcher needs to start the rollout actors (read from the trainer config)."""
+
+    num_actors: int
+    """Rollout actors to start (each holds one embedded HF engine with the full model)."""
+    model: str
+    """HF model directory of the initial weights (version 0)."""
+    tokenizer: str
+    """Tokenizer directory (the trainer's ``tokenizer``, else the model directory)."""
+    dtype: str
+    """The rollout model's dtype (``rollout_dtype``)."""
+    kv_reuse: bool
+    """``rollout_kv_reuse``: keep multi-turn sessions' KV caches between calls."""
+    kv_reuse_max_tokens: int
+    """``rollout_kv_reuse_max_tokens``."""
+
+
+def rollout_actor_spec(config: Any, launcher: str) -> RolloutActorSpec | None:
+    """The rollout actors ``config`` asks for (None: colocated); raise `ValueError` for a combination that is
+    not supported (``launcher``: the CLI's ``--launcher``, or ``"external"`` under an outside torchrun)."""
+    placement = getattr(config, "rollout_placement", "colocated")
+    num_actors = int(getattr(config, "num_rollout_actors", 1))
+    if num_actors < 1:
+        raise ValueError(f"num_rollout_actors={num_actors} must be >= 1")
+    if placement == "colocated":
+        return None
+    if placement != "disaggregated":
+        raise ValueError(f"rollout_placement={placement!r} is not one of ['colocated', 'disaggregated']")
+    refusals = [
+        (
+            launcher != "ray",
+            f"runs the rollout engine in Ray actors, which only --launcher ray starts (this run's launcher: "
+            f"{launcher}): add --launcher ray, or set rollout_placement=colocated",
+        ),
+        (
+            getattr(config, "rollout_engine", "hf") != "hf",
+            f"holds the embedded HF engine; rollout_engine={getattr(config, 'rollout_engine', None)!r} "
+            "already runs as a server of its own (vllm.mode=server): use rollout_engine=hf",
+        ),
+        (
+            bool(getattr(config, "async_rollouts", False)),
+            "serves the newest weights only: asynchronous rollouts (which may need an older version) are not "
+            "supported yet; set async_rollouts=false",
+        ),
+        (
+            bool(getattr(config, "partial_rollouts", False)),
+            "does not interrupt generations: set partial_rollouts=false",
+        ),
+        (
+            bool(getattr(getattr(config, "engine", None), "router_replay", False)),
+            "does not return recorded MoE routing yet: set engine.router_replay=false",
+        ),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"rollout_placement=disaggregated {why} ({_HOW})")
+    return RolloutActorSpec(
+        num_actors=num_actors,
+        model=str(config.model),
+        tokenizer=str(getattr(config, "tokenizer", None) or config.model),
+        dtype=str(getattr(config, "rollout_dtype", "float32")),
+        kv_reuse=bool(getattr(config, "rollout_kv_reuse", True)),
+        kv_reuse_max_tokens=int(getattr(config, "rollout_kv_reuse_max_tokens", 65536)),
+    )
+
+
+def actor_names(num_actors: int, prefix: str = "shardforge-rollout") -> list[str]:
+    """The Ray names of ``num_actors`` rollout actors."""
+    return [f"{prefix}-{index}" for index in range(num_actors)]
+
+
+def actor_for_rank(rank: int, num_actors: int) -> int:
+    """The rollout actor trainer rank ``rank`` generates through (round robin)."""
+    if num_actors < 1 or rank < 0:
+        raise ValueError(f"rank={rank} and num_actors={num_actors} must be >= 0 and >= 1")
+    return rank % num_actors
+
+
+def rollout_actor_names_from_env(num_actors: int, env: Mapping[str, str] | None = None) -> list[str]:
+    """The actors the Ray launcher started for this run (``ROLLOUT_ACTORS_ENV``); a `ValueError` when this
+    rank was not started by ``--launcher ray`` with ``rollout_placement=disaggregated``, or with another count."""
+    value = (os.environ if env is None else env).get(ROLLOUT_ACTORS_ENV, "")
+    names = [name for name in value.split(",") if name]
+    if not names:
+        raise ValueError(
+            f"rollout_placement=disaggregated needs the rollout actors that `shardforge train ... --launcher ray` "
+            f"starts ({ROLLOUT_ACTORS_ENV} is not set: this rank was started by another launcher); use --launcher "
+            f"ray, or rollout_placement=colocated ({_HOW})"
+        )
+    if len(names) != num_actors:
+        raise ValueError(
+            f"the launcher started {len(names)} rollout actors ({value}), the config asks for {num_actors}"
+        )
+    return names

@@ -1,0 +1,103 @@
+"""``rollout_placement: colocated | disaggregated`` (issue 21): the refusals, the rollout actors' spec, the rank ->
+actor map and the launcher's environment contract. No Ray needed (the Ray run is integration_tests/test_ray_launch.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from shardforge.algorithms.cli import main
+from shardforge.algorithms.config_io import build_config
+from shardforge.algorithms.rollout.placement import (
+    ROLLOUT_ACTORS_ENV,
+    actor_for_rank,
+    actor_names,
+    rollout_actor_names_from_env,
+    rollout_actor_spec,
+)
+from shardforge.algorithms.testing import tiny_assets
+from shardforge.algorithms.trainers.grpo import GRPOConfig
+from shardforge.algorithms.trainers.ppo import PPOConfig
+
+
+def _config(cls=GRPOConfig, **entries):
+    return build_config(cls, {"model": "m", "train_file": "t.jsonl", "output_dir": "o"} | entries)
+
+
+def test_colocated_is_the_default_and_starts_no_actor():
+    config = _config()
+    assert config.rollout_placement == "colocated" and config.num_rollout_actors == 1
+    for launcher in ("local", "ray"):
+        assert rollout_actor_spec(config, launcher) is None
+
+
+@pytest.mark.parametrize("cls", [GRPOConfig, PPOConfig])
+def test_disaggregated_under_ray_gives_the_actors_spec(cls):
+    config = _config(cls, rollout_placement="disaggregated", num_rollout_actors=2, rollout_dtype="bf16")
+    spec = rollout_actor_spec(config, "ray")
+    assert spec is not None
+    assert (spec.num_actors, spec.model, spec.tokenizer, spec.dtype) == (2, "m", "m", "bf16")
+    with_tokenizer = rollout_actor_spec(dataclasses.replace(config, tokenizer="tok"), "ray")
+    assert with_tokenizer is not None and with_tokenizer.tokenizer == "tok"
+
+
+@pytest.mark.parametrize(
+    ("entries", "launcher", "fragment"),
+    [
+        ({}, "local", "only --launcher ray starts (this run's launcher: local)"),
+        ({}, "external", "add --launcher ray, or set rollout_placement=colocated"),
+        ({"rollout_engine": "vllm"}, "ray", "use rollout_engine=hf"),
+        ({"async_rollouts": True}, "ray", "set async_rollouts=false"),
+        ({"partial_rollouts": True, "async_rollouts": False}, "ray", "set partial_rollouts=false"),
+        ({"engine": {"router_replay": True}}, "ray", "set engine.router_replay=false"),
+        ({"num_rollout_actors": 0}, "ray", "num_rollout_actors=0 must be >= 1"),
+    ],
+)
+def test_unsupported_combinations_are_refused_with_the_fix(entries, launcher, fragment):
+    config = _config(**({"rollout_placement": "disaggregated"} | entries))
+    with pytest.raises(ValueError, match=r"disaggregated|num_rollout_actors") as error:
+        rollout_actor_spec(config, launcher)
+    assert fragment in str(error.value), str(error.value)
+
+
+def test_an_unknown_placement_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="colocated") as error:
+        _config(rollout_placement="remote")
+    assert "disaggregated" in str(error.value)
+
+
+def test_ranks_map_round_robin_onto_actors():
+    assert [actor_for_rank(rank, 2) for rank in range(5)] == [0, 1, 0, 1, 0]
+    assert [actor_for_rank(rank, 1) for rank in range(3)] == [0, 0, 0]
+    assert actor_names(2) == ["shardforge-rollout-0", "shardforge-rollout-1"]
+    with pytest.raises(ValueError):
+        actor_for_rank(0, 0)
+
+
+def test_a_rank_finds_the_launchers_actors_or_says_it_needs_ray():
+    assert rollout_actor_names_from_env(2, {ROLLOUT_ACTORS_ENV: "a,b"}) == ["a", "b"]
+    with pytest.raises(ValueError, match=r"needs the rollout actors that .*--launcher ray"):
+        rollout_actor_names_from_env(1, {})
+    with pytest.raises(ValueError, match=r"started 2 rollout actors .* asks for 1"):
+        rollout_actor_names_from_env(1, {ROLLOUT_ACTORS_ENV: "a,b"})
+
+
+def test_cli_refuses_disaggregated_without_ray_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assets = tiny_assets(tmp_path / "assets", max_operand=9, num_eval=4)
+    capsys.readouterr()  # the assets' progress bars
+    data = {
+        "model": str(assets["model"]), "train_file": str(assets["train"]), "output_dir": str(tmp_path / "run"),
+        "steps": 1, "prompts_per_step": 2, "group_size": 2, "progress": False, "rollout_placement": "disaggregated",
+    }  # fmt: skip
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    code = main(["train", "grpo", "--config", str(path), "--nproc-per-node", "2"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("shardforge: error: rollout_placement=disaggregated runs the rollout engine in Ray"), err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
