@@ -225,7 +225,8 @@ def test_publish_switches_the_served_version(
 
 
 def test_server_mode_samples_and_follows_publishes(assets: dict[str, Any], tmp_path: Path) -> None:
-    """``vllm.mode: server``: an OpenAI-compatible vLLM server over HTTP, weights through its RL routes."""
+    """``vllm.mode: server``: an OpenAI-compatible vLLM server over HTTP, weights through its RL routes; partial
+    rollouts continue each response from its returned ids in a new request after a weight switch."""
     from shardforge.algorithms.rollout import VLLMServerRolloutEngine, build_rollout_engine
 
     tokenizer, prompts = assets["tokenizer"], assets["prompts"].ids
@@ -256,17 +257,44 @@ def test_server_mode_samples_and_follows_publishes(assets: dict[str, Any], tmp_p
         before = server.generate(prompts, greedy)
         start_hf = HFRolloutEngine(assets["model"], tokenizer).generate(prompts, greedy)
         assert [r.response_ids for r in before] == [r.response_ids for r in start_hf]
-        generator = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for param in engine.model.parameters():
-                param.add_(torch.randn(param.shape, generator=generator) * 0.3)
-        publish_to_rollout(engine, transport, server, "float32", next_version)
+        # Partial rollouts on the server: every chunk of 3 tokens is a completion request that continues from the
+        # returned ids; the weights are published between the first and second chunk.
+        server.interrupt_chunk_tokens = 3
+        published: list[int] = []
+
+        def between_chunks() -> None:
+            if not published:
+                publish_to_rollout(engine, transport, server, "float32", next_version)
+                published.append(next_version)
+
+        try:
+            chunked = server.generate(prompts, greedy)
+            assert [r.response_ids for r in chunked] == [r.response_ids for r in before]
+            assert all(r.token_versions == [1] * len(r.response_ids) for r in chunked)
+            generator = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for param in engine.model.parameters():
+                    param.add_(torch.randn(param.shape, generator=generator) * 0.3)
+            server.between_chunks = between_chunks
+            mixed = server.generate(prompts, greedy)
+        finally:
+            server.interrupt_chunk_tokens, server.between_chunks = None, None
+        assert published == [2] and server.version == 2
+        for r, b in zip(mixed, before):
+            assert r.response_ids[:3] == b.response_ids[:3]
+            assert r.token_versions == [1] * min(3, len(r.response_ids)) + [2] * (len(r.response_ids) - 3)
         after = server.generate(prompts, greedy)
         assert {r.version for r in after} == {2}
         engine.export_hf(tmp_path / "hf", tokenizer=tokenizer)
-        trainer_hf = HFRolloutEngine(tmp_path / "hf", tokenizer).generate(prompts, greedy)
+        trainer_hf_engine = HFRolloutEngine(tmp_path / "hf", tokenizer)
+        trainer_hf = trainer_hf_engine.generate(prompts, greedy)
         assert [r.response_ids for r in after] == [r.response_ids for r in trainer_hf]
         assert [r.response_ids for r in after] != [r.response_ids for r in before]
+        continued = [r for r in mixed if len(r.response_ids) > 3]
+        assert continued, "some responses outlive the first chunk"
+        rest = SamplingParams(max_new_tokens=MAX_NEW - 3, temperature=0)
+        expected = trainer_hf_engine.generate([list(r.prompt_ids) + r.response_ids[:3] for r in continued], rest)
+        assert [r.response_ids[3:] for r in continued] == [e.response_ids for e in expected]
     finally:
         server.shutdown()
 
