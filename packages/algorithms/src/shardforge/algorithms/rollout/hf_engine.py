@@ -230,19 +230,6 @@ class HFRolloutEngine:
         call = next(self._chunk_calls)
         own = [("chunks", call, i) for i, key in enumerate(keys) if key is None]
         keys = [("chunks", call, i) if key is None else key for i, key in enumerate(keys)]
-        try:
-            return self._chunks(rows, params, keys, uniforms)
-        finally:
-            self.end_sessions(own)
-
-    def _chunks(
-        self,
-        rows: list[tuple[int, list[int]]],
-        params: SamplingParams,
-        keys: list[Hashable | None],
-        uniforms: torch.Tensor | None,
-    ) -> list[Rollout]:
-        assert self.interrupt_chunk_tokens is not None
 
         def chunk(active: list[int], context: list[tuple[int, list[int]]], budget: int, done: int) -> list[Rollout]:
             # Each unfinished row continues at the same position of its own stream of uniforms.
@@ -251,9 +238,12 @@ class HFRolloutEngine:
             return self._generate_chunk(context, params_, [keys[i] for i in active], draws)
 
         decode = partial(self.tokenizer.decode, skip_special_tokens=True)
-        return generate_in_chunks(
-            rows, params.max_new_tokens, self.interrupt_chunk_tokens, chunk, self.between_chunks, decode
-        )
+        try:
+            return generate_in_chunks(
+                rows, params.max_new_tokens, self.interrupt_chunk_tokens, chunk, self.between_chunks, decode
+            )
+        finally:
+            self.end_sessions(own)
 
     def _generate_chunk(
         self,

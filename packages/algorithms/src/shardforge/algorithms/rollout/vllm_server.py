@@ -262,7 +262,7 @@ class VLLMServerRolloutEngine:
                 raise ValueError(
                     "partial rollouts on a shared vLLM server need a trainer world size of 1 (one rank's weight "
                     "switch between its chunks would change the weights under the other ranks' requests); use "
-                    "vllm.mode=inprocess with placement=each_rank"
+                    "vllm.mode=in_process with vllm.placement=each_rank"
                 )
             decode = partial(self.tokenizer.decode, skip_special_tokens=True)
             chunk = self.interrupt_chunk_tokens
