@@ -88,16 +88,21 @@ def mrope_position_ids(
     s + max(h, w). ``grids`` is [N, max images, 3] (zero rows = no image), in each sequence's image order.
     """
     out = torch.empty(3, input_ids.numel(), dtype=torch.long)
-    ids = input_ids.tolist()
+    image_at = (input_ids == image_token_id).nonzero().flatten().tolist()
     bounds = cu_seqlens.tolist()
+    cursor = 0  # index into image_at of the next image token not yet placed
     for seq in range(len(bounds) - 1):
         start, end = bounds[seq], bounds[seq + 1]
         images = iter([g for g in grids[seq].tolist() if g[0] * g[1] * g[2] > 0]) if seq < grids.shape[0] else iter([])
         pos, t = 0, start
         while t < end:
-            if ids[t] != image_token_id:
-                out[:, t] = pos
-                pos, t = pos + 1, t + 1
+            # A text run up to the next image token (or the sequence end) advances all three by 1 per token.
+            while cursor < len(image_at) and image_at[cursor] < t:
+                cursor += 1
+            stop = min(image_at[cursor], end) if cursor < len(image_at) else end
+            if stop > t:
+                out[:, t:stop] = torch.arange(pos, pos + stop - t)
+                pos, t = pos + stop - t, stop
                 continue
             gt, gh, gw = next(images)
             gh, gw = gh // merge_size, gw // merge_size
