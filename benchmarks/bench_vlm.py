@@ -1,8 +1,8 @@
 """Vision-language models (Qwen2.5-VL): packed vs padded throughput, frozen vs trained vision tower memory,
 and the planner's prediction for VLM layouts vs the measurement.
 
-(a) **Packed vs padded.** The same image+text samples (text lengths spread over 8..384 tokens, 0-3 images of
-    1-36 image tokens each, 4-144 patches) train the same Qwen2.5-VL from the same weights with the same
+(a) **Packed vs padded.** The same image+text samples (half the rows with 8-32 text tokens, a short question,
+    half with 64-768, a long document; 0-3 images of 1-36 image tokens each, 4-144 patches) train the same Qwen2.5-VL from the same weights with the same
     AdamW (lr 1e-4, clip 1.0), one process, one thread each side, in rounds that alternate which side goes
     first:
 
@@ -48,7 +48,7 @@ HIDDEN, LAYERS, VISION_DEPTH = 128, 4, 4
 NUM_ROWS, BATCH = 96, 16
 WARMUP, TIMED = 1, 4  # batches; each timed batch is one alternated round
 LR, MAX_GRAD_NORM, SEED = 1e-4, 1.0, 0
-TEXT_LENGTHS = (8, 384)
+SHORT_TEXT, LONG_TEXT = (8, 32), (64, 768)  # user text tokens: half the rows short (VQA-like), half long
 IMAGE_SIDES = (28, 56, 84, 112, 140, 168)  # pixels (patch 14, merge 2): 1 .. 36 image tokens per image
 # (c): sequences of PLAN_SEQ tokens with one PLAN_GRID x PLAN_GRID-patch image each, PLAN_TOKENS per rank.
 PLAN_SEQ, PLAN_TOKENS, PLAN_GRID = 256, 1024, 16
@@ -80,8 +80,9 @@ def build_assets(root: Path) -> dict[str, Any]:
 
 
 def make_examples(root: Path, tokenizer: Any, processor: Any) -> list[Any]:
-    """``NUM_ROWS`` chat rows: random user text of a length uniform over ``TEXT_LENGTHS``, 0-3 images of random
-    sides in ``IMAGE_SIDES`` (random pixels), a 4-32 character assistant answer (the loss)."""
+    """``NUM_ROWS`` chat rows: random user text, half the rows of a length uniform over ``SHORT_TEXT`` (a short
+    question about the images), half over ``LONG_TEXT`` (a long document), 0-3 images of random sides in
+    ``IMAGE_SIDES`` (random pixels), a 4-32 character assistant answer (the loss)."""
     from PIL import Image
 
     from shardforge.algorithms.data.vlm import tokenize_vlm_row
@@ -97,7 +98,7 @@ def make_examples(root: Path, tokenizer: Any, processor: Any) -> list[Any]:
             path = root / "images" / f"{i}_{j}.png"
             Image.frombytes("RGB", (w, h), bytes(rng.randrange(256) for _ in range(w * h * 3))).save(path)
             parts.append({"type": "image", "image": str(path)})
-        text = "".join(rng.choice(letters) for _ in range(rng.randint(*TEXT_LENGTHS)))
+        text = "".join(rng.choice(letters) for _ in range(rng.randint(*(SHORT_TEXT if i % 2 else LONG_TEXT))))
         parts.append({"type": "text", "text": text})
         answer = "".join(rng.choice(letters) for _ in range(rng.randint(4, 32)))
         row = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": answer}]}
@@ -348,7 +349,7 @@ def main() -> int:
         _common.upsert_result_row(
             benchmark="vlm_packed_vs_padded",
             metric=f"VLM SFT real tokens/s, packed engine vs padded HF loop, Qwen2.5-VL h{HIDDEN} x {LAYERS} + "
-            f"{VISION_DEPTH} vision blocks, {BATCH} rows/step of 8-384 text tokens and 0-3 images, 1 thread each, "
+            f"{VISION_DEPTH} vision blocks, {BATCH} rows/step, half 8-32 and half 64-768 text tokens, 0-3 images, 1 thread each, "
             f"{TIMED} alternated rounds (padding efficiency {speed['padding_efficiency']:.2f}, first-loss gap "
             f"{speed['first_loss_gap']:.1e}, {load_text})",
             ours=f"{speed['ours']['tokens_per_s']:,.0f}",

@@ -146,8 +146,9 @@ def test_unsupported_image_prompt_settings_are_refused(vlm: dict[str, Any], tmp_
         check_rollout_batch(grpo("partial_rollouts=true"), prompts, 1, 1024, "budget")
     with pytest.raises(ValueError, match="system message in the rows"):
         check_rollout_batch(grpo("workflow.system_prompt=be brief"), prompts, 1, 1024, "budget")
-    with pytest.raises(ValueError, match=r"ppo with image prompts .* use `shardforge train grpo`"):
-        _validate(build_config(PPOConfig, base), prompts, 1)
+    _validate(build_config(PPOConfig, base), prompts, 1)  # PPO takes image prompts (critic: engine.vision_value)
+    with pytest.raises(ValueError, match="embedded HF engine only"):
+        _validate(build_config(PPOConfig, {**base, "rollout_engine": "vllm"}), prompts, 1)
 
     class TextOnly:  # a rollout engine without `accepts_images`
         def generate(self, prompts: Any, params: Any) -> list[Any]:

@@ -41,6 +41,10 @@ from shardforge.ulysses_cp import gather_sequence, packed_model_kwargs, slice_fo
 __all__ = ["VISION_TOWERS", "VisionLMHead", "check_vlm", "is_vlm", "mrope_position_ids", "vision_tower"]
 
 
+VLM_HEADS = ("lm", "value")
+"""``EngineConfig.head`` values for image-text models: `VisionLMHead` and `engine.vision_value.VisionValueHead`."""
+
+
 def is_vlm(hf_config: Any) -> bool:
     """Whether ``hf_config`` is a vision-language model (has a vision tower config)."""
     return getattr(hf_config, "vision_config", None) is not None
@@ -69,8 +73,13 @@ def check_vlm(dims: Any, hf_config: Any, head: str) -> None:
                 f"{kind!r}; use a data-parallel layout (e.g. d{dims.world_size})"
             )
         validate_tp(hf_config.text_config, dims.tp)  # the language model's heads / vocab / MLP split over tp
-    if head != "lm":
-        raise ValueError(f"vision-language models ({kind}) support engine.head='lm' only, got {head!r}")
+    if head not in VLM_HEADS:
+        raise ValueError(f"vision-language models ({kind}) support engine.head {sorted(VLM_HEADS)}, got {head!r}")
+    if head == "value" and (dims.tp > 1 or dims.cp > 1):
+        raise ValueError(
+            f"a value head on a vision-language model ({kind}: PPO's critic) supports data-parallel layouts (FSDP "
+            f"d, HSDP r x d, DDP r), not tp={dims.tp} cp={dims.cp}; use layout d{dims.world_size} for the critic"
+        )
 
 
 def _vision_attn(attn: str) -> dict[str, str]:
