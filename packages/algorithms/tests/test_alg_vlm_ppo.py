@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -56,4 +57,4 @@ def test_vlm_ppo_world1_matches_fsdp2(vlm: dict[str, Any]) -> None:
 def _per_sequence(result: dict[str, Any], step: int) -> list[torch.Tensor]:
     """One step's old values of a rank, split into its trajectories."""
     bounds = result["cu_seqlens"][step].tolist()
-    return [result["old_values"][step][a:b] for a, b in zip(bounds, bounds[1:])]
+    return [result["old_values"][step][a:b] for a, b in itertools.pairwise(bounds)]

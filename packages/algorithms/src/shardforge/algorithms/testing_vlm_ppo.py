@@ -37,7 +37,9 @@ def vlm_ppo_steps(
     from shardforge.algorithms.workflows.rlvr import RLVRWorkflow
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = load_image_prompts(train, tokenizer, AutoImageProcessor.from_pretrained(model_dir), image_token="<|image_pad|>")
+    prompts = load_image_prompts(
+        train, tokenizer, AutoImageProcessor.from_pretrained(model_dir), image_token="<|image_pad|>"
+    )
     config = EngineConfig(optimizer=OptimizerConfig(lr=3e-3), max_tokens_per_microbatch=128)
     actor = TrainEngine(model_dir, layout, config)
     critic = TrainEngine(model_dir, layout, EngineConfig(optimizer=OptimizerConfig(lr=3e-3), head="value"))
@@ -46,7 +48,14 @@ def vlm_ppo_steps(
     actor_fn, critic_fn = PPOActorLossFn(), ShiftedCriticLossFn(PPOCriticConfig())
     rows = [PromptRow.from_prompts(prompts, i, index=i) for i in range(len(prompts))]
     mine = [i for i in range(len(rows) * group_size) if (i // group_size) % actor.dp_size == actor.dp_rank]
-    out: dict[str, Any] = {"losses": [], "critic_losses": [], "old_values": [], "rewards": [], "mine": mine, "cu_seqlens": []}
+    out: dict[str, Any] = {
+        "losses": [],
+        "critic_losses": [],
+        "old_values": [],
+        "rewards": [],
+        "mine": mine,
+        "cu_seqlens": [],
+    }
     trajectories: list[Any] = []
     for step in range(steps):
         params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2000 + step)

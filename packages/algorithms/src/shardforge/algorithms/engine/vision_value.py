@@ -77,7 +77,9 @@ class VisionValueHead(VisionLMHead):
             )
         else:
             torch.manual_seed(seed)
-            model = AutoModelForImageTextToText.from_config(hf_config, dtype=dtype, attn_implementation=_vision_attn(attn))
+            model = AutoModelForImageTextToText.from_config(
+                hf_config, dtype=dtype, attn_implementation=_vision_attn(attn)
+            )
         return _swap_in_value_head(model, seed=seed, dtype=dtype)
 
     def tp_plan(self, model: nn.Module, *, sequence_parallel: bool) -> dict[str, Any] | None:
