@@ -19,6 +19,7 @@ every formula.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,6 +192,12 @@ def estimate_memory(stats: ModelStats, dims: ParallelDims, opts: PlanOptions) ->
     experts_own_unit = dims.ep > 1
     embed, head, root = (_unit(x, sp, opts) for x in (stats.embedding, stats.lm_head, stats.root))
     vision = vision_terms(stats, sp, opts, a) if stats.vision is not None else None
+    inside = [f for f in opts.frozen_prefixes if re.match(r"^model\.(language_model\.)?layers(\.|$)", f)]
+    if inside:
+        raise ValueError(
+            f"frozen_prefixes {inside} reach into decoder layers, which the planner does not model frozen; "
+            "it models frozen vision towers, embeddings and lm_head (e.g. model.visual)"
+        )
     every = 1 if opts.activation_checkpointing == "full" else opts.checkpoint_every
     packed = opts.micro_batch_tokens > opts.seq_len  # several sequences share a micro-batch
     live = [act.base_trainable]  # whether each layer's input requires grad (not layer 0's under LoRA)
