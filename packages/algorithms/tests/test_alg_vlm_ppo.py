@@ -58,3 +58,30 @@ def _per_sequence(result: dict[str, Any], step: int) -> list[torch.Tensor]:
     """One step's old values of a rank, split into its trajectories."""
     bounds = result["cu_seqlens"][step].tolist()
     return [result["old_values"][step][a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def test_ppo_trainer_runs_on_image_rows(vlm: dict[str, Any], tmp_path: Any) -> None:
+    """`shardforge train ppo`'s config on a VLM (one step, one process): image prompts, the VLM critic with a
+    frozen vision tower, held-out evals; the actor's export holds the image processor, no critic export."""
+    import json
+
+    from transformers import AutoImageProcessor
+
+    from shardforge.algorithms.config_io import apply_overrides, build_config
+    from shardforge.algorithms.trainers.ppo import PPOConfig, run_ppo
+
+    data = {
+        "model": vlm["model"], "train_file": str(vlm["train"]), "eval_file": str(vlm["eval"]),
+        "output_dir": str(tmp_path), "layout": "d1", "steps": 1, "prompts_per_step": 2, "group_size": 2,
+        "max_new_tokens": 4, "progress": False, "save_every": 0, "resume": "never", "kl_coef": 0.0,
+        "reward_fn": "shardforge.algorithms.testing_vlm:colour_overlap_reward",
+        "engine": {"max_tokens_per_microbatch": 256, "optimizer": {"lr": 3e-3}},
+        "critic_engine": {"max_tokens_per_microbatch": 256, "freeze_module_prefix": ["model.visual"]},
+    }  # fmt: skip
+    summary = run_ppo(build_config(PPOConfig, apply_overrides(data, [])))
+    train = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in train if r["split"] == "train")
+    assert step["reward_std"] > 0 and step["critic/loss"] > 0, step
+    assert "accuracy_start" in summary and "accuracy_end" in summary and "critic_hf_dir" not in summary
+    processor = AutoImageProcessor.from_pretrained(summary["hf_dir"])
+    assert processor.to_dict() == AutoImageProcessor.from_pretrained(vlm["model"]).to_dict()
