@@ -19,7 +19,7 @@ and the planner's prediction for VLM layouts vs the measurement.
     ``engine.freeze_module_prefix: [model.visual]`` vs training everything, counted with the storage
     tracker every CPU memory benchmark uses (`shardforge.algorithms.plan.measure`). Target: ratio < 1.
 
-(c) **Planner vs measured.** `shardforge.algorithms.plan.vision.predict_vlm_peak` (the planner's memory
+(c) **Planner vs measured.** `shardforge.algorithms.plan.vision_measure.predict_vlm_peak` (the planner's memory
     model with the vision tower counted: its params sharded over fsdp, trained or frozen, its saved
     activations per patch) vs the same storage-tracked measurement, for d1 and FSDP d2 with the vision
     tower trained and frozen. Target: predicted / measured within 1 +- 0.15 for every row.
@@ -234,7 +234,7 @@ def throughput(assets: dict[str, Any], examples: list[Any], timed: int) -> dict[
 
 
 def frozen_vs_trained(assets: dict[str, Any], examples: list[Any]) -> dict[str, Any]:
-    from shardforge.algorithms.plan.vision import measure_vlm_peak
+    from shardforge.algorithms.plan.vision_measure import measure_vlm_peak
 
     batch = list(range(BATCH))
     out = {}
@@ -246,7 +246,7 @@ def frozen_vs_trained(assets: dict[str, Any], examples: list[Any]) -> dict[str, 
 
 
 def planner_rows(assets: dict[str, Any]) -> list[dict[str, Any]]:
-    from shardforge.algorithms.plan.vision import measure_vlm_on_ranks, predict_vlm_peak
+    from shardforge.algorithms.plan.vision_measure import measure_vlm_on_ranks, predict_vlm_peak
 
     rows = []
     for label, layout, world, frozen in PLAN_CASES:

@@ -56,7 +56,7 @@ def test_vision_tower_is_counted_and_frozen_params_are_frozen(config: Any) -> No
 
 @pytest.mark.parametrize("frozen", [(), ("model.visual",)], ids=["trained", "frozen"])
 def test_predicted_vlm_peak_within_15_percent_of_measured(config: Any, frozen: tuple[str, ...]) -> None:
-    from shardforge.algorithms.plan.vision import measure_vlm_peak, predict_vlm_peak, synthetic_vlm_examples
+    from shardforge.algorithms.plan.vision_measure import measure_vlm_peak, predict_vlm_peak, synthetic_vlm_examples
 
     examples = synthetic_vlm_examples(config, 2, 128, 16, seed=0)  # 2 sequences, 256 patches each
     measured = measure_vlm_peak(config, examples, [0, 1], freeze=frozen)["peak_bytes"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardforge.algorithms.plan.activations import ActivationModel
-from shardforge.algorithms.plan.options import PlanOptions, dtype_bytes
+from shardforge.algorithms.plan.options import PlanOptions, dtype_bytes, is_frozen
 from shardforge.algorithms.plan.shards import ShardPlan, shard_plan
 from shardforge.algorithms.plan.stats import ModelStats, ParamInfo
 from shardforge.algorithms.plan.vision import vision_terms
@@ -103,11 +103,6 @@ class _Unit:
             self.trainable_local += local
             self.trainable_gathered += gathered
             self.largest_trainable = max(self.largest_trainable, local)
-
-
-def is_frozen(name: str, prefixes: tuple[str, ...]) -> bool:
-    """Whether the parameter ``name`` lies under one of the module names ``prefixes`` (whole components)."""
-    return any(name == f or name.startswith(f + ".") for f in prefixes)
 
 
 def _unit(

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["DTYPE_BYTES", "PlanOptions", "dtype_bytes", "parse_memory"]
+__all__ = ["DTYPE_BYTES", "PlanOptions", "dtype_bytes", "is_frozen", "parse_memory"]
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 _UNITS = {
@@ -131,3 +131,8 @@ class PlanOptions:
         dtype_bytes(self.param_dtype)
         if self.compute_dtype is not None:
             dtype_bytes(self.compute_dtype)
+
+
+def is_frozen(name: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether the parameter ``name`` lies under one of the module names ``prefixes`` (whole components)."""
+    return any(name == f or name.startswith(f + ".") for f in prefixes)
