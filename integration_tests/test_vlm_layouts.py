@@ -1,7 +1,7 @@
-"""A vision-language model (tiny Qwen2.5-VL) under HSDP (r2d2, world 4) and FSDP x TP (d2t2, world 4) vs
-one process: same losses and same trained weights after a few SFT steps on image chat rows, with one
-rank's micro-batch holding only a text-only row (it runs the dummy image, so the vision tower's
-collectives still match)."""
+"""A vision-language model (tiny Qwen2.5-VL / Qwen3-VL) under HSDP (r2d2), FSDP x TP (d2t2) and FSDP x Ulysses
+CP (d2c2), world 4, vs one process: same losses and same trained weights after a few SFT steps on image chat
+rows, with one rank's micro-batch holding only a text-only row (it runs the dummy image, so the vision
+tower's collectives still match)."""
 
 from __future__ import annotations
 
@@ -75,3 +75,21 @@ def test_fsdp_x_tp_matches_one_process(tmp_path: Any) -> None:
     sharded = get_rank_pool(4).run(vlm_tp_steps, assets["model"], str(assets["train"]), "d2t2", True, timeout_s=600)
     initial = AutoModelForImageTextToText.from_pretrained(assets["model"]).state_dict()
     check_vlm_parity(single, sharded[0], initial)
+
+
+@pytest.mark.heavy  # heavy (world 4; ~60 s, more under load): CI keeps c2 (test_alg_vlm_tp.py) and HSDP r2d2
+def test_fsdp_x_ulysses_cp_matches_one_process(tmp_path: Any) -> None:
+    """FSDP 2 x Ulysses CP 2 (Qwen3-VL with DeepStack, world 4) vs one process: log-probs on image rows and a
+    text-only row, losses and trained weights after SFT steps with an entropy term; one dp rank's CP group
+    trains on the text-only row alone (dummy image), so both CP groups cut sequences of other lengths."""
+    from transformers import AutoModelForImageTextToText
+
+    from shardforge.algorithms.testing_vlm import check_vlm_parity, tiny_vlm_assets, vlm_tp_steps
+
+    assets = tiny_vlm_assets(tmp_path, seed=1, num_train=4, num_eval=1, family="qwen3_vl")
+    single = vlm_tp_steps(assets["model"], str(assets["train"]), "d1", True)
+    assert single["losses"][-1] < single["losses"][0], single["losses"]
+    sharded = get_rank_pool(4).run(vlm_tp_steps, assets["model"], str(assets["train"]), "d2c2", True, timeout_s=600)
+    initial = AutoModelForImageTextToText.from_pretrained(assets["model"]).state_dict()
+    check_vlm_parity(single, sharded[0], initial)
+    assert all(r["losses"] == sharded[0]["losses"] for r in sharded), "every rank reports the global loss"

@@ -71,5 +71,9 @@ def test_vlm_layout_refusals() -> None:
     odd_vocab = tiny_qwen2_5_vl_config(build_vlm_tokenizer())  # 105 tokens
     with pytest.raises(ValueError, match=r"tp=2 must divide vocab_size=105"):
         check_engine(ParallelDims(tp=2, dp_shard=1), odd_vocab, EngineConfig())
-    with pytest.raises(ValueError, match="head='lm' only"):
-        check_engine(ParallelDims(dp_shard=2), config, EngineConfig(head="value"))
+    check_engine(ParallelDims(dp_shard=2), config, EngineConfig(head="value"))  # PPO's critic on a VLM
+    for dims in (ParallelDims(tp=2, dp_shard=1), ParallelDims(cp=2, dp_shard=1)):
+        with pytest.raises(ValueError, match=r"value head on a vision-language model .* supports data-parallel"):
+            check_engine(dims, config, EngineConfig(head="value"))
+    with pytest.raises(ValueError, match=r"'reward'.*\['lm', 'value'\]"):
+        check_engine(ParallelDims(dp_shard=2), config, EngineConfig(head="reward"))

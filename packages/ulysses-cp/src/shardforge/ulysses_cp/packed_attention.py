@@ -256,7 +256,8 @@ def _blockwise_sdpa(
     for start, end in itertools.pairwise(bounds):
         if end > start:
             by_length.setdefault(end - start, []).append(start)
-    out = q.new_empty(q.shape)
+    outs: list[torch.Tensor] = []
+    flats: list[torch.Tensor] = []
     # Sequences of equal length run as one batched SDPA call: packed batches of short
     # sequences would otherwise pay per-call overhead once per sequence and layer.
     for length, starts in by_length.items():
@@ -273,5 +274,13 @@ def _blockwise_sdpa(
         o_NHLD = F.scaled_dot_product_attention(
             q_NHLD, k_NHLD, v_NHLD, attn_mask=mask, is_causal=mask is None, scale=scale
         )
-        out = out.index_copy(0, flat, o_NHLD.transpose(1, 2).reshape(-1, *q.shape[1:]))
-    return out
+        outs.append(o_NHLD.transpose(1, 2).reshape(-1, *q.shape[1:]))
+        flats.append(flat)
+    if not outs:
+        return q.new_zeros(q.shape)
+    flat = torch.cat(flats)
+    if flat.numel() == q.shape[0]:
+        # Every token belongs to a sequence: one gather puts the groups back in token order (an
+        # index_copy per length group would copy, and in backward zero-fill, the whole output per group).
+        return torch.cat(outs)[torch.argsort(flat)]
+    return q.new_zeros(q.shape).index_copy(0, flat, torch.cat(outs))

@@ -34,7 +34,8 @@ from shardforge.algorithms.engine.heads import make_head
 from shardforge.algorithms.engine.io import EngineIO
 from shardforge.algorithms.engine.loading import load_hf_config
 from shardforge.algorithms.engine.optim import build_optimizer, build_scheduler
-from shardforge.algorithms.engine.vision import VisionLMHead, is_vlm
+from shardforge.algorithms.engine.vision import is_vlm
+from shardforge.algorithms.engine.vision_value import make_vlm_head
 from shardforge.algorithms.log import get_logger
 from shardforge.algorithms.objectives.sft import sft_loss, token_count
 from shardforge.mesh import ParallelDims, build_mesh, current_device, init_distributed
@@ -75,8 +76,8 @@ class TrainEngine(EngineIO):
     ) -> None:
         self.config = config or EngineConfig()
         raw_config = load_hf_config(model)
-        # Image+text models get the LM head that feeds visual inputs (engine/vision.py).
-        self.head = VisionLMHead() if is_vlm(raw_config) and self.config.head == "lm" else make_head(self.config.head)
+        # Image+text models get heads that feed visual inputs (engine/vision.py, engine/vision_value.py).
+        self.head = make_vlm_head(self.config.head) if is_vlm(raw_config) else make_head(self.config.head)
         self.hf_config = self.head.hf_config(raw_config)
         # Training turns the KV cache off on the model (whose config may be this object); exports keep the base's.
         self.base_use_cache = bool(getattr(self.hf_config, "use_cache", True))

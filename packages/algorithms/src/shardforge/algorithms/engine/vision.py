@@ -41,6 +41,10 @@ from shardforge.ulysses_cp import gather_sequence, packed_model_kwargs, slice_fo
 __all__ = ["VISION_TOWERS", "VisionLMHead", "check_vlm", "is_vlm", "mrope_position_ids", "vision_tower"]
 
 
+VLM_HEADS = ("lm", "value")
+"""``EngineConfig.head`` values for image-text models: `VisionLMHead` and `engine.vision_value.VisionValueHead`."""
+
+
 def is_vlm(hf_config: Any) -> bool:
     """Whether ``hf_config`` is a vision-language model (has a vision tower config)."""
     return getattr(hf_config, "vision_config", None) is not None
@@ -69,8 +73,13 @@ def check_vlm(dims: Any, hf_config: Any, head: str) -> None:
                 f"{kind!r}; use a data-parallel layout (e.g. d{dims.world_size})"
             )
         validate_tp(hf_config.text_config, dims.tp)  # the language model's heads / vocab / MLP split over tp
-    if head != "lm":
-        raise ValueError(f"vision-language models ({kind}) support engine.head='lm' only, got {head!r}")
+    if head not in VLM_HEADS:
+        raise ValueError(f"vision-language models ({kind}) support engine.head {sorted(VLM_HEADS)}, got {head!r}")
+    if head == "value" and (dims.tp > 1 or dims.cp > 1):
+        raise ValueError(
+            f"a value head on a vision-language model ({kind}: PPO's critic) supports data-parallel layouts (FSDP "
+            f"d, HSDP r x d, DDP r), not tp={dims.tp} cp={dims.cp}; use layout d{dims.world_size} for the critic"
+        )
 
 
 def _vision_attn(attn: str) -> dict[str, str]:
@@ -88,16 +97,21 @@ def mrope_position_ids(
     s + max(h, w). ``grids`` is [N, max images, 3] (zero rows = no image), in each sequence's image order.
     """
     out = torch.empty(3, input_ids.numel(), dtype=torch.long)
-    ids = input_ids.tolist()
+    image_at = (input_ids == image_token_id).nonzero().flatten().tolist()
     bounds = cu_seqlens.tolist()
+    cursor = 0  # index into image_at of the next image token not yet placed
     for seq in range(len(bounds) - 1):
         start, end = bounds[seq], bounds[seq + 1]
         images = iter([g for g in grids[seq].tolist() if g[0] * g[1] * g[2] > 0]) if seq < grids.shape[0] else iter([])
         pos, t = 0, start
         while t < end:
-            if ids[t] != image_token_id:
-                out[:, t] = pos
-                pos, t = pos + 1, t + 1
+            # A text run up to the next image token (or the sequence end) advances all three by 1 per token.
+            while cursor < len(image_at) and image_at[cursor] < t:
+                cursor += 1
+            stop = min(image_at[cursor], end) if cursor < len(image_at) else end
+            if stop > t:
+                out[:, t:stop] = torch.arange(pos, pos + stop - t)
+                pos, t = pos + stop - t, stop
                 continue
             gt, gh, gw = next(images)
             gh, gw = gh // merge_size, gw // merge_size

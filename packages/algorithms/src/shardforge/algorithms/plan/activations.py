@@ -79,8 +79,9 @@ class ActivationModel:
             out += per_head * (hq * live_q + hkv * live_k)
         if self.attention == "cpu":
             # Block-diagonal SDPA: gathered copies of q and (GQA-expanded) k, v, the output, logsumexp, the
-            # gather index (int64); the index_copy result is the o_proj input.
-            return out + (4 * a * d * hq + 4 * hq + 8) * live_attn + a * d * hq * o_input
+            # gather index and the index that restores token order (int64 each); the reordered output is the
+            # o_proj input.
+            return out + (4 * a * d * hq + 4 * hq + 16) * live_attn + a * d * hq * o_input
         kv_heads = max(hkv, c) if c > 1 else hkv  # Ulysses repeats kv heads when fewer than cp
         if live_attn:
             out += a * d * (2 * hq + 2 * kv_heads) + 4 * hq  # flash: q, k, v, out (= o_proj input), lse

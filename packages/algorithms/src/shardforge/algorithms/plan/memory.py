@@ -19,13 +19,15 @@ every formula.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardforge.algorithms.plan.activations import ActivationModel
-from shardforge.algorithms.plan.options import PlanOptions, dtype_bytes
+from shardforge.algorithms.plan.options import PlanOptions, dtype_bytes, is_frozen
 from shardforge.algorithms.plan.shards import ShardPlan, shard_plan
 from shardforge.algorithms.plan.stats import ModelStats, ParamInfo
+from shardforge.algorithms.plan.vision import vision_terms
 from shardforge.mesh import ParallelDims
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
@@ -45,7 +47,8 @@ class MemoryEstimate:
     """Gathered FSDP units and reduce-scatter buffers alive at the peak."""
     total: int
     phase: str
-    """logits | layer | optimizer: which moment of the step is the peak."""
+    """logits | layer | vision (an image-text model's vision-tower backward) | optimizer: which moment of the step is
+    the peak."""
     pp_rank: int
     host: int = 0
     """Host bytes (params, grads, optimizer state) under cpu_offload."""
@@ -102,13 +105,16 @@ class _Unit:
             self.largest_trainable = max(self.largest_trainable, local)
 
 
-def _unit(params: tuple[ParamInfo, ...], sp: ShardPlan, opts: PlanOptions, experts: bool | None = None) -> _Unit:
+def _unit(
+    params: tuple[ParamInfo, ...], sp: ShardPlan, opts: PlanOptions, experts: bool | None = None, prefix: str = ""
+) -> _Unit:
     unit = _Unit()
     lora = opts.lora_rank > 0
     for p in params:
         if experts is not None and p.expert != experts:
             continue
-        unit.add(sp.local_numel(p), sp.gathered_numel(p), trainable=not lora)
+        frozen = is_frozen(prefix + p.name, opts.frozen_prefixes)
+        unit.add(sp.local_numel(p), sp.gathered_numel(p), trainable=not lora and not frozen)
         if lora and p.lora_target in opts.lora_targets and len(p.shape) == 2:
             unit.add(*_lora_numel(p, sp, opts.lora_rank), trainable=True)
     return unit
@@ -180,6 +186,13 @@ def estimate_memory(stats: ModelStats, dims: ParallelDims, opts: PlanOptions) ->
     expert_units = [_unit(spec.params, sp, opts, experts=True) for spec in stats.layer_specs]
     experts_own_unit = dims.ep > 1
     embed, head, root = (_unit(x, sp, opts) for x in (stats.embedding, stats.lm_head, stats.root))
+    vision = vision_terms(stats, sp, opts, a) if stats.vision is not None else None
+    inside = [f for f in opts.frozen_prefixes if re.match(r"^model\.(language_model\.)?layers(\.|$)", f)]
+    if inside:
+        raise ValueError(
+            f"frozen_prefixes {inside} reach into decoder layers, which the planner does not model frozen; "
+            "it models frozen vision towers, embeddings and lm_head (e.g. model.visual)"
+        )
     every = 1 if opts.activation_checkpointing == "full" else opts.checkpoint_every
     packed = opts.micro_batch_tokens > opts.seq_len  # several sequences share a micro-batch
     live = [act.base_trainable]  # whether each layer's input requires grad (not layer 0's under LoRA)
@@ -202,6 +215,8 @@ def estimate_memory(stats: ModelStats, dims: ParallelDims, opts: PlanOptions) ->
         units += [u for u, present in ((embed, has_embed), (head, has_head), (root, has_head)) if present]
         local = sum(u.local for u in units)
         trainable = sum(u.trainable_local for u in units)
+        if vision is not None and has_embed:  # the vision tower runs where the embedding does
+            local, trainable = local + vision.local, trainable + vision.trainable_local
         params, grads, optim = local * pb, trainable * grad_b, trainable * optim_b
         host = 0
         if opts.cpu_offload and sp.fsdp:
@@ -216,6 +231,8 @@ def estimate_memory(stats: ModelStats, dims: ParallelDims, opts: PlanOptions) ->
         per_layer = [layer_terms(i, live[i])[0] for i in layers]
         saved = sum(per_layer) + (act.rope() if layers else 0)
         saved_bytes = in_flight * t_local * saved
+        # A trained vision tower's activations live from its forward (first) to its backward (last).
+        saved_bytes += vision.saved_bytes if vision is not None and has_embed else 0.0
         # Checkpointed layers keep their kwargs until their backward: the bool attention mask HF builds for
         # packed sequences (several per micro-batch), [Tr / s, Tr / s] (its length is the embedding output's,
         # sequence-sharded under SP), is alive from forward to the last one.
@@ -266,7 +283,11 @@ def estimate_memory(stats: ModelStats, dims: ParallelDims, opts: PlanOptions) ->
         if layer_peaks:
             layer_act, layer_grads = max(layer_peaks, key=lambda x: x[0] + x[1])
             candidates.append(("layer", layer_act, gathered_layer + rs_bytes, layer_grads))
-        largest = max((u.largest_trainable for u in units), default=0)
+        if vision is not None and vision.saved_bytes and has_embed:
+            # The tower's backward, last: every text gradient exists, the text activations are freed.
+            text_grads = carry or (done + later[0] + embed.trainable_local * (not stats.tied)) * grad_elem
+            candidates.append(("vision", vision.saved_bytes, 2 * a * vision.gathered_block * sp.fsdp, text_grads))
+        largest = max([u.largest_trainable for u in units] + [vision.largest_trainable if vision else 0])
         opt_temp = 0 if opts.cpu_offload and sp.fsdp else 2 * largest * (optim_b // 2)
         candidates.append(("optimizer", float(opt_temp), 0.0, grads))
         for phase, act_b, comm_b, grads_b in candidates:

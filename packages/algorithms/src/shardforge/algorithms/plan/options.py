@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["DTYPE_BYTES", "PlanOptions", "dtype_bytes", "parse_memory"]
+__all__ = ["DTYPE_BYTES", "PlanOptions", "dtype_bytes", "is_frozen", "parse_memory"]
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 _UNITS = {
@@ -102,6 +102,12 @@ class PlanOptions:
     SDPA (saves gathered q/k/v copies)."""
     pp_schedule: str = "1F1B"
     """Pipeline schedule when pp > 1 (GPipe keeps every micro-batch in flight)."""
+    vision_patches: int = 0
+    """Image-text models: vision-tower patches per micro-batch on each rank (their merged image tokens are
+    part of ``micro_batch_tokens``)."""
+    frozen_prefixes: tuple[str, ...] = ()
+    """`EngineConfig.freeze_module_prefix`: parameters under these module names get no gradient and no
+    optimizer state (the vision tower, the embedding, lm_head; not parts of decoder layers)."""
 
     def __post_init__(self) -> None:
         if self.fsdp_forward_prefetch < 0:
@@ -110,6 +116,8 @@ class PlanOptions:
                      "fsdp_layers_per_unit"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.vision_patches < 0:
+            raise ValueError(f"vision_patches={self.vision_patches} must be >= 0")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank={self.lora_rank} must be >= 0")
         if self.optimizer not in ("adamw", "anyprecision_adamw"):
@@ -123,3 +131,8 @@ class PlanOptions:
         dtype_bytes(self.param_dtype)
         if self.compute_dtype is not None:
             dtype_bytes(self.compute_dtype)
+
+
+def is_frozen(name: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether the parameter ``name`` lies under one of the module names ``prefixes`` (whole components)."""
+    return any(name == f or name.startswith(f + ".") for f in prefixes)

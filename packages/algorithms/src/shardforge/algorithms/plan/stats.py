@@ -13,12 +13,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LayerSpec", "ModelStats", "ParamInfo", "model_stats"]
+__all__ = ["LayerSpec", "ModelStats", "ParamInfo", "VisionStats", "model_stats"]
 
 # Column-parallel (output features, dim 0) and row-parallel (input features, dim 1) linears.
 _COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROWWISE = ("o_proj", "down_proj")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
+_VISION_BLOCK = re.compile(r"^model\.visual\.blocks\.(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +80,31 @@ class ModelStats:
     layer_kind: tuple[int, ...]
     """Index into ``layer_specs`` of each decoder layer, in order."""
     hf_config: Any
+    vision: VisionStats | None = None
+    """The vision tower of an image-text model (its blocks; patch embedding and mergers are in ``root``)."""
 
     @property
     def num_params(self) -> int:
         outside = sum(p.numel for p in (*self.embedding, *self.lm_head, *self.root))
-        return outside + sum(sum(p.numel for p in self.layer_specs[k].params) for k in self.layer_kind)
+        blocks = self.vision.depth * sum(p.numel for p in self.vision.block) if self.vision else 0
+        return outside + blocks + sum(sum(p.numel for p in self.layer_specs[k].params) for k in self.layer_kind)
+
+
+@dataclass(frozen=True, slots=True)
+class VisionStats:
+    """A Qwen2-VL-style vision tower: ``depth`` identical blocks (each its own FSDP unit, replicated over tp)
+    over image patches; the patch embedding and the patch mergers belong to the root unit."""
+
+    depth: int
+    hidden: int
+    heads: int
+    intermediate: int
+    merge: int
+    """spatial_merge_size: a merged (image) token is merge**2 patches."""
+    patch_dim: int
+    """in_channels x temporal_patch_size x patch_size**2 (one patch's pixel values)."""
+    block: tuple[ParamInfo, ...]
+    """One block's parameters (names without ``model.visual.blocks.{i}.``)."""
 
 
 def _classify(rest: str, shape: tuple[int, ...]) -> ParamInfo:
@@ -101,27 +122,35 @@ def _classify(rest: str, shape: tuple[int, ...]) -> ParamInfo:
 
 
 def model_stats(hf_config: Any) -> ModelStats:
-    """Build ``hf_config``'s causal LM on the meta device and classify its parameters."""
+    """Build ``hf_config``'s causal LM (an image-text model: its ``AutoModelForImageTextToText``) on the
+    meta device and classify its parameters."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    vision_config = getattr(hf_config, "vision_config", None)
+    text_config = hf_config.get_text_config() if vision_config is not None else hf_config
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    heads = int(hf_config.num_attention_heads)
-    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
-    hidden = int(hf_config.hidden_size)
-    head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
+        auto = AutoModelForImageTextToText if vision_config is not None else AutoModelForCausalLM
+        model = auto.from_config(hf_config)
+    heads = int(text_config.num_attention_heads)
+    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+    hidden = int(text_config.hidden_size)
+    head_dim = int(getattr(text_config, "head_dim", None) or hidden // heads)
     get_out = model.get_output_embeddings()
     tied = get_out is not None and get_out.weight is model.get_input_embeddings().weight
     embedding: list[ParamInfo] = []
     lm_head: list[ParamInfo] = []
     root: list[ParamInfo] = []
     layers: dict[int, list[ParamInfo]] = {}
+    blocks: dict[int, list[ParamInfo]] = {}
     for name, param in model.named_parameters():  # a tied weight is listed once (as the embedding)
         shape = tuple(int(s) for s in param.shape)
         match = _LAYER.match(name)
+        block = _VISION_BLOCK.match(name) if vision_config is not None else None
         if match:
             layers.setdefault(int(match.group(1)), []).append(_classify(match.group(2), shape))
+        elif block:
+            blocks.setdefault(int(block.group(1)), []).append(ParamInfo(block.group(2), shape, None))
         elif "embed_tokens" in name:
             embedding.append(ParamInfo(name, shape, 0))
         elif name.startswith("lm_head"):
@@ -136,26 +165,45 @@ def model_stats(hf_config: Any) -> ModelStats:
             specs.append(spec)
         kinds.append(specs.index(spec))
     has_qk_norm = any("q_norm" in p.name for s in specs for p in s.params)
-    experts = int(getattr(hf_config, "num_experts", 0) or 0)
+    experts = int(getattr(text_config, "num_experts", 0) or 0)
     del model
     return ModelStats(
         model_type=str(hf_config.model_type),
         hidden=hidden,
-        num_layers=int(hf_config.num_hidden_layers),
+        num_layers=int(text_config.num_hidden_layers),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        intermediate=int(getattr(hf_config, "intermediate_size", 0) or 0),
-        vocab=int(hf_config.vocab_size),
+        intermediate=int(getattr(text_config, "intermediate_size", 0) or 0),
+        vocab=int(text_config.vocab_size),
         tied=bool(tied),
         qk_norm=has_qk_norm,
         num_experts=experts if any(s.moe for s in specs) else 0,
-        top_k=int(getattr(hf_config, "num_experts_per_tok", 0) or 0),
-        moe_intermediate=int(getattr(hf_config, "moe_intermediate_size", 0) or 0),
+        top_k=int(getattr(text_config, "num_experts_per_tok", 0) or 0),
+        moe_intermediate=int(getattr(text_config, "moe_intermediate_size", 0) or 0),
         embedding=tuple(embedding),
         lm_head=tuple(lm_head),
         root=tuple(root),
         layer_specs=tuple(specs),
         layer_kind=tuple(kinds),
         hf_config=hf_config,
+        vision=_vision_stats(vision_config, blocks) if vision_config is not None else None,
+    )
+
+
+def _vision_stats(config: Any, blocks: dict[int, list[ParamInfo]]) -> VisionStats:
+    if not blocks or any(blocks[i] != blocks[0] for i in blocks):
+        raise ValueError(
+            f"the planner models vision towers of identical blocks under model.visual.blocks (Qwen2-VL style); "
+            f"this {type(config).__name__} has {len(blocks)} blocks there"
+        )
+    patch = int(config.patch_size)
+    return VisionStats(
+        depth=len(blocks),
+        hidden=int(config.hidden_size),
+        heads=int(config.num_heads),
+        intermediate=int(config.intermediate_size),
+        merge=int(config.spatial_merge_size),
+        patch_dim=int(getattr(config, "in_channels", 3)) * int(config.temporal_patch_size) * patch * patch,
+        block=tuple(blocks[0]),
     )

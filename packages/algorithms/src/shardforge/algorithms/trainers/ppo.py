@@ -94,12 +94,6 @@ class PPOConfig(RLTrainerConfig):
 
 
 def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
-    if prompts.images is not None:
-        raise ValueError(
-            "ppo with image prompts (a vision-language model) is not supported yet: its critic would be a value head "
-            "on the VLM, which the engine does not build (engine.head='lm' only for VLMs); use `shardforge train "
-            "grpo` (docs/packages/algorithms-vlm.md)"
-        )
     budget = min(config.engine.max_tokens_per_microbatch, config.critic_engine.max_tokens_per_microbatch)
     check_rollout_batch(
         config, prompts, dp_size, budget, f"the smaller max_tokens_per_microbatch of engine/critic_engine is {budget}"
@@ -294,6 +288,12 @@ class PPOTrainer(Trainer[PPOConfig]):
             self.reward_fn.close()
 
     def export_extra(self, summary: dict[str, Any]) -> None:
+        processor = self.prompt_data.image_processor  # a VLM: the actor's export gets the image processor
+        if processor is not None:
+            # The VLM critic (engine.vision_value) has no HF class to export to; its checkpoints hold it.
+            if self.engine.is_main and "hf_dir" in summary:
+                processor.save_pretrained(summary["hf_dir"])
+            return
         self.critic.export_hf(self.out / "critic_hf", tokenizer=self.tokenizer)
         summary["critic_hf_dir"] = str(self.out / "critic_hf")
 
