@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import LogitsProcessorList
 
 from shardforge.algorithms.batching.visual import ImageInputs
 from shardforge.algorithms.engine.config import parse_dtype
@@ -41,7 +40,6 @@ from shardforge.algorithms.rollout.kv_reuse import (
     session_from_cache,
     weights_key,
 )
-from shardforge.algorithms.rollout.row_sampler import RowSampler, row_uniforms
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.weight_sync import DiskWeightSource, WeightReceiver, WeightVersionError
 
@@ -187,6 +185,8 @@ class HFRolloutEngine:
             )
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         keys: list[Hashable | None] = list(sessions) if sessions is not None else [None] * len(rows)
+        from shardforge.algorithms.rollout.row_sampler import row_uniforms  # subclasses a transformers class
+
         uniforms = None if params.temperature == 0 else row_uniforms(params, len(prompts))
         out: list[Rollout] = []
         for start in range(0, len(rows), self.batch_size):
@@ -274,6 +274,11 @@ class HFRolloutEngine:
         greedy = uniforms is None
         # Sampling is the logits processor's (one uniform per row and token); `generate` then takes its argmax.
         # `width` counts the cached columns too: the processor's step index is independent of reuse.
+        # Imported here: the launching `shardforge` process imports this module and needs no transformers.
+        from transformers import LogitsProcessorList
+
+        from shardforge.algorithms.rollout.row_sampler import RowSampler
+
         sampler = [] if uniforms is None else [RowSampler(uniforms.to(self.device), width, params)]
         extra: dict[str, Any] = {"logits_processor": LogitsProcessorList(sampler)}
         recording = self.replay.record() if self.replay is not None else contextlib.nullcontext(None)
