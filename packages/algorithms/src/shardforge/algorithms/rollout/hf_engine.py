@@ -40,6 +40,7 @@ from shardforge.algorithms.rollout.kv_reuse import (
     session_from_cache,
     weights_key,
 )
+from shardforge.algorithms.rollout.shared_prefill import shared_prefill
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.weight_sync import DiskWeightSource, WeightReceiver, WeightVersionError
 
@@ -112,6 +113,8 @@ class HFRolloutEngine:
         self.kv_cache = KVReuseCache(kv_reuse_max_tokens)
         """The sessions' KV caches (``kv_cache.stats``: hits, misses, reused tokens, evictions, invalidations)."""
         self._kv_unsupported = False
+        self.share_prefill = True
+        """Encode each distinct prompt of a call once, not once per sample (`rollout.shared_prefill`)."""
         self._chunk_calls = itertools.count()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
@@ -269,6 +272,10 @@ class HFRolloutEngine:
         # Left padding (every prompt ends at the same column); with sessions, their cached ids in front.
         input_ids, attention, width_cached = batch_layout([ids for _, ids in rows], cached, self.pad_id)
         past = past_from_sessions(entries, width_cached) if width_cached else None
+        if past is None and self.share_prefill and self.replay is None and images is None:  # GRPO groups
+            past = shared_prefill(
+                self.model, input_ids.to(self.device), attention.to(self.device), [tuple(r) for _, r in rows]
+            )
         del entries
         width = input_ids.shape[1]
         greedy = uniforms is None
