@@ -69,3 +69,6 @@ def test_nothing_is_shared_without_repeated_prompts(tiny: dict[str, Any]) -> Non
     assert shared_prefill(engine.model, ids[:, :1], mask[:, :1], ["a", "a"]) is None  # one column: nothing before it
     cache = shared_prefill(engine.model, ids[[0, 0]], mask[[0, 0]], ["a", "a"])
     assert cache is not None and cache.layers[0].keys.shape[0] == 2 and cache.get_seq_length() == 2
+    # Sliding-window layers keep a truncated cache that cannot be copied per row: not shared.
+    engine.model.config.layer_types = ["sliding_attention"] * len(engine.model.config.layer_types)
+    assert shared_prefill(engine.model, ids[[0, 0]], mask[[0, 0]], ["a", "a"]) is None

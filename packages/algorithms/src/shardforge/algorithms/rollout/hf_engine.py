@@ -272,7 +272,8 @@ class HFRolloutEngine:
         # Left padding (every prompt ends at the same column); with sessions, their cached ids in front.
         input_ids, attention, width_cached = batch_layout([ids for _, ids in rows], cached, self.pad_id)
         past = past_from_sessions(entries, width_cached) if width_cached else None
-        if past is None and self.share_prefill and self.replay is None and images is None:  # GRPO groups
+        # GRPO groups; not for a VLM (its mRoPE positions come from the whole prompt, as for kv_reuse)
+        if past is None and self.share_prefill and self.replay is None and self.image_token_id is None:
             past = shared_prefill(
                 self.model, input_ids.to(self.device), attention.to(self.device), [tuple(r) for _, r in rows]
             )

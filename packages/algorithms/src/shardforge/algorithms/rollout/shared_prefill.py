@@ -10,7 +10,8 @@ sampled tokens follow the same distribution and the per-row seeds (`rollout.row_
 TRL, like plain ``generate``, encodes each of the ``n`` copies.
 
 Only for caches that can be indexed per row (``DynamicCache`` of full-attention layers, as
-`kv_reuse.cache_supports_reuse`), text prompts, and no router recording (which needs every row's routing).
+`kv_reuse.cache_supports_reuse`), text models (a VLM's mRoPE positions come from the whole prompt), and no
+router recording (which needs every row's routing).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def shared_prefill(
     for row, key in enumerate(keys):
         first.setdefault(key, row)
     width = input_ids.shape[1]
-    if len(first) == len(keys) or width < 2:
-        return None
+    kinds = getattr(getattr(model, "config", None), "layer_types", None) or ("full_attention",)
+    if len(first) == len(keys) or width < 2 or any(kind != "full_attention" for kind in kinds):
+        return None  # (sliding-window / linear-attention layers: checked again on the cache below)
     distinct = torch.tensor(list(first.values()), device=input_ids.device)
     ids, mask = input_ids[distinct, : width - 1], attention[distinct, : width - 1]
     # The positions `generate` gives left-padded rows (prepare_inputs_for_generation): 0 at the first real token.
