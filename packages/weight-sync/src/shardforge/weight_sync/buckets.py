@@ -25,11 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+
+if TYPE_CHECKING:  # imported where used: `import shardforge.weight_sync` (a config reader) skips DTensor's ~1 s
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["Bucket", "canonical_parameters", "iter_buckets"]
 
@@ -113,6 +116,8 @@ def _layout(entries: list[_Entry]) -> tuple[list[int], int]:
 
 def _dim0_shard_axis(value: DTensor) -> int | None:
     """The mesh axis a DTensor is sharded over on tensor dim 0, if that is its only sharding."""
+    from torch.distributed.tensor import Replicate, Shard
+
     axes = [i for i, p in enumerate(value.placements) if not isinstance(p, Replicate)]
     if len(axes) == 1 and value.placements[axes[0]] == Shard(0) and value.dim() > 0:
         return axes[0]
@@ -200,6 +205,8 @@ def iter_buckets(
             expensive as a copy; with a ring the caller must be done with bucket k before it
             asks for bucket k + ring.
     """
+    from torch.distributed.tensor import DTensor
+
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
     distributed = dist.is_initialized()

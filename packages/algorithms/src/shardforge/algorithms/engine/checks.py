@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardforge.algorithms.engine.config import EngineConfig, parse_dtype
-from shardforge.algorithms.engine.heads import make_head
-from shardforge.algorithms.engine.vision import check_vlm
+from shardforge.algorithms.engine.loading import is_vlm
 from shardforge.mesh import ParallelDims
 from shardforge.moe_ep import MOE_FAMILIES
 
@@ -27,7 +26,10 @@ __all__ = [
 def check_engine(dims: ParallelDims, hf_config: Any, config: EngineConfig) -> None:
     """Check a resolved layout and the engine's features against the model; raise `ValueError`."""
     check_features(dims, config)
-    check_vlm(dims, hf_config, config.head)
+    if is_vlm(hf_config):
+        from shardforge.algorithms.engine.vision import check_vlm  # the vision stack: only for a VLM
+
+        check_vlm(dims, hf_config, config.head)
     check_layout(dims, hf_config)
     if dims.pp > 1:
         check_pipeline(dims, hf_config, config)
@@ -40,9 +42,8 @@ def check_engine(dims: ParallelDims, hf_config: Any, config: EngineConfig) -> No
 
 def check_features(dims: ParallelDims, config: EngineConfig) -> None:
     """The feature combinations a layout refuses whatever the model (works on unresolved dims)."""
-    head = make_head(config.head)
     if dims.pp > 1:
-        if not head.supports_pipeline:
+        if not _head(config).supports_pipeline:
             raise ValueError(
                 f"value-head models (EngineConfig.head={config.head!r}) do not support pipeline parallelism "
                 f"(pp={dims.pp}); use FSDP/HSDP, TP or CP layouts for the critic / reward model"
@@ -65,11 +66,19 @@ def check_features(dims: ParallelDims, config: EngineConfig) -> None:
                 f"engine.lora is not supported with pp={dims.pp} yet (pipeline stages are built from the full "
                 "model before adapters exist); use fsdp/tp/cp layouts (e.g. d2t2) or set engine.lora to null"
             )
-        if not head.supports_lora:
+        if not _head(config).supports_lora:
             raise ValueError(
                 f"engine.lora with head={config.head!r} is not supported: the new value head would be frozen; "
                 "train value models without LoRA"
             )
+
+
+def _head(config: EngineConfig) -> Any:
+    """The configured head, imported only where a check needs its capabilities: the heads module imports
+    the engine's DTensor/FSDP stack, which the launching `shardforge` process (preflight) does without."""
+    from shardforge.algorithms.engine.heads import make_head
+
+    return make_head(config.head)
 
 
 def _check_ddp(dims: ParallelDims, config: EngineConfig) -> None:
@@ -123,10 +132,9 @@ def check_layout(dims: ParallelDims, hf_config: Any) -> None:
 
 def _check_moe(dims: ParallelDims, hf_config: Any) -> None:
     """EP/ETP checks; dense models only need ep == 1."""
-    from shardforge.algorithms.engine.features.moe import is_moe
-    from shardforge.moe_ep import MOE_FAMILIES, validate_expert_parallel
+    from shardforge.moe_ep import MOE_FAMILIES
 
-    if not is_moe(hf_config):
+    if getattr(hf_config, "model_type", None) not in MOE_FAMILIES:  # `features.moe.is_moe` without FSDP imports
         if dims.ep > 1:
             raise ValueError(
                 f"ep={dims.ep} needs a sparse MoE model ({sorted(MOE_FAMILIES)}), got "
@@ -134,6 +142,8 @@ def _check_moe(dims: ParallelDims, hf_config: Any) -> None:
             )
         return
     if dims.ep > 1 or (dims.tp > 1 and dims.pp == 1):  # EP and/or expert TP
+        from shardforge.moe_ep import validate_expert_parallel
+
         validate_expert_parallel(dims, hf_config)
     if dims.ep > 1 and dims.dp_replicate > 1:
         raise ValueError(

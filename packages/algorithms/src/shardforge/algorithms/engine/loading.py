@@ -9,7 +9,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_model_dir", "is_model_dir", "load_hf_config", "materialize_reference"]
+__all__ = ["check_model_dir", "is_model_dir", "is_vlm", "load_hf_config", "materialize_reference"]
+
+
+def is_vlm(hf_config: Any) -> bool:
+    """Whether ``hf_config`` is a vision-language model (has a vision tower config)."""
+    return getattr(hf_config, "vision_config", None) is not None
 
 
 def is_model_dir(source: object) -> bool:

@@ -32,7 +32,7 @@ from shardforge.algorithms.batching import PackedBatch, sequence_start_mask
 from shardforge.algorithms.batching.visual import VLM_GRIDS, VLM_PIXELS
 from shardforge.algorithms.engine.context import ParallelContext
 from shardforge.algorithms.engine.heads import LMHead
-from shardforge.algorithms.engine.loading import is_model_dir
+from shardforge.algorithms.engine.loading import is_model_dir, is_vlm
 from shardforge.algorithms.engine.vision_tp import VLM_TP_FAMILIES, install_sequence_chunking, vlm_tp_plan
 from shardforge.tensor_parallel import vocab_parallel_entropy
 from shardforge.tensor_parallel.validate import validate_tp
@@ -43,11 +43,6 @@ __all__ = ["VISION_TOWERS", "VisionLMHead", "check_vlm", "is_vlm", "mrope_positi
 
 VLM_HEADS = ("lm", "value")
 """``EngineConfig.head`` values for image-text models: `VisionLMHead` and `engine.vision_value.VisionValueHead`."""
-
-
-def is_vlm(hf_config: Any) -> bool:
-    """Whether ``hf_config`` is a vision-language model (has a vision tower config)."""
-    return getattr(hf_config, "vision_config", None) is not None
 
 
 def check_vlm(dims: Any, hf_config: Any, head: str) -> None:

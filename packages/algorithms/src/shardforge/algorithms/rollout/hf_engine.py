@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import LogitsProcessorList
 
 from shardforge.algorithms.batching.visual import ImageInputs
 from shardforge.algorithms.engine.config import parse_dtype
@@ -41,7 +40,7 @@ from shardforge.algorithms.rollout.kv_reuse import (
     session_from_cache,
     weights_key,
 )
-from shardforge.algorithms.rollout.row_sampler import RowSampler, row_uniforms
+from shardforge.algorithms.rollout.shared_prefill import shared_prefill
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.weight_sync import DiskWeightSource, WeightReceiver, WeightVersionError
 
@@ -114,6 +113,8 @@ class HFRolloutEngine:
         self.kv_cache = KVReuseCache(kv_reuse_max_tokens)
         """The sessions' KV caches (``kv_cache.stats``: hits, misses, reused tokens, evictions, invalidations)."""
         self._kv_unsupported = False
+        self.share_prefill = True
+        """Encode each distinct prompt of a call once, not once per sample (`rollout.shared_prefill`)."""
         self._chunk_calls = itertools.count()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
@@ -187,6 +188,8 @@ class HFRolloutEngine:
             )
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         keys: list[Hashable | None] = list(sessions) if sessions is not None else [None] * len(rows)
+        from shardforge.algorithms.rollout.row_sampler import row_uniforms  # subclasses a transformers class
+
         uniforms = None if params.temperature == 0 else row_uniforms(params, len(prompts))
         out: list[Rollout] = []
         for start in range(0, len(rows), self.batch_size):
@@ -269,11 +272,21 @@ class HFRolloutEngine:
         # Left padding (every prompt ends at the same column); with sessions, their cached ids in front.
         input_ids, attention, width_cached = batch_layout([ids for _, ids in rows], cached, self.pad_id)
         past = past_from_sessions(entries, width_cached) if width_cached else None
+        # GRPO groups; not for a VLM (its mRoPE positions come from the whole prompt, as for kv_reuse)
+        if past is None and self.share_prefill and self.replay is None and self.image_token_id is None:
+            past = shared_prefill(
+                self.model, input_ids.to(self.device), attention.to(self.device), [tuple(r) for _, r in rows]
+            )
         del entries
         width = input_ids.shape[1]
         greedy = uniforms is None
         # Sampling is the logits processor's (one uniform per row and token); `generate` then takes its argmax.
         # `width` counts the cached columns too: the processor's step index is independent of reuse.
+        # Imported here: the launching `shardforge` process imports this module and needs no transformers.
+        from transformers import LogitsProcessorList
+
+        from shardforge.algorithms.rollout.row_sampler import RowSampler
+
         sampler = [] if uniforms is None else [RowSampler(uniforms.to(self.device), width, params)]
         extra: dict[str, Any] = {"logits_processor": LogitsProcessorList(sampler)}
         recording = self.replay.record() if self.replay is not None else contextlib.nullcontext(None)

@@ -19,13 +19,12 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
 import torch.distributed as dist
 
 from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.data.config import DataConfig, check_data_fields
-from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.log import rank_log_file
 from shardforge.algorithms.loggers import MetricsLogger, TrackerConfig, truncate_metrics, write_curves
@@ -34,7 +33,10 @@ from shardforge.algorithms.trainers.fault_injection import kill_if_requested, sl
 from shardforge.algorithms.trainers.profiling import ProfileConfig, StepProfiler, take_phase_seconds
 from shardforge.algorithms.trainers.stop import StopSignal
 from shardforge.algorithms.trainers.watchdog import StepWatchdog, collective_timeout_error, is_collective_timeout
-from shardforge.checkpoint_dcp import Checkpointer
+
+if TYPE_CHECKING:  # the launching process imports this module for the config: no engine, no DCP there
+    from shardforge.algorithms.engine import TrainEngine
+    from shardforge.checkpoint_dcp import Checkpointer
 
 __all__ = ["Trainer", "TrainerConfig", "check_data_state", "load_tokenizer"]
 
@@ -370,6 +372,8 @@ class Trainer(Generic[C]):
             logger.info("step %d eval: %s", step, shown)
 
     def _checkpointers(self) -> dict[str, Checkpointer]:
+        from shardforge.checkpoint_dcp import Checkpointer
+
         config = self.config
         return {
             name: Checkpointer(self.out / name, keep_last=config.keep_last, async_mode=config.async_checkpoint)

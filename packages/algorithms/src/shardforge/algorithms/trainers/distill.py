@@ -34,13 +34,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.batching.collectives import all_reduce_sum
-from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.loading import load_hf_config
 from shardforge.algorithms.objectives.distillation import (
     DIVERGENCES,
@@ -57,6 +56,9 @@ from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, AdvantageEstimator
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, RolloutEngineKind, build_rollout_engine
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.grpo import GRPOConfig, GRPOTrainer
+
+if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
+    from shardforge.algorithms.engine import TrainEngine
 
 __all__ = ["DistillConfig", "DistillTrainer", "distill_advantages", "run_distill"]
 
@@ -196,6 +198,8 @@ class DistillTrainer(GRPOTrainer):
         teacher_config = config.engine
         if config.offload_teacher:
             teacher_config = dataclasses.replace(teacher_config, offload_when_idle=True, cpu_offload=False)
+        from shardforge.algorithms.engine import TrainEngine
+
         self.teacher = TrainEngine(config.teacher_model, config.layout, teacher_config)
         _check_vocab(self.teacher.hf_config.vocab_size, engine.hf_config.vocab_size)
         if config.temperature > 0:

@@ -11,7 +11,7 @@ forward (none for reference-free losses such as SimPO), and trains the policy on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -19,7 +19,6 @@ from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.data import IS_CHOSEN, PAIR_ROW_FIELDS, PAIR_WEIGHT
 from shardforge.algorithms.data.config import refuse_chat_template
 from shardforge.algorithms.data.preference import PreferencePair, load_pair_data, pack_pairs
-from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import summarize_stats
 from shardforge.algorithms.objectives.preference import (
     PreferenceLossConfig,
@@ -31,6 +30,9 @@ from shardforge.algorithms.objectives.stats import merge_stats
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
 from shardforge.algorithms.trainers.common import SourceSetState, build_reference, check_max_positions, with_total_steps
+
+if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
+    from shardforge.algorithms.engine import TrainEngine
 
 __all__ = ["REF_LOGPROBS", "DPOConfig", "DPOLossFn", "DPOTrainer", "run_dpo"]
 
@@ -166,6 +168,8 @@ class DPOTrainer(SourceSetState, Trainer[DPOConfig]):
 
     def build_engines(self) -> TrainEngine:
         config = self.config
+        from shardforge.algorithms.engine import TrainEngine
+
         engine = TrainEngine(config.model, config.layout, with_total_steps(config.engine, config.steps))
         if config.global_batch_size < engine.dp_size:
             raise ValueError(

@@ -15,12 +15,11 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from shardforge.algorithms.config_io import config_to_dict
-from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, load_prompts
 from shardforge.algorithms.rollout import load_reward_fn
@@ -32,6 +31,9 @@ from shardforge.algorithms.trainers.base import load_tokenizer
 from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig
 from shardforge.algorithms.trainers.workflow_eval import evaluate_held_out
 from shardforge.algorithms.workflows import WorkflowConfig, build_workflow
+
+if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
+    pass
 
 __all__ = ["EvalConfig", "run_eval"]
 
@@ -93,6 +95,8 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
         Path(f).stem: load_prompts(f, tokenizer, max_prompt_len=config.max_prompt_len) for f in config.eval_files
     }
     reward_fn = GuardedReward(load_reward_fn(config.reward_fn), config.reward, name=config.reward_fn)
+    from shardforge.algorithms.engine import TrainEngine
+
     engine = TrainEngine(config.model, config.layout, config.engine)
     rollout = build_rollout_engine(
         config.rollout_engine, config.model, tokenizer, weights_root=None, dtype=config.rollout_dtype,

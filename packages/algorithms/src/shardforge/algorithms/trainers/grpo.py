@@ -22,13 +22,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.batching.collectives import all_reduce_stats, all_reduce_sum
-from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
 from shardforge.algorithms.objectives.kl_control import KLController, build_kl_controller
 from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS
@@ -80,6 +79,9 @@ from shardforge.algorithms.trainers.workflow_eval import evaluate_held_out
 from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
 from shardforge.algorithms.workflows import trajectories_to_batch
 from shardforge.weight_sync import DiskTransport
+
+if TYPE_CHECKING:  # imported in build_engines: the launcher reads GRPOConfig without the engine
+    from shardforge.algorithms.engine import TrainEngine
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "run_grpo"]
 
@@ -180,6 +182,8 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         self.workflow = build_rl_workflow(config, self.tokenizer, self.reward_fn, budget)
 
     def build_engines(self) -> TrainEngine:
+        from shardforge.algorithms.engine import TrainEngine
+
         config = self.config
         engine = TrainEngine(config.model, config.layout, with_total_steps(config.engine, config.steps))
         _validate(config, self.prompts, engine.dp_size)

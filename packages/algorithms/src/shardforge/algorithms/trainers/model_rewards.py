@@ -22,14 +22,17 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardforge.algorithms.batching import pack_sequences
 from shardforge.algorithms.batching.collectives import all_reduce_sum
-from shardforge.algorithms.engine import EngineConfig, TrainEngine
+from shardforge.algorithms.engine import EngineConfig
 from shardforge.algorithms.objectives.bradley_terry import last_token_scores
+
+if TYPE_CHECKING:  # imported where built: the launching process reads the config without the engine
+    pass
 
 __all__ = ["RewardModelConfig", "RewardModelScorer", "check_reward_model_dir"]
 
@@ -86,6 +89,8 @@ class RewardModelScorer:
         if config.offload:
             rm_config = dataclasses.replace(rm_config, offload_when_idle=True, cpu_offload=False)
         self.config = config
+        from shardforge.algorithms.engine import TrainEngine
+
         self.engine = TrainEngine(config.path, layout, rm_config)
         if self.engine.hf_config.vocab_size != vocab_size:
             raise ValueError(

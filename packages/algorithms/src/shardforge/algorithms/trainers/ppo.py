@@ -20,11 +20,10 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.objectives import KLEstimator, PPOActorLossFn, PPOCriticConfig
 from shardforge.algorithms.objectives.kl_control import KLController, build_kl_controller
@@ -63,6 +62,9 @@ from shardforge.algorithms.trainers.workflow_eval import evaluate_held_out
 from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
 from shardforge.algorithms.workflows import trajectories_to_batch
 from shardforge.weight_sync import DiskTransport
+
+if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
+    from shardforge.algorithms.engine import TrainEngine
 
 __all__ = ["PPOConfig", "PPOTrainer", "ShiftedCriticLossFn", "run_ppo"]
 
@@ -145,6 +147,8 @@ class PPOTrainer(Trainer[PPOConfig]):
         self.workflow = build_rl_workflow(config, self.tokenizer, self.reward_fn, budget)
 
     def build_engines(self) -> TrainEngine:
+        from shardforge.algorithms.engine import TrainEngine
+
         config = self.config
         total = config.steps * config.update_epochs
         actor = TrainEngine(config.model, config.layout, with_total_steps(config.engine, total))

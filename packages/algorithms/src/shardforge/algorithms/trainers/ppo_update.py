@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from shardforge.algorithms.batching import PackedBatch, target_aligned_values
 from shardforge.algorithms.batching.collectives import all_reduce_stats, all_reduce_sum
-from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import (
     KLEstimator,
     PPOActorLossFn,
@@ -36,6 +36,9 @@ from shardforge.algorithms.objectives.rollout_correction import (
     behaviour_kl,
 )
 from shardforge.algorithms.trainers.profiling import phase
+
+if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
+    from shardforge.algorithms.engine import TrainEngine
 
 __all__ = ["ShiftedCriticLossFn", "correct_actor_batch", "dp_reduce_stats", "ppo_update", "prepare_ppo_batch"]
 

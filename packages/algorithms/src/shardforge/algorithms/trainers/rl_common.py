@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from shardforge.algorithms.batching.collectives import all_reduce_max, all_reduce_sum, broadcast_floats
-from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives import PPOActorConfig
 from shardforge.algorithms.objectives.kl_control import KLControlConfig
 from shardforge.algorithms.objectives.rewards import RewardShapingConfig
@@ -31,6 +30,9 @@ from shardforge.algorithms.trainers.model_rewards import RewardModelConfig, Rewa
 from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig
 from shardforge.algorithms.workflows import WorkflowConfig
 from shardforge.weight_sync import DiskTransport
+
+if TYPE_CHECKING:  # the launching process imports this module for the config; only ranks build engines
+    from shardforge.algorithms.engine import TrainEngine
 
 __all__ = [
     "RLTrainerConfig",

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardforge.algorithms.batching.collectives import all_reduce_sum
-from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives.passk import sampled_eval_sums
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams
 from shardforge.algorithms.rollout.seeds import request_seed
 from shardforge.algorithms.rollout.types import generate_rollouts
+
+if TYPE_CHECKING:  # the launching process imports this module for the config; only ranks build engines
+    from shardforge.algorithms.engine import TrainEngine
 
 __all__ = ["EvalSamplingConfig", "evaluate_prompts"]
 

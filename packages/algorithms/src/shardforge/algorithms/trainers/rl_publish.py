@@ -19,14 +19,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, build_rollout_engine
 from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
 from shardforge.algorithms.rollout.placement import rollout_actor_names_from_env, rollout_actor_spec
 from shardforge.algorithms.rollout.ray_rollout import RayRolloutClient
 from shardforge.weight_sync import InProcessTransport, WeightReceiver
+
+if TYPE_CHECKING:  # the launching process imports this module for the config; only ranks build engines
+    from shardforge.algorithms.engine import TrainEngine
 
 __all__ = ["build_placed_rollout", "direct_publisher", "in_process_receiver", "publish_in_process"]
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.data.source_set import IndexSampler
-from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives.rewards import RewardShapingConfig, shape_rewards
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams
@@ -29,6 +28,9 @@ from shardforge.algorithms.rollout.seeds import request_seed
 from shardforge.algorithms.rollout.sources import SampleFn
 from shardforge.algorithms.trainers.rl_common import RLTrainerConfig
 from shardforge.algorithms.workflows import PromptRow, Workflow, build_workflow, run_episodes
+
+if TYPE_CHECKING:  # the launching process imports this module for the config; only ranks build engines
+    from shardforge.algorithms.engine import TrainEngine
 
 __all__ = ["build_rl_workflow", "make_sample_fn", "workflow_round_fn"]
 

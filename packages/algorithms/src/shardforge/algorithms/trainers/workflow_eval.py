@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardforge.algorithms.batching.collectives import all_reduce_sum
-from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.objectives.passk import sampled_eval_sums
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams
@@ -34,6 +33,9 @@ from shardforge.algorithms.rollout.seeds import request_seed
 from shardforge.algorithms.rollout.trajectory import Trajectory
 from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig, evaluate_prompts
 from shardforge.algorithms.workflows import PromptRow, Workflow, WorkflowConfig, episode_counts, run_episodes
+
+if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
+    from shardforge.algorithms.engine import TrainEngine
 
 __all__ = ["evaluate_held_out", "evaluate_workflow"]
 

@@ -4,11 +4,14 @@ turns, tool calls, tool errors by kind and stop reasons."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from shardforge.algorithms.batching.collectives import all_reduce_sum
-from shardforge.algorithms.engine import TrainEngine
 from shardforge.algorithms.rollout.trajectory import Trajectory
 from shardforge.algorithms.workflows.runner import episode_counts
+
+if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
+    from shardforge.algorithms.engine import TrainEngine
 
 __all__ = ["check_failed_episodes", "workflow_stats"]
 
