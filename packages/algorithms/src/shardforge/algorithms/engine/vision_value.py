@@ -32,12 +32,14 @@ __all__ = ["VisionValueHead", "make_vlm_head"]
 
 def _swap_in_value_head(model: nn.Module, *, seed: int | None, dtype: torch.dtype) -> nn.Module:
     """Replace ``model.lm_head`` by a [hidden] -> 1 linear (initialised from ``seed`` unless None: meta builds)."""
-    hidden = int(model.config.get_text_config().hidden_size)
-    device = model.lm_head.weight.device
+    hf_config: Any = model.config  # an HF model's config
+    text_config: Any = hf_config.get_text_config()
+    hidden = int(text_config.hidden_size)
+    device = model.get_submodule("lm_head").weight.device
     head = nn.Linear(hidden, 1, bias=True, device=device, dtype=dtype)
     if seed is not None:
         gen = torch.Generator().manual_seed(seed)
-        std = float(getattr(model.config.get_text_config(), "initializer_range", 0.02))
+        std = float(getattr(text_config, "initializer_range", 0.02))
         with torch.no_grad():
             head.weight.copy_((torch.randn(head.weight.shape, generator=gen) * std).to(dtype))
             head.bias.zero_()
