@@ -101,7 +101,7 @@ def run_agent_demo(
     out_dir: str | Path = "outputs/demo_agent",
     *,
     nproc: int = 2,
-    sft_steps: int = 240,
+    sft_steps: int = 130,
     grpo_steps: int | None = None,
     seed: int = 0,
     held_out: int = 400,
