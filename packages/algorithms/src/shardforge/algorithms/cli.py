@@ -7,7 +7,7 @@
     shardforge list        (every registry: trainers, losses, estimators, rewards, rollout engines, ...)
     shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600] [--prepare-only]
     shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 450] [--grpo-steps N]
-    shardforge demo-agent [--out outputs/demo_agent] [--nproc-per-node 2] [--sft-steps N] [--grpo-steps N]
+    shardforge demo-agent [--out outputs/demo_agent] [--nproc-per-node 2] [--sft-steps N] [--grpo-steps N] [--seed S]
     shardforge demo-vlm [--out outputs/demo_vlm] [--nproc-per-node 2] [--steps N] [--grpo-steps N] [--prepare-only]
     shardforge plan llama3-70b --world-size 1024 --seq-len 8192 --memory 80GiB [--ac full] [--json] ...
 
@@ -143,6 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     demo_agent.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
     demo_agent.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default: the demo's)")
     demo_agent.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_agent_grpo.yaml)")
+    demo_agent.add_argument("--seed", type=int, default=0, help="seed of the model, data, SFT and GRPO")
     demo_vlm = sub.add_parser(
         "demo-vlm",
         help="run the CPU vision-language demo: a tiny Qwen2.5-VL learns the colour of a square (SFT, then GRPO)",
@@ -323,7 +324,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         from shardforge.algorithms.demos.demo_agent import run_agent_demo
 
         steps = {} if args.sft_steps is None else {"sft_steps": args.sft_steps}
-        run_agent_demo(args.out, nproc=args.nproc_per_node, grpo_steps=args.grpo_steps, **steps)
+        run_agent_demo(args.out, nproc=args.nproc_per_node, grpo_steps=args.grpo_steps, seed=args.seed, **steps)
         return 0
     if args.command == "demo-vlm":
         from shardforge.algorithms.demos.demo_vlm import prepare_vlm_demo, run_vlm_demo

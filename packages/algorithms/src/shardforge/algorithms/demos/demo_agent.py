@@ -104,6 +104,7 @@ def run_agent_demo(
     sft_steps: int = 130,
     grpo_steps: int | None = None,
     seed: int = 0,
+    held_out: int = 400,
 ) -> dict[str, Any]:
     """Prepare, evaluate the base model, SFT on traces, GRPO with tool_use (evaluating as it goes), plot."""
     from shardforge.algorithms.testing import QWEN3_TOOL_TEMPLATE, tiny_chat_assets
@@ -115,7 +116,7 @@ def run_agent_demo(
     template = QWEN3_TOOL_TEMPLATE.replace("{{- tool | tojson }}", "{{- tool.function.name }}")
     assert template != QWEN3_TOOL_TEMPLATE
     assets = tiny_chat_assets(out / "assets", seed=seed, hidden=128, layers=2, chat_template=template)
-    data = make_tool_data(out / "data", num_sft=512, num_eval=100, num_rl=2000, seed=seed)
+    data = make_tool_data(out / "data", num_sft=512, num_eval=held_out, num_rl=2000, seed=seed)
     here = Path(__file__).parent
     sft_dir, grpo_dir, base_dir = out / "sft", out / "grpo", out / "eval_base"
     _torchrun(nproc, ["eval"], here / "demo_agent_eval.yaml", [
@@ -124,11 +125,11 @@ def run_agent_demo(
     base = json.loads((base_dir / "eval_results.json").read_text())["results"]["eval"]
     _torchrun(nproc, ["train", "sft"], here / "demo_agent_sft.yaml", [
         f"model={assets['model']}", f"train_file={data['sft']}", f"output_dir={sft_dir}", f"steps={sft_steps}",
-        f"layout=d{nproc}", f"engine.scheduler.total_steps={sft_steps}",
+        f"layout=d{nproc}", f"engine.scheduler.total_steps={sft_steps}", f"seed={seed}",
     ])  # fmt: skip
     overrides = [
         f"model={sft_dir / 'hf'}", f"train_file={data['train']}", f"eval_file={data['eval']}",
-        f"output_dir={grpo_dir}", f"layout=d{nproc}", "resume=never",
+        f"output_dir={grpo_dir}", f"layout=d{nproc}", "resume=never", f"seed={seed}", f"eval_size={held_out}",
     ]  # fmt: skip
     if grpo_steps is not None:
         overrides.append(f"steps={grpo_steps}")
@@ -148,7 +149,8 @@ def run_agent_demo(
         "base": {k: base.get(k) for k in keys},
         "after_sft": {k: after_sft.get(k) for k in keys},
         "after_grpo": {k: after_grpo.get(k) for k in keys},
-        "held_out_prompts": 100,
+        "held_out_prompts": held_out,
+        "seed": seed,
         "ranks": nproc,
         "curve": str(png),
         "minutes": (time.time() - started) / 60,
