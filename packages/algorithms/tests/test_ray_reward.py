@@ -153,3 +153,10 @@ def test_counts_have_every_key_even_when_nothing_was_scored():
     local = GuardedReward(length_or_fail, RewardConfig())
     assert pooled.pop_stats() == local.pop_stats()
     assert pooled.score_many([]) == [] and pooled.pop_stats().keys() == local.pop_stats().keys()
+
+
+def test_one_item_calls_rotate_over_the_actors():
+    """A workflow scores its rollouts one by one: every actor must get a share, not only the first."""
+    pooled, handles = _pooled(2)
+    assert [pooled("p", "r" * i, "") for i in range(4)] == [0.0, 1.0, 2.0, 3.0]
+    assert [h.actor.scored for h in handles] == [2, 2]

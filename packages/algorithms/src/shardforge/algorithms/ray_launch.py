@@ -125,6 +125,8 @@ def launch_ray(
         # A new local cluster: enough logical CPUs for every bundle (ranks and rollout actors share this
         # machine's cores anyway, as colocated rollouts do); Ray would otherwise count the cores only.
         extra["num_cpus"] = max(os.cpu_count() or 1, world + num_rollout + reward_workers)
+        # and no dashboard web server: one process less on the ranks' cores for a cluster nobody browses
+        extra["include_dashboard"] = False
     ray.init(address=address, log_to_driver=True, configure_logging=False, **extra)
     bundle = _bundle(world + num_rollout, ray)
     bundles = [dict(bundle) for _ in range(world + num_rollout)] + [{"CPU": 1.0} for _ in range(reward_workers)]

@@ -3,7 +3,7 @@
 The Ray launcher starts ``N`` `RewardActor`s (one CPU bundle each, in the ranks' placement group) and gives
 every rank their names (`REWARD_ACTORS_ENV`). A rank's `RayPooledReward` registers its reward function with
 every actor once, then scores a batch by splitting it into ``N`` contiguous chunks (`split_evenly`), one per
-actor, all in flight at once, and concatenating the results in order. Each actor runs the function behind
+actor (the first actor rotating from call to call), all in flight at once, and concatenating the results in order. Each actor runs the function behind
 the same `GuardedReward` (timeout, concurrency limit, error policy) as the in-process path, so the rewards
 are the ones the in-process run computes; each chunk's counts (``reward/calls|failures|...``, and the
 function's own, e.g. math-verify's) come back with it and add up in `pop_stats`.
@@ -152,6 +152,7 @@ class RayPooledReward:
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
         self.key = uuid.uuid4().hex  # this rank's function on the shared actors
         self._stats: list[dict[str, float]] = []
+        self._start = 0
         refs = [handle.register.remote(self.key, fn, config, self.name) for handle in self.handles]
         # every count's name, as the in-process `GuardedReward.pop_stats` gives them (zeros included): the ranks
         # sum them key by key, so a rank whose step scored nothing must still report every key
@@ -176,9 +177,13 @@ class RayPooledReward:
         """Rewards of ``items`` in order: one contiguous chunk per actor, all in flight at once."""
         items = [tuple(item) for item in items]  # type: ignore[misc]
         bounds = split_evenly(len(items), len(self.handles))
-        refs = [self.handles[i].score.remote(self.key, items[a:b]) for i, (a, b) in enumerate(bounds)]
+        # chunk i goes to actor (start + i): the start rotates, so one-item calls (a workflow scoring its
+        # rollouts one by one) are spread over the actors too
+        actors = [(self._start + i) % len(self.handles) for i in range(len(bounds))]
+        self._start = (self._start + len(bounds)) % len(self.handles)
+        refs = [self.handles[i].score.remote(self.key, items[a:b]) for i, (a, b) in zip(actors, bounds, strict=True)]
         values: list[float] = []
-        for index, ref in enumerate(refs):
+        for index, ref in zip(actors, refs, strict=True):
             chunk, stats = self._call(index, ref)
             values.extend(float(v) for v in chunk)
             self._stats.append(stats)
