@@ -19,7 +19,8 @@ CPU, ``OMP_NUM_THREADS=1``, global batch 4, ``engine.max_tokens_per_microbatch=6
 (b) GRPO at 2 trainer ranks, equal work (``prompts_per_step=4, group_size=4, max_new_tokens=8``,
     ``RAY_STEPS`` steps, length reward): median ``step_s`` (rollouts + update + publish) and its
     ``generate_s`` part under torchrun (colocated), ``--launcher ray`` colocated, and ``--launcher ray``
-    with ``rollout_placement: disaggregated`` (1 rollout actor). Ray is installed in the ``nox -s ray``
+    with ``rollout_placement: disaggregated`` (1 rollout actor), in the order torchrun, Ray colocated,
+    disaggregated, Ray colocated, torchrun (the two compared placements: the mean of their two runs). Ray is installed in the ``nox -s ray``
     venv only: run ``.nox/ray/bin/python benchmarks/bench_scale_out.py --ray`` (this part only; without
     ``--ray`` it is skipped). Target: Ray colocated / torchrun <= 1.10. Disaggregated on one machine
     serialises the two ranks' generate calls on one actor (and shares the cores), so its ratio shows the
@@ -174,7 +175,7 @@ def _grpo_config(work: Path, assets: dict[str, Any], name: str, **entries: Any) 
 
 
 def ray_grpo(work: Path, assets: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """(b): median step_s / generate_s (steps 2..) of each placement, runs alternated."""
+    """(b): median step_s / generate_s (steps 2..) of each placement; torchrun and Ray colocated twice each."""
     (work / "length_reward.py").write_text(LENGTH_REWARD)
     env = ENV | {"PYTHONPATH": os.pathsep.join(filter(None, [str(work), ENV.get("PYTHONPATH")]))}
     env |= {"RAY_USAGE_STATS_ENABLED": "0"}
@@ -183,17 +184,25 @@ def ray_grpo(work: Path, assets: dict[str, Any]) -> dict[str, dict[str, float]]:
         "ray_colocated": (("--launcher", "ray"), {}),
         "ray_disaggregated": (("--launcher", "ray"), {"rollout_placement": "disaggregated"}),
     }
-    out: dict[str, dict[str, float]] = {}
-    for name, (launch, entries) in placements.items():
-        config = _grpo_config(work, assets, name, **entries)
-        started = time.perf_counter()
+    # palindromic order (torchrun, Ray colocated, disaggregated, Ray colocated, torchrun): a load that drifts
+    # linearly during the runs hits torchrun and Ray colocated alike; each of those two is the mean of its runs
+    order = ["torchrun", "ray_colocated", "ray_disaggregated", "ray_colocated", "torchrun"]
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in placements}
+    for index, name in enumerate(order):
+        launch, entries = placements[name]
+        config = _grpo_config(work, assets, f"{name}{index}", **entries)
+        started, load = time.perf_counter(), os.getloadavg()[0]
         _run([*CLI, "train", "grpo", "--config", str(config), "--nproc-per-node", "2", *launch], env)
-        rows = _rows(work / name)[1:]  # step 1 pays the first-call warm-up
-        out[name] = {
+        rows = _rows(work / f"{name}{index}")[1:]  # step 1 pays the first-call warm-up
+        runs[name].append({
             "step_s": statistics.median(r["step_s"] for r in rows),
             "generate_s": statistics.median(r.get("generate_s", float("nan")) for r in rows),
-            "wall_s": time.perf_counter() - started,
-        }
+            "wall_s": time.perf_counter() - started, "load_1min": load,
+        })  # fmt: skip
+    out: dict[str, dict[str, float]] = {}
+    for name, results in runs.items():
+        out[name] = {key: statistics.fmean(r[key] for r in results) for key in results[0]}
+        out[name]["step_s_runs"] = [r["step_s"] for r in results]  # type: ignore[assignment]
     return out
 
 
@@ -211,7 +220,10 @@ def main_ray() -> None:
     print(json.dumps(payload, indent=2), f"\nwrote {path}")
     _common.upsert_result_row(
         benchmark="scale_out_ray (GRPO, 2 ranks: Ray colocated [Ray disaggregated, 1 rollout actor] vs torchrun)",
-        metric=f"median GRPO step_s, tiny Qwen3, gloo, equal work, one run each (1-min load {load[0]:.1f}-{load[1]:.1f})",
+        metric=(
+            f"median GRPO step_s, tiny Qwen3, gloo, equal work, mean of 2 runs (torchrun, Ray colocated; palindromic "
+            f"order) [1 run] (1-min load {load[0]:.1f}-{load[1]:.1f})"
+        ),
         ours=f"{result['ray_colocated']['step_s']:.3f} [{result['ray_disaggregated']['step_s']:.3f}]",
         baseline=f"{base:.3f} (torchrun)",
         ratio=f"{ratios['ray_colocated']:.3f} [{ratios['ray_disaggregated']:.3f}]",

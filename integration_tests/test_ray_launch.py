@@ -164,6 +164,24 @@ def test_disaggregated_rollout_actor_reproduces_the_colocated_run(tmp_path, asse
     assert stats[0]["generate_calls"] >= 6, stats  # 3 steps x 2 ranks (+ held-out evaluation)
 
 
+def test_reward_workers_under_ray_reproduce_the_in_process_rewards(tmp_path, assets, torchrun_run):
+    """reward.ray_workers=2: both ranks' rewards are scored on 2 Ray reward actors (chunks of each batch); the
+    rewards, hence losses and final weights, are the in-process (torchrun) run's."""
+    config = _config(tmp_path, assets, "rewards", reward={"ray_workers": 2})
+    result = _train(config, "--launcher", "ray")
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    curve = assert_same_run(torchrun_run, tmp_path / "rewards")
+    assert all(row["reward/calls"] > 0 and row["reward/failures"] == 0 for row in curve), curve
+    prefix = "ray: reward actor "
+    output = result.stdout + result.stderr
+    stats = [json.loads(line.split(prefix, 1)[1]) for line in output.splitlines() if prefix in line]
+    assert sorted(s["index"] for s in stats) == [0, 1], output[-3000:]
+    # 3 steps x (2 prompts x 2 samples) rewards (+ held-out evaluation), shared by the two actors; both ranks
+    # registered on both
+    assert all(s["scored"] > 0 and s["callers"] == 2 for s in stats), stats
+    assert sum(s["scored"] for s in stats) >= 12 == sum(row["reward/calls"] for row in curve), stats
+
+
 @pytest.mark.parametrize(
     ("entries", "launch", "fragment"),
     [

@@ -200,8 +200,10 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         trains_here = not (args.dry_run or spec.launcher == "ray" or spec.needs_agent)
         dims = preflight(config, spec.world_size, trainer.row_fields, keep_rows=trains_here)
         from shardforge.algorithms.rollout.placement import rollout_actor_spec
+        from shardforge.algorithms.rollout.ray_reward import reward_workers_for_launcher
 
         rollout_actors = rollout_actor_spec(config, spec.launcher)  # rollout_placement=disaggregated: Ray only
+        reward_workers = reward_workers_for_launcher(config, spec.launcher)  # reward.ray_workers: Ray only
         if args.dry_run:
             from shardforge.algorithms.dryrun import dry_run_report
 
@@ -217,6 +219,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
                 address=args.ray_address,
                 debug=args.debug,
                 rollout=rollout_actors,
+                reward_workers=reward_workers,
             )
         if spec.needs_agent:
             from shardforge.algorithms.launch import relaunch

@@ -15,7 +15,9 @@ as under torchrun. Ctrl-C kills every actor.
 ``rollout_placement: disaggregated`` (`shardforge.algorithms.rollout.placement`): ``num_rollout_actors`` more
 bundles in the same group hold `RolloutActor`s (the embedded HF engine each); every rank learns their names
 from ``SHARDFORGE_RAY_ROLLOUT_ACTORS`` and generates through them (`rollout.ray_rollout`). At the end the
-driver logs what each served (the weight versions it received, its generate calls). Not supported under Ray: ``--max-restarts`` (use the
+driver logs what each served (the weight versions it received, its generate calls). ``reward.ray_workers: N``
+(`shardforge.algorithms.rollout.ray_reward`): N more one-CPU bundles hold `RewardActor`s that score the ranks'
+rewards (names in ``SHARDFORGE_RAY_REWARD_ACTORS``). Not supported under Ray: ``--max-restarts`` (use the
 torchrun launcher) and graceful stop at a step boundary (SIGTERM reaches only this driver).
 See docs/multinode.md, "Ray".
 """
@@ -35,6 +37,7 @@ from typing import Any
 from shardforge.algorithms.log import get_logger
 from shardforge.algorithms.multinode import LaunchSpec, strip_launch_args
 from shardforge.algorithms.rollout.placement import ROLLOUT_ACTORS_ENV, RolloutActorSpec, actor_names
+from shardforge.algorithms.rollout.ray_reward import REWARD_ACTORS_ENV, reward_actor_names
 
 __all__ = ["launch_ray"]
 
@@ -99,12 +102,14 @@ def launch_ray(
     address: str | None,
     debug: bool = False,
     rollout: RolloutActorSpec | None = None,
+    reward_workers: int = 0,
 ) -> int:
     """Run ``entry(argv)`` on ``spec.world_size`` Ray actors, one rank each; return the exit code.
 
     ``entry`` is ``"module:function"`` (the CLI passes its ``main``; this module does not import the CLI,
     and a function of ``__main__`` would not reach the actors by name). ``rollout``: the rollout actors to start
-    next to the ranks (``rollout_placement=disaggregated``; None: rollouts stay in the ranks)."""
+    next to the ranks (``rollout_placement=disaggregated``; None: rollouts stay in the ranks). ``reward_workers``:
+    the `RewardActor`s to start (``reward.ray_workers``; 0: rewards in the ranks)."""
     try:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -119,17 +124,20 @@ def launch_ray(
     if address is None and not os.environ.get("RAY_ADDRESS"):
         # A new local cluster: enough logical CPUs for every bundle (ranks and rollout actors share this
         # machine's cores anyway, as colocated rollouts do); Ray would otherwise count the cores only.
-        extra["num_cpus"] = max(os.cpu_count() or 1, world + num_rollout)
+        extra["num_cpus"] = max(os.cpu_count() or 1, world + num_rollout + reward_workers)
+        # and no dashboard web server: one process less on the ranks' cores for a cluster nobody browses
+        extra["include_dashboard"] = False
     ray.init(address=address, log_to_driver=True, configure_logging=False, **extra)
     bundle = _bundle(world + num_rollout, ray)
-    bundles = [dict(bundle) for _ in range(world + num_rollout)]
+    bundles = [dict(bundle) for _ in range(world + num_rollout)] + [{"CPU": 1.0} for _ in range(reward_workers)]
     group = placement_group(bundles, strategy="PACK", name="shardforge-ranks")
     ready, _ = ray.wait([group.ready()], timeout=120)
     if not ready:
         available = ray.cluster_resources()
         remove_placement_group(group)
         raise ValueError(
-            f"the Ray cluster cannot place {world} ranks (+ {num_rollout} rollout actors) of {bundle} each (it has CPU={available.get('CPU', 0):g}, "
+            f"the Ray cluster cannot place {world} ranks (+ {num_rollout} rollout actors) of {bundle} each "
+            f"(+ {reward_workers} reward actors of 1 CPU) (it has CPU={available.get('CPU', 0):g}, "
             f"GPU={available.get('GPU', 0):g}); lower --nproc-per-node/--nnodes or add nodes"
         )
     actor_cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0))(_RankActor)
@@ -143,15 +151,19 @@ def launch_ray(
         for index in range(world)
     ]
     rollout_actors = _start_rollout_actors(ray, rollout, group, world, bundle) if rollout is not None else []
+    reward_actors = _start_reward_actors(ray, reward_workers, group, world + num_rollout)
     env = {ROLLOUT_ACTORS_ENV: ",".join(actor_names(num_rollout))} if rollout_actors else {}
+    if reward_actors:
+        env[REWARD_ACTORS_ENV] = ",".join(reward_actor_names(reward_workers))
     try:
         return _run_ranks(ray, actors, entry, strip_launch_args(argv), bundle, debug, env)
     except KeyboardInterrupt:
         log.warning("interrupted: killing every rank")
         return 130
     finally:
-        _log_rollout_stats(ray, rollout_actors)
-        for actor in actors + rollout_actors:
+        _log_actor_stats(ray, rollout_actors, "rollout")
+        _log_actor_stats(ray, reward_actors, "reward")
+        for actor in actors + rollout_actors + reward_actors:
             ray.kill(actor)
         remove_placement_group(group)
         ray.shutdown()
@@ -177,14 +189,32 @@ def _start_rollout_actors(
     ]
 
 
-def _log_rollout_stats(ray: Any, rollout_actors: list[Any]) -> None:
-    """Log what every rollout actor served (nothing when one is gone: the run's own error says why)."""
-    for actor in rollout_actors:
+def _start_reward_actors(ray: Any, count: int, group: Any, first_bundle: int) -> list[Any]:
+    """``count`` `RewardActor`s (``reward.ray_workers``) on the group's bundles from ``first_bundle`` on."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from shardforge.algorithms.rollout.ray_reward import RewardActor
+
+    actor_cls = ray.remote(num_cpus=1.0)(RewardActor)
+    return [
+        actor_cls.options(  # type: ignore[attr-defined]
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=first_bundle + index
+            ),
+            name=name,
+        ).remote(index)
+        for index, name in enumerate(reward_actor_names(count))
+    ]
+
+
+def _log_actor_stats(ray: Any, actors: list[Any], kind: str) -> None:
+    """Log what every rollout/reward actor did (nothing when one is gone: the run's own error says why)."""
+    for actor in actors:
         try:
             stats = ray.get(actor.stats.remote(), timeout=30)
         except Exception:
             continue
-        log.info("ray: rollout actor %s", json.dumps(stats, sort_keys=True))
+        log.info("ray: %s actor %s", kind, json.dumps(stats, sort_keys=True))
 
 
 def _rank_env(index: int, ips: list[str], master: tuple[str, int], gpu: bool) -> dict[str, str]:

@@ -48,12 +48,17 @@ class RewardConfig:
     on_error: Literal["zero", "raise"] = "zero"
     """zero: a failed call scores 0.0, is logged (first few) and counted in reward/failures|timeouts|nonfinite;
     raise: it stops the step with an error naming the prompt and response."""
+    ray_workers: int = 0
+    """Score in a pool of this many Ray actors (``--launcher ray`` only; `rollout.ray_reward`), each applying the
+    settings above; 0: in the trainer process."""
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0 seconds (or null for no limit)")
         if self.max_concurrency < 1:
             raise ValueError(f"reward.max_concurrency={self.max_concurrency} must be >= 1")
+        if self.ray_workers < 0:
+            raise ValueError(f"reward.ray_workers={self.ray_workers} must be >= 0 (0: score in the trainer process)")
 
 
 def _call(fn: Callable[..., Any], prompt: str, response: str, reference: str) -> float:

@@ -94,6 +94,11 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
     datasets = {
         Path(f).stem: load_prompts(f, tokenizer, max_prompt_len=config.max_prompt_len) for f in config.eval_files
     }
+    if config.reward.ray_workers:
+        raise ValueError(
+            f"reward.ray_workers={config.reward.ray_workers}: shardforge eval scores rewards in process; set "
+            "reward.ray_workers=0 (Ray reward workers are for `shardforge train grpo|ppo --launcher ray`)"
+        )
     reward_fn = GuardedReward(load_reward_fn(config.reward_fn), config.reward, name=config.reward_fn)
     from shardforge.algorithms.engine import TrainEngine
 

@@ -21,6 +21,7 @@ from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, Rollou
 from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
 from shardforge.algorithms.rollout.kv_reuse import KVReuseCache
 from shardforge.algorithms.rollout.placement import RolloutPlacement
+from shardforge.algorithms.rollout.ray_reward import RayPooledReward, reward_actor_names_from_env
 from shardforge.algorithms.rollout.reward_compose import RewardTermConfig, build_reward
 from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
@@ -258,12 +259,16 @@ def global_reward_stats(rewards: torch.Tensor, lengths: torch.Tensor, engine: Tr
     }
 
 
-def build_reward_fn(config: RLTrainerConfig | Any) -> GuardedReward:
+def build_reward_fn(config: RLTrainerConfig | Any) -> GuardedReward | RayPooledReward:
     """``config.rewards`` (a weighted sum) or ``config.reward_fn``, behind ``config.reward``'s timeout,
-    concurrency limit and error policy."""
+    concurrency limit and error policy; with ``reward.ray_workers`` on the Ray launcher's reward actors."""
     rewards = getattr(config, "rewards", ())
     fn = build_reward(config.reward_fn, rewards)
-    return GuardedReward(fn, config.reward, name=getattr(fn, "__name__", config.reward_fn))
+    name = getattr(fn, "__name__", config.reward_fn)
+    if config.reward.ray_workers > 0:
+        names = reward_actor_names_from_env(config.reward.ray_workers)  # refuses a rank not started by Ray
+        return RayPooledReward(fn, config.reward, names, name=name)
+    return GuardedReward(fn, config.reward, name=name)
 
 
 def record_routing(config: RLTrainerConfig, rollout: PublishedRolloutEngine) -> None:
@@ -286,7 +291,7 @@ def build_reward_model(config: RLTrainerConfig, policy: TrainEngine) -> RewardMo
     return RewardModelScorer(config.reward_model, config.layout, config.engine, policy.hf_config.vocab_size)
 
 
-def reward_call_stats(reward_fn: GuardedReward, engine: TrainEngine) -> dict[str, float]:
+def reward_call_stats(reward_fn: GuardedReward | RayPooledReward, engine: TrainEngine) -> dict[str, float]:
     """``reward/calls|failures|timeouts|nonfinite`` since the last call, summed over the data-parallel group."""
     local = reward_fn.pop_stats()
     names = sorted(local)
