@@ -25,6 +25,7 @@ __all__ = [
     "RolloutPlacement",
     "actor_for_rank",
     "actor_names",
+    "actor_names_from_env",
     "rollout_actor_names_from_env",
     "rollout_actor_spec",
 ]
@@ -120,16 +121,28 @@ def actor_for_rank(rank: int, num_actors: int) -> int:
 def rollout_actor_names_from_env(num_actors: int, env: Mapping[str, str] | None = None) -> list[str]:
     """The actors the Ray launcher started for this run (``ROLLOUT_ACTORS_ENV``); a `ValueError` when this
     rank was not started by ``--launcher ray`` with ``rollout_placement=disaggregated``, or with another count."""
-    value = (os.environ if env is None else env).get(ROLLOUT_ACTORS_ENV, "")
+    return actor_names_from_env(
+        ROLLOUT_ACTORS_ENV,
+        num_actors,
+        kind="rollout",
+        needs="rollout_placement=disaggregated",
+        instead=f"rollout_placement=colocated ({_HOW})",
+        env=env,
+    )
+
+
+def actor_names_from_env(
+    variable: str, count: int, *, kind: str, needs: str, instead: str, env: Mapping[str, str] | None = None
+) -> list[str]:
+    """The ``kind`` actors (comma-separated names in ``variable``) the Ray launcher started for ``needs``; a
+    `ValueError` naming ``instead`` when the variable is unset (another launcher), or with another count."""
+    value = (os.environ if env is None else env).get(variable, "")
     names = [name for name in value.split(",") if name]
     if not names:
         raise ValueError(
-            f"rollout_placement=disaggregated needs the rollout actors that `shardforge train ... --launcher ray` "
-            f"starts ({ROLLOUT_ACTORS_ENV} is not set: this rank was started by another launcher); use --launcher "
-            f"ray, or rollout_placement=colocated ({_HOW})"
+            f"{needs} needs the {kind} actors that `shardforge train ... --launcher ray` starts ({variable} is "
+            f"not set: this rank was started by another launcher); use --launcher ray, or {instead}"
         )
-    if len(names) != num_actors:
-        raise ValueError(
-            f"the launcher started {len(names)} rollout actors ({value}), the config asks for {num_actors}"
-        )
+    if len(names) != count:
+        raise ValueError(f"the launcher started {len(names)} {kind} actors ({value}), the config asks for {count}")
     return names

@@ -15,11 +15,11 @@ reference, so that module must be importable on every Ray node, as it already is
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from shardforge.algorithms.rollout.placement import actor_names_from_env
 from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig, RewardError
 
 __all__ = [
@@ -60,19 +60,14 @@ def reward_workers_for_launcher(config: Any, launcher: str) -> int:
 def reward_actor_names_from_env(num_workers: int, env: Mapping[str, str] | None = None) -> list[str]:
     """The reward actors the Ray launcher started (`REWARD_ACTORS_ENV`); a `ValueError` when this rank was not
     started by ``--launcher ray`` with ``reward.ray_workers``, or with another count."""
-    value = (os.environ if env is None else env).get(REWARD_ACTORS_ENV, "")
-    names = [name for name in value.split(",") if name]
-    if not names:
-        raise ValueError(
-            f"reward.ray_workers={num_workers} needs the reward actors that `shardforge train ... --launcher ray` "
-            f"starts ({REWARD_ACTORS_ENV} is not set: this rank was started by another launcher); use --launcher "
-            f"ray, or reward.ray_workers=0 ({_HOW})"
-        )
-    if len(names) != num_workers:
-        raise ValueError(
-            f"the launcher started {len(names)} reward actors ({value}), the config asks for {num_workers}"
-        )
-    return names
+    return actor_names_from_env(
+        REWARD_ACTORS_ENV,
+        num_workers,
+        kind="reward",
+        needs=f"reward.ray_workers={num_workers}",
+        instead=f"reward.ray_workers=0 ({_HOW})",
+        env=env,
+    )
 
 
 def split_evenly(num_items: int, num_workers: int) -> list[tuple[int, int]]:
