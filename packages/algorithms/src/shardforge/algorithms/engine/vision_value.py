@@ -24,8 +24,7 @@ from torch import nn
 
 from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.engine.context import ParallelContext
-from shardforge.algorithms.engine.loading import is_model_dir
-from shardforge.algorithms.engine.vision import VisionLMHead, _vision_attn
+from shardforge.algorithms.engine.vision import VisionLMHead
 
 __all__ = ["VisionValueHead", "make_vlm_head"]
 
@@ -48,14 +47,14 @@ def _swap_in_value_head(model: nn.Module, *, seed: int | None, dtype: torch.dtyp
 
 
 class _ValueModelClass:
-    """``AutoModelForImageTextToText`` (vision tower on SDPA) whose models carry the value head."""
+    """The LM head's model class (`VisionLMHead.model_class`: vision tower on SDPA) whose models carry the value
+    head."""
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
 
     def from_config(self, config: Any, *, dtype: torch.dtype, attn_implementation: str) -> Any:
-        from transformers import AutoModelForImageTextToText
-
-        model = AutoModelForImageTextToText.from_config(
-            config, dtype=dtype, attn_implementation=_vision_attn(attn_implementation)
-        )
+        model = self.base.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
         return _swap_in_value_head(model, seed=None, dtype=dtype)
 
 
@@ -68,20 +67,10 @@ class VisionValueHead(VisionLMHead):
     has_full_distribution = False
 
     def model_class(self) -> Any:
-        return _ValueModelClass()
+        return _ValueModelClass(super().model_class())
 
     def materialize(self, source: Any, hf_config: Any, *, dtype: torch.dtype, attn: str, seed: int) -> Any:
-        from transformers import AutoModelForImageTextToText
-
-        if is_model_dir(source):
-            model = AutoModelForImageTextToText.from_pretrained(
-                source, config=hf_config, dtype=dtype, attn_implementation=_vision_attn(attn)
-            )
-        else:
-            torch.manual_seed(seed)
-            model = AutoModelForImageTextToText.from_config(
-                hf_config, dtype=dtype, attn_implementation=_vision_attn(attn)
-            )
+        model = super().materialize(source, hf_config, dtype=dtype, attn=attn, seed=seed)
         return _swap_in_value_head(model, seed=seed, dtype=dtype)
 
     def tp_plan(self, model: nn.Module, *, sequence_parallel: bool) -> dict[str, Any] | None:
