@@ -7,9 +7,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
-import yaml
 
-from shardforge.algorithms.cli import main
 from shardforge.algorithms.config_io import build_config
 from shardforge.algorithms.rollout.ray_reward import (
     REWARD_ACTORS_ENV,
@@ -22,7 +20,6 @@ from shardforge.algorithms.rollout.ray_reward import (
     split_evenly,
 )
 from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig, RewardError
-from shardforge.algorithms.testing import tiny_assets
 from shardforge.algorithms.trainers.grpo import GRPOConfig
 from shardforge.algorithms.trainers.rl_common import build_reward_fn
 
@@ -126,25 +123,6 @@ def test_refusals_without_ray():
         build_reward_fn(config)  # a rank under torchrun: refused, not silently in process
     with pytest.raises(ValueError, match=r"reward\.ray_workers=-1 must be >= 0"):
         RewardConfig(ray_workers=-1)
-
-
-def test_cli_refuses_reward_workers_without_ray_before_any_rank_starts(tmp_path, capsys, monkeypatch):
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    assets = tiny_assets(tmp_path / "assets", max_operand=9, num_eval=4)
-    capsys.readouterr()
-    data = {
-        "model": str(assets["model"]), "train_file": str(assets["train"]), "output_dir": str(tmp_path / "run"),
-        "steps": 1, "prompts_per_step": 2, "group_size": 2, "progress": False, "reward": {"ray_workers": 2},
-    }  # fmt: skip
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(data))
-    code = main(["train", "grpo", "--config", str(path), "--nproc-per-node", "2"])
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("shardforge: error: reward.ray_workers=2 scores rewards in Ray actors"), err
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_counts_have_every_key_even_when_nothing_was_scored():

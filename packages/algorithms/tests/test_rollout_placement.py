@@ -84,14 +84,24 @@ def test_a_rank_finds_the_launchers_actors_or_says_it_needs_ray():
         rollout_actor_names_from_env(1, {ROLLOUT_ACTORS_ENV: "a,b"})
 
 
-def test_cli_refuses_disaggregated_without_ray_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"rollout_placement": "disaggregated"}, "rollout_placement=disaggregated runs the rollout engine in Ray"),
+        ({"reward": {"ray_workers": 2}}, "reward.ray_workers=2 scores rewards in Ray actors"),
+    ],
+    ids=["disaggregated", "reward_workers"],
+)
+def test_cli_refuses_ray_only_settings_without_ray_before_any_rank_starts(
+    tmp_path, capsys, monkeypatch, setting, message
+):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     assets = tiny_assets(tmp_path / "assets", max_operand=9, num_eval=4)
     capsys.readouterr()  # the assets' progress bars
     data = {
         "model": str(assets["model"]), "train_file": str(assets["train"]), "output_dir": str(tmp_path / "run"),
-        "steps": 1, "prompts_per_step": 2, "group_size": 2, "progress": False, "rollout_placement": "disaggregated",
+        "steps": 1, "prompts_per_step": 2, "group_size": 2, "progress": False, **setting,
     }  # fmt: skip
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -99,5 +109,5 @@ def test_cli_refuses_disaggregated_without_ray_before_any_rank_starts(tmp_path, 
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("shardforge: error: rollout_placement=disaggregated runs the rollout engine in Ray"), err
+    assert lines[0].startswith(f"shardforge: error: {message}"), err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
