@@ -275,6 +275,34 @@ def test_a_failing_compile_falls_back_to_the_eager_update(monkeypatch, caplog) -
 
 @pytest.mark.parametrize("fused", [None, False])
 def test_cpu_default_and_fused_false_use_the_eager_update(monkeypatch, fused) -> None:
-    monkeypatch.setattr(fused_adamw, "fused_update_", lambda *a, **k: pytest.fail("compiled path taken"))
+    monkeypatch.setattr(fused_adamw, "fused_update_many_", lambda *a, **k: pytest.fail("compiled path taken"))
     model = _model()
     _run(model, AnyPrecisionAdamW(model.parameters(), lr=1e-3, fused=fused), steps=1)
+
+
+def test_one_compiled_call_per_chunk_of_parameters(monkeypatch) -> None:
+    # A compiled call per parameter was host-bound on a GPU (docs/gpu.md): the optimizer buckets the
+    # parameters that share a step's scalars and passes them CHUNK at a time.
+    calls: list[tuple[bool, int]] = []
+
+    def recorder(kahan: bool):
+        def run(ps, gs, ms, vs, cs, s, beta1, beta2, eps):
+            calls.append((kahan, len(ps)))
+            fused_adamw._many(ps, gs, ms, vs, cs, s, beta1, beta2, eps)
+
+        return run
+
+    monkeypatch.setattr(fused_adamw, "_compiled", recorder)
+    torch.manual_seed(0)
+    first = [torch.nn.Parameter(torch.randn(3, 5)) for _ in range(fused_adamw.CHUNK + 3)]
+    second = [torch.nn.Parameter(torch.randn(7)) for _ in range(2)]
+    reference = [p.detach().clone().requires_grad_() for p in first + second]
+    for p in first + second + reference:
+        p.grad = torch.ones_like(p)
+    groups = [{"params": first}, {"params": second, "lr": 3e-3}]
+    AnyPrecisionAdamW(groups, lr=1e-3, fused=True, momentum_dtype="float32", variance_dtype="float32").step()
+    assert calls == [(False, fused_adamw.CHUNK), (False, 3), (False, 2)]
+    ref_groups = [{"params": reference[: len(first)]}, {"params": reference[len(first) :], "lr": 3e-3}]
+    AnyPrecisionAdamW(ref_groups, lr=1e-3, fused=False, momentum_dtype="float32", variance_dtype="float32").step()
+    for p, q in zip(first + second, reference):
+        assert _rel(p, q) < 1e-6

@@ -141,6 +141,17 @@ def _adamw_update_(
     compensation.copy_(exact.sub_(param))  # exact in fp32: both are within one ulp of each other
 
 
+def _eager_update(tensors: tuple[torch.Tensor | None, ...], hyper: tuple[Any, ...]) -> None:
+    """`_adamw_update_` of one parameter; ``hyper`` = (step, lr, beta1, beta2, eps, weight_decay)."""
+    step, lr, beta1, beta2, eps, weight_decay = hyper
+    param, grad, exp_avg, exp_avg_sq, compensation = tensors
+    assert param is not None and grad is not None and exp_avg is not None and exp_avg_sq is not None
+    _adamw_update_(
+        param, grad, exp_avg, exp_avg_sq, compensation,
+        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+    )  # fmt: skip
+
+
 class AnyPrecisionAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with configurable state dtypes and Kahan summation.
 
@@ -157,7 +168,7 @@ class AnyPrecisionAdamW(torch.optim.Optimizer):
         use_kahan_summation: keep a compensation buffer per parameter and carry the bits
             that rounding the weight loses into the next step. Only useful for low-precision
             (bf16/fp16) parameters; with fp32 parameters it costs memory for no gain.
-        fused: run each parameter's update as one ``torch.compile``d kernel
+        fused: run the update as ``torch.compile``d kernels, many parameters per call
             (`shardforge.memory.fused_adamw`); None (default) = on CUDA parameters only, True =
             everywhere, False = never (the eager update, bit-identical to ``torch.optim.AdamW``
             with fp32 state). If compiling fails, the eager update is used with a warning.
@@ -227,7 +238,9 @@ class AnyPrecisionAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        step_scalars: dict[tuple[float, float, float, torch.device], torch.Tensor] = {}
+        # Parameters the compiled update takes, bucketed by everything their update shares; each bucket
+        # is updated in a few compiled calls after the loop (one call per parameter is host-bound).
+        buckets: dict[tuple[Any, ...], list[tuple[torch.Tensor | None, ...]]] = {}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
@@ -254,36 +267,39 @@ class AnyPrecisionAdamW(torch.optim.Optimizer):
                     None if compensation is None else _local(compensation),
                 )
                 step = float(state["step"].item())
+                hyper = (step, float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"])
                 if self._fuse(*tensors):
-                    key = (step, float(group["lr"]), group["weight_decay"], tensors[0].device)
-                    if key not in step_scalars:
-                        step_scalars[key] = fused_adamw.scalars(
-                            step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                            weight_decay=group["weight_decay"], device=tensors[0].device,
-                        )  # fmt: skip
-                    try:
-                        fused_adamw.fused_update_(
-                            *tensors, step_scalars[key], beta1=beta1, beta2=beta2, eps=group["eps"]
-                        )
-                        continue
-                    except Exception as err:  # compilation failed (no compiler, unsupported backend)
-                        self.fused = False
-                        logger.warning(
-                            "AnyPrecisionAdamW: the compiled update failed (%s: %s); using the eager update "
-                            "from now on (pass fused=False to skip the attempt)",
-                            type(err).__name__,
-                            str(err).splitlines()[0] if str(err) else "",
-                        )
-                _adamw_update_(
-                    *tensors,
-                    step=step,
-                    lr=float(group["lr"]),
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                )
+                    key = (*hyper, tensors[0].device, compensation is not None)  # type: ignore[union-attr]
+                    buckets.setdefault(key, []).append(tensors)
+                else:
+                    _eager_update(tensors, hyper)
+        for key, members in buckets.items():
+            self._fused_bucket(key, members)
         return loss
+
+    def _fused_bucket(self, key: tuple[Any, ...], members: list[tuple[torch.Tensor | None, ...]]) -> None:
+        """Update one bucket with the compiled update; on a compile failure, eagerly (and never fuse again)."""
+        step, lr, beta1, beta2, eps, weight_decay, device, kahan = key
+        if self.fused is not False:
+            scalars = fused_adamw.scalars(
+                step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, device=device
+            )
+            columns = [list(column) for column in zip(*members)]
+            try:
+                fused_adamw.fused_update_many_(
+                    *columns[:4], columns[4] if kahan else None, scalars, beta1=beta1, beta2=beta2, eps=eps
+                )
+                return
+            except Exception as err:  # compilation failed (no compiler, unsupported backend)
+                self.fused = False
+                logger.warning(
+                    "AnyPrecisionAdamW: the compiled update failed (%s: %s); using the eager update "
+                    "from now on (pass fused=False to skip the attempt)",
+                    type(err).__name__,
+                    str(err).splitlines()[0] if str(err) else "",
+                )
+        for tensors in members:
+            _eager_update(tensors, key[:6])
 
     def _fuse(self, *tensors: torch.Tensor | None) -> bool:
         if self.fused is False or not fused_adamw.can_fuse(*tensors):
