@@ -284,11 +284,13 @@ class AnyPrecisionAdamW(torch.optim.Optimizer):
             scalars = fused_adamw.scalars(
                 step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, device=device
             )
-            columns = [list(column) for column in zip(*members)]
+            params, grads, exp_avgs, exp_avg_sqs, compensations = ([t for t in column if t is not None]
+                                                                   for column in zip(*members))  # fmt: skip
             try:
                 fused_adamw.fused_update_many_(
-                    *columns[:4], columns[4] if kahan else None, scalars, beta1=beta1, beta2=beta2, eps=eps
-                )
+                    params, grads, exp_avgs, exp_avg_sqs, compensations if kahan else None, scalars,
+                    beta1=beta1, beta2=beta2, eps=eps,
+                )  # fmt: skip
                 return
             except Exception as err:  # compilation failed (no compiler, unsupported backend)
                 self.fused = False
