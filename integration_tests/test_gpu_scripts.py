@@ -23,21 +23,44 @@ def _env(tmp_path: Path) -> dict[str, str]:
             "PYTHON": sys.executable, "SHARDFORGE_GPU_TESTS_ON_CPU": "0"}  # fmt: skip
 
 
+# Runs every bench script as __main__ in one interpreter (one `import torch` instead of one per script)
+# and prints each one's exit code and output between markers.
+_DRIVER = """
+import contextlib, io, runpy, sys
+sys.path.insert(0, sys.argv[1])
+paths = sys.argv[2:]
+for path in paths:
+    sys.argv, buffer, code = [path], io.StringIO(), 0
+    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    print(f"<<<{path}|{code}>>>" + buffer.getvalue() + "<<<end>>>")
+"""
+
+
 def test_every_gpu_script_and_run_sh_skip_cleanly_without_cuda(tmp_path: Path) -> None:
     assert {p.name for p in SCRIPTS} >= {"bench_mfu.py", "bench_varlen.py", "bench_planner.py", "bench_publish.py"}
-    commands = {p.name: [sys.executable, str(p)] for p in SCRIPTS}
-    commands["run.sh env"] = ["bash", str(ROOT / "benchmarks" / "gpu" / "run.sh"), "env"]
-    # In parallel: each start-up is mostly `import torch`.
-    procs = {
-        name: subprocess.Popen(
-            cmd, cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for name, cmd in commands.items()
-    }
-    for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{out}"
-        assert "no CUDA device" in out, f"{name} did not say 'no CUDA device':\n{out}"
+    env = _env(tmp_path)
+    scripts = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER, str(ROOT / "benchmarks" / "gpu"), *map(str, SCRIPTS)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    run_sh = subprocess.Popen(
+        ["bash", str(ROOT / "benchmarks" / "gpu" / "run.sh"), "env"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    out, _ = run_sh.communicate(timeout=120)
+    assert run_sh.returncode == 0 and "no CUDA device" in out, f"run.sh env exited {run_sh.returncode}:\n{out}"
+    out, _ = scripts.communicate(timeout=180)
+    assert scripts.returncode == 0, out
+    for path in SCRIPTS:
+        head = f"<<<{path}|"
+        assert head in out, f"{path.name} did not run:\n{out}"
+        code, text = out.split(head, 1)[1].split("<<<end>>>", 1)[0].split(">>>", 1)
+        assert code == "0", f"{path.name} exited {code}:\n{text}"
+        assert "no CUDA device" in text, f"{path.name} did not say 'no CUDA device':\n{text}"
     assert not list(tmp_path.glob("*.json")), "a benchmark wrote results without a GPU"
 
 

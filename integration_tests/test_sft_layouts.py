@@ -155,6 +155,8 @@ def test_wrong_world_size_fails_before_any_collective(assets: dict[str, str], tm
         assert "world_size=2" in text and "divisors" in text
 
 
+# heavy (~27 s): the message is checked at world 1 by test_alg_cli.py; this shows both ranks raise it.
+@pytest.mark.heavy
 def test_sequence_longer_than_budget_fails_on_every_rank(assets: dict[str, str], tmp_path: Path) -> None:
     with pytest.raises(RankFailure) as info:
         # Each rank checks its own data before any collective; on a loaded machine the second may get
