@@ -3,7 +3,9 @@
 The Ray launcher starts ``N`` `RewardActor`s (one CPU bundle each, in the ranks' placement group) and gives
 every rank their names (`REWARD_ACTORS_ENV`). A rank's `RayPooledReward` registers its reward function with
 every actor once, then scores a batch by splitting it into ``N`` contiguous chunks (`split_evenly`), one per
-actor (the first actor rotating from call to call), all in flight at once, and concatenating the results in order. Each actor runs the function behind
+actor (the first actor rotating from call to call), all in flight at once, and concatenating the results in order.
+The trainers hand it each round's rewards of the whole step as one batch (`rollout.reward_batch`: every episode's
+``(prompt, response, reference)``), so the chunks of a step are scored concurrently. Each actor runs the function behind
 the same `GuardedReward` (timeout, concurrency limit, error policy) as the in-process path, so the rewards
 are the ones the in-process run computes; each chunk's counts (``reward/calls|failures|...``, and the
 function's own, e.g. math-verify's) come back with it and add up in `pop_stats`.
@@ -107,10 +109,11 @@ class RewardActor:
         self.rewards[key] = GuardedReward(fn, config, name=name)
         return sorted(self.rewards[key].pop_stats())
 
-    def score(self, key: str, items: list[tuple[str, str, str]]) -> tuple[list[float], dict[str, float]]:
-        """Rewards of ``items`` in order, and the counts of this call (`GuardedReward.pop_stats`)."""
+    def score(self, key: str, items: list[tuple[str, str, str]]) -> tuple[list[float | RewardError], dict[str, float]]:
+        """Rewards of ``items`` in order (an item that failed under ``on_error: raise``: its `RewardError`,
+        `GuardedReward.score_outcomes`), and the counts of this call (`GuardedReward.pop_stats`)."""
         reward = self.rewards[key]
-        values = reward.score_many(items)
+        values = reward.score_outcomes(items)
         self.scored += len(items)
         return values, reward.pop_stats()
 
@@ -169,7 +172,18 @@ class RayPooledReward:
         return self.score_many([(prompt, response, reference)])[0]
 
     def score_many(self, items: Sequence[tuple[str, str, str]]) -> list[float]:
-        """Rewards of ``items`` in order: one contiguous chunk per actor, all in flight at once."""
+        """Rewards of ``items`` in order: one contiguous chunk per actor, all in flight at once; raises the first
+        item's `RewardError` (``on_error: raise``) or a failed actor's."""
+        values = self.score_outcomes(items)
+        for value in values:
+            if isinstance(value, RewardError):
+                raise value
+        return values  # type: ignore[return-value]
+
+    def score_outcomes(self, items: Sequence[tuple[str, str, str]]) -> list[float | RewardError]:
+        """As `score_many`, but each item's `RewardError` in its place (`GuardedReward.score_outcomes`); the items of
+        a chunk whose actor failed all get that actor's error. A trainer step's rewards come here as one batch
+        (`rollout.reward_batch`), so the actors score its chunks concurrently."""
         items = [tuple(item) for item in items]  # type: ignore[misc]
         bounds = split_evenly(len(items), len(self.handles))
         # chunk i goes to actor (start + i): the start rotates, so one-item calls (a workflow scoring its
@@ -177,13 +191,17 @@ class RayPooledReward:
         actors = [(self._start + i) % len(self.handles) for i in range(len(bounds))]
         self._start = (self._start + len(bounds)) % len(self.handles)
         refs = [self.handles[i].score.remote(self.key, items[a:b]) for i, (a, b) in zip(actors, bounds, strict=True)]
-        values: list[float] = []
-        for index, ref in zip(actors, refs, strict=True):
-            chunk, stats = self._call(index, ref)
-            values.extend(float(v) for v in chunk)
+        values: list[float | RewardError] = []
+        for index, ref, (a, b) in zip(actors, refs, bounds, strict=True):
+            try:
+                chunk, stats = self._call(index, ref)
+            except RewardError as error:
+                values.extend([error] * (b - a))
+                continue
+            if len(chunk) != b - a:
+                raise RewardError(f"reward actor {self.names[index]} returned {len(chunk)} rewards for {b - a} items")
+            values.extend(v if isinstance(v, RewardError) else float(v) for v in chunk)
             self._stats.append(stats)
-        if len(values) != len(items):
-            raise RewardError(f"the reward actors returned {len(values)} rewards for {len(items)} items")
         return values
 
     def pop_stats(self) -> dict[str, float]:

@@ -15,6 +15,13 @@ under every data-parallel layout when the caller names episodes by what they are
 prompt's position in the step's global batch). With no episode seeds, round r has one call seed
 derived from (``params.seed``, r) (None: unseeded).
 
+Rewards are batched the same way: an episode that asks for a reward (``await handle.score(reward_fn, prompt,
+response, reference)``) waits too, and once every live episode waits (on a reward or a generation) the waiting
+rewards go to the reward function as ONE batch (`rollout.reward_batch.score_outcomes`), before any generation: a
+step of single-turn episodes makes one generate call and one reward call, so `GuardedReward` scores the batch on
+its threads and ``reward.ray_workers`` spreads it over the Ray reward actors. Generation rounds are unchanged (a
+round still waits for every live episode). Each request gets its own outcome: a failed item fails its episode only.
+
 Engines that keep per-session state (`SessionRolloutEngine`: the embedded HF engine's KV cache across
 turns) get each request's episode as its session key, and `end_sessions` when the episode ends. (An engine
 whose ``generate`` was replaced by a wrapper without ``sessions`` / ``**kwargs`` is called without them.)
@@ -27,10 +34,12 @@ import contextlib
 import dataclasses
 import inspect
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from shardforge.algorithms.batching.visual import ImageInputs
+from shardforge.algorithms.rollout.reward_batch import RewardItem, score_outcomes
 from shardforge.algorithms.rollout.seeds import request_seed
 from shardforge.algorithms.rollout.types import (
     Rollout,
@@ -54,6 +63,14 @@ class _Request:
     images: ImageInputs | None = None
 
 
+@dataclass(slots=True)
+class _RewardRequest:
+    episode: int
+    reward_fn: Callable[..., Any]
+    item: RewardItem
+    future: asyncio.Future[Any]
+
+
 class EpisodeHandle:
     """What a workflow's episode sees of the rollout engine: ``await generate(token_ids)``.
 
@@ -72,6 +89,11 @@ class EpisodeHandle:
         """One sampled continuation of ``prompt_ids`` (token ids in, token ids + log-probs out)."""
         budget = max_new_tokens or self.queue.params.max_new_tokens
         return await self.queue.submit(self.episode, prompt_ids, budget, images=self.images)
+
+    async def score(self, reward_fn: Callable[..., Any], prompt: str, response: str, reference: str) -> Any:
+        """``reward_fn(prompt, response, reference)``, scored in one batch with the other episodes' rewards
+        (raises what scoring this item raised; the value is returned unchecked)."""
+        return await self.queue.submit_reward(self.episode, reward_fn, (prompt, response, reference))
 
 
 class RequestQueue:
@@ -96,10 +118,13 @@ class RequestQueue:
         self.episode_seeds = episode_seeds
         self._turns: dict[int, int] = {}
         self._pending: list[_Request] = []
+        self._rewards: list[_RewardRequest] = []
         self._live: set[int] = set()
         self.rounds = 0
         """Batched engine calls made so far (one per round and distinct ``max_new_tokens``)."""
         self.generate_calls = 0
+        self.reward_calls = 0
+        """Batched reward calls made so far (one per reward round and distinct reward function)."""
 
     def reserve(self, episodes: Sequence[int]) -> None:
         """Count ``episodes`` as live before any of them starts (else the first request would be sent alone)."""
@@ -128,8 +153,43 @@ class RequestQueue:
         self._maybe_flush()
         return await future
 
+    async def submit_reward(self, episode: int, reward_fn: Callable[..., Any], item: RewardItem) -> Any:
+        if episode not in self._live:
+            raise RuntimeError(f"episode {episode} scores outside `async with queue.episode({episode})`")
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._rewards.append(_RewardRequest(episode, reward_fn, tuple(item), future))  # type: ignore[arg-type]
+        self._maybe_flush()
+        return await future
+
     def _maybe_flush(self) -> None:
-        if not self._pending or len(self._pending) < len(self._live):
+        if len(self._pending) + len(self._rewards) < max(len(self._live), 1):
+            return
+        if self._rewards:  # rewards first: the scored episodes then generate (or end) and complete the round
+            self._flush_rewards()
+            return
+        self._flush_generate()
+
+    def _flush_rewards(self) -> None:
+        requests = sorted(self._rewards, key=lambda r: r.episode)
+        self._rewards = []
+        functions: dict[int, Callable[..., Any]] = {}
+        for r in requests:
+            functions.setdefault(id(r.reward_fn), r.reward_fn)
+        for key, reward_fn in functions.items():
+            batch = [r for r in requests if id(r.reward_fn) == key]
+            self.reward_calls += 1
+            try:
+                outcomes = score_outcomes(reward_fn, [r.item for r in batch])
+            except Exception as error:  # the source itself failed (not one item): every waiting episode fails
+                outcomes = [error] * len(batch)
+            for r, outcome in zip(batch, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    r.future.set_exception(outcome)
+                else:
+                    r.future.set_result(outcome)
+
+    def _flush_generate(self) -> None:
+        if not self._pending:
             return
         requests = sorted(self._pending, key=lambda r: r.episode)
         self._pending = []

@@ -5,7 +5,7 @@ call runs on a worker of a bounded thread pool (``max_concurrency``) and is wait
 ``timeout_s`` seconds. A call that raises, returns a non-finite value or times out becomes ``0.0``
 and is counted (``on_error: zero``, the default, as verl's and AReaL's reward managers log and go
 on) or stops the step with an error naming the prompt and response (``on_error: raise``). Batches
-(`score_many`) are submitted at once, so a slow verifier (math-verify, a sandbox, an HTTP judge)
+(`score_many`, `score_outcomes`) are submitted at once, so a slow verifier (math-verify, a sandbox, an HTTP judge)
 scores ``max_concurrency`` responses in parallel. Counts (`pop_stats`) become ``reward/*`` metrics.
 
 A timed-out call cannot be killed inside a thread; it keeps its worker until it returns, so a
@@ -122,6 +122,18 @@ class GuardedReward:
         """Rewards of ``(prompt, response, reference)`` items, computed concurrently, in order."""
         futures = [self._pool.submit(_call, self.fn, *item) for item in items]
         return [self._result(future, item) for future, item in zip(futures, items, strict=True)]
+
+    def score_outcomes(self, items: Sequence[tuple[str, str, str]]) -> list[float | RewardError]:
+        """As `score_many`, but an item that fails under ``on_error: raise`` gets its `RewardError` in its place
+        (the other items are still scored and counted): one batch for many episodes, each failing on its own."""
+        futures = [self._pool.submit(_call, self.fn, *item) for item in items]
+        out: list[float | RewardError] = []
+        for future, item in zip(futures, items, strict=True):
+            try:
+                out.append(self._result(future, item))
+            except RewardError as error:
+                out.append(error)
+        return out
 
     def _result(self, future: Future[float], item: tuple[str, str, str]) -> float:
         prompt, response = item[0], item[1]

@@ -33,6 +33,7 @@ __all__ = [
     "build_workflow",
     "new_trajectory",
     "score",
+    "score_in_batch",
 ]
 
 
@@ -149,13 +150,32 @@ def new_trajectory(row: PromptRow, prompt_ids: list[int]) -> Trajectory:
 
 
 def score(reward_fn: Any, row: PromptRow, response: str) -> float:
-    """``reward_fn(prompt, response, reference)`` as a finite float; raises naming the prompt and response."""
+    """``reward_fn(prompt, response, reference)`` as a finite float; raises naming the prompt and response.
+    Called here and now, alone: an episode on the trainers' `EpisodeHandle` should ``await score_in_batch(...)``."""
     try:
         value = float(reward_fn(row.prompt, response, row.reference))
     except Exception as exc:
         raise RuntimeError(
             f"the reward function raised on prompt {row.prompt!r}, response {response!r}: {exc!r}"
         ) from exc
+    return _finite(value, row, response)
+
+
+async def score_in_batch(engine: EpisodeHandle, reward_fn: Any, row: PromptRow, response: str) -> float:
+    """`score`, but scored in one batch with the rewards every other live episode of the run asks for
+    (`EpisodeHandle.score`): the batch goes to ``reward_fn`` at once (a `GuardedReward` scores it on its threads,
+    ``reward.ray_workers`` over the Ray reward actors); a plain function is called item by item, in episode order.
+    The same value, the same errors as `score`."""
+    try:
+        value = float(await engine.score(reward_fn, row.prompt, response, row.reference))
+    except Exception as exc:
+        raise RuntimeError(
+            f"the reward function raised on prompt {row.prompt!r}, response {response!r}: {exc!r}"
+        ) from exc
+    return _finite(value, row, response)
+
+
+def _finite(value: float, row: PromptRow, response: str) -> float:
     if not math.isfinite(value):
         raise ValueError(
             f"the reward function returned {value} for prompt {row.prompt!r}, response {response!r}; "

@@ -11,7 +11,7 @@ from typing import Any
 
 from shardforge.algorithms.rollout.request_queue import EpisodeHandle
 from shardforge.algorithms.rollout.trajectory import Trajectory, TurnInfo
-from shardforge.algorithms.workflows.base import PromptRow, WorkflowConfig, new_trajectory, score
+from shardforge.algorithms.workflows.base import PromptRow, WorkflowConfig, new_trajectory, score_in_batch
 from shardforge.algorithms.workflows.chat import ChatCodec
 
 __all__ = ["MultiTurnWorkflow"]
@@ -33,7 +33,7 @@ class MultiTurnWorkflow:
         for turn in range(config.max_turns):
             out = await engine.generate(trajectory.token_ids)
             trajectory.append(out.response_ids, logprobs=out.logprobs, version=out.versions, routing=out.routed_experts)
-            reward = score(self.reward_fn, row, out.text)
+            reward = await score_in_batch(engine, self.reward_fn, row, out.text)
             trajectory.turns.append(TurnInfo(generated=len(out.response_ids), finished=out.finished, reward=reward))
             trajectory.text = out.text
             trajectory.reward = reward * config.turn_discount**turn

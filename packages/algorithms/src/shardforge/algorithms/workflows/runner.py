@@ -1,8 +1,8 @@
 """Run a batch of episode groups concurrently on one rollout engine, drop crashed groups, and pack
 the surviving trajectories for the trainer.
 
-Every (row, sample) pair is one asyncio task; their generate calls are batched by a
-`RequestQueue` (one engine call per round, not one per episode). An episode that raises (a tool
+Every (row, sample) pair is one asyncio task; their generate calls and their rewards are batched by a
+`RequestQueue` (one engine call and one reward call per round, not one per episode). An episode that raises (a tool
 bug, an engine error, a reward function error) is logged and dropped together with its whole group
 (a group's advantages compare its samples); the trainer counts the failures across ranks and fails
 the step past ``workflow.max_failed_fraction``.
@@ -57,6 +57,8 @@ class EpisodeList(list[Trajectory]):
     """The first crash, for the error message when the step fails."""
     generate_calls: int = 0
     """Batched engine calls the episodes needed."""
+    reward_calls: int = 0
+    """Batched reward calls the episodes' ``await score_in_batch(...)`` needed (one per reward round)."""
 
 
 def run_episodes(
@@ -98,7 +100,7 @@ async def _run(
 
     results = await asyncio.gather(*(episode(i) for i in ids), return_exceptions=True)
     kept = EpisodeList()
-    kept.num_episodes, kept.generate_calls = len(ids), queue.generate_calls
+    kept.num_episodes, kept.generate_calls, kept.reward_calls = len(ids), queue.generate_calls, queue.reward_calls
     for g in range(len(rows)):
         group = results[g * group_size : (g + 1) * group_size]
         errors: list[BaseException] = [r for r in group if isinstance(r, BaseException)]

@@ -15,7 +15,7 @@ from typing import Any
 
 from shardforge.algorithms.rollout.request_queue import EpisodeHandle
 from shardforge.algorithms.rollout.trajectory import Trajectory, TurnInfo
-from shardforge.algorithms.workflows.base import PromptRow, WorkflowConfig, new_trajectory, score
+from shardforge.algorithms.workflows.base import PromptRow, WorkflowConfig, new_trajectory, score_in_batch
 from shardforge.algorithms.workflows.chat import ChatCodec
 from shardforge.algorithms.workflows.tools import load_tools, run_tool_call
 
@@ -63,7 +63,7 @@ class ToolUseWorkflow:
             trajectory.turns.append(info)
             if not calls:
                 answer = out.text.split("</think>")[-1].strip()
-                trajectory.reward = info.reward = score(self.reward_fn, row, answer)
+                trajectory.reward = info.reward = await score_in_batch(engine, self.reward_fn, row, answer)
                 trajectory.stop_reason = "answer"
                 break
             results = await asyncio.gather(
