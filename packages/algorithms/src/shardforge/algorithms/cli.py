@@ -276,7 +276,7 @@ def _list() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     # No cyclic garbage collection while this process starts up (startup_gc.py): on the demo SFT at 2 ranks
-    # the collections were about a third of each rank's start-up (importing torch already counts here).
+    # the collections were about a fifth of each rank's start-up (importing torch already counts here).
     with paused_gc():
         return _main(argv)
 

@@ -3,8 +3,8 @@
 A rank's start-up (importing torch and transformers, reading and tokenising the data, building the
 engine) makes millions of long-lived objects and almost no cyclic garbage, yet CPython 3.11 walks
 them again and again: on the demo SFT (9,800 rows, 2 ranks on 2 cores) its collections took about a
-third of a rank's start-up before the first step, half of the tokenisation time (measured with
-``gc.callbacks``; docs/benchmarks.md, "Start-up"). So `paused_gc` switches the collector off for
+fifth of a rank's wall time to the first step and more than half of its tokenisation (measured with
+``gc.callbacks``; docs/benchmarks.md, issue 25). So `paused_gc` switches the collector off for
 the start-up, and `end_startup_gc` (the trainer loop, just before the first step; the launcher,
 before its agent waits for the ranks) moves everything start-up made to the permanent generation
 (`gc.freeze`: never scanned again, as long-lived servers do after import) and switches it back on.
