@@ -68,6 +68,10 @@ def relaunch(spec: LaunchSpec, argv: list[str], *, debug: bool = False) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
+    from shardforge.algorithms.startup_gc import end_startup_gc
+
+    end_startup_gc()  # imported: the agent now waits for the ranks as long as the run lasts
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if spec.max_restarts > 0:
         # By default the agents share their rendezvous TCPStore with the ranks, and it outlives a restart:

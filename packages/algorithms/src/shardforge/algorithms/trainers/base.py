@@ -28,6 +28,7 @@ from shardforge.algorithms.data.config import DataConfig, check_data_fields
 from shardforge.algorithms.engine.config import EngineConfig
 from shardforge.algorithms.log import rank_log_file
 from shardforge.algorithms.loggers import MetricsLogger, TrackerConfig, truncate_metrics, write_curves
+from shardforge.algorithms.startup_gc import end_startup_gc
 from shardforge.algorithms.trainers.common import progress_bar
 from shardforge.algorithms.trainers.fault_injection import kill_if_requested, sleep_if_requested
 from shardforge.algorithms.trainers.profiling import ProfileConfig, StepProfiler, take_phase_seconds
@@ -284,6 +285,7 @@ class Trainer(Generic[C]):
         profiler = StepProfiler(config.profile, out, rank)
         try:
             self.setup(start, restored)
+            end_startup_gc()  # start-up made its long-lived objects: freeze them, collect again (startup_gc.py)
             if self.eval_at_start and self.has_eval():
                 result = self.evaluate()
                 metrics.log(start, result, split="eval")

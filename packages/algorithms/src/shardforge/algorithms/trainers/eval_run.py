@@ -26,6 +26,7 @@ from shardforge.algorithms.rollout import load_reward_fn
 from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
 from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
+from shardforge.algorithms.startup_gc import end_startup_gc
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import load_tokenizer
 from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig
@@ -109,6 +110,7 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
     )  # fmt: skip
     budget = config.workflow.max_total_tokens or config.engine.max_tokens_per_microbatch
     workflow = build_workflow(replace(config.workflow, max_total_tokens=budget), tokenizer, reward_fn)
+    end_startup_gc()  # built: collect again while evaluating (startup_gc.py)
     results: dict[str, dict[str, float]] = {}
     for name, prompts in datasets.items():
         start = time.perf_counter()
