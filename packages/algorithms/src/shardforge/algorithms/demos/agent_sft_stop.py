@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SFTStopRule", "SFTStopResult", "train_until_success"]
+__all__ = ["SFTStopResult", "SFTStopRule", "train_until_success"]
 
 logger = logging.getLogger(__name__)
 
