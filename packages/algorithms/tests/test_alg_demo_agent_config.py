@@ -81,6 +81,23 @@ def test_sft_stop_rule_stops_at_the_first_check_at_or_above_target() -> None:
     assert (result.steps, result.success, result.reason) == (130, 0.01, "max_steps") and trained[-1] == 130
 
 
+def test_sft_stop_rule_goes_back_after_an_overshoot_and_checks_finer() -> None:
+    rule = SFTStopRule(target=0.2, high=0.5, first_check=60, check_every=20, fine_every=5, max_steps=300)
+    curve = {60: 0.0, 80: 0.12, 85: 0.15, 90: 0.3, 95: 0.6, 100: 0.8}
+    trained, rewinds = [], []
+    result = train_until_success(rule, trained.append, lambda step: curve[step], rewinds.append)
+    assert rewinds == [80] and trained == [60, 80, 100, 85, 90]  # back to 80's checkpoint, then 5 apart
+    assert (result.steps, result.success, result.reason) == (90, 0.3, "target")
+    curve |= {90: 0.55, 95: 0.7}
+    trained, rewinds = [], []
+    result = train_until_success(rule, trained.append, lambda step: curve[step], rewinds.append)
+    assert rewinds == [80] and trained == [60, 80, 100, 85, 90]  # still above high: overshoot, once only
+    assert (result.steps, result.reason) == (90, "overshoot")
+    rewinds.clear()
+    result = train_until_success(rule, list[int]().append, lambda step: {60: 0.9}[step], rewinds.append)
+    assert (result.steps, result.reason, rewinds) == (60, "overshoot", [])  # no earlier check to go back to
+
+
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
@@ -88,6 +105,7 @@ def test_sft_stop_rule_stops_at_the_first_check_at_or_above_target() -> None:
         ("target", 1.5, "target=1.5 is invalid"),
         ("high", 0.1, "high=0.1 is invalid"),
         ("check_every", 0, "check_every=0 is invalid"),
+        ("fine_every", 25, "fine_every=25 is invalid; use 1 <= fine_every <= check_every=20"),
         ("val_prompts", 0, "val_prompts=0 is invalid"),
         ("max_steps", 10, "max_steps=10 is invalid; it must be >= first_check=60"),
     ],

@@ -153,22 +153,27 @@ def run_agent_demo(
         _torchrun(nproc, ["train", "sft"], here / "demo_agent_sft.yaml", [
             f"model={assets['model']}", f"train_file={data['sft']}", f"output_dir={sft_dir}", f"steps={steps}",
             f"layout=d{nproc}", f"engine.scheduler.total_steps={total}", f"seed={seed}", f"save_every={total}",
-            "keep_last=1",
+            "keep_last=2",
         ])  # fmt: skip
 
     def success_at(steps: int) -> float:
-        val_dir = sft_dir / f"val_step{steps}"
+        val_dir = sft_dir / f"val{len(list(sft_dir.glob('val*'))):02d}_step{steps}"  # a step may come twice
         _torchrun(nproc, ["eval"], here / "demo_agent_eval.yaml", [
             f"model={sft_dir / 'hf'}", f"eval_files=[{data['val']}]", f"output_dir={val_dir}", f"layout=d{nproc}",
         ])  # fmt: skip
         return float(json.loads((val_dir / "eval_results.json").read_text())["results"]["val"]["success@1"])
+
+    def rewind(steps: int) -> None:  # the next train_to resumes from the checkpoint at ``steps``
+        for checkpoint in (sft_dir / "checkpoints").glob("step_*"):
+            if int(checkpoint.name.removeprefix("step_")) > steps:
+                shutil.rmtree(checkpoint)
 
     shutil.rmtree(sft_dir, ignore_errors=True)  # no checkpoint of an earlier demo run may be resumed
     if sft_steps is not None:
         train_to(sft_steps, sft_steps)
         stopped: dict[str, Any] = {"steps": sft_steps, "reason": "fixed"}
     else:
-        stopped = train_until_success(rule, lambda step: train_to(step, rule.max_steps), success_at).to_dict()
+        stopped = train_until_success(rule, lambda step: train_to(step, rule.max_steps), success_at, rewind).to_dict()
         sft_steps = int(stopped["steps"])
     if sft_only:
         result = {"sft": stopped, "base_success@1": base["success@1"], "seed": seed, "ranks": nproc,
