@@ -7,7 +7,8 @@
     shardforge list        (every registry: trainers, losses, estimators, rewards, rollout engines, ...)
     shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600] [--prepare-only]
     shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 450] [--grpo-steps N]
-    shardforge demo-agent [--out outputs/demo_agent] [--nproc-per-node 2] [--sft-steps N] [--grpo-steps N] [--seed S]
+    shardforge demo-agent [--out outputs/demo_agent] [--nproc-per-node 2] [--sft-steps N | --sft-stop KEY=VALUE]
+                          [--sft-only] [--grpo-steps N] [--seed S]
     shardforge demo-vlm [--out outputs/demo_vlm] [--nproc-per-node 2] [--steps N] [--grpo-steps N] [--prepare-only]
     shardforge plan llama3-70b --world-size 1024 --seq-len 8192 --memory 80GiB [--ac full] [--json] ...
 
@@ -142,7 +143,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo_agent.add_argument("--out", default="outputs/demo_agent", help="output directory")
     demo_agent.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
-    demo_agent.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default: the demo's)")
+    demo_agent.add_argument(
+        "--sft-steps", type=int, default=None, help="fixed SFT steps (default: stop on validation success, --sft-stop)"
+    )
+    demo_agent.add_argument(
+        "--sft-stop", action="append", default=[], metavar="KEY=VALUE",
+        help="override of the SFT stop rule (demo_agent_sft_stop.yaml; repeatable), e.g. target=0.25 max_steps=400",
+    )  # fmt: skip
+    demo_agent.add_argument("--sft-only", action="store_true", help="stop after the SFT stage")
     demo_agent.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_agent_grpo.yaml)")
     demo_agent.add_argument("--seed", type=int, default=0, help="seed of the model, data, SFT and GRPO")
     demo_vlm = sub.add_parser(
@@ -334,10 +342,14 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         run_rl_demo(args.out, nproc=args.nproc_per_node, sft_steps=args.sft_steps, grpo_steps=args.grpo_steps)
         return 0
     if args.command == "demo-agent":
-        from shardforge.algorithms.demos.demo_agent import run_agent_demo
+        from shardforge.algorithms.demos.demo_agent import load_sft_stop_rule, run_agent_demo
 
-        steps = {} if args.sft_steps is None else {"sft_steps": args.sft_steps}
-        run_agent_demo(args.out, nproc=args.nproc_per_node, grpo_steps=args.grpo_steps, seed=args.seed, **steps)
+        if args.sft_steps is not None and args.sft_stop:
+            raise SystemExit("demo-agent: give --sft-steps (a fixed count) or --sft-stop (the stop rule), not both")
+        run_agent_demo(
+            args.out, nproc=args.nproc_per_node, sft_steps=args.sft_steps, sft_stop=load_sft_stop_rule(args.sft_stop),
+            grpo_steps=args.grpo_steps, seed=args.seed, sft_only=args.sft_only,
+        )  # fmt: skip
         return 0
     if args.command == "demo-vlm":
         from shardforge.algorithms.demos.demo_vlm import prepare_vlm_demo, run_vlm_demo

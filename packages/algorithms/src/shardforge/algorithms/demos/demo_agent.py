@@ -5,7 +5,9 @@ tool-call traces (HF chat rows with ``tool_calls`` and ``tool`` messages, render
 template with tools) teaches the call format; GRPO with ``workflow.name=tool_use`` then trains on its
 own episodes (call the tool, read the result, answer). Both stages run with FSDP on ``nproc`` CPU
 ranks through ``torchrun``; held-out success (greedy episodes) is measured before SFT, after SFT
-(GRPO's first eval) and during/after GRPO, with the tool-call validity rate.
+(GRPO's first eval) and during/after GRPO, with the tool-call validity rate. SFT stops when greedy
+success on a validation split reaches a target (demos/agent_sft_stop.py): where a fixed step count
+ends differs too much between seeds for GRPO.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ import json
 import logging
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["make_tool_data", "run_agent_demo"]
+from shardforge.algorithms.demos.agent_sft_stop import SFTStopRule, train_until_success
+
+__all__ = ["load_sft_stop_rule", "make_tool_data", "run_agent_demo"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +40,21 @@ def _torchrun(nproc: int, command: list[str], config: Path, overrides: list[str]
     subprocess.run(argv, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def make_tool_data(out_dir: str | Path, *, num_sft: int, num_eval: int, num_rl: int, seed: int = 0) -> dict[str, Path]:
+def make_tool_data(
+    out_dir: str | Path, *, num_sft: int, num_eval: int, num_rl: int, seed: int = 0, num_val: int = 0
+) -> dict[str, Path]:
     """Disjoint 3-digit additions: ``sft.jsonl`` (tool-call traces), ``train.jsonl`` / ``eval.jsonl``
-    (prompt + reference answer, for GRPO and the held-out evals)."""
+    (prompt + reference answer, for GRPO and the held-out evals) and ``val.jsonl`` (``num_val`` prompts
+    for the SFT stop rule; drawn last, so the other splits do not depend on it)."""
     from shardforge.algorithms.workflows.tools import calculator, tool_schema
 
     rng = random.Random(seed)
     pairs: dict[tuple[int, int], None] = {}
-    while len(pairs) < num_sft + num_eval + num_rl:
+    while len(pairs) < num_sft + num_eval + num_rl + num_val:
         pairs[(rng.randint(100, 999), rng.randint(100, 999))] = None
     ordered = list(pairs)
-    held_out, sft, rl = ordered[:num_eval], ordered[num_eval : num_eval + num_sft], ordered[num_eval + num_sft :]
+    held_out, sft = ordered[:num_eval], ordered[num_eval : num_eval + num_sft]
+    rl, val = ordered[num_eval + num_sft : num_eval + num_sft + num_rl], ordered[num_eval + num_sft + num_rl :]
     tools = [tool_schema(calculator)]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,11 +68,19 @@ def make_tool_data(out_dir: str | Path, *, num_sft: int, num_eval: int, num_rl: 
                 {"role": "assistant", "content": str(a + b)},
             ]
             handle.write(json.dumps({"messages": messages, "tools": tools}) + "\n")
-    for name, rows in (("train", rl), ("eval", held_out)):
+    for name, rows in (("train", rl), ("eval", held_out), ("val", val)):
         with (out / f"{name}.jsonl").open("w") as handle:
             for a, b in rows:
                 handle.write(json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b)}) + "\n")
-    return {"sft": out / "sft.jsonl", "train": out / "train.jsonl", "eval": out / "eval.jsonl"}
+    return {name: out / f"{name}.jsonl" for name in ("sft", "train", "eval", "val")}
+
+
+def load_sft_stop_rule(overrides: list[str] | None = None) -> SFTStopRule:
+    """``demo_agent_sft_stop.yaml`` with ``KEY=VALUE`` overrides (a bad key or value is a clear error)."""
+    from shardforge.algorithms.config_io import apply_overrides, build_config, load_yaml
+
+    data = apply_overrides(load_yaml(Path(__file__).parent / "demo_agent_sft_stop.yaml"), overrides or [])
+    return build_config(SFTStopRule, data, where="sft stop rule (demo_agent_sft_stop.yaml / --sft-stop)")
 
 
 def _evals(metrics_file: Path) -> list[dict[str, Any]]:
@@ -101,12 +118,17 @@ def run_agent_demo(
     out_dir: str | Path = "outputs/demo_agent",
     *,
     nproc: int = 2,
-    sft_steps: int = 130,
+    sft_steps: int | None = None,
+    sft_stop: SFTStopRule | None = None,
     grpo_steps: int | None = None,
     seed: int = 0,
     held_out: int = 400,
+    sft_only: bool = False,
 ) -> dict[str, Any]:
-    """Prepare, evaluate the base model, SFT on traces, GRPO with tool_use (evaluating as it goes), plot."""
+    """Prepare, evaluate the base model, SFT on traces, GRPO with tool_use (evaluating as it goes), plot.
+
+    SFT runs ``sft_steps`` steps when given, else until the stop rule ``sft_stop`` (default:
+    ``demo_agent_sft_stop.yaml``) says so; ``sft_only`` ends the demo after SFT."""
     from shardforge.algorithms.testing import QWEN3_TOOL_TEMPLATE, tiny_chat_assets
 
     out = Path(out_dir)
@@ -116,17 +138,49 @@ def run_agent_demo(
     template = QWEN3_TOOL_TEMPLATE.replace("{{- tool | tojson }}", "{{- tool.function.name }}")
     assert template != QWEN3_TOOL_TEMPLATE
     assets = tiny_chat_assets(out / "assets", seed=seed, hidden=128, layers=2, chat_template=template)
-    data = make_tool_data(out / "data", num_sft=512, num_eval=held_out, num_rl=2000, seed=seed)
+    rule = sft_stop or load_sft_stop_rule()
+    data = make_tool_data(
+        out / "data", num_sft=512, num_eval=held_out, num_rl=2000, seed=seed, num_val=rule.val_prompts
+    )
     here = Path(__file__).parent
     sft_dir, grpo_dir, base_dir = out / "sft", out / "grpo", out / "eval_base"
     _torchrun(nproc, ["eval"], here / "demo_agent_eval.yaml", [
         f"model={assets['model']}", f"eval_files=[{data['eval']}]", f"output_dir={base_dir}", f"layout=d{nproc}",
     ])  # fmt: skip
     base = json.loads((base_dir / "eval_results.json").read_text())["results"]["eval"]
-    _torchrun(nproc, ["train", "sft"], here / "demo_agent_sft.yaml", [
-        f"model={assets['model']}", f"train_file={data['sft']}", f"output_dir={sft_dir}", f"steps={sft_steps}",
-        f"layout=d{nproc}", f"engine.scheduler.total_steps={sft_steps}", f"seed={seed}",
-    ])  # fmt: skip
+
+    def train_to(steps: int, total: int) -> None:  # resumes from sft_dir's checkpoint: chunks = one run
+        _torchrun(nproc, ["train", "sft"], here / "demo_agent_sft.yaml", [
+            f"model={assets['model']}", f"train_file={data['sft']}", f"output_dir={sft_dir}", f"steps={steps}",
+            f"layout=d{nproc}", f"engine.scheduler.total_steps={total}", f"seed={seed}", f"save_every={total}",
+            "keep_last=2",
+        ])  # fmt: skip
+
+    def success_at(steps: int) -> float:
+        val_dir = sft_dir / f"val{len(list(sft_dir.glob('val*'))):02d}_step{steps}"  # a step may come twice
+        _torchrun(nproc, ["eval"], here / "demo_agent_eval.yaml", [
+            f"model={sft_dir / 'hf'}", f"eval_files=[{data['val']}]", f"output_dir={val_dir}", f"layout=d{nproc}",
+        ])  # fmt: skip
+        return float(json.loads((val_dir / "eval_results.json").read_text())["results"]["val"]["success@1"])
+
+    def rewind(steps: int) -> None:  # the next train_to resumes from the checkpoint at ``steps``
+        for checkpoint in (sft_dir / "checkpoints").glob("step_*"):
+            if int(checkpoint.name.removeprefix("step_")) > steps:
+                shutil.rmtree(checkpoint)
+
+    shutil.rmtree(sft_dir, ignore_errors=True)  # no checkpoint of an earlier demo run may be resumed
+    if sft_steps is not None:
+        train_to(sft_steps, sft_steps)
+        stopped: dict[str, Any] = {"steps": sft_steps, "reason": "fixed"}
+    else:
+        stopped = train_until_success(rule, lambda step: train_to(step, rule.max_steps), success_at, rewind).to_dict()
+        sft_steps = int(stopped["steps"])
+    if sft_only:
+        result = {"sft": stopped, "base_success@1": base["success@1"], "seed": seed, "ranks": nproc,
+                  "minutes": (time.time() - started) / 60}  # fmt: skip
+        (out / "demo_agent_result.json").write_text(json.dumps(result, indent=2))
+        logger.info(f"SFT only: {stopped}; total {result['minutes']:.1f} min")
+        return result
     overrides = [
         f"model={sft_dir / 'hf'}", f"train_file={data['train']}", f"eval_file={data['eval']}",
         f"output_dir={grpo_dir}", f"layout=d{nproc}", "resume=never", f"seed={seed}", f"eval_size={held_out}",
@@ -145,6 +199,7 @@ def run_agent_demo(
     keys = ("success@1", "tool_call_valid_rate", "tool_calls_mean", "turns_mean", "reward_per_turn")
     result = {
         "sft_steps": sft_steps,
+        "sft": stopped,
         "grpo_steps": int(after_grpo["step"]),
         "base": {k: base.get(k) for k in keys},
         "after_sft": {k: after_sft.get(k) for k in keys},
