@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK", "can_fuse", "fused_update_", "fused_update_many_", "scalars"]
+__all__ = ["CHUNK", "can_fuse", "fused_update_many_", "scalars"]
 
 
 _COMPILED: dict[bool, Callable[..., None]] = {}
@@ -107,25 +107,6 @@ def can_fuse(*tensors: torch.Tensor | None) -> bool:
     return all(t.is_contiguous() for t in present) and len({t.device for t in present}) == 1
 
 
-def fused_update_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    compensation: torch.Tensor | None,
-    step_scalars: torch.Tensor,
-    *,
-    beta1: float,
-    beta2: float,
-    eps: float,
-) -> None:
-    """The update of `anyprecision._adamw_update_`, compiled; ``step_scalars`` from `scalars`."""
-    fused_update_many_(
-        [param], [grad], [exp_avg], [exp_avg_sq], None if compensation is None else [compensation],
-        step_scalars, beta1=beta1, beta2=beta2, eps=eps,
-    )  # fmt: skip
-
-
 def fused_update_many_(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -138,7 +119,8 @@ def fused_update_many_(
     beta2: float,
     eps: float,
 ) -> None:
-    """`fused_update_` of many parameters sharing one step's scalars, `CHUNK` per compiled call."""
+    """The update of `anyprecision._adamw_update_` for parameters sharing one step's scalars (from `scalars`),
+    compiled, `CHUNK` parameters per call."""
     compiled = _compiled(compensations is not None)
     for lo in range(0, len(params), CHUNK):
         flat: list[Any] = [
