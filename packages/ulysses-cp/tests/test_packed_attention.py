@@ -240,6 +240,46 @@ def test_packed_sdpa_matches_manual_reference(heads: int, kv_heads: int, scale: 
         torch.testing.assert_close(a, b, **F64_TOL)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4)], ids=["gqa3", "mha"])
+def test_shared_prefixes_equal_the_unshared_attention(heads: int, kv_heads: int) -> None:
+    """Sequences 1, 2 (and 4) repeat the first 5 (4) tokens of sequence 0 (3): dropping those (but the last
+    shared one) and pointing ``prefixes`` at the source gives every kept token its unshared output, and the
+    source's prefix tokens collect the dropped copies' gradients."""
+    lengths, shared = [7, 9, 6, 6, 5], [0, 5, 5, 0, 4]
+    sources = [0, 0, 0, 3, 3]
+    cu = [0, *itertools.accumulate(lengths)]
+    q0, k0, v0 = (t.detach() for t in _qkv(cu[-1], heads, kv_heads, seed=3))
+    for i, p in enumerate(shared):  # make the shared tokens equal to the source's
+        for t in (q0, k0, v0):
+            t[cu[i] : cu[i] + p] = t[cu[sources[i]] : cu[sources[i]] + p]
+    keep = torch.cat([torch.arange(cu[i] + max(p - 1, 0), cu[i + 1]) for i, p in enumerate(shared)])
+    kept_lengths = [n - max(p - 1, 0) for n, p in zip(lengths, shared, strict=True)]
+    kept_cu = [0, *itertools.accumulate(kept_lengths)]
+    prefixes = torch.tensor([[kept_cu[sources[i]], p - 1] if p else [0, 0] for i, p in enumerate(shared)])
+    q, k, v = (t[keep].clone().requires_grad_() for t in (q0, k0, v0))
+    got = packed_sdpa(q, k, v, torch.tensor(kept_cu), prefixes=prefixes)
+    want_full = manual_attention(q0, k0, v0, cu)
+    torch.testing.assert_close(got, want_full[keep], **F64_TOL)
+    # gradients: the unshared attention's, with each dropped token's gradient added to its source copy
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q0, k0, v0))
+    upstream = torch.randn(got.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    full_up = torch.zeros(want_full.shape, dtype=torch.float64)
+    full_up[keep] = upstream
+    want_grads = torch.autograd.grad(manual_attention(qf, kf, vf, cu), (kf, vf), full_up)
+    got_grads = torch.autograd.grad(got, (k, v), upstream)
+    for got_g, full_g in zip(got_grads, want_grads, strict=True):
+        folded = full_g.clone()
+        for i, p in enumerate(shared):
+            if p > 1:  # the dropped tokens' key/value gradients belong to the source's tokens
+                src = cu[sources[i]]
+                folded[src : src + p - 1] += folded[cu[i] : cu[i] + p - 1]
+        torch.testing.assert_close(got_g, folded[keep], **F64_TOL)
+    with pytest.raises(ValueError, match="must lie in the batch before the sequence"):
+        packed_sdpa(q, k, v, torch.tensor(kept_cu), prefixes=torch.tensor([[0, 0], [0, 50], [0, 0], [0, 0], [0, 0]]))
+    with pytest.raises(ValueError, match="sliding-window"):
+        packed_sdpa(q, k, v, torch.tensor(kept_cu), prefixes=prefixes, sliding_window=2)
+
+
 @pytest.mark.parametrize("window", [1, 3, 4, 100])
 def test_sliding_window_matches_manual_reference(window: int) -> None:
     lengths = [2, 6, 3, 9, 4]  # shorter than, equal to and longer than the windows

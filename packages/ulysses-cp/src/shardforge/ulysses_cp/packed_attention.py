@@ -13,6 +13,12 @@ Back-ends: on CUDA with fp16/bf16, `torch.nn.attention.varlen.varlen_attn` (flas
 torch 2.9 signature and the later keyword one are handled);
 elsewhere, causal SDPA per sequence (block-diagonal; equal-length sequences share one call),
 which computes sum(L_i^2) scores instead of T^2 and never builds a [T, T] mask.
+
+Shared prefixes (``prefixes``, [N, 2]: for sequence i, a token start s_i and a length P_i): sequence i's
+queries also attend to the keys of tokens [s_i, s_i + P_i) of the packed batch, placed before its own.
+A batch of group samples (e.g. GRPO's n completions of one prompt) can then hold the prompt once: the
+other samples keep only the prompt's last token (positions continue after the prefix) and point at the
+first sample's prompt. Only the per-sequence SDPA path implements it (the CUDA varlen path falls back).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from shardforge.ulysses_cp.all_to_all import head_to_seq, seq_to_head
 __all__ = [
     "CP_GROUP_KWARG",
     "PACKED_ATTENTION",
+    "PREFIX_KWARG",
     "packed_attention_forward",
     "packed_model_kwargs",
     "packed_sdpa",
@@ -61,13 +68,22 @@ CP_GROUP_KWARG = "shardforge_cp_group"
 """Forward kwarg carrying the context-parallel process group (None or size 1 = no CP)."""
 
 
+PREFIX_KWARG = "shardforge_prefixes"
+"""Forward kwarg carrying shared prefixes ([N, 2] token start and length per sequence; see the module)."""
+
+
 def packed_model_kwargs(
-    cu_seqlens: torch.Tensor, max_seqlen: int | None = None, *, cp_group: dist.ProcessGroup | None = None
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+    prefixes: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """The extra forward kwargs that route a packed batch to `packed_attention_forward`.
 
     With ``cp_group`` (Ulysses context parallelism) ``cu_seqlens`` describes the *global*
-    packed sequence while each rank feeds its contiguous 1/cp slice of the tokens.
+    packed sequence while each rank feeds its contiguous 1/cp slice of the tokens. ``prefixes``
+    ([N, 2]) gives sequences shared prefixes (see the module); not with context parallelism.
     """
     cu = cu_seqlens.to(torch.int32)
     if max_seqlen is None:
@@ -79,7 +95,11 @@ def packed_model_kwargs(
         "max_length_k": max_seqlen,
     }
     if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        if prefixes is not None:
+            raise ValueError("shared prefixes are not supported with context parallelism (cp > 1)")
         kwargs[CP_GROUP_KWARG] = cp_group
+    if prefixes is not None:
+        kwargs[PREFIX_KWARG] = prefixes
     return kwargs
 
 
@@ -120,6 +140,7 @@ def packed_attention_forward(
         max_seqlen=max_seqlen,
         scale=scaling,
         sliding_window=sliding_window,
+        prefixes=kwargs.get(PREFIX_KWARG),
     )
     return out_THD.unsqueeze(0), None
 
@@ -166,8 +187,12 @@ def packed_sdpa(
     max_seqlen: int | None = None,
     scale: float | None = None,
     sliding_window: int | None = None,
+    prefixes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention within each packed sequence. q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
+    """Causal attention within each packed sequence. q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
+
+    ``prefixes`` [N, 2] (token start, length; length 0 = none): keys each sequence attends to before
+    its own (see the module)."""
     num_heads, num_kv_heads = q_THD.shape[1], k_THD.shape[1]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of key/value heads ({num_kv_heads})")
@@ -177,9 +202,28 @@ def packed_sdpa(
     if bounds[0] != 0 or any(end < start for start, end in itertools.pairwise(bounds)):
         # Positions outside [cu[0], cu[-1]) or inside a negative-length span would never be written.
         raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {bounds}")
+    spans = _prefix_spans(prefixes, bounds) if prefixes is not None else None
+    if spans is not None and any(length for _, length in spans):
+        if sliding_window is not None:
+            raise ValueError("shared prefixes are not supported with sliding-window attention")
+        return _blockwise_sdpa(q_THD, k_THD, v_THD, cu_seqlens, scale, None, spans)
     if _use_varlen_kernel(q_THD):
         return _varlen_flash(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, scale, sliding_window)
     return _blockwise_sdpa(q_THD, k_THD, v_THD, cu_seqlens, scale, sliding_window)
+
+
+def _prefix_spans(prefixes: torch.Tensor, bounds: list[int]) -> list[tuple[int, int]]:
+    """``prefixes`` as (start, length) pairs, checked: one per sequence, inside the batch, before the sequence."""
+    spans = [(int(a), int(b)) for a, b in prefixes.tolist()]
+    if len(spans) != len(bounds) - 1:
+        raise ValueError(f"prefixes has {len(spans)} rows for {len(bounds) - 1} sequences (one [start, length] each)")
+    for i, (start, length) in enumerate(spans):
+        if length and not (0 <= start and length > 0 and start + length <= bounds[i]):
+            raise ValueError(
+                f"sequence {i} (tokens {bounds[i]}..{bounds[i + 1]}) has prefix tokens {start}..{start + length}: "
+                "a prefix must lie in the batch before the sequence it serves"
+            )
+    return spans
 
 
 def _use_varlen_kernel(q: torch.Tensor) -> bool:
@@ -246,28 +290,39 @@ def _blockwise_sdpa(
     cu_seqlens: torch.Tensor,
     scale: float | None,
     sliding_window: int | None,
+    prefixes: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     bounds = cu_seqlens.tolist()
-    by_length: dict[int, list[int]] = {}
-    for start, end in itertools.pairwise(bounds):
+    by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for i, (start, end) in enumerate(itertools.pairwise(bounds)):
         if end > start:
-            by_length.setdefault(end - start, []).append(start)
+            prefix_start, prefix_len = prefixes[i] if prefixes is not None else (0, 0)
+            by_shape.setdefault((end - start, prefix_len), []).append((start, prefix_start))
     outs: list[torch.Tensor] = []
     flats: list[torch.Tensor] = []
-    # Sequences of equal length run as one batched SDPA call: packed batches of short
-    # sequences would otherwise pay per-call overhead once per sequence and layer.
-    for length, starts in by_length.items():
-        index_NL = torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)
+    # Sequences of equal length (and shared-prefix length) run as one batched SDPA call: packed
+    # batches of short sequences would otherwise pay per-call overhead once per sequence and layer.
+    for (length, prefix_len), items in by_shape.items():
+        starts = torch.tensor([start for start, _ in items], device=q.device)
+        index_NL = starts[:, None] + torch.arange(length, device=q.device)
         flat = index_NL.reshape(-1)
-        q_NHLD = q[flat].view(len(starts), length, *q.shape[1:]).transpose(1, 2)
-        k_NHLD = k[flat].view(len(starts), length, *k.shape[1:]).transpose(1, 2)
-        v_NHLD = v[flat].view(len(starts), length, *v.shape[1:]).transpose(1, 2)
+        q_NHLD = q[flat].view(len(items), length, *q.shape[1:]).transpose(1, 2)
+        keys = flat
+        if prefix_len:  # each sequence's keys: its prefix's tokens, then its own
+            prefix_starts = torch.tensor([p for _, p in items], device=q.device)
+            prefix_NP = prefix_starts[:, None] + torch.arange(prefix_len, device=q.device)
+            keys = torch.cat([prefix_NP, index_NL], dim=1).reshape(-1)
+        k_NHLD = k[keys].view(len(items), prefix_len + length, *k.shape[1:]).transpose(1, 2)
+        v_NHLD = v[keys].view(len(items), prefix_len + length, *v.shape[1:]).transpose(1, 2)
         mask = None
-        if sliding_window is not None and length > sliding_window:
+        if prefix_len:  # the whole prefix, then causal over the sequence's own keys
+            rows, cols = torch.arange(length, device=q.device), torch.arange(prefix_len + length, device=q.device)
+            mask = cols[None, :] <= rows[:, None] + prefix_len
+        elif sliding_window is not None and length > sliding_window:
             idx = torch.arange(length, device=q.device)
             diff = idx[:, None] - idx[None, :]
             mask = (diff >= 0) & (diff < sliding_window)

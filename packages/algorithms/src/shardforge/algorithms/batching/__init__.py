@@ -14,6 +14,7 @@ from shardforge.algorithms.batching.collectives import (
 from shardforge.algorithms.batching.groups import SEQUENCE_GROUP, group_units, grouped_microbatches
 from shardforge.algorithms.batching.microbatch import agree_max, ffd_bins, split_microbatches
 from shardforge.algorithms.batching.packed import PackedBatch, pack_sequences, pad_to_multiple
+from shardforge.algorithms.batching.prefix_sharing import share_prefixes, unshare_outputs
 from shardforge.algorithms.batching.segments import (
     broadcast_to_tokens,
     check_cu_seqlens,
@@ -49,8 +50,10 @@ __all__ = [
     "segment_ids",
     "segment_sum",
     "sequence_start_mask",
+    "share_prefixes",
     "split_microbatches",
     "stat_kind",
     "target_aligned_values",
     "target_counts",
+    "unshare_outputs",
 ]

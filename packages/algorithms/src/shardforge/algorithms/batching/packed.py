@@ -31,6 +31,12 @@ class PackedBatch:
     """[T] float32 1.0 where the token is a training target."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     """Optional per-token [T] or per-sequence [N] tensors (rewards, advantages, ...)."""
+    prefixes: torch.Tensor | None = None
+    """[N, 2] int64 shared prefixes (`batching.prefix_sharing`): sequence i attends to tokens
+    [start, start + length) of this batch before its own; length 0 = none. None = no sharing."""
+    unshared_index: torch.Tensor | None = None
+    """With ``prefixes``: [T_full] int64, for every token of the batch before sharing, the token of this
+    batch that has its outputs (`batching.prefix_sharing.unshare_outputs`)."""
 
     @property
     def num_tokens(self) -> int:
@@ -51,10 +57,14 @@ class PackedBatch:
             cu_seqlens=self.cu_seqlens.to(device),
             loss_mask=self.loss_mask.to(device),
             extras={k: v.to(device) for k, v in self.extras.items()},
+            prefixes=self.prefixes,
+            unshared_index=self.unshared_index,
         )
 
     def select(self, indices: Sequence[int]) -> PackedBatch:
         """A new packed batch with the sequences at ``indices`` (in that order)."""
+        if self.prefixes is not None:
+            raise ValueError("select() on a batch with shared prefixes: select before `share_prefixes`")
         bounds = self.cu_seqlens.tolist()
         spans = [(bounds[i], bounds[i + 1]) for i in indices]
         token_index = torch.cat([torch.arange(a, b) for a, b in spans]) if spans else torch.zeros(0, dtype=torch.long)
@@ -133,4 +143,6 @@ def pad_to_multiple(batch: PackedBatch, multiple: int) -> PackedBatch:
         cu_seqlens=torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:] + pad]),
         loss_mask=torch.cat([batch.loss_mask, batch.loss_mask.new_zeros(pad)]),
         extras=extras,
+        prefixes=None if batch.prefixes is None else torch.cat([batch.prefixes, batch.prefixes.new_zeros(1, 2)]),
+        unshared_index=batch.unshared_index,
     )

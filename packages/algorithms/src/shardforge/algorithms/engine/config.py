@@ -121,6 +121,12 @@ class EngineConfig:
     reshard_after_forward: bool = True
     """FSDP: free gathered params after forward (False: keep them until backward, ZeRO-2 like: less
     communication, more memory; the last unit never reshards)."""
+    share_prefixes: bool | None = None
+    """Hold a prefix that consecutive sequences share (GRPO's group samples of one prompt, DPO pairs, a common
+    system prompt; not training targets) once per micro-batch: those tokens run through the model once, not
+    once per sequence; outputs and gradients are the unshared ones up to float summation order. None (auto):
+    on for dense text models without CP/PP/sliding windows, off on CUDA (the flash varlen kernel takes no
+    prefixes). See `shardforge.algorithms.batching.prefix_sharing`."""
     fsdp_layers_per_unit: int = 1
     """FSDP: consecutive decoder layers per unit (fewer, larger all-gathers and reduce-scatters)."""
     fsdp_forward_prefetch: int = 0

@@ -136,7 +136,7 @@ def _model_inputs(
         "input_ids": tensors[0][None],
         "position_ids": tensors[1][None],
         "use_cache": False,
-        **packed_model_kwargs(padded.cu_seqlens, cp_group=cp_group),
+        **packed_model_kwargs(padded.cu_seqlens, cp_group=cp_group, prefixes=padded.prefixes),
     }
     return kwargs, tensors[2:]
 
@@ -153,6 +153,8 @@ class Head(ABC):
     """Whether ``outputs`` can return entropies (loss functions that want them need this)."""
     has_full_distribution: ClassVar[bool] = False
     """Whether `distribution_outputs` returns each position's whole next-token distribution."""
+    supports_prefix_sharing: ClassVar[bool] = False
+    """Whether micro-batches may share prefixes (`engine.features.prefix_sharing`): text-only inputs."""
 
     temperature: float = 1.0
     """LM heads: log-probs and entropies are those of softmax(logits / T). RL trainers set T to the
@@ -212,6 +214,7 @@ class LMHead(Head):
     supports_lora = True
     has_token_distribution = True
     has_full_distribution = True
+    supports_prefix_sharing = True
 
     def hf_config(self, hf_config: Any) -> Any:
         return hf_config
@@ -292,6 +295,7 @@ class ValueHead(Head):
     supports_pipeline = False
     supports_lora = False
     has_token_distribution = False
+    supports_prefix_sharing = True
 
     def hf_config(self, hf_config: Any) -> Any:
         return value_hf_config(hf_config)

@@ -17,9 +17,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardforge.algorithms.batching import SEQUENCE_GROUP, PackedBatch, grouped_microbatches, split_microbatches
+from shardforge.algorithms.batching import (
+    SEQUENCE_GROUP,
+    PackedBatch,
+    grouped_microbatches,
+    share_prefixes,
+    split_microbatches,
+    unshare_outputs,
+)
 from shardforge.algorithms.engine.context import ParallelContext
 from shardforge.algorithms.engine.features.moe import MoETraining, aux_term, moe_stats, recording
+from shardforge.algorithms.engine.features.prefix_sharing import use_prefix_sharing
 from shardforge.algorithms.engine.features.router_replay import build_router_replay, replay_stats, replaying
 from shardforge.algorithms.engine.heads import Head
 from shardforge.checkpoint_dcp import Checkpointer, TrainState, export_hf
@@ -118,12 +126,18 @@ class SPMDRunner:
     def __init__(self, model: nn.Module, ctx: ParallelContext, head: Head, moe: MoETraining | None) -> None:
         self.model, self.ctx, self.head, self.moe = model, ctx, head, moe
         self.replay = build_router_replay(model, ctx.config.router_replay and moe is not None)
+        hf_config = getattr(model, "config", None)
+        self.share_prefixes = use_prefix_sharing(ctx, head, hf_config, moe is not None)
 
     def microbatches(self, batch: PackedBatch) -> MicroBatches:
         budget, group = self.ctx.config.max_tokens_per_microbatch, self.ctx.world_group
         if SEQUENCE_GROUP in batch.extras:  # keep groups (e.g. chosen/rejected pairs) in one micro-batch
-            return MicroBatches(grouped_microbatches(batch, budget, group=group))
-        return MicroBatches(split_microbatches(batch, budget, group=group))
+            items = grouped_microbatches(batch, budget, group=group)
+        else:
+            items = split_microbatches(batch, budget, group=group)
+        if self.share_prefixes:  # after the split: sharing only removes tokens (engine.features.prefix_sharing)
+            items = [(indices, share_prefixes(mb) if mb is not None else None) for indices, mb in items]
+        return MicroBatches(items)
 
     def forward_backward(
         self,
@@ -177,7 +191,7 @@ class SPMDRunner:
         for indices, mb in self.microbatches(batch).items:
             values = self._outputs(mb).cpu()
             if mb is not None:
-                scatter_rows(out, bounds, indices, values)
+                scatter_rows(out, bounds, indices, unshare_outputs(values, mb))
         return out
 
     def forward_distribution(self, batch: PackedBatch, top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -192,7 +206,9 @@ class SPMDRunner:
                 log_p = self.head.distribution_outputs(self.model, self.ctx, run, entropy=False)[2]
             if mb is None:
                 continue
-            log_p = log_p.masked_fill((mb.loss_mask == 0).to(log_p.device)[:, None], 0.0)
+            log_p = unshare_outputs(log_p, mb)  # the micro-batch's rows before any prefix sharing
+            targets = torch.cat([batch.loss_mask[bounds[i] : bounds[i + 1]] for i in indices])
+            log_p = log_p.masked_fill((targets == 0).to(log_p.device)[:, None], 0.0)
             top = log_p.topk(top_k, dim=-1) if top_k > 0 else None
             values = (top.values if top is not None else log_p).cpu()
             if rows is None:

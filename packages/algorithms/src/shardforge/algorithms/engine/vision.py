@@ -139,6 +139,7 @@ class VisionLMHead(LMHead):
     supports_pipeline = False
     supports_lora = True
     has_full_distribution = False  # `distribution_outputs` is LMHead's text-only forward: not for visual inputs
+    supports_prefix_sharing = False  # image tokens and mRoPE positions: not shared
 
     def distribution_outputs(
         self, model: nn.Module, ctx: ParallelContext, mb: PackedBatch, *, entropy: bool

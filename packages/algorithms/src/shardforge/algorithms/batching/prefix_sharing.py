@@ -1,0 +1,103 @@
+"""Shared prompt prefixes: a micro-batch of group samples holds each prompt once.
+
+GRPO samples n completions per prompt, DPO pairs a chosen and a rejected answer to one prompt, a
+system prompt opens every chat: consecutive sequences of a packed batch often begin with the same
+tokens that are not training targets. Training runs every layer on every token, so those tokens are
+computed n times. `share_prefixes` keeps them once: a sequence whose first P tokens equal those of the
+latest sequence kept whole (its *source*), none of them a target, keeps only its tokens from P-1 on
+(the last shared token stays: its output predicts the first target) with their positions (P-1, P, ...),
+and its ``prefixes`` row points attention at the source's first P-1 tokens (the packed attention's
+``prefixes``, `shardforge.ulysses_cp.packed_sdpa`). Each kept token sees exactly the context it saw
+before, so every output is the unshared one (up to float summation order) and the weights' gradients
+are the same sums: the shared tokens' keys and values collect the gradients of every sequence that
+reads them.
+
+`unshare_outputs` maps per-token outputs of the shared batch back to the original tokens (a dropped
+token takes the output of the source token at its position: the same context). Per-sequence extras
+and the sequence count are unchanged, so losses and their per-sequence aggregations run on the shared
+batch as they are.
+
+Legend: T = tokens, N = sequences, P = shared prefix length of a sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from shardforge.algorithms.batching.packed import PackedBatch
+
+__all__ = ["MIN_SHARED_TOKENS", "share_prefixes", "unshare_outputs"]
+
+MIN_SHARED_TOKENS = 4
+"""Share a prefix only when it removes at least this many tokens (shorter ones cost an extra
+attention call for little)."""
+
+
+def _shared_length(batch: PackedBatch, source: tuple[int, int], seq: tuple[int, int]) -> int:
+    """P: how many leading tokens ``seq`` shares with ``source`` (ids and positions), none a target of ``seq``."""
+    (s0, s1), (q0, q1) = source, seq
+    n = min(s1 - s0, q1 - q0)
+    same = (batch.input_ids[s0 : s0 + n] == batch.input_ids[q0 : q0 + n]) & (
+        batch.position_ids[s0 : s0 + n] == batch.position_ids[q0 : q0 + n]
+    )
+    same &= batch.loss_mask[q0 : q0 + n] == 0  # a shared token is never a target of the sequence it serves
+    differs = (~same).nonzero()
+    return int(differs[0, 0]) if differs.numel() else n
+
+
+def share_prefixes(batch: PackedBatch, min_shared: int = MIN_SHARED_TOKENS) -> PackedBatch:
+    """``batch`` with each sequence's shared prefix held once (see the module); ``batch`` itself when
+    nothing is shared. Per-token extras (leading size T) follow the kept tokens; per-sequence ones stay."""
+    if batch.prefixes is not None:
+        raise ValueError("share_prefixes() on a batch that already shares prefixes")
+    bounds = batch.cu_seqlens.tolist()
+    spans = list(itertools.pairwise(bounds))
+    keep: list[torch.Tensor] = []
+    prefixes: list[tuple[int, int]] = []
+    lengths: list[int] = []
+    source: tuple[int, int, int] | None = None  # (start, end, start in the shared batch) of the latest whole one
+    shared_any, out_start = False, 0
+    for start, end in spans:
+        shared = _shared_length(batch, source[:2], (start, end)) if source is not None and end > start else 0
+        if source is not None and shared - 1 >= min_shared:
+            keep.append(torch.arange(start + shared - 1, end))
+            prefixes.append((source[2], shared - 1))
+            shared_any = True
+        else:
+            keep.append(torch.arange(start, end))
+            prefixes.append((0, 0))
+            if end > start:
+                source = (start, end, out_start)
+        lengths.append(int(keep[-1].numel()))
+        out_start += lengths[-1]
+    if not shared_any:
+        return batch
+    token_index = torch.cat(keep)
+    cu = torch.zeros(len(spans) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    extras = {k: (v[token_index] if v.shape[0] == batch.num_tokens else v) for k, v in batch.extras.items()}
+    # every original token -> the shared token with its output: kept tokens map to themselves,
+    # a dropped one (and the kept last shared token, whose output is the source's) to the source's
+    unshared = torch.empty(batch.num_tokens, dtype=torch.long)
+    unshared[token_index] = torch.arange(token_index.numel())
+    for (start, _), (source_start, length) in zip(spans, prefixes, strict=True):
+        if length:
+            unshared[start : start + length + 1] = torch.arange(source_start, source_start + length + 1)
+    return PackedBatch(
+        input_ids=batch.input_ids[token_index],
+        position_ids=batch.position_ids[token_index],
+        cu_seqlens=cu,
+        loss_mask=batch.loss_mask[token_index],
+        extras=extras,
+        prefixes=torch.tensor(prefixes, dtype=torch.long),
+        unshared_index=unshared,
+    )
+
+
+def unshare_outputs(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Per-token ``values`` ([T_shared, ...]) of a shared ``batch`` -> [T_original, ...] (identity without sharing)."""
+    if batch.unshared_index is None:
+        return values
+    return values[batch.unshared_index.to(values.device)]
