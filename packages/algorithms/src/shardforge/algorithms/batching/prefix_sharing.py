@@ -47,6 +47,14 @@ def _shared_length(batch: PackedBatch, source: tuple[int, int], seq: tuple[int, 
     return int(differs[0, 0]) if differs.numel() else n
 
 
+def _heads(batch: PackedBatch, bounds: list[int], n: int) -> list[tuple[tuple[int, ...], ...] | None]:
+    """Each sequence's first ``n`` (ids, positions), or None when it is shorter; one host copy per tensor."""
+    ids, pos = batch.input_ids.tolist(), batch.position_ids.tolist()
+    return [
+        (tuple(ids[a : a + n]), tuple(pos[a : a + n])) if b - a >= n else None for a, b in itertools.pairwise(bounds)
+    ]
+
+
 def share_prefixes(batch: PackedBatch, min_shared: int = MIN_SHARED_TOKENS) -> PackedBatch:
     """``batch`` with each sequence's shared prefix held once (see the module); ``batch`` itself when
     nothing is shared. Per-token extras (leading size T) follow the kept tokens; per-sequence ones stay."""
@@ -54,13 +62,18 @@ def share_prefixes(batch: PackedBatch, min_shared: int = MIN_SHARED_TOKENS) -> P
         raise ValueError("share_prefixes() on a batch that already shares prefixes")
     bounds = batch.cu_seqlens.tolist()
     spans = list(itertools.pairwise(bounds))
+    heads = _heads(batch, bounds, min_shared + 1)
     keep: list[torch.Tensor] = []
     prefixes: list[tuple[int, int]] = []
     lengths: list[int] = []
     source: tuple[int, int, int] | None = None  # (start, end, start in the shared batch) of the latest whole one
     shared_any, out_start = False, 0
-    for start, end in spans:
-        shared = _shared_length(batch, source[:2], (start, end)) if source is not None and end > start else 0
+    for i, (start, end) in enumerate(spans):
+        shared = 0
+        # a sequence that shares >= min_shared + 1 tokens with the source shares them with its predecessor
+        # too (the source or another of its dependents): only then compare with the source token by token
+        if source is not None and i > 0 and heads[i] is not None and heads[i] == heads[i - 1]:
+            shared = _shared_length(batch, source[:2], (start, end))
         if source is not None and shared - 1 >= min_shared:
             keep.append(torch.arange(start + shared - 1, end))
             prefixes.append((source[2], shared - 1))
