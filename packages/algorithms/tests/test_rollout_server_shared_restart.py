@@ -1,0 +1,139 @@
+"""Restarts of a rollout server shared by several trainer ranks (`shardforge.algorithms.rollout.shared_restart`).
+
+Two gloo ranks share one stub server (tests/rollout_server_stub.py) that rank 0 started. The server dies with
+one rank's batch in flight while the other rank's round already succeeded: the ranks must agree at the end of
+the round, rank 0 must restart the server once at the current weight version, the failing rank must regenerate
+its round (the same rollouts as a server that never died), and when ``max_server_restarts`` is used up every
+rank must end with the same one-line error (none waits forever).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+STUB = Path(__file__).with_name("rollout_server_stub.py")
+FAST = {"health_timeout_s": 0.5, "request_timeout_s": 2.0, "server_startup_timeout_s": 30.0}
+PROMPTS = {0: [[5, 6, 7], [8, 9], [10]], 1: [[11, 12], [13], [14, 15, 16]]}
+"""Each rank's own prompts (3 requests per rank and round)."""
+
+
+def _wait_for(path: Path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.02)
+
+
+def _two_ranks_share_a_server(tmp: Path, dying_rank: int) -> dict[str, Any]:
+    """On each of 2 ranks: a no-death round at weight version 3, a round during which the server dies with
+    ``dying_rank``'s batch in flight (the other rank's round has already succeeded), then, with the one
+    restart used up, a round in which only the other rank sends requests to a killed server."""
+    import torch.distributed as dist
+
+    from shardforge.algorithms.rollout.server_health import RolloutServerError
+    from shardforge.algorithms.rollout.shared_restart import generation_round
+    from shardforge.algorithms.rollout.types import SamplingParams
+    from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
+    from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine
+
+    marker = tmp / "die"
+
+    class StubEngine(VLLMServerRolloutEngine):
+        def _server_command(self, model_dir: Any, tokenizer: Any, dtype: str, seed: int, port: int) -> list[str]:
+            return [sys.executable, str(STUB), "--port", str(port), "--die-once", str(marker)]
+
+    rank = dist.get_rank()
+    tokenizer = SimpleNamespace(eos_token_id=2, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+    params = SamplingParams(n=3, max_new_tokens=4, seed=7)
+    options = VLLMOptions(mode="server", on_server_failure="restart", max_server_restarts=1, **FAST)
+    engine = StubEngine(tmp, tokenizer, weights_root=tmp / "w", options=options, log_file=tmp / "log")
+
+    def responses() -> list[tuple[int, list[int]]]:
+        return [(r.prompt_index, r.response_ids) for r in engine.generate(PROMPTS[rank], params)]
+
+    def state() -> dict[str, Any]:
+        with urllib.request.urlopen(engine.url + "/stub/state", timeout=5) as reply:
+            return json.loads(reply.read())  # type: ignore[no-any-return]
+
+    attempts = 0
+
+    def dying_round() -> list[tuple[int, list[int]]]:
+        nonlocal attempts
+        attempts += 1
+        if rank != dying_rank:
+            out = responses()
+            (tmp / "other_done").touch()  # the survivor's round is over before the server dies
+            return out
+        if attempts == 1:
+            _wait_for(tmp / "other_done")
+            marker.touch()  # the server dies on this batch's first request (the next start finds no marker)
+        return responses()
+
+    try:
+        engine.update_weights(3)
+        expected = generation_round(engine, responses)
+        first_pid = state()["pid"]
+        engine.pop_stats()
+        got = generation_round(engine, dying_round)
+        after = state()
+        stats = engine.pop_stats()
+        restarts = engine.health.total_restarts
+
+        # max_server_restarts=1 is used up: only the other rank sends requests, to a killed server.
+        dist.barrier()  # both ranks have asked for the state
+        if rank == 0 and engine.process is not None:
+            engine.process.kill()
+            engine.process.wait()
+        dist.barrier()
+        error = None
+        try:
+            generation_round(engine, responses if rank != dying_rank else list)
+        except RolloutServerError as exc:
+            error = str(exc)
+        return {
+            "expected": expected, "got": got, "attempts": attempts, "first_pid": first_pid, "state": after,
+            "stats": stats, "restarts": restarts, "error": error, "url": engine.url,
+        }  # fmt: skip
+    finally:
+        engine.shutdown(grace_s=5.0)
+
+
+@pytest.mark.parametrize("dying_rank", [1, 0])
+def test_two_ranks_restart_their_shared_server_once_and_regenerate_the_lost_round(
+    tmp_path: Path, dying_rank: int
+) -> None:
+    from shardforge.mesh.testing import get_rank_pool
+
+    results = get_rank_pool(2).run(_two_ranks_share_a_server, tmp_path, dying_rank, timeout_s=90)
+    other = 1 - dying_rank
+    starts = [line for line in (tmp_path / "log").read_text().splitlines() if line.startswith("stub server ")]
+    assert len(starts) == 2, f"the server was started once and restarted once: {starts}"
+    for rank, out in enumerate(results):
+        assert out["got"] == out["expected"], f"rank {rank}: the regenerated rollouts differ from a healthy server's"
+        assert out["state"]["version"] == 3, "the restarted server serves the current weight version"
+        assert out["state"]["pid"] != out["first_pid"]
+        assert out["restarts"] == 1, f"rank {rank}: the run's restart count (max_server_restarts) is the same"
+    assert results[dying_rank]["attempts"] == 2 and results[other]["attempts"] == 1  # only the lost round reruns
+    # Summed over ranks (as the trainer logs them): one restart, one failure, the lost round's 3 requests resent.
+    total = {k: sum(out["stats"][k] for out in results) for k in results[0]["stats"]}
+    assert total == {"rollout_server/health_checks": 3.0, "rollout_server/failures": 1.0,
+                     "rollout_server/restarts": 1.0, "rollout_server/resent_requests": 3.0}  # fmt: skip
+    assert results[0]["stats"]["rollout_server/restarts"] == 1.0  # reported by the owner only
+
+    # Restarts used up: every rank ends with the same one-line error (also the rank that sent nothing).
+    url = results[0]["url"]
+    errors = [out["error"] for out in results]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert "\n" not in errors[0]
+    assert errors[0].startswith(f"rollout server {url} is down: /health: connection refused")
+    assert f"(seen by rank(s) [{other}])" in errors[0]
+    assert f"check its log {tmp_path / 'log'}" in errors[0] and "vllm.max_server_restarts is used up" in errors[0]
