@@ -137,3 +137,65 @@ def test_two_ranks_restart_their_shared_server_once_and_regenerate_the_lost_roun
     assert errors[0].startswith(f"rollout server {url} is down: /health: connection refused")
     assert f"(seen by rank(s) [{other}])" in errors[0]
     assert f"check its log {tmp_path / 'log'}" in errors[0] and "vllm.max_server_restarts is used up" in errors[0]
+
+
+# ------------------------------------------------------------------------------------------ trainer
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from shardforge.algorithms.testing import tiny_assets
+
+    root = tmp_path_factory.mktemp("grpo_shared_server")
+    tiny = tiny_assets(root, seed=11, max_operand=20, num_eval=16, data_seed=2)
+    return {"model": str(root / "model"), "train": tiny["train"], "vocab_size": len(tiny["tokenizer"])}
+
+
+def _grpo(assets: dict[str, Any], out: Path, layout: str, marker: Path | None) -> list[dict[str, Any]]:
+    """Three GRPO steps (4 prompts x group_size 2, one request per episode) on a stub server that rank 0 starts;
+    with ``marker``, it dies with step 2's requests in flight (after step 1's 8). The train metrics (rank 0)."""
+    import torch.distributed as dist
+
+    from shardforge.algorithms.config_io import build_config
+    from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine
+    from shardforge.algorithms.trainers.grpo import GRPOConfig, run_grpo
+
+    die = [] if marker is None else ["--die-once", str(marker), "--die-after", "8"]
+
+    def stub_command(self: Any, model_dir: Any, tokenizer: Any, dtype: str, seed: int, port: int) -> list[str]:
+        return [sys.executable, str(STUB), "--port", str(port), "--vocab-size", str(assets["vocab_size"]), *die]
+
+    data = {
+        "model": assets["model"], "train_file": str(assets["train"]), "output_dir": str(out), "layout": layout,
+        "steps": 3, "prompts_per_step": 4, "group_size": 2, "max_new_tokens": 4, "reward_fn": "zero",
+        "progress": False, "save_every": 0, "export_hf_at_end": False, "rollout_engine": "vllm",
+        "vllm": {"mode": "server", "server_python": sys.executable, "on_server_failure": "restart", **FAST},
+        "engine": {"max_tokens_per_microbatch": 64},
+    }  # fmt: skip
+    original = VLLMServerRolloutEngine._server_command
+    VLLMServerRolloutEngine._server_command = stub_command  # type: ignore[method-assign]
+    try:
+        if marker is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            marker.touch()
+        run_grpo(build_config(GRPOConfig, data))
+    finally:
+        VLLMServerRolloutEngine._server_command = original  # type: ignore[method-assign]
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return []
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == "train"]
+
+
+def test_grpo_on_two_ranks_continues_after_their_shared_server_dies(assets, tmp_path: Path) -> None:
+    """FSDP 2 with a server that dies in step 2 trains on the rollouts of world 1 with a healthy server: the
+    token-dependent metrics (entropy, behaviour KL: the zero reward leaves the weights as they are, and the
+    stub's tokens depend on the weight version) agree to rel 1e-5 as in the other layout tests."""
+    from shardforge.mesh.testing import get_rank_pool
+
+    healthy = _grpo(assets, tmp_path / "d1", "d1", None)
+    died = get_rank_pool(2).run(_grpo, assets, tmp_path / "d2", "d2", tmp_path / "die", timeout_s=180)[0]
+    assert not (tmp_path / "die").exists(), "the server died once"
+    assert [r["step"] for r in died] == [1, 2, 3]
+    assert [r["rollout_server/restarts"] for r in died] == [0.0, 1.0, 0.0]
+    assert died[1]["rollout_server/resent_requests"] in (4.0, 8.0)  # one rank's 2 prompts x 2 samples, or both
+    for a, b in zip(healthy, died, strict=True):
+        for key in ("tokens", "actor/entropy", "behaviour_kl", "rollout_corr/kl_k3", "rollout_version"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key, a[key], b[key])
