@@ -35,8 +35,9 @@ def _wait_for(path: Path, timeout_s: float = 30.0) -> None:
 
 def _two_ranks_share_a_server(tmp: Path, dying_rank: int) -> dict[str, Any]:
     """On each of 2 ranks: a no-death round at weight version 3, a round during which the server dies with
-    ``dying_rank``'s batch in flight (the other rank's round has already succeeded), then, with the one
-    restart used up, a round in which only the other rank sends requests to a killed server."""
+    ``dying_rank``'s batch in flight (the other rank's round has already succeeded), a switch to weight version 4
+    that finds the server dead (killed between steps) and the round after it, then, with the two restarts used
+    up, a round in which only the other rank sends requests to a killed server."""
     import torch.distributed as dist
 
     from shardforge.algorithms.rollout.server_health import RolloutServerError
@@ -54,7 +55,7 @@ def _two_ranks_share_a_server(tmp: Path, dying_rank: int) -> dict[str, Any]:
     rank = dist.get_rank()
     tokenizer = SimpleNamespace(eos_token_id=2, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
     params = SamplingParams(n=3, max_new_tokens=4, seed=7)
-    options = VLLMOptions(mode="server", on_server_failure="restart", max_server_restarts=1, **FAST)
+    options = VLLMOptions(mode="server", on_server_failure="restart", max_server_restarts=2, **FAST)
     engine = StubEngine(tmp, tokenizer, weights_root=tmp / "w", options=options, log_file=tmp / "log")
 
     def responses() -> list[tuple[int, list[int]]]:
@@ -88,12 +89,22 @@ def _two_ranks_share_a_server(tmp: Path, dying_rank: int) -> dict[str, Any]:
         stats = engine.pop_stats()
         restarts = engine.health.total_restarts
 
-        # max_server_restarts=1 is used up: only the other rank sends requests, to a killed server.
-        dist.barrier()  # both ranks have asked for the state
-        if rank == 0 and engine.process is not None:
-            engine.process.kill()
-            engine.process.wait()
-        dist.barrier()
+        def kill() -> None:
+            dist.barrier()  # every rank is between rounds
+            if rank == 0 and engine.process is not None:
+                engine.process.kill()
+                engine.process.wait()
+            dist.barrier()
+
+        # The server dies between steps: rank 0's switch to version 4 fails, the next round restarts it at 4.
+        kill()
+        engine.update_weights(4)
+        after_switch = generation_round(engine, responses)
+        switch_state, switch_stats = state(), engine.pop_stats()
+        healthy4 = generation_round(engine, responses)
+
+        # max_server_restarts=2 is used up: only the other rank sends requests, to a killed server.
+        kill()
         error = None
         try:
             generation_round(engine, responses if rank != dying_rank else list)
@@ -101,22 +112,22 @@ def _two_ranks_share_a_server(tmp: Path, dying_rank: int) -> dict[str, Any]:
             error = str(exc)
         return {
             "expected": expected, "got": got, "attempts": attempts, "first_pid": first_pid, "state": after,
-            "stats": stats, "restarts": restarts, "error": error, "url": engine.url,
+            "stats": stats, "restarts": restarts, "error": error, "url": engine.url, "after_switch": after_switch,
+            "healthy4": healthy4, "switch_state": switch_state, "switch_stats": switch_stats,
+            "total_restarts": engine.health.total_restarts,
         }  # fmt: skip
     finally:
         engine.shutdown(grace_s=5.0)
 
 
 @pytest.mark.parametrize("dying_rank", [1, 0])
-def test_two_ranks_restart_their_shared_server_once_and_regenerate_the_lost_round(
-    tmp_path: Path, dying_rank: int
-) -> None:
+def test_two_ranks_restart_their_shared_server_at_the_current_version(tmp_path: Path, dying_rank: int) -> None:
     from shardforge.mesh.testing import get_rank_pool
 
     results = get_rank_pool(2).run(_two_ranks_share_a_server, tmp_path, dying_rank, timeout_s=90)
     other = 1 - dying_rank
     starts = [line for line in (tmp_path / "log").read_text().splitlines() if line.startswith("stub server ")]
-    assert len(starts) == 2, f"the server was started once and restarted once: {starts}"
+    assert len(starts) == 3, f"the server was started once and restarted twice: {starts}"
     for rank, out in enumerate(results):
         assert out["got"] == out["expected"], f"rank {rank}: the rollouts differ from a healthy server's"
     for rank, out in enumerate(results):
@@ -129,6 +140,14 @@ def test_two_ranks_restart_their_shared_server_once_and_regenerate_the_lost_roun
     assert total == {"rollout_server/health_checks": 3.0, "rollout_server/failures": 1.0,
                      "rollout_server/restarts": 1.0, "rollout_server/resent_requests": 3.0}  # fmt: skip
     assert results[0]["stats"]["rollout_server/restarts"] == 1.0  # reported by the owner only
+
+    # Dead at the switch to version 4: stopped, restarted at version 4 by the next round (both ranks regenerate).
+    for rank, out in enumerate(results):
+        assert out["switch_state"]["version"] == 4 and out["after_switch"] == out["healthy4"], rank
+        assert out["after_switch"] != out["expected"] and out["total_restarts"] == 2, rank
+    total = {k: sum(out["switch_stats"][k] for out in results) for k in results[0]["switch_stats"]}
+    assert total == {"rollout_server/health_checks": 4.0, "rollout_server/failures": 2.0,
+                     "rollout_server/restarts": 1.0, "rollout_server/resent_requests": 6.0}  # fmt: skip
 
     # Restarts used up: every rank ends with the same one-line error (also the rank that sent nothing).
     url = results[0]["url"]

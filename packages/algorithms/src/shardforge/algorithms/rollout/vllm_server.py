@@ -260,11 +260,24 @@ class VLLMServerRolloutEngine:
         if world > 1:  # one server for all ranks: its version switches are collective
             require_main_thread("a shared vLLM server switches versions for all ranks at once")
         if target != self._version and self.rank == 0:
-            self._switch(target)
+            self._switch_or_stop(target)
         if world > 1:
             dist.barrier()  # nobody samples before rank 0 has switched the server
         self._version = target
         return self._version
+
+    def _switch_or_stop(self, target: int) -> None:
+        """Switch the server to ``target``; with on_server_failure=restart, a server this trainer started that
+        fails to answer is stopped instead (no request may reach it at the old version): the next generation
+        finds it down and restarts it at ``target``."""
+        try:
+            self._switch(target)
+        except REQUEST_FAILURES as exc:
+            if self.options.on_server_failure != "restart" or self.command is None:
+                raise
+            reason = describe_failure("the weight switch", exc, 600.0)
+            log.warning(f"rollout server {self.url} failed to switch to weight version {target} ({reason}); stopped it")
+            self.shutdown(grace_s=5.0)
 
     def _switch(self, target: int) -> None:
         _post(self.url, "/start_weight_update", {})
