@@ -18,7 +18,8 @@ run from another interpreter or venv (``VLLMOptions.server_python``), or already
   a server this trainer started) is restarted at the current weight version and the batch is
   resent (`shardforge.algorithms.rollout.server_health`; ``rollout_server/*`` metrics). With several
   ranks the ranks agree on the restart at the end of each generation round and the failing ranks
-  regenerate their round (`shardforge.algorithms.rollout.shared_restart`).
+  regenerate their round (`shardforge.algorithms.rollout.shared_restart`). A server that fails its
+  weight switch is stopped, so the next generation restarts it at the new version.
 - Ranks: global rank 0 starts the server and shares its URL; every rank sends its own
   requests. `update_weights` is collective: rank 0 switches the server, then all ranks
   pass a barrier, so no rank samples from the previous version.
