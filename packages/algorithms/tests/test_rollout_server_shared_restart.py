@@ -159,6 +159,67 @@ def test_two_ranks_restart_their_shared_server_at_the_current_version(tmp_path: 
     assert f"check its log {tmp_path / 'log'}" in errors[0] and "vllm.max_server_restarts is used up" in errors[0]
 
 
+def _share_a_server_given_by_url(url: str, pid: int, tmp: Path) -> str | None:
+    """Rank 0 kills the server given by URL (its process ``pid``), rank 1 sends requests to it, rank 0 sends
+    nothing; the error each rank ends with."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from shardforge.algorithms.rollout.server_health import RolloutServerError
+    from shardforge.algorithms.rollout.shared_restart import generation_round
+    from shardforge.algorithms.rollout.types import SamplingParams
+    from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
+    from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine
+
+    tokenizer = SimpleNamespace(eos_token_id=2, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+    options = VLLMOptions(mode="server", server_url=url, on_server_failure="restart", **FAST)
+    engine = VLLMServerRolloutEngine(tmp, tokenizer, weights_root=tmp / "w", options=options)
+    dist.barrier()  # both ranks have read the server's /v1/models
+    if dist.get_rank() == 0:
+        os.kill(pid, signal.SIGKILL)
+        while True:  # until nothing listens any more
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).close()
+                time.sleep(0.02)
+            except OSError:
+                break
+    dist.barrier()
+    params = SamplingParams(n=2, max_new_tokens=4, seed=7)
+    try:
+        generation_round(engine, lambda: engine.generate(PROMPTS[1], params) if dist.get_rank() == 1 else [])
+    except RolloutServerError as exc:
+        return str(exc)
+    return None
+
+
+def test_two_ranks_end_with_one_line_when_a_server_given_by_url_dies(tmp_path: Path) -> None:
+    import subprocess
+
+    from shardforge.algorithms.rollout.vllm_server import _free_port
+    from shardforge.mesh.testing import get_rank_pool
+
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, str(STUB), "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):  # until the stub answers
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        errors = get_rank_pool(2).run(_share_a_server_given_by_url, url, process.pid, tmp_path, timeout_s=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert errors[0].startswith(f"rollout server {url} is down: /health: connection refused")
+    assert "(seen by rank(s) [1])" in errors[0] and "only a server this trainer started can be restarted" in errors[0]
+
+
 # ------------------------------------------------------------------------------------------ trainer
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:

@@ -28,7 +28,8 @@ never inside per-request code (a multi-turn rank makes a different number of req
 A rank also notices a failure that its workflow swallowed (an evaluation scores a crashed episode 0,
 ``workflow.max_failed_fraction`` drops a crashed group): the engine records every failure of the round.
 With a trainer world size of 1 the engine restarts the server itself, inside the request
-(`VLLMServerRolloutEngine`); a server given by URL is never restarted (one-line error).
+(`VLLMServerRolloutEngine`). A server given by URL is never restarted: the ranks still agree, and every
+rank raises the one-line error that says so.
 """
 
 from __future__ import annotations
@@ -62,11 +63,15 @@ class RestartableServer(Protocol):
     requests_sent: int
     """Completion requests sent so far (resent ones are counted as ``rollout_server/resent_requests``)."""
 
+    @property
+    def restartable(self) -> bool:
+        """Rank 0: whether this trainer started the server (a server given by URL is never restarted)."""
+
     def restart_server(self) -> None:
         """Rank 0: restart the server and bring it to the current weight version (raises if it cannot)."""
 
-    def exhausted_message(self, reason: str) -> str:
-        """Rank 0: the one-line error once ``vllm.max_server_restarts`` is used up."""
+    def down_error(self, reason: str) -> str:
+        """Rank 0: the one-line error when the server is not restarted (given by URL, or restarts used up)."""
 
 
 def generation_round(rollout: object, fn: Callable[[], T]) -> T:
@@ -78,7 +83,8 @@ def generation_round(rollout: object, fn: Callable[[], T]) -> T:
 
 
 class SharedServerRestarts:
-    """The agreement on restarts of one server shared by all ``world_size`` ranks (global rank 0 owns it)."""
+    """The agreement on restarts of one server shared by all ``world_size`` ranks (global rank 0 started it, or
+    it was given by URL: then every rank raises the one-line error that says it cannot be restarted)."""
 
     def __init__(self, server: RestartableServer, *, rank: int, world_size: int, max_restarts: int) -> None:
         self.server, self.rank, self.world_size, self.max_restarts = server, rank, world_size, max_restarts
@@ -154,8 +160,8 @@ class SharedServerRestarts:
             failing = [r for r, why in enumerate(reasons) if why is not None]
             why = f"{reasons[failing[0]]} (seen by rank(s) {failing})"
             left = self.max_restarts - self.server.health.total_restarts
-            if left <= 0:
-                outcome[0] = self.server.exhausted_message(why)
+            if left <= 0 or not self.server.restartable:
+                outcome[0] = self.server.down_error(why)
             else:
                 log.warning(f"rollout server {self.server.url} is down: {why}; restarting it ({left} restarts left)")
                 try:

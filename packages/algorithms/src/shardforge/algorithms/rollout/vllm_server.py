@@ -103,8 +103,8 @@ class VLLMServerRolloutEngine:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.shared_restarts: SharedServerRestarts | None = None
-        """Several ranks share a server rank 0 started, with on_server_failure=restart: they agree on restarts."""
-        if self.options.on_server_failure == "restart" and world > 1 and self.options.server_url is None:
+        """Several ranks share the server, with on_server_failure=restart: they agree on restarts (`shared_restart`)."""
+        if self.options.on_server_failure == "restart" and world > 1:
             restarts = self.options.max_server_restarts
             self.shared_restarts = SharedServerRestarts(self, rank=self.rank, world_size=world, max_restarts=restarts)
         self.requests_sent = 0
@@ -237,9 +237,15 @@ class VLLMServerRolloutEngine:
         if self._version != 0:  # serve the current policy, not the initial model
             self._switch(self._version)
 
-    def exhausted_message(self, reason: str) -> str:
-        """The one-line error once ``vllm.max_server_restarts`` is used up."""
-        return down_message(self.url, reason, launched=True, log_path=self.log_path, restarts_left=0)
+    @property
+    def restartable(self) -> bool:
+        """Whether this engine started the server (only rank 0's did; a server given by URL is not restarted)."""
+        return self.command is not None
+
+    def down_error(self, reason: str) -> str:
+        """The one-line error when the server is down and not restarted (given by URL, or restarts used up)."""
+        launched = self.command is not None
+        return down_message(self.url, reason, launched=launched, log_path=self.log_path, restarts_left=0)
 
     def pop_stats(self) -> dict[str, float]:
         """``rollout_server/health_checks|failures|restarts|resent_requests`` since the last call."""
