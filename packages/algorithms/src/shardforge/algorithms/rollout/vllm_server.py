@@ -244,8 +244,7 @@ class VLLMServerRolloutEngine:
 
     def down_error(self, reason: str) -> str:
         """The one-line error when the server is down and not restarted (given by URL, or restarts used up)."""
-        launched = self.command is not None
-        return down_message(self.url, reason, launched=launched, log_path=self.log_path, restarts_left=0)
+        return down_message(self.url, reason, launched=self.restartable, log_path=self.log_path, restarts_left=0)
 
     def pop_stats(self) -> dict[str, float]:
         """``rollout_server/health_checks|failures|restarts|resent_requests`` since the last call."""
