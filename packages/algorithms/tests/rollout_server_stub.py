@@ -5,7 +5,8 @@
 so a resent request returns what the first one would have. With ``--die-once FILE``, the first
 completion request after the first K that finds FILE deletes it and kills the process mid-request (SIGKILL-like
 ``os._exit``): a rollout server that dies with requests in flight. ``GET /stub/state`` returns
-``{"pid": ..., "version": ...}``.
+``{"pid": ..., "version": ...}``. Each start prints one line ``stub server PID listening on port P``
+(the engine appends it to the server's log: the tests count restarts there).
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def main() -> None:
     args, _ = parser.parse_known_args()  # the vLLM flags the engine passes are ignored
     STATE["die_once"], STATE["die_after"], STATE["vocab_size"] = args.die_once, args.die_after, args.vocab_size
     ThreadingHTTPServer.allow_reuse_address = True  # a restart binds the same port at once
-    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    print(f"stub server {os.getpid()} listening on port {args.port}", flush=True)  # one line per start (in its log)
+    server.serve_forever()
 
 
 if __name__ == "__main__":

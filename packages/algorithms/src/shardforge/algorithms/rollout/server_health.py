@@ -14,7 +14,9 @@ server does not answer, either
   its own seed, so a resent batch regenerates whole groups (none mixes samples of the dead server
   with new ones) and equals what a healthy server would have returned.
 
-`HealthCounters` are the ``rollout_server/*`` metrics (summed over the data-parallel group).
+`HealthCounters` are the ``rollout_server/*`` metrics (summed over the data-parallel group). With several
+ranks sharing one server, the ranks agree on restarts once per generation round
+(`shardforge.algorithms.rollout.shared_restart`).
 """
 
 from __future__ import annotations
@@ -93,6 +95,15 @@ class HealthCounters:
             self._counts[name] += count
             if name == "restarts":
                 self.total_restarts += count
+
+    def add_restart(self, *, in_metrics: bool = True) -> None:
+        """One restart of the run. ``in_metrics=False``: it counts towards ``vllm.max_server_restarts`` only (a
+        restart of a server shared by several ranks is reported by rank 0 alone, so the sum over ranks is the
+        number of restarts, and every rank's run total is the same)."""
+        with self._lock:
+            self.total_restarts += 1
+            if in_metrics:
+                self._counts["restarts"] += 1
 
     def pop(self) -> dict[str, float]:
         """``rollout_server/<name>`` counts since the last call (the same keys every time)."""

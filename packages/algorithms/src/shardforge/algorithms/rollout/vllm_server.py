@@ -16,7 +16,10 @@ run from another interpreter or venv (``VLLMOptions.server_python``), or already
 - Health: requests time out, ``/health`` is checked before every `generate` and after a failed
   request; a server that is down raises a one-line error or (``vllm.on_server_failure: restart``,
   a server this trainer started) is restarted at the current weight version and the batch is
-  resent (`shardforge.algorithms.rollout.server_health`; ``rollout_server/*`` metrics).
+  resent (`shardforge.algorithms.rollout.server_health`; ``rollout_server/*`` metrics). With several
+  ranks the ranks agree on the restart at the end of each generation round and the failing ranks
+  regenerate their round (`shardforge.algorithms.rollout.shared_restart`). A server that fails its
+  weight switch is stopped, so the next generation restarts it at the new version.
 - Ranks: global rank 0 starts the server and shares its URL; every rank sends its own
   requests. `update_weights` is collective: rank 0 switches the server, then all ranks
   pass a barrier, so no rank samples from the previous version.
@@ -54,6 +57,7 @@ from shardforge.algorithms.rollout.server_health import (
     down_message,
     probe_health,
 )
+from shardforge.algorithms.rollout.shared_restart import SharedServerRestarts
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.algorithms.rollout.vllm_engine import (
     VLLMOptions,
@@ -97,11 +101,14 @@ class VLLMServerRolloutEngine:
         self.source = DiskWeightSource(weights_root) if weights_root is not None else None
         self._version = 0
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        if self.options.on_server_failure == "restart" and dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError(
-                f"vllm.on_server_failure=restart needs a trainer world size of 1 (got {dist.get_world_size()}): "
-                "ranks sharing one server cannot yet agree on its restart; use on_server_failure: error"
-            )
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.shared_restarts: SharedServerRestarts | None = None
+        """Several ranks share the server, with on_server_failure=restart: they agree on restarts (`shared_restart`)."""
+        if self.options.on_server_failure == "restart" and world > 1:
+            restarts = self.options.max_server_restarts
+            self.shared_restarts = SharedServerRestarts(self, rank=self.rank, world_size=world, max_restarts=restarts)
+        self.requests_sent = 0
+        """Completion requests sent so far (`shared_restart` counts the resent ones)."""
         self.process: subprocess.Popen[bytes] | None = None
         self.command: list[str] | None = None
         """The command that started the server when this engine started it (None: given by URL)."""
@@ -198,14 +205,19 @@ class VLLMServerRolloutEngine:
     # ------------------------------------------------------------------ health and restarts
     def check_health(self) -> None:
         """Raise `RolloutServerError` (or restart, see the module docstring) unless /health answers."""
+        if self.shared_restarts is not None:  # an earlier request of this round failed: fail at once
+            self.shared_restarts.raise_if_down()
         self.health.add("health_checks")
         reason = probe_health(self.url, self.options.health_timeout_s)
         if reason is not None:
             self._recover(reason)
 
     def _recover(self, reason: str) -> None:
-        """The server failed (``reason``): restart it when allowed, else raise the one-line error."""
+        """The server failed (``reason``): restart it when allowed, else raise the one-line error. A server
+        shared by several ranks is not restarted here: the ranks agree at the end of the round."""
         self.health.add("failures")
+        if self.shared_restarts is not None:
+            self.shared_restarts.server_down(reason)
         options = self.options
         restarts_left = options.max_server_restarts - self.health.total_restarts
         if options.on_server_failure != "restart" or self.command is None or restarts_left <= 0:
@@ -214,12 +226,25 @@ class VLLMServerRolloutEngine:
                                    restarts_left=left)  # fmt: skip
             raise RolloutServerError(message)
         log.warning(f"rollout server {self.url} is down ({reason}); restarting it ({restarts_left} left)")
+        self.restart_server()
+        self.health.add_restart()
+
+    def restart_server(self) -> None:
+        """Kill the server this engine started, start it again and switch it to the current weight version."""
         self.shutdown(grace_s=5.0)
         self._wait_ready(self._launch())
         self._init_weight_transfer(self.url)
         if self._version != 0:  # serve the current policy, not the initial model
             self._switch(self._version)
-        self.health.add("restarts")
+
+    @property
+    def restartable(self) -> bool:
+        """Whether this engine started the server (only rank 0's did; a server given by URL is not restarted)."""
+        return self.command is not None
+
+    def down_error(self, reason: str) -> str:
+        """The one-line error when the server is down and not restarted (given by URL, or restarts used up)."""
+        return down_message(self.url, reason, launched=self.restartable, log_path=self.log_path, restarts_left=0)
 
     def pop_stats(self) -> dict[str, float]:
         """``rollout_server/health_checks|failures|restarts|resent_requests`` since the last call."""
@@ -241,11 +266,24 @@ class VLLMServerRolloutEngine:
         if world > 1:  # one server for all ranks: its version switches are collective
             require_main_thread("a shared vLLM server switches versions for all ranks at once")
         if target != self._version and self.rank == 0:
-            self._switch(target)
+            self._switch_or_stop(target)
         if world > 1:
             dist.barrier()  # nobody samples before rank 0 has switched the server
         self._version = target
         return self._version
+
+    def _switch_or_stop(self, target: int) -> None:
+        """Switch the server to ``target``; with on_server_failure=restart, a server this trainer started that
+        fails to answer is stopped instead (no request may reach it at the old version): the next generation
+        finds it down and restarts it at ``target``."""
+        try:
+            self._switch(target)
+        except REQUEST_FAILURES as exc:
+            if self.options.on_server_failure != "restart" or self.command is None:
+                raise
+            reason = describe_failure("the weight switch", exc, 600.0)
+            log.warning(f"rollout server {self.url} failed to switch to weight version {target} ({reason}); stopped it")
+            self.shutdown(grace_s=5.0)
 
     def _switch(self, target: int) -> None:
         _post(self.url, "/start_weight_update", {})
@@ -319,6 +357,7 @@ class VLLMServerRolloutEngine:
         timeout = self.options.request_timeout_s
         while True:
             self.check_health()  # before use: a dead server fails in health_timeout_s, not request_timeout_s
+            self.requests_sent += len(bodies)
             try:
                 with ThreadPoolExecutor(max_workers=min(32, len(bodies))) as pool:
                     return list(pool.map(lambda body: _post(self.url, "/v1/completions", body, timeout), bodies))

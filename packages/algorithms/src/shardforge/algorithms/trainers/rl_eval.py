@@ -18,6 +18,7 @@ from shardforge.algorithms.objectives.passk import sampled_eval_sums
 from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams
 from shardforge.algorithms.rollout.seeds import request_seed
+from shardforge.algorithms.rollout.shared_restart import generation_round
 from shardforge.algorithms.rollout.types import generate_rollouts
 
 if TYPE_CHECKING:  # the launching process imports this module for the config; only ranks build engines
@@ -111,7 +112,10 @@ def evaluate_prompts(
                     sums[key] += value
         return sums
 
-    local_sums = local(rollout) if runner is None else runner(local)
+    def round_(rollout_: RolloutEngine) -> dict[str, float]:  # a shared server's restarts: `generation_round`
+        return generation_round(rollout_, lambda: local(rollout_))
+
+    local_sums = round_(rollout) if runner is None else runner(round_)
     names = sorted(local_sums)
     totals = dict(zip(names, all_reduce_sum(*(local_sums[k] for k in names), group=engine.dp_group,
                                             device=engine.device), strict=True))  # fmt: skip

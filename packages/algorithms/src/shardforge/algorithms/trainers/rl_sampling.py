@@ -25,9 +25,10 @@ from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams
 from shardforge.algorithms.rollout.dynamic_sampling import DynamicSampler, GenerateRoundFn, keep_exchange
 from shardforge.algorithms.rollout.seeds import request_seed
+from shardforge.algorithms.rollout.shared_restart import generation_round
 from shardforge.algorithms.rollout.sources import SampleFn
 from shardforge.algorithms.trainers.rl_common import RLTrainerConfig
-from shardforge.algorithms.workflows import PromptRow, Workflow, build_workflow, run_episodes
+from shardforge.algorithms.workflows import EpisodeList, PromptRow, Workflow, build_workflow, run_episodes
 
 if TYPE_CHECKING:  # the launching process imports this module for the config; only ranks build engines
     from shardforge.algorithms.engine import TrainEngine
@@ -73,12 +74,19 @@ def workflow_round_fn(
             PromptRow.from_prompts(prompts, i, index=g, seed=request_seed(seed, position, config.group_size))
             for g, (i, position) in enumerate(zip(indices, positions, strict=True))
         ]
-        # Every (prompt, sample) is one concurrent episode; their generate calls are batched per round.
-        # max_failed_fraction=0: a crash raises as it is (no group is dropped).
-        drop = config.workflow.max_failed_fraction > 0
-        trajectories = run_episodes(workflow, rollout, rows, config.group_size, params, drop_failed=drop)
-        if getattr(config, "advantage", None) == "remax":
-            set_greedy_baselines(config, workflow, rollout, rows, params, trajectories)
+
+        def episodes() -> EpisodeList:
+            # Every (prompt, sample) is one concurrent episode; their generate calls are batched per round.
+            # max_failed_fraction=0: a crash raises as it is (no group is dropped).
+            drop = config.workflow.max_failed_fraction > 0
+            trajectories = run_episodes(workflow, rollout, rows, config.group_size, params, drop_failed=drop)
+            if getattr(config, "advantage", None) == "remax":
+                set_greedy_baselines(config, workflow, rollout, rows, params, trajectories)
+            return trajectories
+
+        # A rollout server shared by the ranks that dies in the round: the ranks agree at its end, rank 0
+        # restarts it, and the ranks that lost requests run the whole round again (same seeds: whole groups).
+        trajectories = generation_round(rollout, episodes)
         return trajectories, torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
 
     return sample

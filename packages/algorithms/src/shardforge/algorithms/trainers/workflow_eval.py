@@ -30,6 +30,7 @@ from shardforge.algorithms.rlvr import PromptSet
 from shardforge.algorithms.rollout import RolloutEngine, SamplingParams
 from shardforge.algorithms.rollout.request_queue import EpisodeHandle
 from shardforge.algorithms.rollout.seeds import request_seed
+from shardforge.algorithms.rollout.shared_restart import generation_round
 from shardforge.algorithms.rollout.trajectory import Trajectory
 from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig, evaluate_prompts
 from shardforge.algorithms.workflows import PromptRow, Workflow, WorkflowConfig, episode_counts, run_episodes
@@ -123,7 +124,10 @@ def evaluate_workflow(
             logger.warning("evaluation: episodes raised (scored 0); first error: %s", guarded.first_error)
         return sums
 
-    local_sums = local(rollout) if runner is None else runner(local)
+    def round_(rollout_: RolloutEngine) -> dict[str, float]:  # a shared server's restarts: `generation_round`
+        return generation_round(rollout_, lambda: local(rollout_))
+
+    local_sums = round_(rollout) if runner is None else runner(round_)
     names = sorted(local_sums)
     reduced = all_reduce_sum(*(local_sums[k] for k in names), group=engine.dp_group, device=engine.device)
     totals = dict(zip(names, reduced, strict=True))
