@@ -13,9 +13,11 @@ killed (they would only wait for the collective timeout) and the earliest error 
 as under torchrun. Ctrl-C kills every actor.
 
 ``rollout_placement: disaggregated`` (`shardforge.algorithms.rollout.placement`): ``num_rollout_actors`` more
-bundles in the same group hold `RolloutActor`s (the embedded HF engine each); every rank learns their names
-from ``SHARDFORGE_RAY_ROLLOUT_ACTORS`` and generates through them (`rollout.ray_rollout`). At the end the
-driver logs what each served (the weight versions it received, its generate calls). ``reward.ray_workers: N``
+bundles in the same group hold `RolloutActor`s (the embedded HF engine each), or, with ``rollout_engine: vllm``,
+one `VLLMServerActor` (``vllm serve`` in its bundle, with ``vllm.tensor_parallel_size`` GPUs when the cluster
+has GPUs; `rollout.ray_vllm_server`); every rank learns their names from ``SHARDFORGE_RAY_ROLLOUT_ACTORS`` and
+generates through them. At the end the driver logs what each served (the weight versions it received, its
+generate calls or restarts) and stops a vLLM server before it kills its actor. ``reward.ray_workers: N``
 (`shardforge.algorithms.rollout.ray_reward`): N more one-CPU bundles hold `RewardActor`s that score the ranks'
 rewards (names in ``SHARDFORGE_RAY_REWARD_ACTORS``). Not supported under Ray: ``--max-restarts`` (use the
 torchrun launcher) and graceful stop at a step boundary (SIGTERM reaches only this driver).
@@ -43,6 +45,11 @@ __all__ = ["launch_ray"]
 
 log = get_logger(__name__)
 
+# The rollout actor class of each ``rollout_engine`` (imported when the launcher starts one).
+_ROLLOUT_ACTORS = {
+    "hf": "shardforge.algorithms.rollout.ray_rollout:RolloutActor",
+    "vllm": "shardforge.algorithms.rollout.ray_vllm_server:VLLMServerActor",
+}
 # Variables a rank must not inherit from the driver's environment (they are set per rank).
 _RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -128,8 +135,11 @@ def launch_ray(
         # and no dashboard web server: one process less on the ranks' cores for a cluster nobody browses
         extra["include_dashboard"] = False
     ray.init(address=address, log_to_driver=True, configure_logging=False, **extra)
-    bundle = _bundle(world + num_rollout, ray)
-    bundles = [dict(bundle) for _ in range(world + num_rollout)] + [{"CPU": 1.0} for _ in range(reward_workers)]
+    gpus_per_actor = rollout.gpus_per_actor if rollout is not None else 1
+    bundle = _bundle(world + num_rollout * gpus_per_actor, ray)
+    rollout_bundle = bundle | ({"GPU": float(gpus_per_actor)} if "GPU" in bundle else {})
+    bundles = [dict(bundle) for _ in range(world)] + [dict(rollout_bundle) for _ in range(num_rollout)]
+    bundles += [{"CPU": 1.0} for _ in range(reward_workers)]
     group = placement_group(bundles, strategy="PACK", name="shardforge-ranks")
     ready, _ = ray.wait([group.ready()], timeout=120)
     if not ready:
@@ -150,7 +160,7 @@ def launch_ray(
         ).remote()
         for index in range(world)
     ]
-    rollout_actors = _start_rollout_actors(ray, rollout, group, world, bundle) if rollout is not None else []
+    rollout_actors = _start_rollout_actors(ray, rollout, group, world, rollout_bundle) if rollout is not None else []
     reward_actors = _start_reward_actors(ray, reward_workers, group, world + num_rollout)
     env = {ROLLOUT_ACTORS_ENV: ",".join(actor_names(num_rollout))} if rollout_actors else {}
     if reward_actors:
@@ -163,6 +173,8 @@ def launch_ray(
     finally:
         _log_actor_stats(ray, rollout_actors, "rollout")
         _log_actor_stats(ray, reward_actors, "reward")
+        if rollout is not None and rollout.engine == "vllm":  # its `vllm serve` would outlive a killed actor
+            _call_each(ray, rollout_actors, "shutdown", timeout=60)
         for actor in actors + rollout_actors + reward_actors:
             ray.kill(actor)
         remove_placement_group(group)
@@ -172,13 +184,14 @@ def launch_ray(
 def _start_rollout_actors(
     ray: Any, spec: RolloutActorSpec, group: Any, first_bundle: int, bundle: dict[str, float]
 ) -> list[Any]:
-    """``spec.num_actors`` `RolloutActor`s on the group's bundles from ``first_bundle`` on (they load the model
-    while the ranks start; the ranks' clients wait for them)."""
+    """``spec.num_actors`` rollout actors (`RolloutActor`, or `VLLMServerActor` for ``rollout_engine: vllm``) on the
+    group's bundles from ``first_bundle`` on (they load the model or start the server while the ranks start; the
+    ranks' clients wait for them)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from shardforge.algorithms.rollout.ray_rollout import RolloutActor
-
-    actor_cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0))(RolloutActor)
+    module, _, name = _ROLLOUT_ACTORS[spec.engine].partition(":")
+    actor_class = getattr(importlib.import_module(module), name)
+    actor_cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0))(actor_class)
     strategies = [
         PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=first_bundle + index)
         for index in range(spec.num_actors)
@@ -205,6 +218,16 @@ def _start_reward_actors(ray: Any, count: int, group: Any, first_bundle: int) ->
         ).remote(index)
         for index, name in enumerate(reward_actor_names(count))
     ]
+
+
+def _call_each(ray: Any, actors: list[Any], method: str, timeout: float) -> None:
+    """Call ``method`` on every actor and wait up to ``timeout`` s (an actor that is gone is skipped)."""
+    refs = [getattr(actor, method).remote() for actor in actors]
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=timeout)
+        except Exception as exc:
+            log.warning("ray: %s on a rollout actor failed: %s", method, str(exc).splitlines()[0] if str(exc) else exc)
 
 
 def _log_actor_stats(ray: Any, actors: list[Any], kind: str) -> None:
