@@ -111,7 +111,7 @@ def _spec(tmp_path: Path, **options: Any) -> Any:
 
 @pytest.fixture
 def actor(tmp_path: Path) -> Iterator[VLLMServerActor]:
-    server = StubActor(_spec(tmp_path, **FAST), 0, host="127.0.0.1")
+    server = StubActor(_spec(tmp_path, **FAST), 0, host="localhost")  # the stub listens on 127.0.0.1 anyway
     try:
         yield server
     finally:
@@ -120,9 +120,9 @@ def actor(tmp_path: Path) -> Iterator[VLLMServerActor]:
 
 def test_the_actor_serves_restarts_and_stops_its_server(actor: VLLMServerActor, tmp_path: Path) -> None:
     url = actor.url()
-    assert url.startswith("http://127.0.0.1:") and actor.url() == url
+    assert url.startswith("http://localhost:") and actor.url() == url
     command, log_path = actor.server_info()
-    assert command[command.index("--host") + 1] == "127.0.0.1"
+    assert command[command.index("--host") + 1] == "localhost"  # the actor's address, not the colocated loopback
     assert log_path == str(tmp_path / "out" / "vllm_server.log")
     first = _state(url)["pid"]
     assert actor.restart() == url  # same port: the ranks keep their URL
