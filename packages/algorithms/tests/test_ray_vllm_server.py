@@ -84,6 +84,18 @@ def test_restart_with_the_actor_is_accepted_at_world_size_one() -> None:
     assert rollout_actor_spec(config, "ray", world_size=1) is not None
 
 
+def test_the_server_actors_bundle_holds_its_tensor_parallel_gpus_when_the_cluster_has_them() -> None:
+    from shardforge.algorithms.ray_launch import _bundles
+
+    tp2 = rollout_actor_spec(_config(**SERVER | {"vllm": {"mode": "server", "tensor_parallel_size": 2}}), "ray")
+    cpu, gpu = {"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}
+    assert _bundles(2, tp2, 1, gpus=0.0) == [cpu, cpu, cpu, cpu]  # 2 ranks, the server, a reward actor
+    assert _bundles(2, tp2, 1, gpus=4.0) == [gpu, gpu, {"CPU": 1.0, "GPU": 2.0}, cpu]
+    assert _bundles(2, tp2, 0, gpus=3.0) == [cpu, cpu, cpu]  # 2 + 2 GPUs needed: all on CPU, as for the ranks
+    hf = rollout_actor_spec(_config(rollout_placement="disaggregated", num_rollout_actors=2), "ray")
+    assert _bundles(2, hf, 0, gpus=4.0) == [gpu] * 4 and _bundles(2, None, 0, gpus=2.0) == [gpu] * 2
+
+
 # ------------------------------------------------------------------------------------------ actor
 class StubEngine(VLLMServerRolloutEngine):
     """Builds the stub's command instead of ``vllm serve`` (everything else is the real engine)."""

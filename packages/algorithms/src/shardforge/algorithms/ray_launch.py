@@ -95,10 +95,20 @@ def _error_record(directory: Path) -> dict[str, Any]:
     return {}
 
 
-def _bundle(world_size: int, ray: Any) -> dict[str, float]:
-    """One rank's resources: a CPU, and a GPU when the cluster has one per rank."""
-    gpus = float(ray.cluster_resources().get("GPU", 0.0))
-    return {"CPU": 1.0, "GPU": 1.0} if gpus >= world_size else {"CPU": 1.0}
+def _bundles(world: int, rollout: RolloutActorSpec | None, reward_workers: int, gpus: float) -> list[dict[str, float]]:
+    """The placement group's bundles, in order: one per rank (a CPU, and a GPU when the cluster has ``gpus`` for
+    every rank and rollout actor), one per rollout actor (the same, with `gpus_per_actor` GPUs: a vLLM server's
+    tensor-parallel size), one CPU per reward actor."""
+    num_rollout = rollout.num_actors if rollout is not None else 0
+    per_actor = rollout.gpus_per_actor if rollout is not None else 1
+    with_gpu = gpus >= world + num_rollout * per_actor
+    rank = {"CPU": 1.0, "GPU": 1.0} if with_gpu else {"CPU": 1.0}
+    actor = {"CPU": 1.0, "GPU": float(per_actor)} if with_gpu else {"CPU": 1.0}
+    return (
+        [dict(rank) for _ in range(world)]
+        + [dict(actor) for _ in range(num_rollout)]
+        + [{"CPU": 1.0} for _ in range(reward_workers)]
+    )
 
 
 def launch_ray(
@@ -135,11 +145,8 @@ def launch_ray(
         # and no dashboard web server: one process less on the ranks' cores for a cluster nobody browses
         extra["include_dashboard"] = False
     ray.init(address=address, log_to_driver=True, configure_logging=False, **extra)
-    gpus_per_actor = rollout.gpus_per_actor if rollout is not None else 1
-    bundle = _bundle(world + num_rollout * gpus_per_actor, ray)
-    rollout_bundle = bundle | ({"GPU": float(gpus_per_actor)} if "GPU" in bundle else {})
-    bundles = [dict(bundle) for _ in range(world)] + [dict(rollout_bundle) for _ in range(num_rollout)]
-    bundles += [{"CPU": 1.0} for _ in range(reward_workers)]
+    bundles = _bundles(world, rollout, reward_workers, float(ray.cluster_resources().get("GPU", 0.0)))
+    bundle = bundles[0]
     group = placement_group(bundles, strategy="PACK", name="shardforge-ranks")
     ready, _ = ray.wait([group.ready()], timeout=120)
     if not ready:
@@ -160,7 +167,7 @@ def launch_ray(
         ).remote()
         for index in range(world)
     ]
-    rollout_actors = _start_rollout_actors(ray, rollout, group, world, rollout_bundle) if rollout is not None else []
+    rollout_actors = _start_rollout_actors(ray, rollout, group, world, bundles[world]) if rollout is not None else []
     reward_actors = _start_reward_actors(ray, reward_workers, group, world + num_rollout)
     env = {ROLLOUT_ACTORS_ENV: ",".join(actor_names(num_rollout))} if rollout_actors else {}
     if reward_actors:
