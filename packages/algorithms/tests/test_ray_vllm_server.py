@@ -50,7 +50,7 @@ def test_a_vllm_server_actor_is_accepted_under_ray() -> None:
     config = _config(**SERVER, seed=4, rollout_dtype="bf16")
     spec = rollout_actor_spec(config, "ray", world_size=2)
     assert spec is not None and (spec.engine, spec.num_actors, spec.seed, spec.dtype) == ("vllm", 1, 4, "bf16")
-    assert spec.vllm == config.vllm and spec.output_dir == "o" and spec.gpus_per_actor == 1
+    assert spec.vllm == config.vllm and spec.output_dir == str(Path("o").resolve()) and spec.gpus_per_actor == 1
     tp2 = rollout_actor_spec(_config(**SERVER | {"vllm": {"mode": "server", "tensor_parallel_size": 2}}), "ray")
     assert tp2 is not None and tp2.gpus_per_actor == 2
     hf = rollout_actor_spec(_config(rollout_placement="disaggregated"), "ray")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
@@ -67,7 +68,7 @@ class RolloutActorSpec:
     seed: int = 0
     """engine=vllm: the server's global seed (requests carry their own)."""
     output_dir: str = ""
-    """engine=vllm: the run's ``output_dir`` (the server's log goes to ``output_dir/vllm_server.log``)."""
+    """engine=vllm: the run's ``output_dir``, absolute (the server's log goes to ``output_dir/vllm_server.log``)."""
 
     @property
     def gpus_per_actor(self) -> int:
@@ -128,7 +129,7 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
         kv_reuse_max_tokens=int(getattr(config, "rollout_kv_reuse_max_tokens", 65536)),
         vllm=vllm if engine == "vllm" else None,
         seed=int(getattr(config, "seed", 0)),
-        output_dir=str(getattr(config, "output_dir", "")),
+        output_dir=str(Path(config.output_dir).resolve()) if getattr(config, "output_dir", "") else "",
     )
 
 

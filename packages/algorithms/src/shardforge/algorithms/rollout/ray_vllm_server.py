@@ -37,7 +37,7 @@ log = get_logger(__name__)
 _SERVING = re.compile(r"shardforge weight sync: now serving version (\d+)")
 
 
-def server_process(cls: type[VLLMServerRolloutEngine], options: VLLMOptions, log_path: Path) -> Any:
+def server_process(cls: type[VLLMServerRolloutEngine], options: VLLMOptions, log_path: Path) -> VLLMServerRolloutEngine:
     """A ``cls`` with only its server-process half set up (``options``, ``command``, ``log_path``, ``process``): its
     ``_server_command``, ``_launch``, ``_wait_ready`` and ``shutdown`` start and stop ``vllm serve`` exactly as
     rank 0 of a colocated run does, without the HTTP client half (no tokenizer, no rank, no URL yet)."""
@@ -66,7 +66,8 @@ class VLLMServerActor:
         out.mkdir(parents=True, exist_ok=True)
         port = _free_port()
         self.server = server_process(self.server_class, options, out / "vllm_server.log")
-        command = self.server._server_command(spec.model, SimpleNamespace(name_or_path=spec.tokenizer), spec.dtype,
+        command = self.server._server_command(  # the colocated server's command
+spec.model, SimpleNamespace(name_or_path=spec.tokenizer), spec.dtype,
                                               spec.seed, port)  # fmt: skip
         if "--host" in command:  # ranks on other nodes reach it (the colocated server listens on loopback)
             command[command.index("--host") + 1] = host
@@ -107,7 +108,7 @@ class VLLMServerActor:
         """What the server did: its URL, restarts, the versions its workers switched to (from its log, in order)
         and the version it reports now (``/weight_info``; None when it does not answer)."""
         try:
-            text = Path(self.server.log_path).read_text(errors="replace")
+            text = self.server.log_path.read_text(errors="replace") if self.server.log_path is not None else ""
         except OSError:
             text = ""
         return {
@@ -139,6 +140,8 @@ class RayVLLMServerEngine(VLLMServerRolloutEngine):
         self.actor_name = actor_name
         self.actor = ray.get_actor(actor_name)
         url = self._call(self.actor.url.remote())  # waits for the server's first /health
+        if kwargs.get("weights_root") is not None:  # the server resolves the root in its own working directory
+            kwargs["weights_root"] = Path(kwargs["weights_root"]).resolve()
         super().__init__(model_dir, tokenizer, options=dataclasses.replace(options, server_url=url), **kwargs)
         # The server is restartable (through the actor) and its log is the actor's: the down message says where.
         command, log_path = self._call(self.actor.server_info.remote())
