@@ -140,19 +140,23 @@ def test_the_actor_serves_restarts_and_stops_its_server(actor: VLLMServerActor, 
     assert actor.restart() == url  # same port: the ranks keep their URL
     assert _state(url)["pid"] != first
     stats = actor.stats()
-    assert stats["restarts"] == 1 and stats["url"] == url and stats["received"] == []
+    assert stats["restarts"] == 1 and stats["url"] == url and stats["weight_updates"] == stats["completions"] == 0
     assert stats["weight_version"] is None  # the stub has no /weight_info
     process = actor.server.process
     actor.shutdown()
     assert process is not None and process.poll() is not None  # no `vllm serve` outlives the run
 
 
-def test_the_actor_reads_the_versions_its_server_switched_to_from_the_log(actor: VLLMServerActor) -> None:
+def test_the_actor_counts_the_requests_its_server_answered_from_its_access_log(actor: VLLMServerActor) -> None:
     actor.url()
-    with open(actor.server.log_path, "a") as log:
-        log.write("INFO shardforge weight sync: now serving version 1 (6 tensors)\nother\n")
-        log.write("INFO shardforge weight sync: now serving version 2 (6 tensors)\n")
-    assert actor.stats()["received"] == [1, 2]
+    assert actor.server.log_path is not None
+    with actor.server.log_path.open("a") as log:  # what uvicorn writes in `vllm serve`
+        log.write('INFO:     10.0.0.1:4242 - "POST /update_weights HTTP/1.1" 200 OK\n')
+        log.write('INFO:     10.0.0.1:4243 - "POST /v1/completions HTTP/1.1" 200 OK\n' * 3)
+        log.write('INFO:     10.0.0.1:4244 - "POST /update_weights HTTP/1.1" 400 Bad Request\n')
+        log.write('INFO:     10.0.0.1:4245 - "POST /update_weights HTTP/1.1" 200 OK\n')
+    stats = actor.stats()
+    assert (stats["weight_updates"], stats["completions"]) == (2, 3), stats
 
 
 # ------------------------------------------------------------------------------------------ ranks' engine

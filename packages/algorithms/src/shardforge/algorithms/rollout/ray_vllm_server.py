@@ -33,8 +33,8 @@ __all__ = ["RayVLLMServerEngine", "VLLMServerActor", "server_process"]
 
 log = get_logger(__name__)
 
-# The line the shardforge weight-transfer backend logs in the server's workers for every version it switches to.
-_SERVING = re.compile(r"shardforge weight sync: now serving version (\d+)")
+# The server's access log: one line per answered request (uvicorn's, on in `vllm serve` by default).
+_ANSWERED = re.compile(r'"POST (/update_weights|/v1/completions) HTTP/[\d.]+" 200')
 
 
 def server_process(cls: type[VLLMServerRolloutEngine], options: VLLMOptions, log_path: Path) -> VLLMServerRolloutEngine:
@@ -105,18 +105,20 @@ spec.model, SimpleNamespace(name_or_path=spec.tokenizer), spec.dtype,
         self.server.shutdown(grace_s=30.0)
 
     def stats(self) -> dict[str, Any]:
-        """What the server did: its URL, restarts, the versions its workers switched to (from its log, in order)
-        and the version it reports now (``/weight_info``; None when it does not answer)."""
+        """What the server did: its URL, restarts, the weight updates and completion requests it answered (its
+        access log, over restarts) and the version it reports now (``/weight_info``; None when it does not answer)."""
         try:
             text = self.server.log_path.read_text(errors="replace") if self.server.log_path is not None else ""
         except OSError:
             text = ""
+        answered = _ANSWERED.findall(text)
         return {
             "index": self.index,
             "engine": "vllm",
             "url": self._url,
             "restarts": self.restarts,
-            "received": [int(v) for v in _SERVING.findall(text)],
+            "weight_updates": answered.count("/update_weights"),
+            "completions": answered.count("/v1/completions"),
             "weight_version": _weight_version(self._url),
         }
 
