@@ -25,7 +25,11 @@ import yaml
 
 STEPS = 3
 LOGPROB_ATOL = 1e-4  # as test_vllm_rollout.py: vLLM's float32 log-probs vs the trainer's, same weights
-REWARD_MODULE = "def length(prompt, response, reference):\n    return 0.1 * len(response)\n"
+# A reward that varies between the samples of a group (as test_vllm_rollout.py), so the updates carry a signal.
+REWARD_MODULE = """
+def digits_and_length(prompt, response, reference):
+    return float(sum(ch.isdigit() for ch in response)) + 0.1 * len(response)
+"""
 ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
        "RAY_USAGE_STATS_ENABLED": "0", "RAY_agent_register_timeout_ms": "300000"}  # fmt: skip
 
@@ -36,12 +40,12 @@ def _train(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     tokenizer = build_char_tokenizer(tmp_path / "tokenizer")
     build_tiny_qwen3(tmp_path / "model", tokenizer, hidden=128, layers=2, seed=5)  # head_dim 32: vLLM CPU attention
     train, _ = make_addition_data(tmp_path / "data", max_operand=20, num_eval=4, seed=3)
-    (tmp_path / "length_reward.py").write_text(REWARD_MODULE)
+    (tmp_path / "ray_actor_rewards.py").write_text(REWARD_MODULE)
     out = tmp_path / "out"
     data = {
         "model": str(tmp_path / "model"), "train_file": str(train), "output_dir": str(out), "steps": STEPS,
         "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6, "temperature": 0.7,
-        "reward_fn": "length_reward:length", "progress": False, "save_every": 0, "export_hf_at_end": False,
+        "reward_fn": "ray_actor_rewards:digits_and_length", "progress": False, "save_every": 0, "export_hf_at_end": False,
         "rollout_placement": "disaggregated", "rollout_engine": "vllm",
         "vllm": {"mode": "server", "max_num_seqs": 16},
         "engine": {"max_tokens_per_microbatch": 128, "optimizer": {"lr": 3e-3}},
