@@ -96,6 +96,18 @@ def test_the_server_actors_bundle_holds_its_tensor_parallel_gpus_when_the_cluste
     assert _bundles(2, hf, 0, gpus=4.0) == [gpu] * 4 and _bundles(2, None, 0, gpus=2.0) == [gpu] * 2
 
 
+def test_the_launcher_finds_the_actor_class_of_each_engine() -> None:
+    import importlib
+
+    from shardforge.algorithms.ray_launch import _ROLLOUT_ACTORS
+    from shardforge.algorithms.rollout.ray_rollout import RolloutActor
+
+    module, _, name = _ROLLOUT_ACTORS["vllm"].partition(":")
+    assert getattr(importlib.import_module(module), name) is VLLMServerActor
+    module, _, name = _ROLLOUT_ACTORS["hf"].partition(":")
+    assert getattr(importlib.import_module(module), name) is RolloutActor
+
+
 # ------------------------------------------------------------------------------------------ actor
 class StubEngine(VLLMServerRolloutEngine):
     """Builds the stub's command instead of ``vllm serve`` (everything else is the real engine)."""
