@@ -196,9 +196,12 @@ def _start_rollout_actors(
     ranks' clients wait for them)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    module, _, name = _ROLLOUT_ACTORS[spec.engine].partition(":")
-    actor_class = getattr(importlib.import_module(module), name)
-    actor_cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0))(actor_class)
+    module, _, class_name = _ROLLOUT_ACTORS[spec.engine].partition(":")
+    actor_class = getattr(importlib.import_module(module), class_name)
+    concurrency = int(getattr(actor_class, "max_concurrency", 1))
+    actor_cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_concurrency=concurrency)(
+        actor_class
+    )
     strategies = [
         PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=first_bundle + index)
         for index in range(spec.num_actors)

@@ -52,6 +52,9 @@ class VLLMServerActor:
     ``server_class``: whose ``_server_command`` builds the command (tests substitute a stub server there)."""
 
     server_class: ClassVar[type[VLLMServerRolloutEngine]] = VLLMServerRolloutEngine
+    max_concurrency: ClassVar[int] = 4
+    """Calls served at once (threads): the driver's `shutdown` must not queue behind a `url` that waits for a
+    server still starting when the run fails early (a killed actor would leave its ``vllm serve`` running)."""
 
     def __init__(self, spec: Any, index: int, host: str | None = None) -> None:
         """Start the server (not waiting for it: the ranks start meanwhile; `url` waits). ``host``: the address to
