@@ -171,6 +171,37 @@ def test_the_actor_counts_the_requests_its_server_answered_from_its_access_log(a
     assert (stats["weight_updates"], stats["completions"]) == (2, 3), stats
 
 
+class NeverReadyEngine(VLLMServerRolloutEngine):
+    def _server_command(self, model_dir: Any, tokenizer: Any, dtype: str, seed: int, port: int) -> list[str]:
+        return [sys.executable, "-c", "import time; time.sleep(120)", "--port", str(port)]  # never listens
+
+
+def test_a_shutdown_while_the_ranks_wait_for_a_starting_server_stops_it(tmp_path: Path) -> None:
+    """The run fails while the server still starts: the driver's `shutdown` (the actor is threaded) stops the
+    server, and the `url` call waiting for it fails instead of waiting out server_startup_timeout_s."""
+    import threading
+
+    class NeverReady(VLLMServerActor):
+        server_class = NeverReadyEngine
+
+    actor = NeverReady(_spec(tmp_path, **FAST | {"server_startup_timeout_s": 100.0}), 0, host="127.0.0.1")
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            actor.url()
+        except BaseException as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    process = actor.server.process
+    actor.shutdown()
+    waiter.join(timeout=20)
+    assert not waiter.is_alive() and process is not None and process.poll() is not None
+    assert len(errors) == 1 and "the vLLM server exited with code" in str(errors[0]), errors
+
+
 # ------------------------------------------------------------------------------------------ ranks' engine
 class _Method:
     def __init__(self, fn: Any) -> None:

@@ -105,7 +105,9 @@ spec.model, SimpleNamespace(name_or_path=spec.tokenizer), spec.dtype,
 
     def shutdown(self) -> None:
         """Stop the server (the launcher calls this before it kills the actor: a killed actor would leave it)."""
+        process = self.server.process
         self.server.shutdown(grace_s=30.0)
+        self.server.process = process  # exited: a `url` still waiting for the server fails instead of polling on
 
     def stats(self) -> dict[str, Any]:
         """What the server did: its URL, restarts, the weight updates and completion requests it answered (its
