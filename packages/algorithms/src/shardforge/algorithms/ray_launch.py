@@ -13,9 +13,11 @@ killed (they would only wait for the collective timeout) and the earliest error 
 as under torchrun. Ctrl-C kills every actor.
 
 ``rollout_placement: disaggregated`` (`shardforge.algorithms.rollout.placement`): ``num_rollout_actors`` more
-bundles in the same group hold `RolloutActor`s (the embedded HF engine each); every rank learns their names
-from ``SHARDFORGE_RAY_ROLLOUT_ACTORS`` and generates through them (`rollout.ray_rollout`). At the end the
-driver logs what each served (the weight versions it received, its generate calls). ``reward.ray_workers: N``
+bundles in the same group hold `RolloutActor`s (the embedded HF engine each), or, with ``rollout_engine: vllm``,
+one `VLLMServerActor` (``vllm serve`` in its bundle, with ``vllm.tensor_parallel_size`` GPUs when the cluster
+has GPUs; `rollout.ray_vllm_server`); every rank learns their names from ``SHARDFORGE_RAY_ROLLOUT_ACTORS`` and
+generates through them. At the end the driver logs what each served (the weight versions it received, its
+generate calls or restarts) and stops a vLLM server before it kills its actor. ``reward.ray_workers: N``
 (`shardforge.algorithms.rollout.ray_reward`): N more one-CPU bundles hold `RewardActor`s that score the ranks'
 rewards (names in ``SHARDFORGE_RAY_REWARD_ACTORS``). Not supported under Ray: ``--max-restarts`` (use the
 torchrun launcher) and graceful stop at a step boundary (SIGTERM reaches only this driver).
@@ -43,6 +45,11 @@ __all__ = ["launch_ray"]
 
 log = get_logger(__name__)
 
+# The rollout actor class of each ``rollout_engine`` (imported when the launcher starts one).
+_ROLLOUT_ACTORS = {
+    "hf": "shardforge.algorithms.rollout.ray_rollout:RolloutActor",
+    "vllm": "shardforge.algorithms.rollout.ray_vllm_server:VLLMServerActor",
+}
 # Variables a rank must not inherit from the driver's environment (they are set per rank).
 _RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -88,10 +95,20 @@ def _error_record(directory: Path) -> dict[str, Any]:
     return {}
 
 
-def _bundle(world_size: int, ray: Any) -> dict[str, float]:
-    """One rank's resources: a CPU, and a GPU when the cluster has one per rank."""
-    gpus = float(ray.cluster_resources().get("GPU", 0.0))
-    return {"CPU": 1.0, "GPU": 1.0} if gpus >= world_size else {"CPU": 1.0}
+def _bundles(world: int, rollout: RolloutActorSpec | None, reward_workers: int, gpus: float) -> list[dict[str, float]]:
+    """The placement group's bundles, in order: one per rank (a CPU, and a GPU when the cluster has ``gpus`` for
+    every rank and rollout actor), one per rollout actor (the same, with `gpus_per_actor` GPUs: a vLLM server's
+    tensor-parallel size), one CPU per reward actor."""
+    num_rollout = rollout.num_actors if rollout is not None else 0
+    per_actor = rollout.gpus_per_actor if rollout is not None else 1
+    with_gpu = gpus >= world + num_rollout * per_actor
+    rank = {"CPU": 1.0, "GPU": 1.0} if with_gpu else {"CPU": 1.0}
+    actor = {"CPU": 1.0, "GPU": float(per_actor)} if with_gpu else {"CPU": 1.0}
+    return (
+        [dict(rank) for _ in range(world)]
+        + [dict(actor) for _ in range(num_rollout)]
+        + [{"CPU": 1.0} for _ in range(reward_workers)]
+    )
 
 
 def launch_ray(
@@ -128,8 +145,8 @@ def launch_ray(
         # and no dashboard web server: one process less on the ranks' cores for a cluster nobody browses
         extra["include_dashboard"] = False
     ray.init(address=address, log_to_driver=True, configure_logging=False, **extra)
-    bundle = _bundle(world + num_rollout, ray)
-    bundles = [dict(bundle) for _ in range(world + num_rollout)] + [{"CPU": 1.0} for _ in range(reward_workers)]
+    bundles = _bundles(world, rollout, reward_workers, float(ray.cluster_resources().get("GPU", 0.0)))
+    bundle = bundles[0]
     group = placement_group(bundles, strategy="PACK", name="shardforge-ranks")
     ready, _ = ray.wait([group.ready()], timeout=120)
     if not ready:
@@ -150,7 +167,7 @@ def launch_ray(
         ).remote()
         for index in range(world)
     ]
-    rollout_actors = _start_rollout_actors(ray, rollout, group, world, bundle) if rollout is not None else []
+    rollout_actors = _start_rollout_actors(ray, rollout, group, world, bundles[world]) if rollout is not None else []
     reward_actors = _start_reward_actors(ray, reward_workers, group, world + num_rollout)
     env = {ROLLOUT_ACTORS_ENV: ",".join(actor_names(num_rollout))} if rollout_actors else {}
     if reward_actors:
@@ -163,6 +180,8 @@ def launch_ray(
     finally:
         _log_actor_stats(ray, rollout_actors, "rollout")
         _log_actor_stats(ray, reward_actors, "reward")
+        if rollout is not None and rollout.engine == "vllm":  # its `vllm serve` would outlive a killed actor
+            _call_each(ray, rollout_actors, "shutdown", timeout=60)
         for actor in actors + rollout_actors + reward_actors:
             ray.kill(actor)
         remove_placement_group(group)
@@ -172,13 +191,17 @@ def launch_ray(
 def _start_rollout_actors(
     ray: Any, spec: RolloutActorSpec, group: Any, first_bundle: int, bundle: dict[str, float]
 ) -> list[Any]:
-    """``spec.num_actors`` `RolloutActor`s on the group's bundles from ``first_bundle`` on (they load the model
-    while the ranks start; the ranks' clients wait for them)."""
+    """``spec.num_actors`` rollout actors (`RolloutActor`, or `VLLMServerActor` for ``rollout_engine: vllm``) on the
+    group's bundles from ``first_bundle`` on (they load the model or start the server while the ranks start; the
+    ranks' clients wait for them)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from shardforge.algorithms.rollout.ray_rollout import RolloutActor
-
-    actor_cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0))(RolloutActor)
+    module, _, class_name = _ROLLOUT_ACTORS[spec.engine].partition(":")
+    actor_class = getattr(importlib.import_module(module), class_name)
+    concurrency = int(getattr(actor_class, "max_concurrency", 1))
+    actor_cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_concurrency=concurrency)(
+        actor_class
+    )
     strategies = [
         PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=first_bundle + index)
         for index in range(spec.num_actors)
@@ -205,6 +228,16 @@ def _start_reward_actors(ray: Any, count: int, group: Any, first_bundle: int) ->
         ).remote(index)
         for index, name in enumerate(reward_actor_names(count))
     ]
+
+
+def _call_each(ray: Any, actors: list[Any], method: str, timeout: float) -> None:
+    """Call ``method`` on every actor and wait up to ``timeout`` s (an actor that is gone is skipped)."""
+    refs = [getattr(actor, method).remote() for actor in actors]
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=timeout)
+        except Exception as exc:
+            log.warning("ray: %s on a rollout actor failed: %s", method, str(exc).splitlines()[0] if str(exc) else exc)
 
 
 def _log_actor_stats(ray: Any, actors: list[Any], kind: str) -> None:

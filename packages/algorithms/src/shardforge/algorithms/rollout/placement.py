@@ -2,11 +2,16 @@
 
 - ``colocated`` (default): the rollout engine lives in every trainer process (the embedded HF engine, or a
   vLLM engine/server the trainer starts), as it always did.
-- ``disaggregated`` (``--launcher ray`` only): ``num_rollout_actors`` Ray actors of their own, each holding
-  the embedded HF engine (`shardforge.algorithms.rollout.ray_rollout.RolloutActor`), placed in the same
-  placement group as the trainer ranks. Trainer rank ``r`` generates through actor ``r % num_rollout_actors``;
-  after each step trainer rank 0 sends the new weights to every actor over weight-sync's collective
-  transport (a gloo group of rank 0 + the actors, verified, version-tagged; no shared filesystem).
+- ``disaggregated`` (``--launcher ray`` only), placed in the same placement group as the trainer ranks:
+  - ``rollout_engine: hf``: ``num_rollout_actors`` Ray actors of their own, each holding the embedded HF engine
+    (`shardforge.algorithms.rollout.ray_rollout.RolloutActor`). Trainer rank ``r`` generates through actor
+    ``r % num_rollout_actors``; after each step trainer rank 0 sends the new weights to every actor over
+    weight-sync's collective transport (a gloo group of rank 0 + the actors, verified, version-tagged; no shared
+    filesystem).
+  - ``rollout_engine: vllm`` with ``vllm.mode: server``: one actor that runs ``vllm serve`` in its bundle
+    (`shardforge.algorithms.rollout.ray_vllm_server.VLLMServerActor`); every rank is a `VLLMServerRolloutEngine`
+    on its URL, and the server loads the weight-sync disk versions under ``output_dir/weights`` (several Ray
+    nodes: ``output_dir`` on storage the trainer's rank 0 and the server's node share).
 
 This module is the pure part (no Ray import): the refusals, the actors' spec the launcher needs, and how
 the launcher tells the ranks the actors' names (an environment variable, as it passes the rank variables).
@@ -17,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
@@ -44,7 +50,9 @@ class RolloutActorSpec:
     """What the Ray launcher needs to start the rollout actors (read from the trainer config)."""
 
     num_actors: int
-    """Rollout actors to start (each holds one embedded HF engine with the full model)."""
+    """Rollout actors to start (each holds one embedded HF engine with the full model, or one vLLM server)."""
+    engine: str = "hf"
+    """``rollout_engine``: ``hf`` (`RolloutActor`) or ``vllm`` (`VLLMServerActor`, ``vllm.mode: server``)."""
     model: str
     """HF model directory of the initial weights (version 0)."""
     tokenizer: str
@@ -55,11 +63,23 @@ class RolloutActorSpec:
     """``rollout_kv_reuse``: keep multi-turn sessions' KV caches between calls."""
     kv_reuse_max_tokens: int
     """``rollout_kv_reuse_max_tokens``."""
+    vllm: Any = None
+    """engine=vllm: the trainer's `VLLMOptions` (the server's flags and environment)."""
+    seed: int = 0
+    """engine=vllm: the server's global seed (requests carry their own)."""
+    output_dir: str = ""
+    """engine=vllm: the run's ``output_dir``, absolute (the server's log goes to ``output_dir/vllm_server.log``)."""
+
+    @property
+    def gpus_per_actor(self) -> int:
+        """GPUs one actor's bundle asks for when the cluster has GPUs (a vLLM server: its tensor-parallel size)."""
+        return int(self.vllm.tensor_parallel_size) if self.engine == "vllm" else 1
 
 
-def rollout_actor_spec(config: Any, launcher: str) -> RolloutActorSpec | None:
+def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None) -> RolloutActorSpec | None:
     """The rollout actors ``config`` asks for (None: colocated); raise `ValueError` for a combination that is
-    not supported (``launcher``: the CLI's ``--launcher``, or ``"external"`` under an outside torchrun)."""
+    not supported (``launcher``: the CLI's ``--launcher``, or ``"external"`` under an outside torchrun;
+    ``world_size``: the trainer's ranks, when known)."""
     placement = getattr(config, "rollout_placement", "colocated")
     num_actors = int(getattr(config, "num_rollout_actors", 1))
     if num_actors < 1:
@@ -68,6 +88,8 @@ def rollout_actor_spec(config: Any, launcher: str) -> RolloutActorSpec | None:
         return None
     if placement != "disaggregated":
         raise ValueError(f"rollout_placement={placement!r} is not one of ['colocated', 'disaggregated']")
+    engine = str(getattr(config, "rollout_engine", "hf"))
+    vllm = getattr(config, "vllm", None)
     refusals = [
         (
             launcher != "ray",
@@ -75,10 +97,11 @@ def rollout_actor_spec(config: Any, launcher: str) -> RolloutActorSpec | None:
             f"{launcher}): add --launcher ray, or set rollout_placement=colocated",
         ),
         (
-            getattr(config, "rollout_engine", "hf") != "hf",
-            f"holds the embedded HF engine; rollout_engine={getattr(config, 'rollout_engine', None)!r} "
-            "already runs as a server of its own (vllm.mode=server): use rollout_engine=hf",
+            engine not in ("hf", "vllm"),
+            f"holds the embedded HF engine or a vLLM server; rollout_engine={engine!r} is neither: use "
+            "rollout_engine=hf or rollout_engine=vllm with vllm.mode=server",
         ),
+        *(_vllm_refusals(vllm, num_actors, world_size) if engine == "vllm" else []),
         (
             bool(getattr(config, "async_rollouts", False)),
             "serves the newest weights only: asynchronous rollouts (which may need an older version) are not "
@@ -98,12 +121,44 @@ def rollout_actor_spec(config: Any, launcher: str) -> RolloutActorSpec | None:
             raise ValueError(f"rollout_placement=disaggregated {why} ({_HOW})")
     return RolloutActorSpec(
         num_actors=num_actors,
+        engine=engine,
         model=str(config.model),
         tokenizer=str(getattr(config, "tokenizer", None) or config.model),
         dtype=str(getattr(config, "rollout_dtype", "float32")),
         kv_reuse=bool(getattr(config, "rollout_kv_reuse", True)),
         kv_reuse_max_tokens=int(getattr(config, "rollout_kv_reuse_max_tokens", 65536)),
+        vllm=vllm if engine == "vllm" else None,
+        seed=int(getattr(config, "seed", 0)),
+        output_dir=str(Path(config.output_dir).resolve()) if getattr(config, "output_dir", "") else "",
     )
+
+
+def _vllm_refusals(vllm: Any, num_actors: int, world_size: int | None) -> list[tuple[bool, str]]:
+    """What ``rollout_engine=vllm`` with disaggregated placement (one `VLLMServerActor`) does not support yet."""
+    mode = getattr(vllm, "mode", "in_process")
+    restart = getattr(vllm, "on_server_failure", "error") == "restart"
+    return [
+        (
+            mode != "server",
+            f"runs vLLM as a server actor: set vllm.mode=server (vllm.mode={mode!r} runs vLLM inside the trainer, "
+            "rollout_placement=colocated)",
+        ),
+        (
+            getattr(vllm, "server_url", None) is not None,
+            "starts its own vLLM server in a Ray actor: remove vllm.server_url, or keep it with "
+            "rollout_placement=colocated",
+        ),
+        (
+            num_actors != 1,
+            f"with rollout_engine=vllm starts one vLLM server for every rank (num_rollout_actors={num_actors}): set "
+            "num_rollout_actors=1 (vllm.max_num_seqs and vllm.tensor_parallel_size size the server)",
+        ),
+        (
+            restart and world_size is not None and world_size > 1,
+            f"with rollout_engine=vllm restarts the server actor only at a trainer world size of 1 (got {world_size}):"
+            " ranks sharing one server cannot yet agree on its restart; set vllm.on_server_failure=error",
+        ),
+    ]
 
 
 def actor_names(num_actors: int, prefix: str = "shardforge-rollout") -> list[str]:

@@ -105,11 +105,13 @@ class RLTrainerConfig(TrainerConfig):
     rollout_engine: RolloutEngineKind = "hf"
     """'hf' (embedded generate in every trainer process) or 'vllm' (optional extra; see `vllm`)."""
     rollout_placement: RolloutPlacement = "colocated"
-    """'colocated' (the rollout engine in every trainer process) or 'disaggregated' (--launcher ray, rollout_engine=hf:
-    the embedded HF engine in num_rollout_actors Ray actors of their own; weights over weight-sync's collective
-    transport after every step). See docs/multinode.md."""
+    """'colocated' (the rollout engine in every trainer process) or 'disaggregated' (--launcher ray; rollout_engine=hf:
+    the embedded HF engine in num_rollout_actors Ray actors of their own, weights over weight-sync's collective
+    transport after every step; rollout_engine=vllm with vllm.mode=server: one Ray actor running `vllm serve`,
+    weights as disk versions under output_dir/weights). See docs/multinode.md."""
     num_rollout_actors: int = 1
-    """rollout_placement=disaggregated: rollout actors (trainer rank r generates through actor r % num_rollout_actors)."""
+    """rollout_placement=disaggregated: rollout actors (trainer rank r generates through actor r % num_rollout_actors;
+    1 with rollout_engine=vllm)."""
     rollout_kv_reuse: bool = True
     """rollout_engine=hf: keep each episode's KV cache between its turns (and between partial-rollout chunks) and
     prefill only the tokens a turn adds; dropped on every weight change. false: re-encode the context every turn."""

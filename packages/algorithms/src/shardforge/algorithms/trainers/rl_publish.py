@@ -11,7 +11,9 @@ the full weights: `publish_in_process` all-gathers them to every rank (weight-sy
 may still need an older version).
 
 ``rollout_placement=disaggregated`` (`rollout.placement`): the engine is a `RayRolloutClient` of rollout actors,
-and `direct_publisher` sends the weights to them over weight-sync's collective transport instead.
+and `direct_publisher` sends the weights to them over weight-sync's collective transport instead; with
+``rollout_engine=vllm`` it is a `RayVLLMServerEngine` on the launcher's vLLM server actor, which follows the
+disk versions as a colocated server does.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import os
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
 
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, build_rollout_engine
 from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
@@ -38,7 +42,15 @@ def build_placed_rollout(config: Any, tokenizer: Any, weights_root: str | os.Pat
     of the Ray launcher's rollout actors (``rollout_placement=disaggregated``)."""
     if config.rollout_placement == "disaggregated":
         names = rollout_actor_names_from_env(config.num_rollout_actors)  # refuses a rank not started by Ray
-        rollout_actor_spec(config, "ray")  # the other refusals, also under an outside launcher
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        spec = rollout_actor_spec(config, "ray", world)  # the other refusals, also under an outside launcher
+        if spec is not None and spec.engine == "vllm":
+            from shardforge.algorithms.rollout.ray_vllm_server import RayVLLMServerEngine
+
+            return RayVLLMServerEngine(
+                names[0], config.model, tokenizer, options=config.vllm, weights_root=weights_root,
+                dtype=config.rollout_dtype, seed=config.seed,
+            )  # fmt: skip
         return RayRolloutClient(names, timeout_s=config.engine.dist_timeout_s)
     return build_rollout_engine(
         config.rollout_engine, config.model, tokenizer, weights_root=weights_root,
