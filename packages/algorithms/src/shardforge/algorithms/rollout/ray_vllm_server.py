@@ -91,6 +91,7 @@ spec.model, SimpleNamespace(name_or_path=spec.tokenizer), spec.dtype,
 
     def server_info(self) -> tuple[list[str], str]:
         """(the command that starts the server, its log file on the actor's node)."""
+        assert self.server.command is not None  # set when the actor launched it
         return list(self.server.command), str(self.server.log_path)
 
     def restart(self) -> str:
