@@ -64,7 +64,6 @@ def test_a_vllm_server_actor_is_accepted_under_ray() -> None:
         ({"vllm": {"mode": "in_process"}}, "ray", 2, "runs vLLM as a server actor: set vllm.mode=server"),
         ({"vllm": {"mode": "server", "server_url": "http://h:1"}}, "ray", 2, "remove vllm.server_url"),
         ({"num_rollout_actors": 2}, "ray", 2, "set num_rollout_actors=1"),
-        ({"vllm": {"mode": "server", "on_server_failure": "restart"}}, "ray", 2, "set vllm.on_server_failure=error"),
         ({"async_rollouts": True}, "ray", 1, "set async_rollouts=false"),
         ({"partial_rollouts": True}, "ray", 1, "set partial_rollouts=false"),
     ],
@@ -79,9 +78,11 @@ def test_what_the_vllm_server_actor_does_not_support_is_refused_in_one_line(
     assert fragment in message, message
 
 
-def test_restart_with_the_actor_is_accepted_at_world_size_one() -> None:
+@pytest.mark.parametrize("world", [1, 2, None])
+def test_restart_with_the_actor_is_accepted_at_any_world_size(world: int | None) -> None:
+    """Several ranks agree on the actor's restarts (tests/test_ray_vllm_server_shared_restart.py)."""
     config = _config(**SERVER | {"vllm": {"mode": "server", "on_server_failure": "restart"}})
-    assert rollout_actor_spec(config, "ray", world_size=1) is not None
+    assert rollout_actor_spec(config, "ray", world_size=world) is not None
 
 
 def test_the_server_actors_bundle_holds_its_tensor_parallel_gpus_when_the_cluster_has_them() -> None:
@@ -216,7 +217,7 @@ class _Handle:
     """A Ray actor handle's shape: ``handle.method.remote(...)`` -> a ref; ``ray.get(ref)`` runs it."""
 
     def __init__(self, actor: VLLMServerActor) -> None:
-        for name in ("url", "server_info", "restart"):
+        for name in ("url", "server_info", "restart", "stop_server"):
             setattr(self, name, _Method(getattr(actor, name)))
 
 

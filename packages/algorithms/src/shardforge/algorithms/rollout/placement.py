@@ -79,7 +79,7 @@ class RolloutActorSpec:
 def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None) -> RolloutActorSpec | None:
     """The rollout actors ``config`` asks for (None: colocated); raise `ValueError` for a combination that is
     not supported (``launcher``: the CLI's ``--launcher``, or ``"external"`` under an outside torchrun;
-    ``world_size``: the trainer's ranks, when known)."""
+    ``world_size``: the trainer's ranks, when known; no refusal depends on it at present)."""
     placement = getattr(config, "rollout_placement", "colocated")
     num_actors = int(getattr(config, "num_rollout_actors", 1))
     if num_actors < 1:
@@ -101,7 +101,7 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
             f"holds the embedded HF engine or a vLLM server; rollout_engine={engine!r} is neither: use "
             "rollout_engine=hf or rollout_engine=vllm with vllm.mode=server",
         ),
-        *(_vllm_refusals(vllm, num_actors, world_size) if engine == "vllm" else []),
+        *(_vllm_refusals(vllm, num_actors) if engine == "vllm" else []),
         (
             bool(getattr(config, "async_rollouts", False)),
             "serves the newest weights only: asynchronous rollouts (which may need an older version) are not "
@@ -133,10 +133,9 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
     )
 
 
-def _vllm_refusals(vllm: Any, num_actors: int, world_size: int | None) -> list[tuple[bool, str]]:
+def _vllm_refusals(vllm: Any, num_actors: int) -> list[tuple[bool, str]]:
     """What ``rollout_engine=vllm`` with disaggregated placement (one `VLLMServerActor`) does not support yet."""
     mode = getattr(vllm, "mode", "in_process")
-    restart = getattr(vllm, "on_server_failure", "error") == "restart"
     return [
         (
             mode != "server",
@@ -152,11 +151,6 @@ def _vllm_refusals(vllm: Any, num_actors: int, world_size: int | None) -> list[t
             num_actors != 1,
             f"with rollout_engine=vllm starts one vLLM server for every rank (num_rollout_actors={num_actors}): set "
             "num_rollout_actors=1 (vllm.max_num_seqs and vllm.tensor_parallel_size size the server)",
-        ),
-        (
-            restart and world_size is not None and world_size > 1,
-            f"with rollout_engine=vllm restarts the server actor only at a trainer world size of 1 (got {world_size}):"
-            " ranks sharing one server cannot yet agree on its restart; set vllm.on_server_failure=error",
         ),
     ]
 

@@ -9,8 +9,12 @@
   (as with ``vllm.server_url``), so requests, health checks, timeouts and weight versions are the server path's.
   Weights are weight-sync disk versions under ``output_dir/weights`` that rank 0 tells the server to load (the
   ``shardforge`` weight-transfer backend): on several Ray nodes ``output_dir`` must be on storage that rank 0's
-  and the server's nodes share. ``vllm.on_server_failure: restart`` (trainer world size 1) asks the actor to
-  restart the server, then restores the current version and resends the batch, as for a server rank 0 started.
+  and the server's nodes share. ``vllm.on_server_failure: restart``: the actor restarts the server when trainer
+  rank 0 asks it (``restart_server`` -> `RayVLLMServerEngine._launch`), then rank 0 restores the current version,
+  as for a server rank 0 started. At world size 1 the rank resends its batch; with several ranks they agree on
+  the restart once per generation round (`shardforge.algorithms.rollout.shared_restart`: only rank 0 asks the
+  actor, once per agreed restart) and the failing ranks regenerate their round. A weight switch that fails has
+  the actor stop the server (`VLLMServerActor.stop_server`), so the next generation restarts it at the new version.
 """
 
 from __future__ import annotations
@@ -104,6 +108,15 @@ spec.model, SimpleNamespace(name_or_path=spec.tokenizer), spec.dtype,
         self.restarts += 1
         return self.url()
 
+    def stop_server(self) -> None:
+        """Stop the server until the next `restart` (trainer rank 0's weight switch failed: no request may reach it
+        at the old version; the ranks' next generation finds it down and restarts it at the new version)."""
+        log.warning("vLLM server actor %d: stopping %s (its weight switch failed)", self.index, self._url)
+        process = self.server.process
+        self.server.shutdown(grace_s=5.0)
+        self.server.process = process  # exited: `url` fails at once until `restart` starts it again
+        self.ready = False
+
     def shutdown(self) -> None:
         """Stop the server (the launcher calls this before it kills the actor: a killed actor would leave it)."""
         process = self.server.process
@@ -166,6 +179,11 @@ class RayVLLMServerEngine(VLLMServerRolloutEngine):
             raise RolloutServerError(f"vLLM server actor {self.actor_name}: {type(cause).__name__}: {cause}") from exc
 
     def _launch(self) -> str:
-        """A restart: the actor stops its server and starts it again (its ``_recover`` then restores the weights)."""
+        """A restart (`restart_server`: its ``shutdown`` is a no-op here, this rank started no process): the actor
+        stops its server and starts it again; `restart_server` then restores the weights."""
         url: str = self._call(self.actor.restart.remote())
         return url
+
+    def _stop_server(self) -> None:
+        """Rank 0's weight switch failed: the actor stops its server (the next generation restarts it)."""
+        self._call(self.actor.stop_server.remote())

@@ -283,7 +283,11 @@ class VLLMServerRolloutEngine:
                 raise
             reason = describe_failure("the weight switch", exc, 600.0)
             log.warning(f"rollout server {self.url} failed to switch to weight version {target} ({reason}); stopped it")
-            self.shutdown(grace_s=5.0)
+            self._stop_server()
+
+    def _stop_server(self) -> None:
+        """Stop the server this engine started until the next restart (`_switch_or_stop`)."""
+        self.shutdown(grace_s=5.0)
 
     def _switch(self, target: int) -> None:
         _post(self.url, "/start_weight_update", {})
