@@ -284,3 +284,23 @@ def test_without_restart_a_dead_server_is_the_one_line_error(
     assert message.startswith(f"rollout server {engine.url} is down: /health"), message
     assert "or set vllm.on_server_failure: restart" in message and "\n" not in message
     assert actor.restarts == 0
+
+
+def test_a_failed_weight_switch_has_the_actor_stop_its_server(
+    fake_ray: _Handle, actor: VLLMServerActor, tmp_path: Path
+) -> None:
+    """A switch that fails on a live server stops it through the actor (the rank has no process of its own to
+    stop), so the next generation restarts it at the new version instead of sampling the old one."""
+    engine = _rank_engine(tmp_path, on_server_failure="restart", max_server_restarts=1)
+    engine.update_weights(2)
+    switch = engine._switch
+
+    def fail_once(target: int) -> None:
+        engine._switch = switch  # type: ignore[method-assign]
+        raise ConnectionResetError("the switch's connection was reset")
+
+    engine._switch = fail_once  # type: ignore[method-assign]
+    assert engine.update_weights(3) == 3
+    assert actor.server.process is not None and actor.server.process.poll() is not None  # stopped
+    rollouts = engine.generate(PROMPTS, PARAMS)
+    assert _state(engine.url)["version"] == 3 and actor.restarts == 1 and {r.version for r in rollouts} == {3}

@@ -127,6 +127,7 @@ def _two_ranks_share_the_actors_server(tmp: Path, dying_rank: int) -> dict[str, 
         engine.pop_stats()
         got = generation_round(engine, dying_round)
         after, stats, restarts = state(), engine.pop_stats(), engine.health.total_restarts
+        dist.barrier()  # no rank asks the server for its state while rank 0 stops it below
 
         # Rank 0's switch to version 4 fails on a live server: stopped, the next round restarts it at version 4.
         if rank == 0:

@@ -29,7 +29,9 @@ A rank also notices a failure that its workflow swallowed (an evaluation scores 
 ``workflow.max_failed_fraction`` drops a crashed group): the engine records every failure of the round.
 With a trainer world size of 1 the engine restarts the server itself, inside the request
 (`VLLMServerRolloutEngine`). A server given by URL is never restarted: the ranks still agree, and every
-rank raises the one-line error that says so.
+rank raises the one-line error that says so. The vLLM server actor's server (``rollout_placement:
+disaggregated``, `shardforge.algorithms.rollout.ray_vllm_server`) is restarted the same way: rank 0's
+``restart_server`` asks the actor, once per agreed restart; no other rank asks it.
 """
 
 from __future__ import annotations
