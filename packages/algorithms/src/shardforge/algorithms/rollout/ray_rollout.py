@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from shardforge.algorithms.log import get_logger
 from shardforge.algorithms.rollout.placement import actor_for_rank
-from shardforge.algorithms.rollout.server_health import RolloutServerError
+from shardforge.algorithms.rollout.server_health import ray_get
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.weight_sync import DiskWeightSource
 
@@ -129,13 +129,7 @@ class RayRolloutClient:
 
     def _get(self, ref: Any, index: int) -> Any:
         """``ray.get(ref)``; a dead actor or a failed call becomes a one-line error naming the actor."""
-        try:
-            return self.ray.get(ref)
-        except self.ray.exceptions.RayActorError as exc:
-            raise RolloutServerError(f"rollout actor {self.names[index]} died: {str(exc).splitlines()[0]}") from exc
-        except self.ray.exceptions.RayTaskError as exc:
-            cause = exc.as_instanceof_cause()
-            raise RuntimeError(f"rollout actor {self.names[index]}: {type(cause).__name__}: {cause}") from exc
+        return ray_get(self.ray, ref, f"rollout actor {self.names[index]}", RuntimeError)
 
     def generate(
         self,

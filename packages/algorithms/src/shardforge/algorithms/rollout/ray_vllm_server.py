@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 from shardforge.algorithms.log import get_logger
-from shardforge.algorithms.rollout.server_health import RolloutServerError
+from shardforge.algorithms.rollout.server_health import RolloutServerError, ray_get
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine, _free_port
 
@@ -170,13 +170,7 @@ class RayVLLMServerEngine(VLLMServerRolloutEngine):
 
     def _call(self, ref: Any) -> Any:
         """``ray.get(ref)``; a dead actor or a failed call (the server did not start) becomes an error naming it."""
-        try:
-            return self.ray.get(ref)
-        except self.ray.exceptions.RayActorError as exc:
-            raise RolloutServerError(f"vLLM server actor {self.actor_name} died: {str(exc).splitlines()[0]}") from exc
-        except self.ray.exceptions.RayTaskError as exc:
-            cause = exc.as_instanceof_cause()
-            raise RolloutServerError(f"vLLM server actor {self.actor_name}: {type(cause).__name__}: {cause}") from exc
+        return ray_get(self.ray, ref, f"vLLM server actor {self.actor_name}", RolloutServerError)
 
     def _launch(self) -> str:
         """A restart (`restart_server`: its ``shutdown`` is a no-op here, this rank started no process): the actor

@@ -27,8 +27,9 @@ import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
-__all__ = ["REQUEST_FAILURES", "HealthCounters", "RolloutServerError", "down_message", "probe_health"]
+__all__ = ["REQUEST_FAILURES", "HealthCounters", "RolloutServerError", "down_message", "probe_health", "ray_get"]
 
 REQUEST_FAILURES: tuple[type[BaseException], ...] = (OSError, http.client.HTTPException)
 """What a dead, hung or restarting server raises from ``urllib`` (refused, reset, timed out, closed);
@@ -110,3 +111,15 @@ class HealthCounters:
         with self._lock:
             counts, self._counts = self._counts, dict.fromkeys(self.NAMES, 0)
         return {f"rollout_server/{k}": float(v) for k, v in counts.items()}
+
+
+def ray_get(ray: Any, ref: Any, actor: str, task_error: type[Exception]) -> Any:
+    """``ray.get(ref)``; a dead ``actor`` becomes a one-line `RolloutServerError`, a failed call a one-line
+    ``task_error`` naming the call's own exception."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as exc:
+        raise RolloutServerError(f"{actor} died: {str(exc).splitlines()[0]}") from exc
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.as_instanceof_cause()
+        raise task_error(f"{actor}: {type(cause).__name__}: {cause}") from exc
