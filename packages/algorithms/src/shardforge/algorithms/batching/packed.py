@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PackedBatch", "pack_sequences", "pad_to_multiple"]
+__all__ = ["PackedBatch", "cu_seqlens_of", "pack_sequences", "pad_to_multiple"]
+
+
+def cu_seqlens_of(lengths: Sequence[int]) -> torch.Tensor:
+    """[N+1] int32 cumulative sequence lengths (0, len0, len0+len1, ...)."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(list(lengths), dtype=torch.int32), 0)
+    return cu
 
 
 @dataclass(kw_only=True)
@@ -68,9 +75,7 @@ class PackedBatch:
         bounds = self.cu_seqlens.tolist()
         spans = [(bounds[i], bounds[i + 1]) for i in indices]
         token_index = torch.cat([torch.arange(a, b) for a, b in spans]) if spans else torch.zeros(0, dtype=torch.long)
-        lengths = torch.tensor([b - a for a, b in spans], dtype=torch.int32)
-        cu = torch.zeros(len(spans) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(lengths, 0)
+        cu = cu_seqlens_of([b - a for a, b in spans])
         extras: dict[str, torch.Tensor] = {}
         for key, value in self.extras.items():
             if value.shape[0] == self.num_tokens:
@@ -116,9 +121,12 @@ def pack_sequences(
         mask[0] = 0.0  # the first token has no context to be predicted from
         masks.append(mask)
         lengths.append(len(seq))
-    cu = torch.zeros(len(sequences) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
-    return PackedBatch(input_ids=torch.cat(ids), position_ids=torch.cat(pos), cu_seqlens=cu, loss_mask=torch.cat(masks))
+    return PackedBatch(
+        input_ids=torch.cat(ids),
+        position_ids=torch.cat(pos),
+        cu_seqlens=cu_seqlens_of(lengths),
+        loss_mask=torch.cat(masks),
+    )
 
 
 def pad_to_multiple(batch: PackedBatch, multiple: int) -> PackedBatch:

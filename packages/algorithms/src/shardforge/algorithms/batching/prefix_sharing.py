@@ -26,7 +26,7 @@ import itertools
 
 import torch
 
-from shardforge.algorithms.batching.packed import PackedBatch
+from shardforge.algorithms.batching.packed import PackedBatch, cu_seqlens_of
 
 __all__ = ["MIN_SHARED_TOKENS", "share_prefixes", "unshare_outputs"]
 
@@ -63,41 +63,43 @@ def share_prefixes(batch: PackedBatch, min_shared: int = MIN_SHARED_TOKENS) -> P
     bounds = batch.cu_seqlens.tolist()
     spans = list(itertools.pairwise(bounds))
     heads = _heads(batch, bounds, min_shared + 1)
-    keep: list[torch.Tensor] = []
-    prefixes: list[tuple[int, int]] = []
-    lengths: list[int] = []
-    source: tuple[int, int, int] | None = None  # (start, end, start in the shared batch) of the latest whole one
-    shared_any, out_start = False, 0
+    # pass 1 (cheap, no tensors): which sequences share how much with which source (None: kept whole)
+    shared: list[tuple[int, int] | None] = []  # (source's sequence index, P) per sequence
+    source: int | None = None  # the latest sequence kept whole
     for i, (start, end) in enumerate(spans):
-        shared = 0
+        length = 0
         # a sequence that shares >= min_shared + 1 tokens with the source shares them with its predecessor
         # too (the source or another of its dependents): only then compare with the source token by token
-        if source is not None and i > 0 and heads[i] is not None and heads[i] == heads[i - 1]:
-            shared = _shared_length(batch, source[:2], (start, end))
-        if source is not None and shared - 1 >= min_shared:
-            keep.append(torch.arange(start + shared - 1, end))
-            prefixes.append((source[2], shared - 1))
-            shared_any = True
+        if source is not None and heads[i] is not None and heads[i] == heads[i - 1]:
+            length = _shared_length(batch, spans[source], (start, end))
+        if source is not None and length - 1 >= min_shared:
+            shared.append((source, length))
         else:
-            keep.append(torch.arange(start, end))
+            shared.append(None)
+            source = i if end > start else source
+    if all(entry is None for entry in shared):
+        return batch  # the common case outside group sampling: no tensor work
+    # pass 2: keep tokens P-1.. of each dependent; its prefix row points at the source's first P-1 tokens
+    lengths = [end - start - (entry[1] - 1 if entry else 0) for (start, end), entry in zip(spans, shared, strict=True)]
+    cu = cu_seqlens_of(lengths)
+    new_starts = cu[:-1].tolist()
+    keep: list[int] = []  # token index lists: one tensor each at the end (per-sequence tensor ops cost more)
+    back: list[int] = []
+    prefixes: list[tuple[int, int]] = []
+    for (_, end), entry, new_start, length in zip(spans, shared, new_starts, lengths, strict=True):
+        keep.extend(range(end - length, end))
+        if entry is None:
+            back.extend(range(new_start, new_start + length))
             prefixes.append((0, 0))
-            if end > start:
-                source = (start, end, out_start)
-        lengths.append(int(keep[-1].numel()))
-        out_start += lengths[-1]
-    if not shared_any:
-        return batch
-    token_index = torch.cat(keep)
-    cu = torch.zeros(len(spans) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+            continue
+        source_start, count = new_starts[entry[0]], entry[1] - 1
+        prefixes.append((source_start, count))
+        # a dropped token, and the kept last shared one (its output is the source's), take the source's output
+        back.extend(range(source_start, source_start + count + 1))
+        back.extend(range(new_start + 1, new_start + length))
+    token_index = torch.tensor(keep, dtype=torch.long)
+    unshared = torch.tensor(back, dtype=torch.long)
     extras = {k: (v[token_index] if v.shape[0] == batch.num_tokens else v) for k, v in batch.extras.items()}
-    # every original token -> the shared token with its output: kept tokens map to themselves,
-    # a dropped one (and the kept last shared token, whose output is the source's) to the source's
-    unshared = torch.empty(batch.num_tokens, dtype=torch.long)
-    unshared[token_index] = torch.arange(token_index.numel())
-    for (start, _), (source_start, length) in zip(spans, prefixes, strict=True):
-        if length:
-            unshared[start : start + length + 1] = torch.arange(source_start, source_start + length + 1)
     return PackedBatch(
         input_ids=batch.input_ids[token_index],
         position_ids=batch.position_ids[token_index],

@@ -206,8 +206,10 @@ class SPMDRunner:
                 log_p = self.head.distribution_outputs(self.model, self.ctx, run, entropy=False)[2]
             if mb is None:
                 continue
-            log_p = unshare_outputs(log_p, mb)  # the micro-batch's rows before any prefix sharing
-            targets = torch.cat([batch.loss_mask[bounds[i] : bounds[i + 1]] for i in indices])
+            targets = mb.loss_mask
+            if mb.unshared_index is not None:  # back to the micro-batch's rows before prefix sharing
+                log_p = unshare_outputs(log_p, mb)
+                targets = torch.cat([batch.loss_mask[bounds[i] : bounds[i + 1]] for i in indices])
             log_p = log_p.masked_fill((targets == 0).to(log_p.device)[:, None], 0.0)
             top = log_p.topk(top_k, dim=-1) if top_k > 0 else None
             values = (top.values if top is not None else log_p).cpu()
