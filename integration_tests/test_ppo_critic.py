@@ -149,22 +149,19 @@ def _assert_stats_match(a: dict[str, float], b: dict[str, float], context: tuple
 def test_ppo_statistics_survive_rounding_level_perturbations(model_dir: str) -> None:
     """What another CPU does: the same world-1 run with the rewards changed at the 1e-7 level
     (fp32 rounding) passes the same comparison as a sharded run. Both runs use the eager AdamW loop
-    (`fused: false`): the boundary token below sits on its trajectory (with the fused default, seeds 0-11
-    flipped none), and a run compared with another uses the same kernel."""
-    flipped = 0
+    (`fused: false`), as a run compared with another uses the same kernel. This data has a value-clip
+    token at the threshold: it flipped between world 1 and FSDP 2 on an AMD EPYC, and under these
+    perturbations on an Intel CPU but not on another AMD EPYC. Whether it flips depends on the CPU, so
+    the test does not require a flip; that the count comparison allows one boundary flip and no more is
+    proven without rounding luck by packages/mesh/tests/test_mesh_parity.py."""
     single = _train(model_dir, "d1", fused=False)
     for seed in range(3):
         perturbed = _train(model_dir, "d1", perturb_seed=seed, fused=False)
         for step, (a, b) in enumerate(zip(single["history"], perturbed["history"], strict=True)):
             _assert_stats_match(a, b, ("perturbed", seed, step))
-            flipped += round(abs(a["critic/value_clip_frac"] - b["critic/value_clip_frac"]) * a["critic/num_tokens"])
         for name in ("actor", "critic"):
             worst, diff = _max_diff(single[name], perturbed[name])
             assert diff <= WEIGHT_TOL, ("perturbed", seed, name, worst, diff)
-    # This data has a value-clip token at the threshold (seen on an AMD EPYC between world 1 and
-    # FSDP 2, and here under a 1e-7 change of the rewards on any CPU): the comparison above is
-    # exercised on a real boundary flip, which a 1e-5 tolerance on the fraction (1/88) rejects.
-    assert flipped > 0, "no boundary token flipped: the perturbation no longer exercises the count comparison"
 
 
 def _initial(model_dir: str) -> dict[str, torch.Tensor]:

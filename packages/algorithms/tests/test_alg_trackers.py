@@ -6,10 +6,12 @@ TensorBoard purges them, W&B rewinds, MLflow tags the stale range); a missing pa
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +160,9 @@ def test_resume_behind_the_last_logged_step_leaves_each_step_once_in_every_track
     loggers = "[jsonl,tensorboard,wandb,mlflow]"
     _sft(assets, out, steps=4, save_every=2, loggers=loggers)
     shutil.rmtree(out / "checkpoints" / "step_00000004")  # "crashed" after logging step 4, before its save
+    # wandb names an offline run's directory by its start second: a fast machine can start the resumed run in
+    # the second the first one started, and both would write one directory. A real restart takes seconds.
+    time.sleep(math.ceil(time.time()) - time.time() + 0.01)
     summary = _sft(assets, out, steps=4, save_every=2, loggers=loggers)
     assert summary["resumed_from"] == 2
     records = read_metrics(out / "metrics.jsonl")

@@ -265,9 +265,14 @@ def vlm_sft_steps(
     freeze: tuple[str, ...],
     steps: int = 4,
     sequence_parallel: bool = True,
+    eps: float = 1e-6,
 ) -> dict[str, Any]:
-    """``steps`` SFT updates of a `TrainEngine` on this rank's share of the rows in ``train`` (lr 3e-3);
-    returns the losses and the full trained weights (layout-parity tests run it in a rank pool)."""
+    """``steps`` SFT updates of a `TrainEngine` on this rank's share of the rows in ``train`` (lr 3e-3, AdamW
+    ``eps``); returns the losses and the full trained weights (layout-parity tests run it in a rank pool).
+
+    ``eps`` 1e-6, not AdamW's 1e-8: with 1e-8 Adam turns the rounding noise of near-zero gradients (e.g. a key
+    bias's, exactly 0 in exact arithmetic) into updates of up to ~lr, so world 1 and FSDP 2 weights differed by
+    3e-5 on an AMD EPYC after 4 steps; with 1e-6 they differ by < 2e-6 there and the losses still fall."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     from shardforge.algorithms.data.vlm import load_vlm_examples, pack_vlm_examples
@@ -279,7 +284,7 @@ def vlm_sft_steps(
         train, tokenizer, AutoImageProcessor.from_pretrained(model_dir), image_token="<|image_pad|>"
     )
     config = EngineConfig(
-        optimizer=OptimizerConfig(lr=3e-3),
+        optimizer=OptimizerConfig(lr=3e-3, eps=eps),
         max_tokens_per_microbatch=96,
         freeze_module_prefix=freeze,
         sequence_parallel=sequence_parallel,
