@@ -90,11 +90,6 @@ def test_sigterm_saves_a_checkpoint_at_a_step_boundary_and_leaves_no_process(tmp
     assert summary["stopped_by"] == "SIGTERM" and stopped >= 1
     assert (out / "checkpoints" / f"step_{stopped:08d}" / COMMIT_MARKER).is_file()
     assert not (out / "hf").exists()  # a stop is not the end of training: no export
-    # The same command with a finite step count resumes from the saved step.
-    data = yaml.safe_load(config.read_text()) | {"steps": stopped + 1}
-    config.write_text(yaml.safe_dump(data))
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["resumed_from"] == stopped and "stopped_by" not in summary
-    assert [r["step"] for r in _train_records(out)][-1] == stopped + 1
+    # Resuming from it is resuming from any committed checkpoint: the same command resumes after a real kill in
+    # integration_tests/test_checkpoint_resume.py::test_resume_after_kill_is_bit_identical (a second launch here
+    # cost CI ~30 s for no other claim).
