@@ -48,7 +48,7 @@ PACKAGES = (
 )
 # peft: the LoRA parity tests use it as the reference implementation (packages/lora, algorithms);
 # math-verify: the math_verify reward's tests (an optional extra of algorithms).
-TEST_TOOLS = ("pytest", "cloudpickle", "peft", "math-verify")
+TEST_TOOLS = ("pytest", "pytest-xdist", "cloudpickle", "peft", "math-verify")
 # The experiment trackers behind loggers: [wandb, mlflow] (shardforge-algorithms[trackers]); their tests
 # skip without them, but the tests session installs them so CI runs those tests (~17 s of install).
 TRACKERS = ("wandb", "mlflow-skinny", "sqlalchemy", "alembic")
@@ -76,8 +76,12 @@ def _install_workspace(session: nox.Session, *extra: str) -> None:
     session.install(*CONSTRAINTS, "--no-build-isolation", *editable)
 
 
-def _pytest(session: nox.Session, *paths: str, markers: str | None = None) -> None:
-    args = session.posargs or ["-q", "-ra", "--durations=25", *paths, *(["-m", markers] if markers else [])]
+def _pytest(session: nox.Session, *paths: str, markers: str | None = None, workers: bool = False) -> None:
+    """pytest over ``paths``; ``workers``: in ``SHARDFORGE_TEST_WORKERS`` (default 2, 0 = none) pytest-xdist
+    processes, each taking whole files (module fixtures and rank pools stay with their file's tests)."""
+    count = os.environ.get("SHARDFORGE_TEST_WORKERS", "2") if workers else "0"
+    parallel = ["-n", count, "--dist", "loadfile"] if count != "0" else []
+    args = session.posargs or ["-q", "-ra", "--durations=25", *parallel, *paths, *(["-m", markers] if markers else [])]
     session.run("python", "-m", "pytest", *args, env=THREAD_ENV)
 
 
@@ -86,7 +90,9 @@ def tests(session: nox.Session) -> None:
     """All package unit tests and the integration suite in one venv."""
     _install_workspace(session, *TRACKERS)
     # `heavy` end-to-end launches stay out of CI's budget; `nox -s integration` runs them (docs/testing.md).
-    _pytest(session, "packages", "integration_tests", markers="not heavy")
+    # Two test processes: about half of the suite runs in one process on one thread, so one process left a
+    # core of CI's two idle (user+sys ~= wall); the rank pools' tests use both cores either way.
+    _pytest(session, "packages", "integration_tests", markers="not heavy", workers=True)
 
 
 @nox.session(python=PYTHON)

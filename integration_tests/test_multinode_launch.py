@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,9 +30,9 @@ def assets(tmp_path_factory):
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    from shardforge.mesh import free_port  # below the ephemeral range: parallel tests cannot take it meanwhile
+
+    return free_port()
 
 
 def _config(tmp_path: Path, assets, name: str, **entries) -> Path:

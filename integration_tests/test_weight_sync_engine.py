@@ -6,7 +6,6 @@ dict cast to bf16, bit for bit, for every version.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -51,9 +50,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    from shardforge.mesh import free_port  # below the ephemeral range: parallel tests cannot take it meanwhile
+
+    return free_port()
 
 
 def rank_train_and_publish(model_dir: str, layout: str, disk_root: str, port: int) -> list[dict[str, Any]]:

@@ -86,6 +86,7 @@ def test_wandb_offline_run_has_metrics_config_and_continues_on_resume(assets: di
     options = {"loggers": "[jsonl,wandb]", "tracker.tags": "[demo]", "tracker.run_name": "tiny"}
     _sft(assets, out, **options)
     run_id = json.loads((out / "trackers.json").read_text())["wandb"]["id"]
+    _next_second()
     _sft(assets, out, steps=5, export_hf_at_end="true", **options)  # resumes from step 3
     assert json.loads((out / "trackers.json").read_text())["wandb"]["id"] == run_id
     files = sorted((out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
@@ -160,9 +161,7 @@ def test_resume_behind_the_last_logged_step_leaves_each_step_once_in_every_track
     loggers = "[jsonl,tensorboard,wandb,mlflow]"
     _sft(assets, out, steps=4, save_every=2, loggers=loggers)
     shutil.rmtree(out / "checkpoints" / "step_00000004")  # "crashed" after logging step 4, before its save
-    # wandb names an offline run's directory by its start second: a fast machine can start the resumed run in
-    # the second the first one started, and both would write one directory. A real restart takes seconds.
-    time.sleep(math.ceil(time.time()) - time.time() + 0.01)
+    _next_second()
     summary = _sft(assets, out, steps=4, save_every=2, loggers=loggers)
     assert summary["resumed_from"] == 2
     records = read_metrics(out / "metrics.jsonl")
@@ -227,3 +226,10 @@ def test_the_package_and_sft_trainer_import_neither_tracker() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def _next_second() -> None:
+    """Wait for the next wall-clock second: wandb names an offline run's directory by its start second, and a
+    fast machine can start a resumed run in the second the first one started (both would write one directory).
+    A real restart takes seconds."""
+    time.sleep(math.ceil(time.time()) - time.time() + 0.01)

@@ -78,3 +78,17 @@ def test_explicit_rank_and_world_override_the_environment(clean_env):
 def test_device_helpers_on_cpu():
     assert default_device_type() == "cpu"
     assert current_device() == torch.device("cpu")
+
+
+def test_free_port_is_bindable_and_outside_the_kernels_ephemeral_range() -> None:
+    import socket
+
+    from shardforge.mesh import free_port
+    from shardforge.mesh.distributed import _ephemeral_low
+
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert all(max(1024, low - 16384) <= port < low for port in ports), (low, ports)
+    assert len(ports) > 1  # random, not one fixed port two parallel callers would both get
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))

@@ -216,3 +216,29 @@ def test_rank_failure_carries_the_traceback_and_pool_recovers():
 def test_run_on_ranks_throwaway_pool():
     results = run_on_ranks(_init_is_noop, 2)
     assert results == [((0, 2), True, "gloo"), ((1, 2), True, "gloo")]
+
+
+def test_pool_starts_again_on_a_new_port_when_its_port_was_taken(monkeypatch):
+    """Between picking the port and rank 0 binding it (after the spawn) another process may take it."""
+    import socket
+
+    from shardforge.mesh.testing import pool as pool_module
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    real = pool_module.free_port
+    ports = iter([busy])
+    picked: list[int] = []
+
+    def pick() -> int:
+        picked.append(next(ports, None) or real())
+        return picked[-1]
+
+    monkeypatch.setattr(pool_module, "free_port", pick)
+    try:
+        assert run_on_ranks(_init_is_noop, 2) == [((0, 2), True, "gloo"), ((1, 2), True, "gloo")]
+    finally:
+        taken.close()
+    assert len(picked) == 2 and picked[0] == busy != picked[1]  # the taken port, then a new one

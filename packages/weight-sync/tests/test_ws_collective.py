@@ -5,7 +5,6 @@ must equal the trainer's full state dict (after the dtype cast) bit for bit, per
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -45,9 +44,9 @@ RECEIVER = textwrap.dedent(
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    from shardforge.mesh import free_port  # below the ephemeral range: parallel tests cannot take it meanwhile
+
+    return free_port()
 
 
 def rank_train_and_publish(port: int) -> list[dict[str, torch.Tensor]]:

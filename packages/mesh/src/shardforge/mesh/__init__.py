@@ -1,7 +1,13 @@
 """shardforge.mesh: parallel layout (`ParallelDims`), the named device mesh, and process-group start-up."""
 
 from shardforge.mesh.dims import ParallelDims, divisors
-from shardforge.mesh.distributed import current_device, default_device_type, destroy_distributed, init_distributed
+from shardforge.mesh.distributed import (
+    current_device,
+    default_device_type,
+    destroy_distributed,
+    free_port,
+    init_distributed,
+)
 from shardforge.mesh.mesh import DENSE_AXES, DERIVED_AXES, ParallelMesh, build_mesh
 
 __version__ = "0.1.0"
@@ -16,5 +22,6 @@ __all__ = [
     "default_device_type",
     "destroy_distributed",
     "divisors",
+    "free_port",
     "init_distributed",
 ]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
+import socket
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["current_device", "default_device_type", "destroy_distributed", "init_distributed"]
+__all__ = ["current_device", "default_device_type", "destroy_distributed", "free_port", "init_distributed"]
 
 
 def default_device_type() -> str:
@@ -44,7 +46,7 @@ def init_distributed(
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(
@@ -71,9 +73,36 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` now, for a server this process starts (a store, a test server).
 
+    Picked at random *below* the kernel's ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``, 32768+
+    by default), where the kernel never hands out ports for ``bind(0)`` or outgoing connections: the port a
+    caller binds seconds later (after spawning the process that binds it) cannot meanwhile become some other
+    process's ephemeral port, which a port from ``bind(0)`` can (seen with parallel test processes). Only a
+    process that binds that exact port itself can still take it."""
+    low = _ephemeral_low()
+    choices = random.SystemRandom()
+    for _ in range(64):
+        port = choices.randrange(max(1024, low - 16384), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return _free_port()  # the range below is crowded: the kernel's choice
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return max(int(ports.read().split()[0]), 2048)
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default low end (macOS: 49152)
+
+
+def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -30,7 +30,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -393,6 +392,7 @@ def _get(url: str, path: str) -> dict[str, Any]:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port for a server this process starts (below the kernel's ephemeral range: see `free_port`)."""
+    from shardforge.mesh import free_port
+
+    return free_port()

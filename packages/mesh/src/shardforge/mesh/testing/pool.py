@@ -26,9 +26,15 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from shardforge.mesh.distributed import _free_port
+from shardforge.mesh.distributed import free_port
 
 __all__ = ["RankFailure", "RankPool", "get_rank_pool", "run_on_ranks"]
+
+
+_START_TRIES = 3
+"""Starts of a pool on fresh ports before its port being taken is an error."""
+_PORT_TAKEN = "EADDRINUSE"
+"""In rank 0's error when the pool's port was taken before its store bound it."""
 
 
 class RankFailure(RuntimeError):
@@ -71,10 +77,23 @@ class RankPool:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Spawn the workers and wait until every rank has joined the process group."""
+        """Spawn the workers and wait until every rank has joined the process group.
+
+        The port is picked free in this process and bound by rank 0 seconds later (after the spawn): another
+        process (a parallel test worker, or any client connection taking an ephemeral port) may take it in
+        between. Rank 0 then fails with EADDRINUSE, and the pool starts again on a new port (up to 3 tries)."""
+        for attempt in range(_START_TRIES):
+            try:
+                self._start_once()
+                return
+            except RankFailure as failure:
+                if attempt == _START_TRIES - 1 or not any(_PORT_TAKEN in e for e in failure.errors.values()):
+                    raise
+
+    def _start_once(self) -> None:
         if self._procs:
             return
-        port = _free_port()
+        port = free_port()
         self._result_queue = self._ctx.Queue()
         self._task_queues = [self._ctx.Queue() for _ in range(self.world_size)]
         for rank in range(self.world_size):
@@ -101,6 +120,8 @@ class RankPool:
                 ready.add(rank)
             else:
                 errors[rank] = payload
+                if _PORT_TAKEN in payload:  # the others wait for a store that never listens: start again now
+                    break
         missing = set(range(self.world_size)) - ready - set(errors)
         for rank in missing:
             errors[rank] = "did not start (timed out or died)"
