@@ -119,7 +119,7 @@ class ActorPool(RoundAgreement):
         if self.rank == 0:
             log.warning(
                 f"dropping rollout actor(s) {self._named(gone)} from the pool: {why}; {len(live)} of "
-                f"{len(self.names)} left, the ranks on it generate their round again on a live one"
+                f"{len(self.names)} left ({self._named(live)}), which serve the ranks that used it from now on"
             )
             self._counts["dropped"] += len(gone)  # rank 0 alone: the sum over ranks is the number dropped
         self.live = live

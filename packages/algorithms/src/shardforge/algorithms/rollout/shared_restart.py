@@ -32,6 +32,10 @@ With a trainer world size of 1 the engine restarts the server itself, inside the
 rank raises the one-line error that says so. The vLLM server actor's server (``rollout_placement:
 disaggregated``, `shardforge.algorithms.rollout.ray_vllm_server`) is restarted the same way: rank 0's
 ``restart_server`` asks the actor, once per agreed restart; no other rank asks it.
+
+Steps 1, 2 and 4 are `RoundAgreement`'s; step 3 is the subclass's: `SharedServerRestarts` restarts the server,
+`rollout.actor_pool.ActorPool` (HF rollout actors, ``rollout_on_actor_failure: drop``) drops the dead actors
+and moves their ranks to live ones.
 """
 
 from __future__ import annotations
