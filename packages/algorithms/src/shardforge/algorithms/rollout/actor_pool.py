@@ -66,7 +66,8 @@ class ActorPool(RoundAgreement):
         this rank's round (`ServerDownOnThisRank`); otherwise raise the one-line error."""
         if not self.drop:
             raise RolloutServerError(
-                f"{error}; set rollout_on_actor_failure: drop (num_rollout_actors >= 2) to go on without it"
+                f"{str(error).rstrip('.')}; set rollout_on_actor_failure: drop (num_rollout_actors >= 2) to go on "
+                "without it"
             ) from error
         self._found_dead.add(index)
         if not self._in_round:
