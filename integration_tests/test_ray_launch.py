@@ -164,6 +164,32 @@ def test_disaggregated_rollout_actor_reproduces_the_colocated_run(tmp_path, asse
     assert stats[0]["generate_calls"] >= 6, stats  # 3 steps x 2 ranks (+ held-out evaluation)
 
 
+def test_a_dead_rollout_actor_is_dropped_and_the_run_is_the_healthy_run(tmp_path, assets, torchrun_run):
+    """rollout_on_actor_failure=drop, 2 HF rollout actors for the 2 ranks: actor 1 kills itself (SIGKILL) in its second
+    generate call, rank 1's request of step 2 in flight (SHARDFORGE_FAULT_KILL_ROLLOUT). The ranks drop it at the end
+    of the round, rank 1 generates its whole round again on actor 0 (same version, same seeds), and rank 0 publishes
+    the later versions to actor 0 alone: the run finishes and is the healthy (torchrun) run step for step."""
+    config = _config(tmp_path, assets, "drop", rollout_placement="disaggregated", num_rollout_actors=2,
+                     rollout_on_actor_failure="drop")  # fmt: skip
+    env = _env(config) | {"SHARDFORGE_FAULT_KILL_ROLLOUT": "1:2", "RAY_agent_register_timeout_ms": "300000"}
+    result = subprocess.run([*CLI, "train", "grpo", "--config", str(config), "--nproc-per-node", "2", "--launcher",
+                             "ray"], env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    curve = assert_same_run(torchrun_run, tmp_path / "drop")
+    assert [row["rollout_actors/dropped"] for row in curve] == [0.0, 1.0, 0.0], curve
+    assert [row["rollout_actors/live"] for row in curve] == [2.0, 1.0, 1.0], curve
+    resent = [row["rollout_actors/resent_requests"] for row in curve]
+    assert resent[0] == resent[2] == 0.0 and resent[1] >= 1.0, curve  # rank 1's round of step 2, again
+    log = (tmp_path / "drop" / "logs" / "rank0.log").read_text()
+    assert (
+        "dropping rollout actor(s) shardforge-rollout-1 from the pool: rollout actor shardforge-rollout-1 died" in log
+    )
+    stats = _rollout_actor_stats(result.stdout + result.stderr)
+    assert [s["index"] for s in stats] == [0], stats  # the dead actor answers nothing
+    # actor 0 got every version (the initial one and one per step), the last ones in a group without actor 1
+    assert stats[0]["received"] == [1, 2, 3, 4] and stats[0]["version"] == 4, stats
+
+
 def test_reward_workers_under_ray_reproduce_the_in_process_rewards(tmp_path, assets, torchrun_run):
     """reward.ray_workers=2: both ranks' rewards are scored on 2 Ray reward actors (chunks of each batch); the
     rewards, hence losses and final weights, are the in-process (torchrun) run's."""

@@ -64,6 +64,7 @@ def test_a_vllm_server_actor_is_accepted_under_ray() -> None:
         ({"vllm": {"mode": "in_process"}}, "ray", 2, "runs vLLM as a server actor: set vllm.mode=server"),
         ({"vllm": {"mode": "server", "server_url": "http://h:1"}}, "ray", 2, "remove vllm.server_url"),
         ({"num_rollout_actors": 2}, "ray", 2, "set num_rollout_actors=1"),
+        ({"rollout_on_actor_failure": "drop"}, "ray", 2, "set rollout_on_actor_failure=error (it is drop)"),
         ({"async_rollouts": True}, "ray", 1, "set async_rollouts=false"),
         ({"partial_rollouts": True}, "ray", 1, "set partial_rollouts=false"),
     ],

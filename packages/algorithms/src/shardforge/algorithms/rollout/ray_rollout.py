@@ -11,20 +11,23 @@
   bucket by bucket through ``engine.publish_weights`` into the collective transport, waits until every actor
   serves the version, then all ranks pass a barrier (no rank samples from the previous version) — the
   vLLM server path's protocol (`rollout.vllm_server`), with the collective transport instead of disk.
+- A dead actor (``rollout_on_actor_failure``): a one-line error naming it (``error``), or the ranks drop it from
+  the pool at the end of the generation round, move its ranks to a live actor and regenerate their round there;
+  later publishes go to the live actors only (``drop``, `rollout.actor_pool`).
 
 Sampling is seeded per request (`rollout.seeds`), so the actor samples what the colocated engine would.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from shardforge.algorithms.log import get_logger
-from shardforge.algorithms.rollout.placement import actor_for_rank
-from shardforge.algorithms.rollout.server_health import ray_get
+from shardforge.algorithms.rollout.actor_pool import ActorPool
+from shardforge.algorithms.rollout.server_health import RolloutServerError, ray_get
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.weight_sync import DiskWeightSource
 
@@ -63,8 +66,11 @@ class RolloutActor:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, sessions: list[Hashable | None] | None = None
     ) -> list[Rollout]:
-        rollouts = self.engine.generate(prompts, params, sessions=sessions)
+        from shardforge.algorithms.trainers.fault_injection import kill_rollout_actor_if_requested
+
         self.generate_calls += 1
+        kill_rollout_actor_if_requested(self.index, self.generate_calls)  # a test hook: dies with the call in flight
+        rollouts = self.engine.generate(prompts, params, sessions=sessions)
         version = int(self.engine.version)
         self.rollouts_by_version[version] = self.rollouts_by_version.get(version, 0) + len(rollouts)
         return rollouts
@@ -102,34 +108,58 @@ class RayRolloutClient:
     Args:
         names: the rollout actors' Ray names (`rollout.placement.rollout_actor_names_from_env`).
         timeout_s: how long a weight transfer may wait for the other side (the collective transport's timeout).
+        on_actor_failure: ``rollout_on_actor_failure``: ``error`` (a dead actor ends the run) or ``drop`` (the
+            ranks drop it from the pool and regenerate the lost rounds on a live one; `rollout.actor_pool`).
     """
 
     source: DiskWeightSource | None = None  # no disk root: versions arrive over the collective transport
     accepts_images = False
 
-    def __init__(self, names: Sequence[str], *, timeout_s: float = 300.0) -> None:
+    def __init__(self, names: Sequence[str], *, timeout_s: float = 300.0, on_actor_failure: str = "error") -> None:
         import ray
 
         if not ray.is_initialized():
             raise ValueError("rollout_placement=disaggregated: this rank does not run inside a Ray actor")
+        if on_actor_failure not in ("error", "drop"):
+            raise ValueError(f"rollout_on_actor_failure={on_actor_failure!r} is not one of ['error', 'drop']")
         self.ray = ray
         self.names = list(names)
         self.actors = [ray.get_actor(name) for name in self.names]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.actor_index = actor_for_rank(self.rank, len(self.actors))
-        self.actor = self.actors[self.actor_index]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.pool = ActorPool(self.names, rank=self.rank, world_size=world, drop=on_actor_failure == "drop")
+        self.shared_restarts: ActorPool | None = self.pool if self.pool.drop else None
+        """``drop``: the ranks' agreement once per generation round (`rollout.shared_restart.generation_round`)."""
         self.timeout_s = timeout_s
         self.transport: Any = None
+        self.transport_actors: list[int] = []
+        """The actors (indices) the collective transport's group was built for."""
         self.host = ""
-        self._version = int(self._get(self.actor.ready.remote(), self.actor_index))
+        self._version = int(self._call(lambda actor: actor.ready.remote()))
 
     @property
     def version(self) -> int:
         return self._version
 
+    @property
+    def actor_index(self) -> int:
+        """The actor this rank generates through (another one after its actor was dropped)."""
+        return self.pool.current
+
     def _get(self, ref: Any, index: int) -> Any:
         """``ray.get(ref)``; a dead actor or a failed call becomes a one-line error naming the actor."""
         return ray_get(self.ray, ref, f"rollout actor {self.names[index]}", RuntimeError)
+
+    def _call(self, method: Callable[[Any], Any]) -> Any:
+        """``method(this rank's actor)`` (a ``.remote`` call) and its result; a dead actor goes to the pool
+        (`ActorPool.actor_died`: an error, or the end of this rank's round)."""
+        self.pool.raise_if_down()
+        index = self.pool.current
+        self.pool.calls += 1
+        try:
+            return self._get(method(self.actors[index]), index)
+        except RolloutServerError as exc:
+            self.pool.actor_died(index, exc)
 
     def generate(
         self,
@@ -140,15 +170,14 @@ class RayRolloutClient:
     ) -> list[Rollout]:
         """As `HFRolloutEngine.generate`, on this rank's actor; session keys are made unique per rank."""
         keys = None if sessions is None else [None if s is None else (self.rank, s) for s in sessions]
-        rollouts: list[Rollout] = self._get(
-            self.actor.generate.remote([list(p) for p in prompts], params, keys), self.actor_index
-        )
+        batch = [list(p) for p in prompts]
+        rollouts: list[Rollout] = self._call(lambda actor: actor.generate.remote(batch, params, keys))
         return rollouts
 
     def end_sessions(self, sessions: Iterable[Hashable]) -> None:
         keys = [(self.rank, s) for s in sessions]
         if keys:
-            self._get(self.actor.end_sessions.remote(keys), self.actor_index)
+            self._call(lambda actor: actor.end_sessions.remote(keys))
 
     def update_weights(self, version: int | None = None) -> int:
         """The actors serve what `publish` sent; switching to another version is not possible."""
@@ -158,28 +187,66 @@ class RayRolloutClient:
             )
         return self._version
 
-    def publish(self, engine: Any, dtype: str, version: int | None) -> int:
-        """Send ``engine``'s weights to every rollout actor as ``version`` (None: the one after the served one)
-        and return it once every actor serves it. Collective over the trainer's ranks."""
-        version = self._version + 1 if version is None else version
-        refs: list[Any] = []
-        if self.rank == 0:
-            from shardforge.weight_sync import CollectiveTransport
+    def pop_stats(self) -> dict[str, float]:
+        """``rollout_actors/dropped|live|resent_requests`` since the last call (`ActorPool.pop_stats`)."""
+        return self.pool.pop_stats()
 
-            if self.transport is None:  # the actors may be on other nodes: listen on this node's address
-                self.host = str(self.ray.util.get_node_ip_address())
-                self.transport = CollectiveTransport(self.host, 0, len(self.actors), timeout_s=self.timeout_s)
-            world = 1 + len(self.actors)
-            refs = [
-                actor.receive_weights.remote(self.host, self.transport.port, index + 1, world, self.timeout_s)
-                for index, actor in enumerate(self.actors)
-            ]
+    def publish(self, engine: Any, dtype: str, version: int | None) -> int:
+        """Send ``engine``'s weights to every live rollout actor as ``version`` (None: the one after the served one)
+        and return it once every one serves it. Collective over the trainer's ranks."""
+        version = self._version + 1 if version is None else version
+        refs: list[tuple[int, Any]] = []
+        if self.rank == 0:
+            self._drop_dead_actors()
+            refs = self._start_receiving(version)
         engine.publish_weights(self.transport, version, dtype=dtype, src_rank=0, checksums="crc32")
         if self.rank == 0:
-            served = [self._get(ref, index) for index, ref in enumerate(refs)]
+            served = [self._get(ref, index) for index, ref in refs]
             if any(v != version for v in served):
                 raise RuntimeError(f"published version {version}, but the rollout actors serve {served}")
-        if dist.is_initialized():
-            dist.barrier()  # nobody samples before every actor serves the new version
+        if dist.is_initialized():  # nobody samples before every actor serves the new version
+            if self.pool.drop:  # rank 0's pool, with the actors it found dead before this publish dropped
+                live = [self.pool.live]
+                dist.broadcast_object_list(live, src=0)
+                self.pool.set_live(live[0])
+            else:
+                dist.barrier()
         self._version = version
         return version
+
+    def _drop_dead_actors(self) -> None:
+        """Rank 0: ask every live actor whether it is alive (a dead one would keep the transport's group from
+        forming until its timeout); drop the dead ones, or raise the one-line error (``error``)."""
+        refs = [(index, self.actors[index].ready.remote()) for index in self.pool.live]
+        dead: list[int] = []
+        why = ""
+        for index, ref in refs:
+            try:
+                self._get(ref, index)
+            except RolloutServerError as exc:
+                if not self.pool.drop:
+                    self.pool.actor_died(index, exc)
+                dead.append(index)
+                why = why or f"{exc} (found by rank 0 before publishing a version)"
+        if dead:
+            self.pool.drop_actors(dead, why)
+
+    def _start_receiving(self, version: int) -> list[tuple[int, Any]]:
+        """Rank 0: the transport to the live actors (a new group when the pool changed) and their
+        ``receive_weights`` calls, as (actor index, ref)."""
+        from shardforge.weight_sync import CollectiveTransport
+
+        live = list(self.pool.live)
+        if self.transport is None or self.transport_actors != live:
+            if self.transport is not None:  # an actor was dropped: the group of rank 0 + the live actors only
+                self.transport.close()
+            else:  # the actors may be on other nodes: listen on this node's address
+                self.host = str(self.ray.util.get_node_ip_address())
+            self.transport = CollectiveTransport(self.host, 0, len(live), timeout_s=self.timeout_s)
+            self.transport_actors = live
+        world = 1 + len(live)
+        return [
+            (index, self.actors[index].receive_weights.remote(self.host, self.transport.port, rank + 1, world,
+                                                              self.timeout_s))
+            for rank, index in enumerate(live)
+        ]  # fmt: skip

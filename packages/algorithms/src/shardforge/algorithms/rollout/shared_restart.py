@@ -32,6 +32,10 @@ With a trainer world size of 1 the engine restarts the server itself, inside the
 rank raises the one-line error that says so. The vLLM server actor's server (``rollout_placement:
 disaggregated``, `shardforge.algorithms.rollout.ray_vllm_server`) is restarted the same way: rank 0's
 ``restart_server`` asks the actor, once per agreed restart; no other rank asks it.
+
+Steps 1, 2 and 4 are `RoundAgreement`'s; step 3 is the subclass's: `SharedServerRestarts` restarts the server,
+`rollout.actor_pool.ActorPool` (HF rollout actors, ``rollout_on_actor_failure: drop``) drops the dead actors
+and moves their ranks to live ones.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from shardforge.algorithms.batching.collectives import all_reduce_max
 from shardforge.algorithms.log import get_logger
 from shardforge.algorithms.rollout.server_health import HealthCounters, RolloutServerError
 
-__all__ = ["RestartableServer", "ServerDownOnThisRank", "SharedServerRestarts", "generation_round"]
+__all__ = ["RestartableServer", "RoundAgreement", "ServerDownOnThisRank", "SharedServerRestarts", "generation_round"]
 
 T = TypeVar("T")
 log = get_logger(__name__)
@@ -78,21 +82,94 @@ class RestartableServer(Protocol):
 
 def generation_round(rollout: object, fn: Callable[[], T]) -> T:
     """``fn()``: one generation round of this rank (its requests, episodes, rewards; no collectives inside).
-    When ``rollout`` is a server shared by several ranks with ``on_server_failure: restart``, this is
-    collective over all ranks: see the module docstring. Otherwise it is ``fn()``."""
-    restarts: SharedServerRestarts | None = getattr(rollout, "shared_restarts", None)
-    return fn() if restarts is None else restarts.run(fn)
+    When ``rollout`` has a `RoundAgreement` (``rollout.shared_restarts``: a server shared by several ranks with
+    ``on_server_failure: restart``, or a pool of rollout actors with ``rollout_on_actor_failure: drop``,
+    `rollout.actor_pool`), this is collective over all ranks: see the module docstring. Otherwise it is ``fn()``."""
+    agreement: RoundAgreement | None = getattr(rollout, "shared_restarts", None)
+    return fn() if agreement is None else agreement.run(fn)
 
 
-class SharedServerRestarts:
+class RoundAgreement:
+    """The ranks' agreement once per generation round (steps 1, 2 and 4 of the module docstring): run this rank's
+    round, all-reduce whether it failed, recover (`_agree`, step 3: the subclass's) and run the failing ranks'
+    rounds again, until every rank's round succeeded."""
+
+    thread_refusal = "use vllm.on_server_failure: error"
+    """How to avoid the agreement when a round runs on a background thread (the end of that one-line error)."""
+
+    def __init__(self, *, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._in_round = False
+        self._down: str | None = None
+        """Why this rank's requests failed in the current round (None: they did not)."""
+
+    def _requests_sent(self) -> int:
+        """Requests sent so far (the ones a regenerated round sends are counted as resent)."""
+        return 0
+
+    def _count_resent(self, count: int) -> None:
+        """A regenerated round sent ``count`` requests again."""
+
+    def _agree(self, reason: str | None) -> None:
+        """Some rank's round failed (this rank's: ``reason``): recover, or raise the same error on every rank."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the round (the trainer)
+    def run(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (this rank's round), run again after a recovery until every rank's round succeeded.
+        Collective over all ranks, on the main thread; raises `RolloutServerError` on every rank when the
+        ranks cannot recover."""
+        if self._in_round:  # a round inside a round: the outer one agrees
+            return fn()
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(
+                "the ranks sharing rollout servers agree on failures with collectives, which cannot run on a "
+                f"background thread (async_rollouts with several ranks); {self.thread_refusal}"
+            )
+        result: T | None = None
+        done = regenerating = False
+        while True:
+            reason = None
+            if not done:
+                reason, result = self._attempt(fn, regenerating)
+                done = reason is None
+            group = dist.group.WORLD if dist.is_initialized() else None
+            (failed,) = all_reduce_max(0.0 if done else 1.0, group=group)
+            if failed == 0.0:
+                return result  # type: ignore[return-value]
+            self._agree(reason)
+            regenerating = not done
+
+    def _attempt(self, fn: Callable[[], T], regenerating: bool) -> tuple[str | None, T | None]:
+        """(None, fn()) or (why this rank's requests failed, None)."""
+        sent = self._requests_sent()
+        self._in_round, self._down = True, None
+        result = None
+        try:
+            result = fn()
+        except Exception:
+            if self._down is None:  # not the server: raise as without the agreement
+                raise
+        finally:
+            self._in_round = False
+            if regenerating:
+                self._count_resent(self._requests_sent() - sent)
+        return self._down, (result if self._down is None else None)
+
+
+class SharedServerRestarts(RoundAgreement):
     """The agreement on restarts of one server shared by all ``world_size`` ranks (global rank 0 started it, or
     it was given by URL: then every rank raises the one-line error that says it cannot be restarted)."""
 
     def __init__(self, server: RestartableServer, *, rank: int, world_size: int, max_restarts: int) -> None:
-        self.server, self.rank, self.world_size, self.max_restarts = server, rank, world_size, max_restarts
-        self._in_round = False
-        self._down: str | None = None
-        """Why this rank's requests failed in the current round (None: they did not)."""
+        super().__init__(rank=rank, world_size=world_size)
+        self.server, self.max_restarts = server, max_restarts
+
+    def _requests_sent(self) -> int:
+        return self.server.requests_sent
+
+    def _count_resent(self, count: int) -> None:
+        self.server.health.add("resent_requests", count)
 
     # ------------------------------------------------------------------ inside a round (the engine)
     def server_down(self, reason: str) -> NoReturn:
@@ -111,47 +188,6 @@ class SharedServerRestarts:
         """Fail a request at once when an earlier one of the round found the server down."""
         if self._in_round and self._down is not None:
             raise ServerDownOnThisRank(f"rollout server {self.server.url} is down: {self._down}")
-
-    # ------------------------------------------------------------------ the round (the trainer)
-    def run(self, fn: Callable[[], T]) -> T:
-        """``fn()`` (this rank's round), run again after a restart until every rank's round succeeded.
-        Collective over all ranks, on the main thread; raises `RolloutServerError` on every rank when the
-        server cannot be restarted."""
-        if self._in_round:  # a round inside a round: the outer one agrees
-            return fn()
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError(
-                "the ranks sharing a rollout server agree on its restarts with collectives, which cannot run on a "
-                "background thread (async_rollouts with several ranks); use vllm.on_server_failure: error"
-            )
-        result: T | None = None
-        done = regenerating = False
-        while True:
-            reason = None
-            if not done:
-                reason, result = self._attempt(fn, regenerating)
-                done = reason is None
-            (failed,) = all_reduce_max(0.0 if done else 1.0, group=dist.group.WORLD)
-            if failed == 0.0:
-                return result  # type: ignore[return-value]
-            self._agree(reason)
-            regenerating = not done
-
-    def _attempt(self, fn: Callable[[], T], regenerating: bool) -> tuple[str | None, T | None]:
-        """(None, fn()) or (why this rank's requests failed, None)."""
-        sent = self.server.requests_sent
-        self._in_round, self._down = True, None
-        result = None
-        try:
-            result = fn()
-        except Exception:
-            if self._down is None:  # not the server: raise as without restarts
-                raise
-        finally:
-            self._in_round = False
-            if regenerating:
-                self.server.health.add("resent_requests", self.server.requests_sent - sent)
-        return self._down, (result if self._down is None else None)
 
     def _agree(self, reason: str | None) -> None:
         """Some rank's round failed: rank 0 restarts the server or writes the error; every rank learns which."""

@@ -28,8 +28,10 @@ run from another interpreter or venv (``VLLMOptions.server_python``), or already
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -162,8 +164,9 @@ class VLLMServerRolloutEngine:
         assert self.command is not None and self.log_path is not None
         with _vllm_process_env(self.options):
             env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # mounts the RL and cache routes
-            with self.log_path.open("ab") as log:
-                self.process = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT)
+            with self.log_path.open("ab") as log:  # a process group of its own: `shutdown` stops its engine core too
+                self.process = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True)  # fmt: skip
         return f"http://127.0.0.1:{self.command[self.command.index('--port') + 1]}"
 
     def _init_weight_transfer(self, url: str) -> None:
@@ -199,6 +202,9 @@ class VLLMServerRolloutEngine:
             except subprocess.TimeoutExpired:
                 self.process.kill()  # also ends a stopped (SIGSTOP) or wedged server
                 self.process.wait()
+        if self.process is not None:  # a killed server leaves its engine-core process running (and its memory held)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)  # the server's own group (start_new_session)
         self.process = None
 
     # ------------------------------------------------------------------ health and restarts

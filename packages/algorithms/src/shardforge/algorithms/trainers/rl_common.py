@@ -20,7 +20,7 @@ from shardforge.algorithms.rollout.dynamic_sampling import DynamicSamplingConfig
 from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, RolloutEngineKind
 from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
 from shardforge.algorithms.rollout.kv_reuse import KVReuseCache
-from shardforge.algorithms.rollout.placement import RolloutPlacement
+from shardforge.algorithms.rollout.placement import RolloutOnActorFailure, RolloutPlacement
 from shardforge.algorithms.rollout.ray_reward import RayPooledReward, reward_actor_names_from_env
 from shardforge.algorithms.rollout.reward_compose import RewardTermConfig, build_reward
 from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
@@ -112,6 +112,10 @@ class RLTrainerConfig(TrainerConfig):
     num_rollout_actors: int = 1
     """rollout_placement=disaggregated: rollout actors (trainer rank r generates through actor r % num_rollout_actors;
     1 with rollout_engine=vllm)."""
+    rollout_on_actor_failure: RolloutOnActorFailure = "error"
+    """rollout_placement=disaggregated with rollout_engine=hf: a dead rollout actor ends the run with a one-line error
+    ('error'), or is dropped: its ranks move to a surviving actor and generate their whole round again there ('drop',
+    num_rollout_actors >= 2). A vLLM server actor is restarted instead (vllm.on_server_failure)."""
     rollout_kv_reuse: bool = True
     """rollout_engine=hf: keep each episode's KV cache between its turns (and between partial-rollout chunks) and
     prefill only the tokens a turn adds; dropped on every weight change. false: re-encode the context every turn."""

@@ -51,7 +51,9 @@ def build_placed_rollout(config: Any, tokenizer: Any, weights_root: str | os.Pat
                 names[0], config.model, tokenizer, options=config.vllm, weights_root=weights_root,
                 dtype=config.rollout_dtype, seed=config.seed,
             )  # fmt: skip
-        return RayRolloutClient(names, timeout_s=config.engine.dist_timeout_s)
+        return RayRolloutClient(
+            names, timeout_s=config.engine.dist_timeout_s, on_actor_failure=config.rollout_on_actor_failure
+        )
     return build_rollout_engine(
         config.rollout_engine, config.model, tokenizer, weights_root=weights_root,
         dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
