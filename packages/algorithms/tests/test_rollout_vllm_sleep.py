@@ -86,7 +86,8 @@ def test_server_without_sleep_mode_has_no_flag_and_refuses_sleep(tmp_path: Path)
 
 
 class FakeLLM:
-    """What the in-process engine calls on ``vllm.LLM`` (weight transfer and sleep mode), recorded."""
+    """What the in-process engine calls on ``vllm.LLM`` (sleep mode) and on its weight-transfer client
+    (`shardforge.weight_sync.vllm.LLMClient`, whose finish also resets the prefix cache), recorded."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -95,10 +96,11 @@ class FakeLLM:
         self.calls.append("start_weight_update")
 
     def update_weights(self, info: dict[str, Any]) -> None:
-        self.calls.append(f"update_weights {info['update_info']['version']}")
+        self.calls.append(f"update_weights {info['version']}")
 
     def finish_weight_update(self, version: str | None) -> None:
         self.calls.append("finish_weight_update")
+        self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
         self.calls.append("reset_prefix_cache")
@@ -113,12 +115,11 @@ class FakeLLM:
 def _in_process(llm: FakeLLM | None, tmp_path: Path) -> VLLMRolloutEngine:
     """The in-process engine on ``llm`` (None: a rank of placement=rank0 without an instance), built without vLLM."""
     from shardforge.weight_sync import DiskWeightSource
-    from shardforge.weight_sync.vllm import LLMClient
 
     engine = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
     engine.options, engine.tokenizer, engine.eos_id = VLLMOptions(enable_sleep_mode=True), TOKENIZER, 2
     engine.source, engine._version, engine.llm = DiskWeightSource(tmp_path), 0, llm
-    engine.client = LLMClient(llm)
+    engine.client = llm  # the LLMClient stand-in
     engine.sleeper = vllm_sleep.VLLMSleep(llm)
     return engine
 

@@ -1,6 +1,6 @@
 """`WeightReceiver.release`: a colocated serving model frees its weights between uses and the next version
-re-materialises them. After release no weight holds storage (every parameter and persistent buffer is on
-``meta``); the next version's weights are exactly what a receiver that never released would serve, through
+re-materialises them. After release no weight holds storage (every parameter and persistent buffer is one
+shared NaN element expanded to its shape); the next version's weights are exactly what a receiver that never released would serve, through
 every apply path (in memory with and without storage swapping, cast to another dtype, from disk); a version
 that does not carry every released tensor is refused and leaves the model released."""
 
@@ -42,10 +42,16 @@ def _net(seed: int, dtype: torch.dtype = torch.float32) -> Net:
     return net
 
 
-def _held_bytes(model: nn.Module) -> int:
-    """Bytes of real storage behind the parameters and persistent buffers (meta tensors hold none)."""
+def _tensor_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters and persistent buffers (tied weights once)."""
     tensors = {id(t): t for t in model.state_dict(keep_vars=True).values()}.values()
-    return sum(t.untyped_storage().nbytes() for t in tensors if not t.is_meta)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _storage_bytes(model: nn.Module) -> int:
+    """Bytes of the storages behind the parameters and persistent buffers (each storage once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in model.state_dict(keep_vars=True).values()}
+    return sum(s.nbytes() for s in storages.values())
 
 
 def _equal(a: nn.Module, b: nn.Module) -> bool:
@@ -64,11 +70,11 @@ def test_released_weights_come_back_as_the_next_version(swap: bool, dtype: torch
     for version, seed in ((1, 1), (2, 2), (3, 3)):
         trainer = _net(seed)
         freed = receivers[0].release()
-        assert receivers[0].released and freed == _held_bytes(control) and _held_bytes(released) == 0
-        assert all(t.is_meta for t in released.state_dict(keep_vars=True).values())
-        assert not released.table.is_meta, "non-persistent buffers are in no version: they stay"
-        with pytest.raises(RuntimeError):  # a forward on released weights fails loudly (meta tensors)
-            released.head(released.hidden(released.embed(x)))
+        # One shared element (NaN) expanded to every shape: nothing of the weights is held.
+        assert receivers[0].released and freed == _tensor_bytes(control) > 0
+        assert _storage_bytes(released) == torch.finfo(serving_dtype).bits // 8
+        assert torch.equal(released.table, torch.arange(3.0)), "non-persistent buffers are in no version: they stay"
+        assert torch.isnan(released.head(released.hidden(released.embed(x)))).all(), "a forward must not look valid"
         for receiver in receivers:
             publisher = WeightPublisher(trainer, InProcessTransport(receiver), bucket_bytes=64, dtype=dtype)
             publisher.publish(version)
@@ -103,6 +109,6 @@ def test_a_version_without_every_released_weight_is_refused(tmp_path: Path) -> N
     receiver.release()
     with pytest.raises(WeightVersionError, match=r"version 1 lacks released weights \['count', 'embed.weight'"):
         receiver.apply(source.manifest(1), source.tensors(source.manifest(1)))
-    assert receiver.released and receiver.version == 0 and serving.hidden.weight.is_meta
+    assert receiver.released and receiver.version == 0 and _storage_bytes(serving) == 4
     receiver.apply(source.manifest(2), source.tensors(source.manifest(2)))
     assert _equal(serving, trainer) and receiver.version == 2

@@ -58,7 +58,7 @@ class WeightReceiver:
         reused). Set False if the source tensors must stay independent of the model (e.g. a caller
         that reuses them)."""
         self.lock = threading.Lock()
-        self._released: dict[str, torch.device] = {}  # state-dict name -> the device it is re-materialised on
+        self._released: set[str] = set()  # state-dict names of the released tensors
 
     @property
     def released(self) -> bool:
@@ -67,10 +67,11 @@ class WeightReceiver:
 
     def release(self) -> int:
         """Free every parameter and persistent buffer of the model until the next `apply`; return the bytes
-        released. Each keeps its shape and dtype on the ``meta`` device (a forward fails loudly instead of
-        computing with stale or uninitialised values); the memory goes back when nothing else references
-        it (a KV cache built from the weights, a caller's alias). Non-persistent buffers (rotary tables),
-        which no version carries, stay. The version stays: the next `apply` must bring a newer one."""
+        released (the memory goes back when nothing else references it, e.g. a KV cache built from the
+        weights). Each keeps its shape, dtype and device but holds a single element shared by all of them,
+        expanded to its shape (NaN for floating-point tensors: a forward computes NaN, not plausible
+        values; a serving engine refuses to generate while released). Non-persistent buffers (rotary tables),
+        which no version carries, stay. The version stays too: the next `apply` must bring a newer one."""
         if self._released:
             return 0
         freed = 0
@@ -81,9 +82,14 @@ class WeightReceiver:
                 if id(tensor) not in unique:
                     unique[id(tensor)] = tensor
                     freed += tensor.numel() * tensor.element_size()
-                self._released[name] = tensor.device
+                self._released.add(name)
+            fills: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
             for tensor in unique.values():
-                tensor.data = torch.empty_like(tensor, device="meta")
+                key = (tensor.dtype, tensor.device)
+                if key not in fills:
+                    fill = float("nan") if tensor.dtype.is_floating_point or tensor.dtype.is_complex else 0
+                    fills[key] = torch.full((), fill, dtype=tensor.dtype, device=tensor.device)
+                tensor.data = fills[key].expand(tensor.shape)
         return freed
 
     def apply(self, manifest: Manifest, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -129,9 +135,8 @@ class WeightReceiver:
         with self.lock, torch.no_grad():
             for name, tensor in staged.items():
                 target = state[name]
-                home = self._released.get(name)
-                if home is not None:  # released: the version becomes the weight's storage
-                    target.data = _materialised(tensor, home, target.dtype, self.swap_storage)
+                if name in self._released:  # the version becomes the weight's storage
+                    target.data = _materialised(tensor, target.device, target.dtype, self.swap_storage)
                 elif self.swap_storage and _swappable(target, tensor):
                     target.data = tensor  # O(1): the staged tensor becomes the weight (no second copy)
                 else:
