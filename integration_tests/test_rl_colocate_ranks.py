@@ -31,7 +31,7 @@ def _run(assets: dict[str, Any], out: Path, colocated: bool) -> list[dict[str, A
 
     data = {
         "model": assets["model"], "train_file": assets["train"], "output_dir": str(out), "layout": "d2",
-        "steps": 3, "prompts_per_step": 4, "group_size": 2, "max_new_tokens": 5, "temperature": 0.9,
+        "steps": 2, "prompts_per_step": 4, "group_size": 2, "max_new_tokens": 5, "temperature": 0.9,
         "progress": False, "save_every": 0, "resume": "never", "export_hf_at_end": False,
         "reward_fn": "shardforge.algorithms.testing:digit_reward", "engine": {"max_tokens_per_microbatch": 128, "optimizer": {"lr": 5e-2}},
     }  # fmt: skip
@@ -47,8 +47,8 @@ def test_colocated_sleep_and_offload_at_two_ranks_equal_the_plain_run(assets: di
     pool = get_rank_pool(2)
     colocated = pool.run(_run, assets, tmp_path / "colocated", True, timeout_s=240)[0]
     plain = pool.run(_run, assets, tmp_path / "plain", False, timeout_s=240)[0]
-    assert len(colocated) == len(plain) == 3
-    assert len({r["loss"] for r in plain}) == 3, "the weights must change between steps"
+    assert len(colocated) == len(plain) == 2
+    assert len({r["loss"] for r in plain}) == 2, "the weights must change between steps"
     for a, b in zip(colocated, plain, strict=True):
         for key in ("loss", "grad_norm", "reward_mean", "response_len_mean", "rollout_version"):
             assert a[key] == b[key], (key, a[key], b[key])

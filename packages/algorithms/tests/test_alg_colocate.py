@@ -182,7 +182,7 @@ def test_sleeping_engine_frees_weights_and_sessions_and_wakes_with_the_next_vers
 
 
 def test_colocation_refusals(assets: dict[str, Any], tmp_path: Path) -> None:
-    from shardforge.algorithms.config_io import apply_overrides, build_config
+    from shardforge.algorithms.config_io import apply_overrides, build_config, load_yaml
     from shardforge.algorithms.rollout.placement import rollout_actor_spec
     from shardforge.algorithms.trainers.grpo import GRPOConfig
     from shardforge.algorithms.trainers.rl_colocate import ColocatedPhases, check_colocation
@@ -205,3 +205,7 @@ def test_colocation_refusals(assets: dict[str, Any], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"object has no sleep"):
         ColocatedPhases(object(), [], sleep=True, offload=False)
     check_colocation(config(rollout_sleep="true", offload_train_state_during_rollout="true"))  # the supported case
+    example = Path(__file__).parents[3] / "examples" / "grpo_colocated_tiny.yaml"
+    parsed = build_config(GRPOConfig, load_yaml(example))
+    assert parsed.rollout_sleep and parsed.offload_train_state_during_rollout
+    check_colocation(parsed)
