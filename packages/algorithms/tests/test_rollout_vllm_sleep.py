@@ -60,7 +60,14 @@ def test_server_sleeps_after_generating_and_wakes_into_the_next_version(
         engine.update_weights(1)
         first = engine.generate(PROMPTS, PARAMS)
         done = len(_calls(engine.url))
+        # With several ranks sharing the server, rank 0 sleeps it only after every rank finished its round.
+        barriers: list[int] = []
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: barriers.append(len(_calls(engine.url))))
         engine.sleep()
+        assert barriers == [done], "rank 0 posted /sleep before the ranks' barrier"
+        monkeypatch.undo()
         engine.sleep()  # idempotent: one /sleep
         with pytest.raises(RuntimeError, match=r"vLLM rollout engine sleeps .* version 1 .* publish before generating"):
             engine.generate(PROMPTS, PARAMS)

@@ -313,6 +313,8 @@ class VLLMServerRolloutEngine:
         version; collective over all ranks, as `update_weights` (rank 0 posts)."""
         if self.sleeper is None:
             raise RuntimeError("this vLLM server was started without sleep mode: set vllm.enable_sleep_mode=true")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # the other ranks' requests of the round are answered before the server drops its state
         self.sleeper.sleep()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
