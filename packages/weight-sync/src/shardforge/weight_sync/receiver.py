@@ -23,6 +23,15 @@ def _swappable(target: torch.Tensor, tensor: torch.Tensor) -> bool:
     )
 
 
+def _materialised(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, swap: bool) -> torch.Tensor:
+    """``tensor`` as a released weight's new storage: itself when it already fits and may be kept (``swap``),
+    else a dense copy on ``device`` in ``dtype``."""
+    moved = tensor.to(device=device, dtype=dtype)
+    if moved is tensor and not swap:
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return moved.contiguous()
+
+
 class WeightReceiver:
     """Holds a serving model and its weight version.
 
@@ -30,6 +39,10 @@ class WeightReceiver:
     whole version arrived and matches the manifest (names, shapes, dtypes) and the model
     (every name exists, shapes agree) does it copy the weights in, under a lock. Any
     failure leaves the model serving the previous version.
+
+    `release` frees the serving weights (a colocated rollout engine between its generation
+    phases: the trainer needs the memory); the next `apply` re-materialises them from the
+    version it brings, which must then carry every released tensor.
     """
 
     def __init__(
@@ -45,6 +58,39 @@ class WeightReceiver:
         reused). Set False if the source tensors must stay independent of the model (e.g. a caller
         that reuses them)."""
         self.lock = threading.Lock()
+        self._released: set[str] = set()  # state-dict names of the released tensors
+
+    @property
+    def released(self) -> bool:
+        """Whether the weights are released (`release`) and no version was applied since."""
+        return bool(self._released)
+
+    def release(self) -> int:
+        """Free every parameter and persistent buffer of the model until the next `apply`; return the bytes
+        released (the memory goes back when nothing else references it, e.g. a KV cache built from the
+        weights). Each keeps its shape, dtype and device but holds a single element shared by all of them,
+        expanded to its shape (NaN for floating-point tensors: a forward computes NaN, not plausible
+        values; a serving engine refuses to generate while released). Non-persistent buffers (rotary tables),
+        which no version carries, stay. The version stays too: the next `apply` must bring a newer one."""
+        if self._released:
+            return 0
+        freed = 0
+        with self.lock, torch.no_grad():
+            state = self.model.state_dict(keep_vars=True)
+            unique: dict[int, torch.Tensor] = {}  # tied weights: one tensor under several names
+            for name, tensor in state.items():
+                if id(tensor) not in unique:
+                    unique[id(tensor)] = tensor
+                    freed += tensor.numel() * tensor.element_size()
+                self._released.add(name)
+            fills: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+            for tensor in unique.values():
+                key = (tensor.dtype, tensor.device)
+                if key not in fills:
+                    fill = float("nan") if tensor.dtype.is_floating_point or tensor.dtype.is_complex else 0
+                    fills[key] = torch.full((), fill, dtype=tensor.dtype, device=tensor.device)
+                tensor.data = fills[key].expand(tensor.shape)
+        return freed
 
     def apply(self, manifest: Manifest, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if manifest.version <= self.version:
@@ -78,11 +124,22 @@ class WeightReceiver:
         wrong = [n for n, t in staged.items() if tuple(state[n].shape) != tuple(t.shape)]
         if wrong:
             raise WeightVersionError(f"version {manifest.version}: shape mismatch for {wrong[:10]}")
+        if self._released:  # every released tensor (or a tied alias of it) must come back
+            carried = {id(state[n]) for n in staged}
+            lacking = sorted(n for n in self._released if id(state[n]) not in carried)
+            if lacking:
+                raise WeightVersionError(
+                    f"version {manifest.version} lacks released weights {lacking[:10]} ({len(lacking)}): the "
+                    "weights were released (release()), so the next version must carry every tensor"
+                )
         with self.lock, torch.no_grad():
             for name, tensor in staged.items():
                 target = state[name]
-                if self.swap_storage and _swappable(target, tensor):
+                if name in self._released:  # the version becomes the weight's storage
+                    target.data = _materialised(tensor, target.device, target.dtype, self.swap_storage)
+                elif self.swap_storage and _swappable(target, tensor):
                     target.data = tensor  # O(1): the staged tensor becomes the weight (no second copy)
                 else:
                     target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            self._released.clear()
             self.version = manifest.version

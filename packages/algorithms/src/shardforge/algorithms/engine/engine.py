@@ -13,11 +13,12 @@ is therefore the same whatever the micro-batching or the world size.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -167,6 +168,25 @@ class TrainEngine(EngineIO):
             neutral = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
             stats = {k: torch.full((), neutral[stat_kind(k)], dtype=torch.float64) for k in stats}
         return all_reduce_stats(stats, group, self.device)
+
+    @contextlib.contextmanager
+    def offloaded(self) -> Iterator[None]:
+        """Weights and optimizer state in host memory for the block, back on the device after it (a colocated
+        rollout engine generates meanwhile: ``offload_train_state_during_rollout``). A call into the engine
+        inside the block brings them to the device for the call only, as ``offload_when_idle`` does. A no-op
+        on a CPU-only machine (the device is the host) and for an engine with ``offload_when_idle`` (already
+        on the host between calls); gradients are not kept between steps, so there are none to move."""
+        if self.offload_state is not None:
+            yield
+            return
+        state = OffloadState(self.model, self.optimizer, self.device)
+        state.offload()
+        self.offload_state = state
+        try:
+            yield
+        finally:
+            self.offload_state = None
+            state.onload()
 
     # ------------------------------------------------------------------ compute
     @offloaded_between_calls

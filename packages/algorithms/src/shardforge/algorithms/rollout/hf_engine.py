@@ -12,6 +12,8 @@ images=[ImageInputs | None per prompt])``; the prompt ids hold the expanded imag
 Multi-turn episodes (``generate(..., sessions=...)``, which the workflows' request queue passes) and
 partial-rollout chunks keep their KV cache between calls and prefill only the new tokens
 (`rollout.kv_reuse`; ``kv_reuse=False`` re-encodes the whole context every call).
+Colocated with a trainer (``rollout_sleep``), `sleep` frees the weights and KV caches between generation
+phases; the next version the engine receives brings them back (`WeightReceiver.release`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from shardforge.algorithms.batching.visual import ImageInputs
 from shardforge.algorithms.engine.config import parse_dtype
 from shardforge.algorithms.rollout.chunked import generate_in_chunks
+from shardforge.algorithms.rollout.hf_extras import routed_per_row, visual_kwargs
 from shardforge.algorithms.rollout.kv_reuse import (
     KVReuseCache,
     batch_layout,
@@ -147,6 +150,21 @@ class HFRolloutEngine:
             self.kv_cache.check_weights(weights_key(self.version, self.model))
         return self.receiver.version
 
+    @property
+    def asleep(self) -> bool:
+        """Whether `sleep` freed the weights and no version arrived since (`generate` refuses to run)."""
+        return self.receiver.released
+
+    def sleep(self) -> int:
+        """Free the weights and every session's KV cache until the next version arrives (`update_weights`, or
+        a publish straight into `receiver`), which must be newer than the serving one; return the weight
+        bytes freed. verl's ``free_cache_engine`` / vLLM's level-2 sleep: the trainer gets the memory back."""
+        self.kv_cache.check_weights(("asleep", self.version))  # drops (and counts) every session
+        freed = self.receiver.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
     def end_sessions(self, sessions: Iterable[Hashable]) -> None:
         """Drop the cached KV of ``sessions`` (their episodes ended)."""
         self.kv_cache.end(sessions)
@@ -174,6 +192,11 @@ class HFRolloutEngine:
         """
         if len(prompts) == 0:
             raise ValueError("generate() needs at least one prompt")
+        if self.asleep:
+            raise RuntimeError(
+                f"the rollout engine sleeps (rollout_sleep): its weights were freed after generating with version "
+                f"{self.version} and come back with the next published version; publish before generating"
+            )
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty")
@@ -294,7 +317,7 @@ class HFRolloutEngine:
             extra["suppress_tokens"] = self.suppress_tokens
         if images is not None and any(i is not None for i in images):  # row order: generate fills image tokens so
             assert self.image_token_id is not None  # _check_images refused image prompts for a text model
-            extra |= _visual_kwargs(input_ids, images, self.image_token_id, self.device)
+            extra |= visual_kwargs(input_ids, images, self.image_token_id, self.device)
         with recording as routed:
             result = self._run_generate(input_ids, attention, params, extra, past)
         new_tokens_dev = result.sequences[:, width:]
@@ -389,34 +412,3 @@ class HFRolloutEngine:
                 )
             )
         return rollouts
-
-
-def _visual_kwargs(
-    input_ids: torch.Tensor, images: list[ImageInputs | None], image_token_id: int, device: torch.device
-) -> dict[str, torch.Tensor]:
-    """``generate``'s visual inputs for a batch of (left-padded) rows. ``mm_token_type_ids`` (1 at image
-    tokens, what the HF processor returns): without it transformers 5 gives the image tokens 1-D text
-    positions instead of the 3-D ones that training uses (`engine.vision.mrope_position_ids`)."""
-    present = [i for i in images if i is not None]
-    return {
-        "pixel_values": torch.cat([i.pixel_values for i in present]).to(device),
-        "image_grid_thw": torch.cat([i.image_grid_thw for i in present]).to(device),
-        "mm_token_type_ids": (input_ids == image_token_id).int().to(device),
-    }
-
-
-def routed_per_row(
-    routed: list[list[torch.Tensor]], rows: list[tuple[int, list[int]]], width: int, steps: int
-) -> list[torch.Tensor]:
-    """Per generate row, ``[width_of_its_prompt + steps, L, K]`` int16 experts from the router calls of one
-    cached ``generate``: call 0 is the prefill (``B * width`` rows, prompts left-padded), call ``s >= 1``
-    feeds generated token ``s - 1`` (``B`` rows). The last generated token is never fed: -1."""
-    top_k = routed[0][0].shape[-1]
-    prefill = torch.stack([calls[0].view(len(rows), width, top_k) for calls in routed], dim=2)  # [B, width, L, K]
-    decode = torch.full((len(rows), steps, len(routed), top_k), -1, dtype=torch.int64)
-    for s in range(1, len(routed[0])):
-        decode[:, s - 1] = torch.stack([calls[s].view(len(rows), top_k) for calls in routed], dim=1)
-    out = []
-    for b, (_, prompt) in enumerate(rows):
-        out.append(torch.cat([prefill[b, width - len(prompt) :], decode[b]]).to(torch.int16))
-    return out

@@ -133,6 +133,13 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
             bool(getattr(getattr(config, "engine", None), "router_replay", False)),
             "does not return recorded MoE routing yet: set engine.router_replay=false",
         ),
+        (
+            bool(
+                getattr(config, "rollout_sleep", False) or getattr(config, "offload_train_state_during_rollout", False)
+            ),
+            "gives the rollout engine devices of its own: rollout_sleep and offload_train_state_during_rollout hand "
+            "a colocated engine's devices to the trainer between phases; set them to false",
+        ),
     ]
     for refused, why in refusals:
         if refused:

@@ -50,6 +50,7 @@ from shardforge.algorithms.engine.config import parse_dtype
 from shardforge.algorithms.rollout.chunked import chunked_requests
 from shardforge.algorithms.rollout.seeds import prompt_seeds
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
+from shardforge.algorithms.rollout.vllm_sleep import VLLMSleep, require_sleep_mode
 from shardforge.weight_sync import DiskWeightSource, WeightVersionError
 
 __all__ = ["VLLM_MISSING", "VLLMOptions", "VLLMRolloutEngine", "import_vllm", "require_main_thread"]
@@ -111,6 +112,9 @@ class VLLMOptions:
     """vLLM workers per instance (tensor parallel)."""
     enable_prefix_caching: bool = True
     """Share prompt KV blocks between the n samples of a prompt (reset after every weight update)."""
+    enable_sleep_mode: bool = False
+    """CUDA only: start vLLM with its sleep mode, so `sleep` can discard weights and KV cache between generation
+    phases (`rollout.vllm_sleep`); the RL trainers set it with ``rollout_sleep=true``."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -192,6 +196,8 @@ class VLLMRolloutEngine:
         """Partial rollouts: generate this many new tokens at a time (`rollout.chunked`); None: whole requests."""
         self.between_chunks: Callable[[], None] | None = None
         """Called between two chunks (the asynchronous generator loads newer weights there)."""
+        if self.options.enable_sleep_mode:
+            require_sleep_mode()
         if self.owns_llm:
             import_vllm()
             serving_dtype = str(parse_dtype(dtype)).removeprefix("torch.")
@@ -212,6 +218,7 @@ class VLLMRolloutEngine:
                     tensor_parallel_size=self.options.tensor_parallel_size,
                     enable_prefix_caching=self.options.enable_prefix_caching,
                     weight_transfer_config={"backend": "shardforge"} if weights_root is not None else None,
+                    enable_sleep_mode=self.options.enable_sleep_mode,
                     **llm_kwargs,
                 )
             self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -222,6 +229,14 @@ class VLLMRolloutEngine:
                 self.client = LLMClient(self.llm)
                 info = ShardforgeInitInfo(transport="disk", root=str(weights_root))
                 self.client.init_weight_transfer_engine(dataclasses.asdict(info))
+        self.sleeper = VLLMSleep(self.llm) if self.options.enable_sleep_mode else None
+        """Sleep mode (``rollout_sleep``); tracks the state on ranks without an instance (placement=rank0)."""
+
+    def sleep(self) -> None:
+        """Discard the weights and KV cache (level-2 sleep) until `update_weights` loads a newer version."""
+        if self.sleeper is None:
+            raise RuntimeError("this vLLM engine was started without sleep mode: set vllm.enable_sleep_mode=true")
+        self.sleeper.sleep()
 
     @property
     def version(self) -> int:
@@ -237,10 +252,12 @@ class VLLMRolloutEngine:
         target = self.source.latest() if version is None else version
         if target is None:
             raise WeightVersionError(f"no committed weight version under {self.source.root}")
-        if target != self._version and self.llm is not None:
-            self.client.start_weight_update()
-            self.client.update_weights({"version": target})  # verified, all-or-nothing; stale versions refused
-            self.client.finish_weight_update(str(target))  # also drops the prefix cache (old weights' KV blocks)
+        if target != self._version:
+            with self.sleeper.switching() if self.sleeper is not None else contextlib.nullcontext():
+                if self.llm is not None:
+                    self.client.start_weight_update()
+                    self.client.update_weights({"version": target})  # verified, all-or-nothing; stale refused
+                    self.client.finish_weight_update(str(target))  # also drops the prefix cache (old KV blocks)
         self._version = target
         return self._version
 
@@ -290,6 +307,8 @@ class VLLMRolloutEngine:
 
     def _run(self, requests: list[tuple[list[list[int]], SamplingParams]]) -> list[list[Rollout]]:
         """Sample every request in one vLLM batch; per request its rollouts."""
+        if self.sleeper is not None:
+            self.sleeper.check_awake(self._version)
         from vllm import SamplingParams as VLLMSamplingParams
 
         inputs: list[dict[str, list[int]]] = []

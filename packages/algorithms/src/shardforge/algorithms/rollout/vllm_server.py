@@ -12,7 +12,8 @@ run from another interpreter or venv (``VLLMOptions.server_python``), or already
 - Weights: the server runs with ``VLLM_SERVER_DEV_MODE=1`` (vLLM's RL routes) and
   ``--weight-transfer-config '{"backend": "shardforge"}'``; `update_weights` calls
   ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` (disk versions of
-  weight-sync, verified before loading) and ``/reset_prefix_cache``.
+  weight-sync, verified before loading) and ``/reset_prefix_cache``; with ``vllm.enable_sleep_mode``
+  (``rollout_sleep``) `sleep` posts ``/sleep`` and the switch wakes it (`rollout.vllm_sleep`).
 - Health: requests time out, ``/health`` is checked before every `generate` and after a failed
   request; a server that is down raises a one-line error or (``vllm.on_server_failure: restart``,
   a server this trainer started) is restarted at the current weight version and the batch is
@@ -66,6 +67,7 @@ from shardforge.algorithms.rollout.vllm_engine import (
     _vllm_process_env,
     require_main_thread,
 )
+from shardforge.algorithms.rollout.vllm_sleep import ServerSleepCalls, VLLMSleep, require_sleep_mode
 from shardforge.weight_sync import DiskWeightSource, WeightVersionError
 
 __all__ = ["VLLMServerRolloutEngine"]
@@ -119,6 +121,11 @@ class VLLMServerRolloutEngine:
         """Partial rollouts: this many new tokens per request (`rollout.chunked`); None: whole requests."""
         self.between_chunks: Callable[[], None] | None = None
         """Called between two chunks (the asynchronous generator loads newer weights there)."""
+        if self.options.enable_sleep_mode:
+            require_sleep_mode()
+        calls = ServerSleepCalls(lambda path: _post(self.url, path, {})) if self.rank == 0 else None
+        self.sleeper = VLLMSleep(calls) if self.options.enable_sleep_mode else None
+        """Sleep mode (rank 0 posts; every rank tracks the state: `sleep` and `update_weights` are collective)."""
         url = self.options.server_url
         if self.rank == 0:
             if url is None:
@@ -155,6 +162,8 @@ class VLLMServerRolloutEngine:
         ]  # fmt: skip
         if options.enforce_eager:
             command.append("--enforce-eager")
+        if options.enable_sleep_mode:
+            command.append("--enable-sleep-mode")
         if options.max_model_len is not None:
             command += ["--max-model-len", str(options.max_model_len)]
         return command
@@ -274,6 +283,8 @@ class VLLMServerRolloutEngine:
             self._switch_or_stop(target)
         if world > 1:
             dist.barrier()  # nobody samples before rank 0 has switched the server
+        if target != self._version and self.sleeper is not None:
+            self.sleeper.asleep = False  # rank 0's switch woke the server (a stopped one restarts awake)
         self._version = target
         return self._version
 
@@ -295,15 +306,27 @@ class VLLMServerRolloutEngine:
         self.shutdown(grace_s=5.0)
 
     def _switch(self, target: int) -> None:
-        _post(self.url, "/start_weight_update", {})
-        _post(self.url, "/update_weights", {"update_info": {"version": target}})  # verified; stale refused
-        _post(self.url, "/finish_weight_update", {"weight_version": str(target)})
-        _post(self.url, "/reset_prefix_cache", {})  # cached KV blocks hold the old weights' keys/values
+        with self.sleeper.switching() if self.sleeper is not None else contextlib.nullcontext():
+            _post(self.url, "/start_weight_update", {})
+            _post(self.url, "/update_weights", {"update_info": {"version": target}})  # verified; stale refused
+            _post(self.url, "/finish_weight_update", {"weight_version": str(target)})
+            _post(self.url, "/reset_prefix_cache", {})  # cached KV blocks hold the old weights' keys/values
+
+    def sleep(self) -> None:
+        """Discard the server's weights and KV cache (level-2 sleep) until `update_weights` switches to a newer
+        version; collective over all ranks, as `update_weights` (rank 0 posts)."""
+        if self.sleeper is None:
+            raise RuntimeError("this vLLM server was started without sleep mode: set vllm.enable_sleep_mode=true")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # the other ranks' requests of the round are answered before the server drops its state
+        self.sleeper.sleep()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
         """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together). Partial
         rollouts (``interrupt_chunk_tokens`` set): each chunk is a completion request that continues from the
         returned token ids, `between_chunks` after each (`rollout.chunked`)."""
+        if self.sleeper is not None:
+            self.sleeper.check_awake(self._version)
         if self.interrupt_chunk_tokens is not None:
             if dist.is_initialized() and dist.get_world_size() > 1:
                 raise ValueError(

@@ -51,6 +51,7 @@ from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
 from shardforge.algorithms.trainers.common import with_total_steps
 from shardforge.algorithms.trainers.profiling import phase
+from shardforge.algorithms.trainers.rl_colocate import colocated_phases
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
     build_reference,
@@ -225,6 +226,9 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         sampler = self.sampling_rollout(rollout)
         generate_round = workflow_round_fn(config, sampler, self.prompts, self.workflow, engine, prompt_sampler)
         sample_fn, self.dynamic = make_sample_fn(config, generate_round, engine)
+        self.phases = colocated_phases(config, rollout, [engine])  # before the first publish: it may sleep now
+        if self.phases is not None:
+            sample_fn = self.phases.wrap(sample_fn)
         sample_fn = _traced(sample_fn)  # the generate range, on whichever thread samples
         self.source: RolloutSource | None = None
         if config.async_rollouts:
@@ -279,6 +283,8 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         if self.dynamic is not None:
             stats |= dynamic_sampling_stats(self.dynamic.pop_stats(sampled.index), self.engine)
         stats |= reward_call_stats(self.reward_fn, self.engine) | rollout_server_stats(self.rollout, self.engine)
+        if self.phases is not None:
+            stats |= self.phases.pop_stats()
         began = time.perf_counter()
         with phase("weight_sync"):
             self.source.publish(step + 1)

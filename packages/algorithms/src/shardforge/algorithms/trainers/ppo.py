@@ -39,6 +39,7 @@ from shardforge.algorithms.trainers.ppo_update import (
     prepare_ppo_batch,
 )
 from shardforge.algorithms.trainers.profiling import phase
+from shardforge.algorithms.trainers.rl_colocate import colocated_phases
 from shardforge.algorithms.trainers.rl_common import (
     RLTrainerConfig,
     build_reference,
@@ -189,6 +190,7 @@ class PPOTrainer(Trainer[PPOConfig]):
             self.rollout, enabled=config.publish_in_memory and actor.dims.pp == 1, asynchronous=False
         )
         self.direct = direct_publisher(actor, self.rollout, receiver, config.rollout_dtype)  # in memory / Ray actors
+        self.phases = colocated_phases(config, self.rollout, [actor, self.critic])  # may sleep: a publish follows
         self.version = self._publish(None)
         self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
         self.kl_ctrl: KLController = build_kl_controller(dataclasses.replace(config.kl_ctrl, kl_coef=config.kl_coef))
@@ -197,6 +199,8 @@ class PPOTrainer(Trainer[PPOConfig]):
         sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
         generate_round = workflow_round_fn(config, self.rollout, self.prompts, self.workflow, actor, sampler)
         self.sample, self.dynamic = make_sample_fn(config, generate_round, actor)
+        if self.phases is not None:
+            self.sample = self.phases.wrap(self.sample)
 
     def _publish(self, version: int | None) -> int:
         """Publish the actor as ``version`` (None: the first) and serve it; return the next version number.
@@ -247,6 +251,7 @@ class PPOTrainer(Trainer[PPOConfig]):
         if self.dynamic is not None:
             stats |= dynamic_sampling_stats(self.dynamic.pop_stats(step), actor)
         stats |= reward_call_stats(self.reward_fn, actor) | rollout_server_stats(self.rollout, actor)
+        stats |= self.phases.pop_stats() if self.phases is not None else {}
         stats |= {
             "weight_sync_s": time.perf_counter() - began,
             "rollout_version": served,

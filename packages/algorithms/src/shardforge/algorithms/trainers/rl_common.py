@@ -28,6 +28,7 @@ from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.trainers.base import TrainerConfig
 from shardforge.algorithms.trainers.common import build_reference, check_max_positions
 from shardforge.algorithms.trainers.model_rewards import RewardModelConfig, RewardModelScorer
+from shardforge.algorithms.trainers.rl_colocate import check_colocation
 from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig
 from shardforge.algorithms.workflows import WorkflowConfig
 from shardforge.weight_sync import DiskTransport
@@ -116,6 +117,14 @@ class RLTrainerConfig(TrainerConfig):
     """rollout_placement=disaggregated with rollout_engine=hf: a dead rollout actor ends the run with a one-line error
     ('error'), or is dropped: its ranks move to a surviving actor and generate their whole round again there ('drop',
     num_rollout_actors >= 2). A vLLM server actor is restarted instead (vllm.on_server_failure)."""
+    rollout_sleep: bool = False
+    """rollout_placement=colocated: the rollout engine frees its weights and KV caches after each batch's generation
+    and gets them back with the next published version, so the training phase has the device memory (verl's
+    free_cache_engine / vLLM sleep mode; vLLM: CUDA only). Synchronous rollouts only. See docs/rl-placement.md."""
+    offload_train_state_during_rollout: bool = False
+    """rollout_placement=colocated: the policy's (and PPO's critic's) weights and optimizer state go to host memory
+    while the rollout engine generates and come back before the update (verl's param_offload / optimizer_offload,
+    per phase). A no-op on CPU-only machines. Synchronous rollouts only. See docs/rl-placement.md."""
     rollout_kv_reuse: bool = True
     """rollout_engine=hf: keep each episode's KV cache between its turns (and between partial-rollout chunks) and
     prefill only the tokens a turn adds; dropped on every weight change. false: re-encode the context every turn."""
@@ -166,6 +175,7 @@ def check_rollout_batch(config: RLTrainerConfig, prompts: PromptSet, dp_size: in
             "dynamic_sampling filters groups on the rewards while sampling, before the reward model scores them "
             "(collectively, in the training step): set dynamic_sampling.enabled=false or drop reward_model"
         )
+    check_colocation(config)
     if prompts.images is not None:
         check_image_prompts(config)
     longest = max(len(p) for p in prompts.ids) + config.max_new_tokens

@@ -18,6 +18,7 @@ disk versions as a colocated server does.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from functools import partial
@@ -54,9 +55,12 @@ def build_placed_rollout(config: Any, tokenizer: Any, weights_root: str | os.Pat
         return RayRolloutClient(
             names, timeout_s=config.engine.dist_timeout_s, on_actor_failure=config.rollout_on_actor_failure
         )
+    vllm = config.vllm
+    if config.rollout_sleep and config.rollout_engine == "vllm":  # vLLM allocates differently with sleep mode
+        vllm = dataclasses.replace(vllm, enable_sleep_mode=True)
     return build_rollout_engine(
         config.rollout_engine, config.model, tokenizer, weights_root=weights_root,
-        dtype=config.rollout_dtype, vllm=config.vllm, seed=config.seed,
+        dtype=config.rollout_dtype, vllm=vllm, seed=config.seed,
     )  # fmt: skip
 
 
