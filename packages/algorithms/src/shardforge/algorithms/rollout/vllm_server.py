@@ -123,6 +123,7 @@ class VLLMServerRolloutEngine:
         """Called between two chunks (the asynchronous generator loads newer weights there)."""
         if self.options.enable_sleep_mode:
             require_sleep_mode()
+        self.url: str  # set below, once the server answers (the sleep calls read it later)
         calls = ServerSleepCalls(lambda path: _post(self.url, path, {})) if self.rank == 0 else None
         self.sleeper = VLLMSleep(calls) if self.options.enable_sleep_mode else None
         """Sleep mode (rank 0 posts; every rank tracks the state: `sleep` and `update_weights` are collective)."""
