@@ -92,6 +92,7 @@ def test_wandb_offline_run_has_metrics_config_and_continues_on_resume(assets: di
     files = sorted((out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(files) == 2, list((out / "wandb").iterdir())  # one directory per process, same run id
     steps, losses, configs, artifacts = [], [], [], []
+    _wait_for_history(files[-1], 4)
     for file in files:
         for record in read_wandb_records(file):
             kind = record.WhichOneof("record_type")
@@ -233,3 +234,18 @@ def _next_second() -> None:
     fast machine can start a resumed run in the second the first one started (both would write one directory).
     A real restart takes seconds."""
     time.sleep(math.ceil(time.time()) - time.time() + 0.01)
+
+
+def _wait_for_history(path: Path, step: int, timeout_s: float = 30.0) -> None:
+    """Wait (up to ``timeout_s``) until the ``.wandb`` file at ``path`` holds ``step``'s history: wandb-core, a
+    process of its own, writes the file, and on a loaded machine (two test workers on two cores) it was seen
+    still writing a resumed run's last steps after ``finish`` returned. A step that never arrives still fails."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            records = read_wandb_records(path)
+        except (AssertionError, ValueError, IndexError):  # a record still being written
+            records = []
+        if any(r.WhichOneof("record_type") == "history" and r.history.step.num >= step for r in records):
+            return
+        time.sleep(0.5)

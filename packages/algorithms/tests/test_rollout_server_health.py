@@ -264,5 +264,15 @@ def test_grpo_continues_after_its_rollout_server_dies_mid_step(assets, tmp_path:
 
 def test_grpo_stops_with_one_line_when_its_rollout_server_dies(assets, tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(RolloutServerError, match=r"^rollout server http://127\.0\.0\.1:\d+ is down: /v1/completions "
-                       r"failed: RemoteDisconnected.*, then /health: connection refused.*; check its log"):  # fmt: skip
+                       r"failed: RemoteDisconnected.*, then /health: connection (refused|reset).*; check its log"):  # fmt: skip
         _grpo(assets, tmp_path / "out", tmp_path / "die", monkeypatch)
+
+
+def test_a_reset_connection_reads_as_an_exiting_server() -> None:
+    import urllib.error
+
+    from shardforge.algorithms.rollout.server_health import describe_failure
+
+    reset = urllib.error.URLError(ConnectionResetError(104, "Connection reset by peer"))
+    assert describe_failure("/health", reset, 5.0) == "/health: connection reset (the server is exiting or dead)"
+    assert describe_failure("/health", ConnectionRefusedError(), 5.0).startswith("/health: connection refused")

@@ -59,6 +59,8 @@ def describe_failure(path: str, exc: BaseException, timeout_s: float) -> str:
         return f"{path} did not answer within {timeout_s:g} s (hung or overloaded)"
     if isinstance(reason, ConnectionRefusedError):
         return f"{path}: connection refused (nothing listens: the server is dead)"
+    if isinstance(reason, ConnectionResetError):  # a server caught while exiting (seen on a loaded machine)
+        return f"{path}: connection reset (the server is exiting or dead)"
     text = " ".join(str(reason).split()) or type(reason).__name__
     return f"{path} failed: {type(reason).__name__}: {text}"
 
