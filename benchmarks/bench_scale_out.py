@@ -6,7 +6,8 @@ CPU, ``OMP_NUM_THREADS=1``, global batch 4, ``engine.max_tokens_per_microbatch=6
 (a) Two "nodes" on localhost (two ``shardforge train --nnodes 2 --node-rank 0/1 --nproc-per-node 1``
     agents, c10d rendezvous on 127.0.0.1) vs one node (``--nproc-per-node 2``), the same world size
     and work: median step time (gap between consecutive ``metrics.jsonl`` rows, steps 3..50) of each run;
-    five alternated pairs (one node, two nodes), the ratio is the median of the paired ratios (a pair
+    five alternated pairs (``BENCH_SCALE_OUT_PAIRS``; one node first in even pairs, two nodes first in odd
+    ones, so an order effect cancels), the ratio is the median of the paired ratios (a pair
     shares the machine's load; under load 4-8 single pairs ranged 0.74-1.45, and a steady-state window on
     a quiet machine gave 0.98-0.99, `_scale_out_cpu.py`).
     Target: ratio <= 1.05.
@@ -55,7 +56,8 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_H
 for _var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
     ENV.pop(_var, None)
 STEPS = 50
-REPEATS = 5
+REPEATS = int(os.environ.get("BENCH_SCALE_OUT_PAIRS", "5"))
+"""Pairs of runs for (a); each pair alternates which layout runs first (ABBA), so an order effect cancels."""
 
 
 def _config(work: Path, assets: dict[str, Any], name: str, **entries: Any) -> Path:
@@ -243,8 +245,12 @@ def main() -> None:
         assets = tiny_assets(work / "assets", max_operand=9, num_eval=10)
         single, multi = [], []
         for i in range(REPEATS):  # alternated: load from other jobs on the machine hits both sides
-            _run([*CLI, "train", "sft", "--config", str(_config(work, assets, f"single{i}")), "--nproc-per-node", "2"])
-            two_nodes(_config(work, assets, f"multi{i}"))
+            for layout in ("single", "multi") if i % 2 == 0 else ("multi", "single"):  # ABBA: order cancels
+                config = _config(work, assets, f"{layout}{i}")
+                if layout == "single":
+                    _run([*CLI, "train", "sft", "--config", str(config), "--nproc-per-node", "2"])
+                else:
+                    two_nodes(config)
             single.append(_median_step_s(work / f"single{i}"))
             multi.append(_median_step_s(work / f"multi{i}"))
         single_s, multi_s = statistics.median(single), statistics.median(multi)
