@@ -91,6 +91,8 @@ def test_the_weight_transport_option_is_checked_in_one_line() -> None:
     with pytest.raises(ValueError, match=r"sends weights to a vLLM server: set vllm\.mode=server") as error:
         VLLMOptions(mode="in_process", weight_transport="collective")
     assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=r"set vllm\.weight_transport=disk or rollout_sleep=false$"):
+        VLLMOptions(mode="server", weight_transport="collective", enable_sleep_mode=True)
     assert VLLMOptions().weight_transport == "auto"  # collective for the Ray server actor, disk elsewhere
 
 
