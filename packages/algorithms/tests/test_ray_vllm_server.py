@@ -234,7 +234,7 @@ def fake_ray(monkeypatch: pytest.MonkeyPatch, actor: VLLMServerActor) -> _Handle
 
 
 def _rank_engine(tmp_path: Path, **options: Any) -> RayVLLMServerEngine:
-    vllm = VLLMOptions(mode="server", **(FAST | options))
+    vllm = VLLMOptions(mode="server", **(FAST | {"weight_transport": "disk"} | options))
     return RayVLLMServerEngine("shardforge-rollout-0", tmp_path, TOKENIZER, options=vllm,
                                weights_root=tmp_path / "out" / "weights")  # fmt: skip
 

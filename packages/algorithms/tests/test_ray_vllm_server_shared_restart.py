@@ -96,7 +96,8 @@ def _two_ranks_share_the_actors_server(tmp: Path, dying_rank: int) -> dict[str, 
     sys.modules["ray"] = _fake_ray(rank, actor, info, calls)
     tokenizer = SimpleNamespace(eos_token_id=2, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
     params = SamplingParams(n=3, max_new_tokens=4, seed=7)
-    options = VLLMOptions(mode="server", on_server_failure="restart", max_server_restarts=2, **FAST)
+    options = VLLMOptions(mode="server", on_server_failure="restart", max_server_restarts=2, weight_transport="disk",
+                          **FAST)  # fmt: skip
     try:
         engine = RayVLLMServerEngine("shardforge-rollout-0", tmp, tokenizer, options=options, weights_root=tmp / "w")
 

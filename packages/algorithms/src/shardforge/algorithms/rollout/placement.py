@@ -10,8 +10,9 @@
     filesystem).
   - ``rollout_engine: vllm`` with ``vllm.mode: server``: one actor that runs ``vllm serve`` in its bundle
     (`shardforge.algorithms.rollout.ray_vllm_server.VLLMServerActor`); every rank is a `VLLMServerRolloutEngine`
-    on its URL, and the server loads the weight-sync disk versions under ``output_dir/weights`` (several Ray
-    nodes: ``output_dir`` on storage the trainer's rank 0 and the server's node share).
+    on its URL, and trainer rank 0 sends the server every version over weight-sync's collective transport
+    (``vllm.weight_transport: auto``; ``disk``: the server loads the versions under ``output_dir/weights``, which
+    on several Ray nodes must be on storage the trainer's rank 0 and the server's node share).
 
 This module is the pure part (no Ray import): the refusals, the actors' spec the launcher needs, and how
 the launcher tells the ranks the actors' names (an environment variable, as it passes the rank variables).

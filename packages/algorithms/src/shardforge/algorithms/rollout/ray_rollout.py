@@ -113,6 +113,7 @@ class RayRolloutClient:
     """
 
     source: DiskWeightSource | None = None  # no disk root: versions arrive over the collective transport
+    direct_publish = True  # the trainer calls `publish` (trainers/rl_publish.direct_publisher)
     accepts_images = False
 
     def __init__(self, names: Sequence[str], *, timeout_s: float = 300.0, on_actor_failure: str = "error") -> None:

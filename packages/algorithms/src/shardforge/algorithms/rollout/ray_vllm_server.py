@@ -7,14 +7,17 @@
   the server on request (stop, start again on the same port, wait for health) and stops it when the run ends.
 - `RayVLLMServerEngine` is the trainer ranks' `RolloutEngine`: a `VLLMServerRolloutEngine` on the actor's URL
   (as with ``vllm.server_url``), so requests, health checks, timeouts and weight versions are the server path's.
-  Weights are weight-sync disk versions under ``output_dir/weights`` that rank 0 tells the server to load (the
-  ``shardforge`` weight-transfer backend): on several Ray nodes ``output_dir`` must be on storage that rank 0's
-  and the server's nodes share. ``vllm.on_server_failure: restart``: the actor restarts the server when trainer
-  rank 0 asks it (``restart_server`` -> `RayVLLMServerEngine._launch`), then rank 0 restores the current version,
-  as for a server rank 0 started. At world size 1 the rank resends its batch; with several ranks they agree on
-  the restart once per generation round (`shardforge.algorithms.rollout.shared_restart`: only rank 0 asks the
-  actor, once per agreed restart) and the failing ranks regenerate their round. A weight switch that fails has
-  the actor stop the server (`VLLMServerActor.stop_server`), so the next generation restarts it at the new version.
+  Weights (``vllm.weight_transport``): ``auto`` (default) and ``collective`` send each version from the trainer's
+  shards over weight-sync's collective transport, rank 0's TCP store on its node IP, to the server's workers
+  (`shardforge.algorithms.rollout.vllm_server_collective`; no shared filesystem); ``disk``: weight-sync disk
+  versions under ``output_dir/weights`` that rank 0 tells the server to load (on several Ray nodes ``output_dir``
+  must be on storage that rank 0's and the server's nodes share). ``vllm.on_server_failure: restart``: the actor
+  restarts the server when trainer rank 0 asks it (``restart_server`` -> `RayVLLMServerEngine._launch`), then the
+  current version is restored, as for a server rank 0 started (collective: gathered and sent again). At world size
+  1 the rank resends its batch; with several ranks they agree on the restart once per generation round
+  (`shardforge.algorithms.rollout.shared_restart`: only rank 0 asks the actor, once per agreed restart) and the
+  failing ranks regenerate their round. A weight switch that fails has the actor stop the server
+  (`VLLMServerActor.stop_server`), so the next generation restarts it at the new version.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from typing import Any, ClassVar
 
 from shardforge.algorithms.log import get_logger
 from shardforge.algorithms.rollout.server_health import RolloutServerError, ray_get
+from shardforge.algorithms.rollout.server_http import free_port
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
-from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine, _free_port
+from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine
 
 __all__ = ["RayVLLMServerEngine", "VLLMServerActor", "server_process"]
 
@@ -71,7 +75,7 @@ class VLLMServerActor:
         options: VLLMOptions = spec.vllm
         out = Path(spec.output_dir) if spec.output_dir else Path(tempfile.gettempdir())
         out.mkdir(parents=True, exist_ok=True)
-        port = _free_port()
+        port = free_port()
         self.server = server_process(self.server_class, options, out / "vllm_server.log")
         command = self.server._server_command(  # the colocated server's command
 spec.model, SimpleNamespace(name_or_path=spec.tokenizer), spec.dtype,
@@ -161,12 +165,18 @@ class RayVLLMServerEngine(VLLMServerRolloutEngine):
         self.actor_name = actor_name
         self.actor = ray.get_actor(actor_name)
         url = self._call(self.actor.url.remote())  # waits for the server's first /health
+        if options.weight_transport == "auto":  # no shared filesystem needed with the server's node
+            options = dataclasses.replace(options, weight_transport="collective")
         if kwargs.get("weights_root") is not None:  # the server resolves the root in its own working directory
             kwargs["weights_root"] = Path(kwargs["weights_root"]).resolve()
         super().__init__(model_dir, tokenizer, options=dataclasses.replace(options, server_url=url), **kwargs)
         # The server is restartable (through the actor) and its log is the actor's: the down message says where.
         command, log_path = self._call(self.actor.server_info.remote())
         self.command, self.log_path = command, Path(log_path)
+
+    def _transfer_host(self, url: str) -> str:
+        """This node's IP as Ray sees it: the server's workers may run on another node."""
+        return str(self.ray.util.get_node_ip_address())
 
     def _call(self, ref: Any) -> Any:
         """``ray.get(ref)``; a dead actor or a failed call (the server did not start) becomes an error naming it."""

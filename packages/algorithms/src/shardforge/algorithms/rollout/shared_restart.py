@@ -19,7 +19,9 @@ never inside per-request code (a multi-turn rank makes a different number of req
    one-line error. It broadcasts the outcome: every rank raises the same one-line error (no rank is
    left waiting), or counts the restart (so every rank's count, which ``max_server_restarts`` limits,
    is the same; only rank 0 reports it in ``rollout_server/restarts``, the sum over ranks is then the
-   number of restarts).
+   number of restarts). With ``vllm.weight_transport: collective`` the current version exists only in
+   the trainer's shards: every rank then joins its gathers and rank 0 sends it to the restarted server
+   (``restore_weights``); a server that fails that too is stopped, and the next round restarts it again.
 4. the failing ranks run their round again from the start, with the same seeds at the same weight
    version: whole groups are regenerated (no group mixes samples of the dead server with new ones), and
    they equal what a healthy server would have returned. Ranks whose round succeeded keep it (they
@@ -74,7 +76,12 @@ class RestartableServer(Protocol):
         """Rank 0: whether this trainer started the server (a server given by URL is never restarted)."""
 
     def restart_server(self) -> None:
-        """Rank 0: restart the server and bring it to the current weight version (raises if it cannot)."""
+        """Rank 0: restart the server and bring it to the current weight version (raises if it cannot), unless only
+        every rank together can (`restore_weights`)."""
+
+    def restore_weights(self) -> None:
+        """Every rank, after the restart: bring the server to the current version where rank 0 alone could not
+        (weights sent over the collective transport are gathered from every rank's shards); else a no-op."""
 
     def down_error(self, reason: str) -> str:
         """Rank 0: the one-line error when the server is not restarted (given by URL, or restarts used up)."""
@@ -214,3 +221,4 @@ class SharedServerRestarts(RoundAgreement):
         if outcome[0] is not None:
             raise RolloutServerError(outcome[0])
         self.server.health.add_restart(in_metrics=self.rank == 0)
+        self.server.restore_weights()  # collective: before any rank samples from the restarted server

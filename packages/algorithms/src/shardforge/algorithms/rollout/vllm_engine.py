@@ -63,6 +63,7 @@ VLLM_MISSING = (
 PLACEMENTS = ("rank0", "each_rank")
 MODES = ("in_process", "server")
 ON_SERVER_FAILURE = ("error", "restart")
+WEIGHT_TRANSPORTS = ("auto", "disk", "collective")
 # Variables torchrun sets for the trainer; vLLM's own processes must not mistake them for theirs.
 _LAUNCHER_ENV = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -115,6 +116,11 @@ class VLLMOptions:
     enable_sleep_mode: bool = False
     """CUDA only: start vLLM with its sleep mode, so `sleep` can discard weights and KV cache between generation
     phases (`rollout.vllm_sleep`); the RL trainers set it with ``rollout_sleep=true``."""
+    weight_transport: Literal["auto", "disk", "collective"] = "auto"
+    """server: how each weight version reaches the server. disk: weight-sync versions under output_dir/weights that
+    the server loads (it must see that directory); collective: trainer rank 0 sends them to the server's workers
+    over weight-sync's collective transport (no shared filesystem; `rollout.vllm_server_collective`); auto:
+    collective for the Ray server actor (rollout_placement=disaggregated), disk otherwise."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -143,6 +149,18 @@ class VLLMOptions:
             raise ValueError(f"vllm.max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"vllm.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"vllm.weight_transport={self.weight_transport!r} is not one of {list(WEIGHT_TRANSPORTS)}")
+        if self.weight_transport == "collective" and self.enable_sleep_mode:
+            raise ValueError(
+                "vllm.enable_sleep_mode (rollout_sleep) is woken by the disk weight switch; with "
+                "vllm.weight_transport=collective it is not built yet: set vllm.weight_transport=disk or rollout_sleep=false"
+            )
+        if self.weight_transport == "collective" and self.mode != "server":
+            raise ValueError(
+                "vllm.weight_transport=collective sends weights to a vLLM server: set vllm.mode=server, or use "
+                "vllm.weight_transport=disk (the in-process engine loads disk versions)"
+            )
 
 
 def import_vllm() -> Any:

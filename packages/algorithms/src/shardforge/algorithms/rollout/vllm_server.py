@@ -10,10 +10,13 @@ run from another interpreter or venv (``VLLMOptions.server_python``), or already
   log-probs are those of ``softmax(logits / T)``, as in the in-process engine, and requests
   get the same per-prompt seeds (same seed and weights -> the same samples in both modes).
 - Weights: the server runs with ``VLLM_SERVER_DEV_MODE=1`` (vLLM's RL routes) and
-  ``--weight-transfer-config '{"backend": "shardforge"}'``; `update_weights` calls
-  ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` (disk versions of
-  weight-sync, verified before loading) and ``/reset_prefix_cache``; with ``vllm.enable_sleep_mode``
-  (``rollout_sleep``) `sleep` posts ``/sleep`` and the switch wakes it (`rollout.vllm_sleep`).
+  ``--weight-transfer-config '{"backend": "shardforge"}'``. ``vllm.weight_transport: disk``:
+  `update_weights` calls ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``
+  (disk versions of weight-sync, verified before loading) and ``/reset_prefix_cache``; with
+  ``vllm.enable_sleep_mode`` (``rollout_sleep``) `sleep` posts ``/sleep`` and the switch wakes it
+  (`rollout.vllm_sleep`). ``collective``: the trainer calls `publish`, which sends each version from
+  the trainer's shards to the server's workers over weight-sync's collective transport
+  (`shardforge.algorithms.rollout.vllm_server_collective`; no disk).
 - Health: requests time out, ``/health`` is checked before every `generate` and after a failed
   request; a server that is down raises a one-line error or (``vllm.on_server_failure: restart``,
   a server this trainer started) is restarted at the current weight version and the batch is
@@ -22,8 +25,8 @@ run from another interpreter or venv (``VLLMOptions.server_python``), or already
   regenerate their round (`shardforge.algorithms.rollout.shared_restart`). A server that fails its
   weight switch is stopped, so the next generation restarts it at the new version.
 - Ranks: global rank 0 starts the server and shares its URL; every rank sends its own
-  requests. `update_weights` is collective: rank 0 switches the server, then all ranks
-  pass a barrier, so no rank samples from the previous version.
+  requests. `update_weights` and `publish` are collective: rank 0 switches the server, and no
+  rank returns (so none samples from the previous version) before it has.
 """
 
 from __future__ import annotations
@@ -59,6 +62,10 @@ from shardforge.algorithms.rollout.server_health import (
     down_message,
     probe_health,
 )
+from shardforge.algorithms.rollout.server_http import free_port as _free_port
+from shardforge.algorithms.rollout.server_http import get_json as _get
+from shardforge.algorithms.rollout.server_http import local_address_towards
+from shardforge.algorithms.rollout.server_http import post_json as _post
 from shardforge.algorithms.rollout.shared_restart import SharedServerRestarts
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.algorithms.rollout.vllm_engine import (
@@ -66,6 +73,11 @@ from shardforge.algorithms.rollout.vllm_engine import (
     _tokenizer_dir,
     _vllm_process_env,
     require_main_thread,
+)
+from shardforge.algorithms.rollout.vllm_server_collective import (
+    CollectivePublishing,
+    CollectiveSender,
+    WeightPublishingEngine,
 )
 from shardforge.algorithms.rollout.vllm_sleep import ServerSleepCalls, VLLMSleep, require_sleep_mode
 from shardforge.weight_sync import DiskWeightSource, WeightVersionError
@@ -76,8 +88,9 @@ SERVED_NAME = "policy"
 log = get_logger(__name__)
 
 
-class VLLMServerRolloutEngine:
-    """`RolloutEngine` on an OpenAI-compatible vLLM server; weights follow a weight-sync disk root.
+class VLLMServerRolloutEngine(CollectivePublishing):
+    """`RolloutEngine` on an OpenAI-compatible vLLM server; weights follow a weight-sync disk root, or arrive
+    through `publish` (``vllm.weight_transport: collective``; ``weights_root`` is then not used).
 
     Arguments as for `VLLMRolloutEngine`; ``options.server_url`` connects to a running server
     (started with the flags above), else rank 0 starts one with ``options.server_python``
@@ -100,10 +113,16 @@ class VLLMServerRolloutEngine:
         self.options = options or VLLMOptions(mode="server")
         self.tokenizer = tokenizer
         self.eos_id = tokenizer.eos_token_id
-        self.weights_root = weights_root
-        self.source = DiskWeightSource(weights_root) if weights_root is not None else None
+        self.direct_publish = self.options.weight_transport == "collective"
+        """The trainer sends each version with `publish` (trainers/rl_publish.direct_publisher), not through disk."""
+        self.weights_root = None if self.direct_publish else weights_root
+        self.source = DiskWeightSource(self.weights_root) if self.weights_root is not None else None
         self._version = 0
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.sender: CollectiveSender | None = None
+        """Rank 0, vllm.weight_transport=collective: its end of the collective transport into the server."""
+        self.trainer: tuple[WeightPublishingEngine, str] | None = None
+        """The trainer's engine and dtype of the last `publish` (a restarted server gets the version again)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.shared_restarts: SharedServerRestarts | None = None
         """Several ranks share the server, with on_server_failure=restart: they agree on restarts (`shared_restart`)."""
@@ -179,8 +198,18 @@ class VLLMServerRolloutEngine:
                                                 start_new_session=True)  # fmt: skip
         return f"http://127.0.0.1:{self.command[self.command.index('--port') + 1]}"
 
+    def _transfer_host(self, url: str) -> str:
+        """Where the server's workers reach rank 0's collective transport."""
+        return local_address_towards(url)
+
     def _init_weight_transfer(self, url: str) -> None:
-        if self.weights_root is not None:
+        if self.direct_publish:  # a (re)started server's workers join a new group at the next send
+            if self.sender is not None:
+                self.sender.reset()
+            options = self.options
+            host = self._transfer_host(url)
+            self.sender = CollectiveSender(host, options.tensor_parallel_size, options.request_timeout_s)
+        elif self.weights_root is not None:
             info = {"transport": "disk", "root": str(self.weights_root)}
             _post(url, "/init_weight_transfer_engine", {"init_info": info})
 
@@ -249,8 +278,12 @@ class VLLMServerRolloutEngine:
         self.shutdown(grace_s=5.0)
         self._wait_ready(self._launch())
         self._init_weight_transfer(self.url)
-        if self._version != 0:  # serve the current policy, not the initial model
-            self._switch(self._version)
+        if self._version == 0:  # the model directory's weights: nothing to restore
+            return
+        if not self.direct_publish:
+            self._switch(self._version)  # serve the current policy, not the initial model
+        elif self.shared_restarts is None:  # this rank alone gathers the weights (several: `restore_weights`)
+            self.restore_weights()
 
     @property
     def restartable(self) -> bool:
@@ -272,6 +305,11 @@ class VLLMServerRolloutEngine:
 
     def update_weights(self, version: int | None = None) -> int:
         """Switch the server to ``version`` (None = newest committed); collective over all ranks."""
+        if self.direct_publish:  # versions arrive through `publish` only
+            if version is not None and version != self._version:
+                raise RuntimeError(f"the vLLM server serves version {self._version}; version {version} was never "
+                                   "published to it (vllm.weight_transport=collective)")  # fmt: skip
+            return self._version
         if self.source is None:
             raise RuntimeError("this rollout engine has no weights_root to update from")
         target = self.source.latest() if version is None else version
@@ -399,30 +437,3 @@ class VLLMServerRolloutEngine:
                 health = probe_health(self.url, self.options.health_timeout_s)
                 self._recover(failed if health is None else f"{failed}, then {health}")
                 self.health.add("resent_requests", len(bodies))
-
-
-def _request(url: str, path: str, body: dict[str, Any] | None, timeout: float = 600.0) -> dict[str, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
-            payload = reply.read()
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")[:2000]
-        raise RuntimeError(f"vLLM server {path} failed with HTTP {exc.code}: {detail}") from exc
-    return json.loads(payload) if payload else {}  # type: ignore[no-any-return]
-
-
-def _post(url: str, path: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
-    return _request(url, path, body, timeout)
-
-
-def _get(url: str, path: str) -> dict[str, Any]:
-    return _request(url, path, None)
-
-
-def _free_port() -> int:
-    """A port for a server this process starts (below the kernel's ephemeral range: see `free_port`)."""
-    from shardforge.mesh import free_port
-
-    return free_port()

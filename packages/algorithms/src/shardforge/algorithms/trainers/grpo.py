@@ -203,9 +203,6 @@ class GRPOTrainer(Trainer[GRPOConfig]):
     def setup(self, start: int, restored: dict[str, Any]) -> None:
         config, engine = self.config, self.engine
         weights_root = self.out / "weights"
-        # Async mode: the generator may still need the weights of max_staleness steps ago.
-        keep_weights = max(2, config.max_staleness + 2) if config.async_rollouts else 2
-        transport = DiskTransport(weights_root, keep_last=keep_weights) if engine.is_main else None
         self.rollout = rollout = build_placed_rollout(config, self.tokenizer, weights_root)
 
         record_routing(config, rollout)
@@ -216,6 +213,9 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         )
 
         direct = direct_publisher(engine, rollout, receiver, config.rollout_dtype)  # in memory, or to Ray actors
+        # Disk versions only where nothing publishes directly; async: the generator may need max_staleness-old ones.
+        keep_weights = max(2, config.max_staleness + 2) if config.async_rollouts else 2
+        transport = DiskTransport(weights_root, keep_last=keep_weights) if engine.is_main and direct is None else None
 
         def publish(version: int | None) -> int:
             if direct is not None:

@@ -182,7 +182,6 @@ class PPOTrainer(Trainer[PPOConfig]):
     def setup(self, start: int, restored: dict[str, Any]) -> None:
         config, actor = self.config, self.engine
         weights_root = self.out / "weights"
-        self.transport = DiskTransport(weights_root, keep_last=2) if actor.is_main else None
         self.rollout = build_placed_rollout(config, self.tokenizer, weights_root)
         record_routing(config, self.rollout)
         configure_kv_reuse(config, self.rollout)
@@ -190,6 +189,8 @@ class PPOTrainer(Trainer[PPOConfig]):
             self.rollout, enabled=config.publish_in_memory and actor.dims.pp == 1, asynchronous=False
         )
         self.direct = direct_publisher(actor, self.rollout, receiver, config.rollout_dtype)  # in memory / Ray actors
+        # Disk versions only where nothing publishes directly (output_dir/weights is then never created).
+        self.transport = DiskTransport(weights_root, keep_last=2) if actor.is_main and self.direct is None else None
         self.phases = colocated_phases(config, self.rollout, [actor, self.critic])  # may sleep: a publish follows
         self.version = self._publish(None)
         self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)

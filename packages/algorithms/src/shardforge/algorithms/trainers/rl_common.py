@@ -109,7 +109,8 @@ class RLTrainerConfig(TrainerConfig):
     """'colocated' (the rollout engine in every trainer process) or 'disaggregated' (--launcher ray; rollout_engine=hf:
     the embedded HF engine in num_rollout_actors Ray actors of their own, weights over weight-sync's collective
     transport after every step; rollout_engine=vllm with vllm.mode=server: one Ray actor running `vllm serve`,
-    weights as disk versions under output_dir/weights). See docs/multinode.md."""
+    weights over the collective transport too, or as disk versions with vllm.weight_transport=disk). See
+    docs/multinode.md."""
     num_rollout_actors: int = 1
     """rollout_placement=disaggregated: rollout actors (trainer rank r generates through actor r % num_rollout_actors;
     1 with rollout_engine=vllm)."""
@@ -159,6 +160,12 @@ def check_rollout_batch(config: RLTrainerConfig, prompts: PromptSet, dp_size: in
         raise ValueError(
             f"recompute_logprobs=false leaves no trainer log-probs for rollout_correction.mode={mode!r}; set "
             "rollout_correction.mode=bypass (the same as recompute_logprobs=false) or none, or keep recompute_logprobs=true"
+        )
+    collective = config.rollout_engine == "vllm" and config.vllm.weight_transport == "collective"
+    if collective and getattr(config, "async_rollouts", False):
+        raise ValueError(
+            "async_rollouts loads older weight versions from disk while the trainer publishes newer ones; "
+            "vllm.weight_transport=collective switches the server at every publish: set vllm.weight_transport=disk"
         )
     if config.engine.router_replay and config.rollout_engine != "hf":
         raise ValueError(

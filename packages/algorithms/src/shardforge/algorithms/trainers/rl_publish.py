@@ -12,8 +12,11 @@ may still need an older version).
 
 ``rollout_placement=disaggregated`` (`rollout.placement`): the engine is a `RayRolloutClient` of rollout actors,
 and `direct_publisher` sends the weights to them over weight-sync's collective transport instead; with
-``rollout_engine=vllm`` it is a `RayVLLMServerEngine` on the launcher's vLLM server actor, which follows the
-disk versions as a colocated server does.
+``rollout_engine=vllm`` it is a `RayVLLMServerEngine` on the launcher's vLLM server actor, which receives them
+over the collective transport too (``vllm.weight_transport: auto | collective``; ``disk``: it follows the disk
+versions as a colocated server does). A colocated vLLM server with ``vllm.weight_transport: collective`` is
+published to the same way. Such engines say so with ``direct_publish = True`` and have
+``publish(engine, dtype, version)``.
 """
 
 from __future__ import annotations
@@ -68,12 +71,13 @@ def direct_publisher(
     engine: TrainEngine, rollout: object, receiver: WeightReceiver | None, dtype: str
 ) -> Callable[[int | None], int] | None:
     """``publish(version) -> version`` without the disk (None: publish through disk): into ``receiver`` (see
-    `in_process_receiver`), or to the rollout actors of a `RayRolloutClient`. The rollout engine serves the
-    version when ``publish`` returns; ``version=None``: the one after the served version."""
+    `in_process_receiver`), or through the rollout engine's own ``publish`` (the rollout actors of a
+    `RayRolloutClient`, a vLLM server over the collective transport). The rollout engine serves the version when
+    ``publish`` returns; ``version=None``: the one after the served version."""
     if receiver is not None:  # same process: no disk round trip
         return partial(publish_in_process, engine, receiver, dtype)
-    if isinstance(rollout, RayRolloutClient):
-        return partial(rollout.publish, engine, dtype)
+    if getattr(rollout, "direct_publish", False):
+        return partial(getattr(rollout, "publish"), engine, dtype)  # noqa: B009  (direct_publish says it has one)
     return None
 
 
