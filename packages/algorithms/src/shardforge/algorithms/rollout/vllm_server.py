@@ -33,15 +33,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
-import signal
 import subprocess
-import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -50,7 +44,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardforge.algorithms.engine.config import parse_dtype
 from shardforge.algorithms.log import get_logger
 from shardforge.algorithms.rollout.chunked import chunked_requests
 from shardforge.algorithms.rollout.seeds import prompt_seeds
@@ -70,8 +63,6 @@ from shardforge.algorithms.rollout.shared_restart import SharedServerRestarts
 from shardforge.algorithms.rollout.types import Rollout, SamplingParams
 from shardforge.algorithms.rollout.vllm_engine import (
     VLLMOptions,
-    _tokenizer_dir,
-    _vllm_process_env,
     require_main_thread,
 )
 from shardforge.algorithms.rollout.vllm_server_collective import (
@@ -79,16 +70,16 @@ from shardforge.algorithms.rollout.vllm_server_collective import (
     CollectiveSender,
     WeightPublishingEngine,
 )
+from shardforge.algorithms.rollout.vllm_server_process import SERVED_NAME, VLLMServerProcess
 from shardforge.algorithms.rollout.vllm_sleep import ServerSleepCalls, VLLMSleep, require_sleep_mode
 from shardforge.weight_sync import DiskWeightSource, WeightVersionError
 
 __all__ = ["VLLMServerRolloutEngine"]
 
-SERVED_NAME = "policy"
 log = get_logger(__name__)
 
 
-class VLLMServerRolloutEngine(CollectivePublishing):
+class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
     """`RolloutEngine` on an OpenAI-compatible vLLM server; weights follow a weight-sync disk root, or arrive
     through `publish` (``vllm.weight_transport: collective``; ``weights_root`` is then not used).
 
@@ -165,39 +156,7 @@ class VLLMServerRolloutEngine(CollectivePublishing):
         self.url = url.rstrip("/")
         self.max_model_len = int(_get(self.url, "/v1/models")["data"][0]["max_model_len"])
 
-    # ------------------------------------------------------------------ server process
-    def _server_command(self, model_dir: Any, tokenizer: Any, dtype: str, seed: int, port: int) -> list[str]:
-        options = self.options
-        command = [
-            options.server_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--tokenizer", _tokenizer_dir(tokenizer, model_dir),
-            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", str(parse_dtype(dtype)).removeprefix("torch."), "--seed", str(seed),
-            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-            "--max-num-seqs", str(options.max_num_seqs),
-            "--gpu-memory-utilization", str(options.gpu_memory_utilization),
-            "--tensor-parallel-size", str(options.tensor_parallel_size),
-            "--weight-transfer-config", json.dumps({"backend": "shardforge"}),
-            "--enable-prefix-caching" if options.enable_prefix_caching else "--no-enable-prefix-caching",
-        ]  # fmt: skip
-        if options.enforce_eager:
-            command.append("--enforce-eager")
-        if options.enable_sleep_mode:
-            command.append("--enable-sleep-mode")
-        if options.max_model_len is not None:
-            command += ["--max-model-len", str(options.max_model_len)]
-        return command
-
-    def _launch(self) -> str:
-        """Start ``self.command`` (logging to ``self.log_path``, appended on restarts); its URL."""
-        assert self.command is not None and self.log_path is not None
-        with _vllm_process_env(self.options):
-            env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # mounts the RL and cache routes
-            with self.log_path.open("ab") as log:  # a process group of its own: `shutdown` stops its engine core too
-                self.process = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True)  # fmt: skip
-        return f"http://127.0.0.1:{self.command[self.command.index('--port') + 1]}"
-
+    # ------------------------------------------------------------------ weight transfer set-up
     def _transfer_host(self, url: str) -> str:
         """Where the server's workers reach rank 0's collective transport."""
         return local_address_towards(url)
@@ -212,39 +171,6 @@ class VLLMServerRolloutEngine(CollectivePublishing):
         elif self.weights_root is not None:
             info = {"transport": "disk", "root": str(self.weights_root)}
             _post(url, "/init_weight_transfer_engine", {"init_info": info})
-
-    def _wait_ready(self, url: str) -> None:
-        deadline = time.monotonic() + self.options.server_startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                assert self.log_path is not None
-                tail = self.log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"the vLLM server exited with code {self.process.returncode}; log tail:\n{tail}")
-            try:
-                with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(
-            f"the vLLM server at {url} was not ready after {self.options.server_startup_timeout_s} s "
-            "(vllm.server_startup_timeout_s)"
-        )
-
-    def shutdown(self, grace_s: float = 60.0) -> None:
-        """Stop the server this engine started (a server given by URL keeps running)."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()  # also ends a stopped (SIGSTOP) or wedged server
-                self.process.wait()
-        if self.process is not None:  # a killed server leaves its engine-core process running (and its memory held)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, signal.SIGKILL)  # the server's own group (start_new_session)
-        self.process = None
 
     # ------------------------------------------------------------------ health and restarts
     def check_health(self) -> None:
