@@ -159,7 +159,7 @@ class HFRolloutEngine:
         """Free the weights and every session's KV cache until the next version arrives (`update_weights`, or
         a publish straight into `receiver`), which must be newer than the serving one; return the weight
         bytes freed. verl's ``free_cache_engine`` / vLLM's level-2 sleep: the trainer gets the memory back."""
-        self.kv_cache.check_weights(("asleep", self.version))  # drops (and counts) every session
+        self.kv_cache.invalidate()
         freed = self.receiver.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

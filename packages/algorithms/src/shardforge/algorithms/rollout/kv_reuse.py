@@ -85,9 +85,13 @@ class KVReuseCache:
     def check_weights(self, key: object) -> None:
         """Drop every session when the weights' fingerprint ``key`` differs from the one they were computed under."""
         if key != self._weights:
-            self.stats["invalidated"] += len(self._sessions)
-            self.clear()
+            self.invalidate()
             self._weights = key
+
+    def invalidate(self) -> None:
+        """Drop every session, counted as invalidated (the weights they were computed under are gone)."""
+        self.stats["invalidated"] += len(self._sessions)
+        self.clear()
 
     def clear(self) -> None:
         self._sessions.clear()

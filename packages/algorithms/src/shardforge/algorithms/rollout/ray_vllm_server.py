@@ -33,9 +33,9 @@ from typing import Any, ClassVar
 
 from shardforge.algorithms.log import get_logger
 from shardforge.algorithms.rollout.server_health import RolloutServerError, ray_get
-from shardforge.algorithms.rollout.server_http import free_port
 from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
 from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine
+from shardforge.mesh import free_port
 
 __all__ = ["RayVLLMServerEngine", "VLLMServerActor", "server_process"]
 

@@ -14,7 +14,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-__all__ = ["ServerErrorReply", "free_port", "get_json", "local_address_towards", "post_json"]
+__all__ = ["ServerErrorReply", "get_json", "local_address_towards", "post_json"]
 
 
 class ServerErrorReply(RuntimeError):
@@ -41,13 +41,6 @@ def post_json(url: str, path: str, body: dict[str, Any], timeout: float = 600.0)
 def get_json(url: str, path: str, timeout: float = 600.0) -> dict[str, Any]:
     """GET ``url + path``; the JSON reply."""
     return _request(url, path, None, timeout)
-
-
-def free_port() -> int:
-    """A port for a server this process starts (below the kernel's ephemeral range: see `shardforge.mesh.free_port`)."""
-    from shardforge.mesh import free_port as mesh_free_port
-
-    return mesh_free_port()
 
 
 def local_address_towards(url: str) -> str:

@@ -42,6 +42,7 @@ and moves their ranks to live ones.
 
 from __future__ import annotations
 
+import abc
 import threading
 from collections.abc import Callable
 from typing import NoReturn, Protocol, TypeVar
@@ -96,7 +97,7 @@ def generation_round(rollout: object, fn: Callable[[], T]) -> T:
     return fn() if agreement is None else agreement.run(fn)
 
 
-class RoundAgreement:
+class RoundAgreement(abc.ABC):
     """The ranks' agreement once per generation round (steps 1, 2 and 4 of the module docstring): run this rank's
     round, all-reduce whether it failed, recover (`_agree`, step 3: the subclass's) and run the failing ranks'
     rounds again, until every rank's round succeeded."""
@@ -114,12 +115,12 @@ class RoundAgreement:
         """Requests sent so far (the ones a regenerated round sends are counted as resent)."""
         return 0
 
-    def _count_resent(self, count: int) -> None:
+    def _count_resent(self, count: int) -> None:  # noqa: B027  (an optional hook: nothing to count by default)
         """A regenerated round sent ``count`` requests again."""
 
+    @abc.abstractmethod
     def _agree(self, reason: str | None) -> None:
         """Some rank's round failed (this rank's: ``reason``): recover, or raise the same error on every rank."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ the round (the trainer)
     def run(self, fn: Callable[[], T]) -> T:

@@ -55,7 +55,6 @@ from shardforge.algorithms.rollout.server_health import (
     down_message,
     probe_health,
 )
-from shardforge.algorithms.rollout.server_http import free_port as _free_port
 from shardforge.algorithms.rollout.server_http import get_json as _get
 from shardforge.algorithms.rollout.server_http import local_address_towards
 from shardforge.algorithms.rollout.server_http import post_json as _post
@@ -72,6 +71,7 @@ from shardforge.algorithms.rollout.vllm_server_collective import (
 )
 from shardforge.algorithms.rollout.vllm_server_process import SERVED_NAME, VLLMServerProcess
 from shardforge.algorithms.rollout.vllm_sleep import ServerSleepCalls, VLLMSleep, require_sleep_mode
+from shardforge.mesh import free_port as _free_port
 from shardforge.weight_sync import DiskWeightSource, WeightVersionError
 
 __all__ = ["VLLMServerRolloutEngine"]
