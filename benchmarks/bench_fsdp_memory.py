@@ -100,7 +100,7 @@ def measure_rank() -> dict[str, Any]:
     import torch.distributed as dist
     from transformers import Qwen3Config
 
-    from shardforge.algorithms import EngineConfig, TrainEngine, pack_sequences
+    from shardforge.engine import EngineConfig, TrainEngine, pack_sequences
 
     torch.set_num_threads(1)
     world = dist.get_world_size() if dist.is_initialized() else 1

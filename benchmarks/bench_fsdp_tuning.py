@@ -43,7 +43,7 @@ def setup(variant: dict[str, Any]) -> str:
     import torch
     from transformers import Qwen3Config
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
     torch.set_num_threads(1)
     config = EngineConfig(

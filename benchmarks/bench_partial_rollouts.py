@@ -89,7 +89,7 @@ class SimulatedEngine:
 
 
 def run(mode: str, cost: str) -> dict[str, float]:
-    from shardforge.algorithms.rollout.sources import AsyncRollouts, SyncRollouts
+    from shardforge.algorithms.trainers.rl.sources import AsyncRollouts, SyncRollouts
 
     engine = SimulatedEngine(cost)
     published = [0]

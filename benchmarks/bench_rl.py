@@ -183,7 +183,7 @@ def configs() -> list[dict[str, Any]]:
 
 
 def hf_run(engine: Any, prompts: list[list[int]], cfg: dict[str, Any], seed: int) -> dict[str, Any]:
-    from shardforge.algorithms.rollout import SamplingParams
+    from shardforge.rollout import SamplingParams
 
     params = SamplingParams(n=cfg["n"], max_new_tokens=cfg["max_new_tokens"], temperature=TEMPERATURE, seed=seed)
     began = time.perf_counter()
@@ -289,9 +289,9 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
+    from shardforge.algorithms.data.prompts import load_prompts
     from shardforge.algorithms.demos.demo import prepare_demo
-    from shardforge.algorithms.rlvr import load_prompts
-    from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams
+    from shardforge.rollout import HFRolloutEngine, SamplingParams
 
     started = time.perf_counter()
     info = _common.machine_info()

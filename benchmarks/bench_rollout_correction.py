@@ -44,7 +44,7 @@ def sevens(prompt: str, response: str, reference: str) -> float:
 
 def install_noisy_engine() -> None:
     """Make the embedded HF engine serve the published weights plus fixed relative noise (this process only)."""
-    from shardforge.algorithms.rollout import hf_engine
+    from shardforge.rollout.hf import engine as hf_engine
 
     class NoisyHFRolloutEngine(hf_engine.HFRolloutEngine):
         def update_weights(self, version: int | None = None) -> int:

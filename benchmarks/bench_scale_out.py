@@ -15,7 +15,7 @@ CPU, ``OMP_NUM_THREADS=1``, global batch 4, ``engine.max_tokens_per_microbatch=6
     every 2 steps): seconds from the kill (the fault marker's mtime) to the first step logged after
     the automatic resume (agent restart, process start, imports, rendezvous, checkpoint load, one
     step). Lower is better; no target.
-(d) A rollout server (the stub in ``packages/algorithms/tests/rollout_server_stub.py``) dies with a
+(d) A rollout server (the stub in ``packages/rollout/src/shardforge/rollout/testing/stub_server.py``) dies with a
     batch in flight, ``vllm.on_server_failure: restart``: seconds from the failed batch to its
     resent batch served (health check, restart, weight-version restore, resend). A real vLLM
     server's restart adds its own start-up (model load, minutes on GPUs); this is our overhead.
@@ -48,6 +48,8 @@ import _common
 import yaml
 
 from shardforge.algorithms.testing import tiny_assets
+from shardforge.algorithms.testing.fault_injection import fault_env
+from shardforge.rollout.testing import STUB_SERVER
 
 NAME = "scale_out"
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,7 +127,7 @@ def two_nodes(config: Path) -> None:
 def restart_latency(work: Path, assets: dict[str, Any]) -> dict[str, float]:
     marker = work / "killed"
     config = _config(work, assets, "restart", steps=8, save_every=2)
-    env = ENV | {"SHARDFORGE_FAULT_KILL": f"1:4:{marker}"}
+    env = ENV | fault_env(SHARDFORGE_FAULT_KILL=f"1:4:{marker}")
     _run([*CLI, "train", "sft", "--config", str(config), "--nproc-per-node", "2", "--max-restarts", "1"], env)
     killed_at = marker.stat().st_mtime
     after = [r for r in _rows(work / "restart") if r["time"] > killed_at]
@@ -133,11 +135,11 @@ def restart_latency(work: Path, assets: dict[str, Any]) -> dict[str, float]:
 
 
 def rollout_server_restart(work: Path) -> dict[str, float]:
-    from shardforge.algorithms.rollout.types import SamplingParams
-    from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
-    from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine
+    from shardforge.rollout.types import SamplingParams
+    from shardforge.rollout.vllm.engine import VLLMOptions
+    from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
-    stub, marker = ROOT / "packages" / "algorithms" / "tests" / "rollout_server_stub.py", work / "die"
+    stub, marker = STUB_SERVER, work / "die"
 
     class StubEngine(VLLMServerRolloutEngine):  # the stub instead of `vllm serve`, as in the tests
         def _server_command(self, model_dir: Any, tokenizer: Any, dtype: str, seed: int, port: int) -> list[str]:

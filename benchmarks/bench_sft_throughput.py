@@ -66,7 +66,7 @@ def make_batches() -> tuple[list[list[tuple[list[int], list[float]]]], dict[str,
     import random
 
     from shardforge.algorithms.data import tokenize_sft_row
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, make_addition_data
+    from shardforge.algorithms.testing.tiny import build_char_tokenizer, make_addition_data
 
     rng = random.Random(SEED)
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,7 +121,7 @@ def ours_setup() -> int:
     import torch
     from transformers import Qwen3Config
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
     torch.set_num_threads(1)
     config = EngineConfig(optimizer=OptimizerConfig(lr=LR, max_grad_norm=MAX_GRAD_NORM), seed=SEED)
@@ -133,7 +133,7 @@ def ours_steps(batches: list[list[tuple[list[int], list[float]]]]) -> dict[str, 
     """On each rank: one `train_batch` per global batch on this rank's strided share; timed."""
     import torch.distributed as dist
 
-    from shardforge.algorithms import pack_sequences
+    from shardforge.engine import pack_sequences
 
     engine = _worker_state()["engine"]
     losses, step_times, tokens = [], [], 0.0

@@ -4,7 +4,7 @@ other processes keeping the cores busy (as on a shared 2-core CI box).
 The demo Qwen3 (bench_sft_throughput's 3.2M-weight config and batches) trains in a fresh
 process per (threads, load) cell; ``LOAD`` busy-loop processes stand for other jobs. Cells run
 alternately, ``ROUNDS`` times. This is the measurement behind the CLI's default thread count
-(`shardforge.algorithms.threads.default_threads`, docs/packages/algorithms.md "Threads").
+(`shardforge.algorithms.trainers.run.threads.default_threads`, docs/packages/algorithms.md "Threads").
 
 Run: ``python benchmarks/bench_threads.py`` from the repo root (a few minutes).
 """
@@ -32,7 +32,7 @@ import sys, time, json, torch
 sys.path.insert(0, {bench!r})
 import bench_sft_throughput as sft
 from transformers import Qwen3Config
-from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
+from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
 torch.set_num_threads({threads})
 batches, _ = sft.make_batches()
 engine = TrainEngine(Qwen3Config(**sft.MODEL), "d1", EngineConfig(

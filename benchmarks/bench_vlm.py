@@ -66,7 +66,7 @@ def build_assets(root: Path) -> dict[str, Any]:
     from transformers import AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from shardforge.algorithms.testing_vlm import build_vlm_tokenizer, tiny_qwen2_5_vl_config
+    from shardforge.algorithms.testing.vlm import build_vlm_tokenizer, tiny_qwen2_5_vl_config
 
     tokenizer = build_vlm_tokenizer()
     processor = Qwen2VLImageProcessorPil(patch_size=14, min_pixels=28 * 28, max_pixels=28 * 28 * 64)
@@ -110,7 +110,7 @@ class Ours:
     """`TrainEngine` at world 1 (one thread) on packed batches."""
 
     def __init__(self, model_dir: str) -> None:
-        from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+        from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
         config = EngineConfig(
             optimizer=OptimizerConfig(lr=LR, max_grad_norm=MAX_GRAD_NORM), max_tokens_per_microbatch=1 << 16

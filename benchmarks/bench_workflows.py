@@ -48,10 +48,10 @@ def never_right(prompt: str, response: str, reference: str) -> float:
 
 
 def _setup(root: Path) -> dict[str, Any]:
-    from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
     from shardforge.algorithms.testing import tiny_chat_assets
-    from shardforge.algorithms.workflows.base import PromptRow, WorkflowConfig
-    from shardforge.algorithms.workflows.multi_turn import MultiTurnWorkflow
+    from shardforge.rollout.hf.engine import HFRolloutEngine
+    from shardforge.rollout.workflows.base import PromptRow, WorkflowConfig
+    from shardforge.rollout.workflows.multi_turn import MultiTurnWorkflow
 
     assets = tiny_chat_assets(root, hidden=HIDDEN, layers=2)
     tokenizer = assets["tokenizer"]
@@ -71,8 +71,8 @@ def _generated(trajectories: list[Any]) -> int:
 
 
 def run_concurrent(s: dict[str, Any], seed: int) -> dict[str, float]:
-    from shardforge.algorithms.rollout.types import SamplingParams
-    from shardforge.algorithms.workflows.runner import run_episodes
+    from shardforge.rollout.types import SamplingParams
+    from shardforge.rollout.workflows.runner import run_episodes
 
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=seed)
     start = time.perf_counter()
@@ -93,8 +93,8 @@ def run_concurrent_no_reuse(s: dict[str, Any], seed: int) -> dict[str, float]:
 
 
 def run_one_at_a_time(s: dict[str, Any], seed: int) -> dict[str, float]:
-    from shardforge.algorithms.rollout.types import SamplingParams
-    from shardforge.algorithms.workflows.runner import run_episodes
+    from shardforge.rollout.types import SamplingParams
+    from shardforge.rollout.workflows.runner import run_episodes
 
     start = time.perf_counter()
     tokens = episodes = calls = 0
@@ -106,7 +106,7 @@ def run_one_at_a_time(s: dict[str, Any], seed: int) -> dict[str, float]:
 
 
 def run_single_turn(s: dict[str, Any], seed: int) -> dict[str, float]:
-    from shardforge.algorithms.rollout.types import SamplingParams
+    from shardforge.rollout.types import SamplingParams
 
     params = SamplingParams(max_new_tokens=TURNS * MAX_NEW_TOKENS, temperature=1.0, seed=seed)
     start = time.perf_counter()

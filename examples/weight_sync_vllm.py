@@ -56,7 +56,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3
+    from shardforge.algorithms.testing.tiny import build_char_tokenizer, build_tiny_qwen3
     from shardforge.weight_sync.vllm import LLMClient, connect_vllm
 
     work = Path(tempfile.mkdtemp(prefix="weight-sync-vllm-"))

@@ -35,7 +35,7 @@ def _config():
 
 
 def _batch():
-    from shardforge.algorithms import pack_sequences
+    from shardforge.engine import pack_sequences
 
     gen = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (6, 9, 4, 7)]
@@ -43,7 +43,7 @@ def _batch():
 
 
 def test_offloaded_frees_weights_and_moments_and_restores_them_bit_identically(device) -> None:
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
     engine = TrainEngine(_config(), "d-1", EngineConfig(optimizer=OptimizerConfig(lr=1e-3)))
     plain = TrainEngine(_config(), "d-1", EngineConfig(optimizer=OptimizerConfig(lr=1e-3)))
@@ -74,8 +74,8 @@ def test_offloaded_frees_weights_and_moments_and_restores_them_bit_identically(d
 def test_sleeping_rollout_engine_frees_its_weights_and_wakes_with_the_published_version(device, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams
     from shardforge.algorithms.testing import tiny_assets
+    from shardforge.rollout import HFRolloutEngine, SamplingParams
     from shardforge.weight_sync import DiskTransport, WeightPublisher
 
     assets = tiny_assets(tmp_path / "assets", seed=3, hidden=64, data=False)

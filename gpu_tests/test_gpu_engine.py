@@ -15,7 +15,7 @@ import pytest
 import torch
 
 if TYPE_CHECKING:
-    from shardforge.algorithms import TrainEngine
+    from shardforge.engine import TrainEngine
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or os.environ.get("SHARDFORGE_GPU_TESTS_ON_CPU") == "1"), reason="no CUDA device"
@@ -27,7 +27,7 @@ STEPS = 6
 
 def _batch(vocab: int, lengths=(40, 17, 55, 9, 30)):
     """Sequences that repeat a short pattern, so a few steps clearly lower the loss."""
-    from shardforge.algorithms import pack_sequences
+    from shardforge.engine import pack_sequences
 
     gen = torch.Generator().manual_seed(3)
     seqs = []
@@ -38,7 +38,7 @@ def _batch(vocab: int, lengths=(40, 17, 55, 9, 30)):
 
 
 def _engine(model: str, **kwargs) -> TrainEngine:
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
     opt = kwargs.pop("optimizer", OptimizerConfig(lr=3e-3))
     return TrainEngine(model, "d-1", EngineConfig(optimizer=opt, max_tokens_per_microbatch=96, **kwargs))
@@ -53,8 +53,8 @@ def _vocab(assets) -> int:
 
 
 def test_sft_bf16_world1_nccl_learns_and_matches_fp32_cpu(assets, world1, device) -> None:
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
-    from shardforge.algorithms.batching.collective_check import CollectiveRecorder
+    from shardforge.algorithms.testing.collective_check import CollectiveRecorder
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
     batch = _batch(_vocab(assets))
     bf16 = _engine(assets["model"], param_dtype="bfloat16",
@@ -122,7 +122,7 @@ def test_anyprecision_adamw_cuda_matches_cpu(fused: bool | None) -> None:
 
 
 def test_lora_on_cuda_trains_only_adapters(assets, device) -> None:
-    from shardforge.algorithms import OptimizerConfig
+    from shardforge.engine import OptimizerConfig
     from shardforge.lora import LoRAConfig
 
     batch = _batch(_vocab(assets))

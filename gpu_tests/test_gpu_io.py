@@ -14,7 +14,7 @@ import pytest
 import torch
 
 if TYPE_CHECKING:
-    from shardforge.algorithms import TrainEngine
+    from shardforge.engine import TrainEngine
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or os.environ.get("SHARDFORGE_GPU_TESTS_ON_CPU") == "1"), reason="no CUDA device"
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _batch(vocab: int):
-    from shardforge.algorithms import pack_sequences
+    from shardforge.engine import pack_sequences
 
     gen = torch.Generator().manual_seed(7)
     seqs = [torch.randint(4, vocab, (n,), generator=gen).tolist() for n in (12, 30, 7)]
@@ -30,7 +30,7 @@ def _batch(vocab: int):
 
 
 def _engine(assets) -> TrainEngine:
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
     return TrainEngine(assets["model"], "d-1", EngineConfig(optimizer=OptimizerConfig(lr=1e-3)))
 

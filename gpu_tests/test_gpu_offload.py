@@ -22,7 +22,7 @@ CUDA = torch.cuda.is_available()
 
 
 def _batch(vocab: int = 64):
-    from shardforge.algorithms import pack_sequences
+    from shardforge.engine import pack_sequences
 
     gen = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (6, 9, 4, 7)]
@@ -39,7 +39,7 @@ def _config():
 
 
 def test_offload_when_idle_keeps_weights_and_moments_on_the_host(device) -> None:
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
     engine = lambda **kw: TrainEngine(_config(), "d-1", EngineConfig(optimizer=OptimizerConfig(lr=1e-3), **kw))  # noqa: E731
     plain, offloaded = engine(), engine(offload_when_idle=True)

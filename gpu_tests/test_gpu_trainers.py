@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _run(name: str, assets: dict[str, Any], out: Path, **overrides: Any) -> tuple[list[dict[str, Any]], list[str]]:
-    from shardforge.algorithms.batching.collective_check import CollectiveRecorder
     from shardforge.algorithms.config_io import build_config
+    from shardforge.algorithms.testing.collective_check import CollectiveRecorder
     from shardforge.algorithms.trainers import TRAINERS
     from shardforge.mesh import current_device
 

@@ -124,7 +124,7 @@ def test_resume_under_another_layout(
 
 
 def _engine_logprobs(model_dir: str, seqs: list[list[int]], layout: str = "d2") -> torch.Tensor:
-    from shardforge.algorithms import TrainEngine, pack_sequences
+    from shardforge.engine import TrainEngine, pack_sequences
 
     engine = TrainEngine(model_dir, layout)
     return engine.forward(pack_sequences(seqs))
@@ -135,8 +135,8 @@ def _values_after_load(model_dir: str, checkpoint_root: str, layout: str) -> dic
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from shardforge.algorithms import TrainEngine
     from shardforge.checkpoint_dcp import Checkpointer
+    from shardforge.engine import TrainEngine
 
     engine = TrainEngine(model_dir, layout)
     assert engine.load(Checkpointer(checkpoint_root)) is not None

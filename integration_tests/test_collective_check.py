@@ -3,7 +3,7 @@ tensor collective outside ``batching/collectives.py`` and the engine, every coll
 the device its backend needs, and every helper call gets the engine's device.
 
 The same run on CUDA (NCCL) would flag a CPU tensor handed to a collective by rule 2 (see
-`shardforge.algorithms.batching.collective_check`); the last test shows that rule and rule 3 firing.
+`shardforge.algorithms.testing.collective_check`); the last test shows that rule and rule 3 firing.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def _run_recorded(name: str, assets: dict[str, str], out: str, async_rollouts: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardforge.algorithms.batching.collective_check import CollectiveRecorder
     from shardforge.algorithms.config_io import build_config
+    from shardforge.algorithms.testing.collective_check import CollectiveRecorder
     from shardforge.algorithms.trainers import TRAINERS
 
     sys.path.insert(0, assets["root"])
@@ -107,8 +107,8 @@ def test_the_recorder_flags_a_cpu_tensor_for_an_accelerator_backend_and_a_missin
     import torch
     import torch.distributed as dist
 
-    from shardforge.algorithms.batching import collective_check
-    from shardforge.algorithms.batching.collectives import all_reduce_sum
+    from shardforge.engine.batching import collective_check
+    from shardforge.mesh.collectives import all_reduce_sum
 
     original = dist.all_reduce
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

@@ -32,8 +32,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _batch() -> Any:
-    from shardforge.algorithms.rlvr import rollouts_to_batch
-    from shardforge.algorithms.rollout import Rollout
+    from shardforge.algorithms.testing.reference import rollouts_to_batch
+    from shardforge.rollout import Rollout
 
     gen = torch.Generator().manual_seed(0)
     rollouts = []
@@ -50,11 +50,11 @@ def _batch() -> Any:
 def _train(models: dict[str, str], layout: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
-    from shardforge.algorithms.batching.collectives import all_reduce_sum
-    from shardforge.algorithms.objectives import PPOActorConfig, PPOActorLossFn
-    from shardforge.algorithms.objectives.loss_fns import ADVANTAGES
     from shardforge.algorithms.trainers.distill import distill_advantages
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine.objectives import PPOActorConfig, PPOActorLossFn
+    from shardforge.engine.objectives.loss_fns import ADVANTAGES
+    from shardforge.mesh.collectives import all_reduce_sum
 
     config = EngineConfig(max_tokens_per_microbatch=24, optimizer=OptimizerConfig(lr=1e-2, eps=1e-6))
     student, teacher = TrainEngine(models["student"], layout, config), TrainEngine(models["teacher"], layout, config)
@@ -136,15 +136,15 @@ def _train_full(models: dict[str, str], layout: str, loss: str, top_k: int) -> d
     """GKD's full-distribution loss: the teacher's [T, V] (or top-k) rows travel with each rank's sequences."""
     import torch.distributed as dist
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
-    from shardforge.algorithms.objectives import PPOActorConfig
-    from shardforge.algorithms.objectives.distillation import (
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine.objectives import PPOActorConfig
+    from shardforge.engine.objectives.distillation import (
         TEACHER_LOGPROBS,
         TEACHER_TOKEN_IDS,
         DistributionDistillTerm,
         FullDistillActorLossFn,
     )
-    from shardforge.algorithms.objectives.loss_fns import ADVANTAGES
+    from shardforge.engine.objectives.loss_fns import ADVANTAGES
 
     config = EngineConfig(max_tokens_per_microbatch=24, optimizer=OptimizerConfig(lr=1e-2, eps=1e-6))
     student, teacher = TrainEngine(models["student"], layout, config), TrainEngine(models["teacher"], layout, config)

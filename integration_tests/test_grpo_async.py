@@ -212,7 +212,7 @@ def test_async_resume_reproduces_the_next_steps(
 
 
 def test_restored_batches_from_another_dp_size_are_regenerated() -> None:
-    from shardforge.algorithms.rollout.sources import _decode, generation_policy_step
+    from shardforge.algorithms.trainers.rl.sources import _decode, generation_policy_step
 
     assert [generation_policy_step(k, 2, 0) for k in range(5)] == [0, 0, 0, 1, 2]
     assert [generation_policy_step(k, 1, 3) for k in range(3, 6)] == [3, 3, 4], "resume: no older weights"
@@ -222,8 +222,8 @@ def test_restored_batches_from_another_dp_size_are_regenerated() -> None:
 
 
 def test_async_config_errors(assets: dict[str, Any], tmp_path: Path) -> None:
-    from shardforge.algorithms.rlvr import PromptSet
     from shardforge.algorithms.trainers.grpo import _validate
+    from shardforge.rollout.types import PromptSet
 
     prompts = PromptSet(["1+1="], ["2"], [[1, 5, 6, 5, 7]])
     with pytest.raises(ValueError, match=r"max_staleness=-1 must be >= 0"):

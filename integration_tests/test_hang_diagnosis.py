@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from shardforge.algorithms.testing import tiny_assets
-from shardforge.algorithms.trainers.watchdog import StepWatchdog, read_stack_dumps
+from shardforge.algorithms.testing.fault_injection import fault_env
+from shardforge.algorithms.trainers.run.watchdog import StepWatchdog, read_stack_dumps
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
 for _var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -48,7 +49,7 @@ def test_a_sleeping_rank_fails_the_run_within_the_timeout_and_its_stack_names_th
             }
         )
     )
-    env = ENV | {"SHARDFORGE_FAULT_SLEEP": f"1:2:{SLEEP_S}"}
+    env = ENV | fault_env(SHARDFORGE_FAULT_SLEEP=f"1:2:{SLEEP_S}")
     result = subprocess.run(
         [*CLI, "train", "sft", "--config", str(config), "--nproc-per-node", "2"],
         env=env,

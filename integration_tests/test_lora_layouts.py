@@ -39,9 +39,9 @@ def _sequences(step: int) -> list[list[int]]:
 
 
 def _engine(model_dir: str, layout: str) -> Any:
-    from shardforge.algorithms import TrainEngine
     from shardforge.algorithms.config_io import apply_overrides, build_config
-    from shardforge.algorithms.engine.config import EngineConfig
+    from shardforge.engine import TrainEngine
+    from shardforge.engine.config import EngineConfig
 
     # Built the way the CLI builds it (engine.lora.* overrides), to cover the config path too.
     overrides = ["lora.r=4", "lora.alpha=8", f"lora.target_modules=[{','.join(TARGETS)}]", "optimizer.lr=2e-2"]
@@ -50,7 +50,7 @@ def _engine(model_dir: str, layout: str) -> Any:
 
 
 def _local(engine: Any, step: int) -> Any:
-    from shardforge.algorithms.batching import pack_sequences
+    from shardforge.engine.batching import pack_sequences
 
     return pack_sequences(_sequences(step)[engine.dp_rank :: engine.dp_size])
 
@@ -77,7 +77,7 @@ def _train(model_dir: str, layout: str, out: str | None) -> dict[str, Any]:
     }
     if out is None:
         return result
-    from shardforge.algorithms.batching import pack_sequences
+    from shardforge.engine.batching import pack_sequences
 
     result["logprobs"] = engine.forward(pack_sequences(_sequences(99)))
     engine.export_lora(Path(out) / "adapter")

@@ -26,7 +26,7 @@ STEPS = 5
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, make_addition_data
+    from shardforge.algorithms.testing.tiny import build_char_tokenizer, make_addition_data
 
     root = tmp_path_factory.mktemp("moe_assets")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -163,8 +163,8 @@ def _values_after_load(model_dir: str, checkpoint_root: str, layout: str) -> dic
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from shardforge.algorithms import TrainEngine
     from shardforge.checkpoint_dcp import Checkpointer
+    from shardforge.engine import TrainEngine
 
     engine = TrainEngine(model_dir, layout)
     assert engine.load(Checkpointer(checkpoint_root)) is not None

@@ -17,6 +17,7 @@ import yaml
 from safetensors.torch import load_file
 
 from shardforge.algorithms.testing import tiny_assets
+from shardforge.algorithms.testing.fault_injection import fault_env
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
 for _var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -174,7 +175,7 @@ def test_a_killed_rank_restarts_every_rank_on_both_nodes_and_resumes(tmp_path, a
                             env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     marker = tmp_path / "killed-once"
-    env = ENV | {"SHARDFORGE_FAULT_KILL": f"1:3:{marker}"}
+    env = ENV | fault_env(SHARDFORGE_FAULT_KILL=f"1:3:{marker}")
     run_two_nodes("sft", _config(tmp_path, assets, "multi", **steps), extra=("--max-restarts", "1"), env=env)
     assert marker.read_text() == "killed rank 1 after step 3\n"  # the kill happened
     summary = json.loads((tmp_path / "multi" / "summary.json").read_text())

@@ -128,9 +128,9 @@ def test_sft_under_pp_matches_world1(
 
 
 def _forward(model_dir: str, layout: str) -> torch.Tensor:
-    from shardforge.algorithms import TrainEngine
-    from shardforge.algorithms.batching import pack_sequences
-    from shardforge.algorithms.engine.config import EngineConfig
+    from shardforge.engine import TrainEngine
+    from shardforge.engine.batching import pack_sequences
+    from shardforge.engine.config import EngineConfig
 
     engine = TrainEngine(model_dir, layout, EngineConfig(max_tokens_per_microbatch=24))
     gen = torch.Generator().manual_seed(0)
@@ -150,9 +150,9 @@ def _values_after_load(model_dir: str, checkpoint_root: str, layout: str, engine
     """Every param and AdamW moment this rank holds (full tensors), right after loading a checkpoint."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    from shardforge.algorithms import TrainEngine
-    from shardforge.algorithms.engine.config import EngineConfig
     from shardforge.checkpoint_dcp import Checkpointer
+    from shardforge.engine import TrainEngine
+    from shardforge.engine.config import EngineConfig
 
     trainer = TrainEngine(model_dir, layout, EngineConfig(**engine))
     assert trainer.load(Checkpointer(checkpoint_root)) is not None

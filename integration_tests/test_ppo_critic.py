@@ -49,8 +49,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _rollouts(perturb_seed: int | None = None) -> tuple[Any, torch.Tensor]:
-    from shardforge.algorithms.rlvr import rollouts_to_batch
-    from shardforge.algorithms.rollout import Rollout
+    from shardforge.algorithms.testing.reference import rollouts_to_batch
+    from shardforge.rollout import Rollout
 
     gen = torch.Generator().manual_seed(0)
     rollouts = []
@@ -68,9 +68,9 @@ def _rollouts(perturb_seed: int | None = None) -> tuple[Any, torch.Tensor]:
 def _train(model_dir: str, layout: str, perturb_seed: int | None = None, fused: bool | None = None) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
-    from shardforge.algorithms.objectives import PPOActorConfig, PPOActorLossFn, PPOCriticConfig
-    from shardforge.algorithms.trainers.ppo_update import ShiftedCriticLossFn, ppo_update, prepare_ppo_batch
+    from shardforge.algorithms.trainers.rl.ppo_update import ShiftedCriticLossFn, ppo_update, prepare_ppo_batch
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine.objectives import PPOActorConfig, PPOActorLossFn, PPOCriticConfig
 
     def config(head: str, lr: float) -> EngineConfig:
         return EngineConfig(

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 pytest.importorskip("ray")
 
 from shardforge.algorithms.testing import tiny_assets
+from shardforge.algorithms.testing.fault_injection import fault_env
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
 for _var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
@@ -122,7 +123,7 @@ def test_a_stuck_rank_under_ray_ends_the_run_with_the_one_line_timeout_error(tmp
     """Rank 1 sleeps 400 s in step 2 (SHARDFORGE_FAULT_SLEEP, forwarded to the actors): rank 0's collective
     times out after 4 s, its one-line error (naming rank 1's frame) is the command's, rank 1 is killed."""
     config = _config(tmp_path, assets, "stuck", engine={"max_tokens_per_microbatch": 64, "dist_timeout_s": 4})
-    env = _env(config) | {"SHARDFORGE_FAULT_SLEEP": "1:2:400"}
+    env = _env(config) | fault_env(SHARDFORGE_FAULT_SLEEP="1:2:400")
     result = subprocess.run([*CLI, "train", "grpo", "--config", str(config), "--nproc-per-node", "2", "--launcher",
                              "ray"], env=env, capture_output=True, text=True, timeout=350)  # fmt: skip
     lines = [line for line in result.stderr.splitlines() if line.startswith("shardforge")]
@@ -171,7 +172,7 @@ def test_a_dead_rollout_actor_is_dropped_and_the_run_is_the_healthy_run(tmp_path
     the later versions to actor 0 alone: the run finishes and is the healthy (torchrun) run step for step."""
     config = _config(tmp_path, assets, "drop", rollout_placement="disaggregated", num_rollout_actors=2,
                      rollout_on_actor_failure="drop")  # fmt: skip
-    env = _env(config) | {"SHARDFORGE_FAULT_KILL_ROLLOUT": "1:2", "RAY_agent_register_timeout_ms": "300000"}
+    env = _env(config) | fault_env(SHARDFORGE_FAULT_KILL_ROLLOUT="1:2") | {"RAY_agent_register_timeout_ms": "300000"}
     result = subprocess.run([*CLI, "train", "grpo", "--config", str(config), "--nproc-per-node", "2", "--launcher",
                              "ray"], env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])

@@ -40,7 +40,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _rollouts() -> tuple[list[Any], torch.Tensor]:
-    from shardforge.algorithms.rollout import Rollout
+    from shardforge.rollout import Rollout
 
     gen = torch.Generator().manual_seed(0)
     rollouts = []
@@ -56,8 +56,9 @@ def _rollouts() -> tuple[list[Any], torch.Tensor]:
 
 
 def _batch(old_logprobs: torch.Tensor | None) -> Any:
-    from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
-    from shardforge.algorithms.rlvr import group_advantages, rollouts_to_batch
+    from shardforge.algorithms.testing.reference import rollouts_to_batch
+    from shardforge.engine.objectives.advantages import group_advantages
+    from shardforge.engine.objectives.loss_fns import OLD_LOGPROBS
 
     rollouts, rewards = _rollouts()
     batch = rollouts_to_batch(rollouts, group_advantages(rewards, GROUP_SIZE, "grpo"))
@@ -69,10 +70,10 @@ def _batch(old_logprobs: torch.Tensor | None) -> Any:
 def _multi_turn_batch(old_logprobs: torch.Tensor | None) -> Any:
     """Fixed multi-turn trajectories: prompt, then 1-3 (generated, environment) segments per episode;
     environment tokens (tool results / user turns) have loss mask 0: no advantage, no loss."""
-    from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
-    from shardforge.algorithms.rlvr import group_advantages
-    from shardforge.algorithms.rollout.trajectory import Trajectory
-    from shardforge.algorithms.workflows import trajectories_to_batch
+    from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
+    from shardforge.engine.objectives.advantages import group_advantages
+    from shardforge.engine.objectives.loss_fns import OLD_LOGPROBS
+    from shardforge.rollout.episodes.trajectory import Trajectory
 
     gen = torch.Generator().manual_seed(3)
     trajectories = []
@@ -97,7 +98,7 @@ def _multi_turn_batch(old_logprobs: torch.Tensor | None) -> Any:
 
 
 def _actor() -> Any:
-    from shardforge.algorithms.objectives import PPOActorConfig, PPOActorLossFn
+    from shardforge.engine.objectives import PPOActorConfig, PPOActorLossFn
 
     return PPOActorLossFn(PPOActorConfig(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0, entropy_coef=0.01))
 
@@ -112,10 +113,10 @@ def _train(
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
-    from shardforge.algorithms.objectives import all_reduce_stats, apply_rollout_correction, summarize_stats
-    from shardforge.algorithms.objectives.loss_fns import OLD_LOGPROBS
-    from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine.objectives import all_reduce_stats, apply_rollout_correction, summarize_stats
+    from shardforge.engine.objectives.loss_fns import OLD_LOGPROBS
+    from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
 
     engine = TrainEngine(
         model_dir, layout, EngineConfig(max_tokens_per_microbatch=24, optimizer=OptimizerConfig(lr=1e-2, eps=1e-6))
@@ -142,7 +143,7 @@ def _train(
 
 
 def test_grpo_steps_match_across_layouts(model_dir: str) -> None:
-    from shardforge.algorithms import TrainEngine
+    from shardforge.engine import TrainEngine
 
     reference_engine = TrainEngine(model_dir, "d1")
     batch = _batch(None)
@@ -184,8 +185,8 @@ def _initial(model_dir: str) -> dict[str, torch.Tensor]:
 def test_rollout_correction_world1_vs_fsdp2(model_dir: str) -> None:
     """IcePop with batch normalisation (a global mean over the dp group) on a known mismatch:
     the same masked tokens, weights, losses and updates under world 1 and FSDP 2."""
-    from shardforge.algorithms import TrainEngine
-    from shardforge.algorithms.objectives import RolloutCorrectionConfig
+    from shardforge.engine import TrainEngine
+    from shardforge.engine.objectives import RolloutCorrectionConfig
 
     reference_engine = TrainEngine(model_dir, "d1")
     batch = _batch(None)
@@ -212,7 +213,7 @@ def test_rollout_correction_world1_vs_fsdp2(model_dir: str) -> None:
 def _behaviour_kl_on_rank() -> float:
     import torch.distributed as dist
 
-    from shardforge.algorithms.objectives.rollout_correction import behaviour_kl
+    from shardforge.engine.objectives.rollout_correction import behaviour_kl
 
     rank = dist.get_rank()
     # Rank 0: 3 target tokens with |gap| 1 (and an untargeted one); rank 1: one token with |gap| 3.
@@ -237,7 +238,7 @@ def test_grpo_multi_turn_steps_match_across_layouts(model_dir: str, world: int, 
     """GRPO steps on multi-turn trajectories (environment tokens between generated segments) give the
     same losses, statistics and updates under world 1 as under FSDP 2 and FSDP 2 x TP 2 (tolerances
     above). FSDP 2 x TP 2 is `heavy` (nox -s integration); CI's single-turn test covers that layout."""
-    from shardforge.algorithms import TrainEngine
+    from shardforge.engine import TrainEngine
 
     reference_engine = TrainEngine(model_dir, "d1")
     batch = _multi_turn_batch(None)
@@ -266,12 +267,12 @@ def _grpo_step_on_rank(model_dir: str, layout: str, reuse: bool) -> dict[str, fl
 
     import torch.distributed as dist
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
     from shardforge.algorithms.config_io import build_config
-    from shardforge.algorithms.objectives import PPOActorLossFn
-    from shardforge.algorithms.objectives.on_policy import OnPolicyActorLossFn
-    from shardforge.algorithms.rollout.sources import SampledBatch
     from shardforge.algorithms.trainers.grpo import GRPOConfig, _train_step
+    from shardforge.algorithms.trainers.rl.sources import SampledBatch
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine.objectives import PPOActorLossFn
+    from shardforge.engine.objectives.on_policy import OnPolicyActorLossFn
 
     config = build_config(GRPOConfig, {
         "model": model_dir, "train_file": "unused.jsonl", "output_dir": "unused", "group_size": GROUP_SIZE,
@@ -280,7 +281,7 @@ def _grpo_step_on_rank(model_dir: str, layout: str, reuse: bool) -> dict[str, fl
     engine = TrainEngine(
         model_dir, layout, EngineConfig(max_tokens_per_microbatch=24, optimizer=OptimizerConfig(lr=1e-2, eps=1e-6))
     )
-    from shardforge.algorithms.rollout.trajectory import Trajectory
+    from shardforge.rollout.episodes.trajectory import Trajectory
 
     rollouts, rewards = _rollouts()
     gen = torch.Generator().manual_seed(9)

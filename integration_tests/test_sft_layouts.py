@@ -173,7 +173,7 @@ def test_sequence_longer_than_budget_fails_on_every_rank(assets: dict[str, str],
 def _parameter_kinds(model_dir: str, data_parallel: str) -> list[str]:
     from torch.distributed.tensor import DTensor
 
-    from shardforge.algorithms.engine import EngineConfig, TrainEngine
+    from shardforge.engine import EngineConfig, TrainEngine
 
     engine = TrainEngine(model_dir, "r2", EngineConfig(data_parallel=data_parallel))
     return sorted({"DTensor" if isinstance(p, DTensor) else "Tensor" for p in engine.model.parameters()})

@@ -23,7 +23,7 @@ def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.testing_vlm import tiny_vlm_assets
+    from shardforge.algorithms.testing.vlm import tiny_vlm_assets
 
     return tiny_vlm_assets(tmp_path_factory.mktemp("vlm_hsdp"), seed=3, num_train=7, num_eval=1)
 
@@ -31,8 +31,8 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def _steps(model_dir: str, train: str, layout: str) -> dict[str, Any]:
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
     from shardforge.algorithms.data.vlm import load_vlm_examples, pack_vlm_examples, tokenize_vlm_row
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     processor = AutoImageProcessor.from_pretrained(model_dir)
@@ -67,7 +67,7 @@ def test_fsdp_x_tp_matches_one_process(tmp_path: Any) -> None:
     trains on the text-only row alone (dummy image, padded to the token multiple)."""
     from transformers import AutoModelForImageTextToText
 
-    from shardforge.algorithms.testing_vlm import check_vlm_parity, tiny_vlm_assets, vlm_tp_steps
+    from shardforge.algorithms.testing.vlm import check_vlm_parity, tiny_vlm_assets, vlm_tp_steps
 
     assets = tiny_vlm_assets(tmp_path, seed=1, num_train=4, num_eval=1, vocab_size=112)
     single = vlm_tp_steps(assets["model"], str(assets["train"]), "d1", True)
@@ -84,7 +84,7 @@ def test_fsdp_x_ulysses_cp_matches_one_process(tmp_path: Any) -> None:
     trains on the text-only row alone (dummy image), so both CP groups cut sequences of other lengths."""
     from transformers import AutoModelForImageTextToText
 
-    from shardforge.algorithms.testing_vlm import check_vlm_parity, tiny_vlm_assets, vlm_tp_steps
+    from shardforge.algorithms.testing.vlm import check_vlm_parity, tiny_vlm_assets, vlm_tp_steps
 
     assets = tiny_vlm_assets(tmp_path, seed=1, num_train=4, num_eval=1, family="qwen3_vl")
     single = vlm_tp_steps(assets["model"], str(assets["train"]), "d1", True)

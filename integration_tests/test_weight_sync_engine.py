@@ -58,8 +58,8 @@ def _free_port() -> int:
 def rank_train_and_publish(model_dir: str, layout: str, disk_root: str, port: int) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
-    from shardforge.algorithms import EngineConfig, TrainEngine
-    from shardforge.algorithms.batching import pack_sequences
+    from shardforge.engine import EngineConfig, TrainEngine
+    from shardforge.engine.batching import pack_sequences
     from shardforge.weight_sync import CollectiveTransport, DiskTransport
 
     engine = TrainEngine(model_dir, layout, EngineConfig(max_tokens_per_microbatch=64))

@@ -106,7 +106,7 @@ def save_model(shape: str, seq: int, root: str) -> str:
 def run_ours(path: str, shape: str, seq: int, ac: str, compile_: bool, steps: int) -> dict[str, Any]:
     import torch
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
 
     gen = torch.Generator().manual_seed(0)
     lengths = document_lengths(seq)

@@ -47,7 +47,7 @@ def measure(options: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers import Qwen3Config
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
     from shardforge.lora import LoRAConfig
 
     opts = dict(options)

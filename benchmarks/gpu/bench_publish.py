@@ -51,9 +51,9 @@ def main() -> None:
     import torch
     from transformers import Qwen3Config
 
-    from shardforge.algorithms import EngineConfig, TrainEngine
-    from shardforge.algorithms.rollout import SamplingParams
-    from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
+    from shardforge.engine import EngineConfig, TrainEngine
+    from shardforge.rollout import SamplingParams
+    from shardforge.rollout.hf.engine import HFRolloutEngine
     from shardforge.weight_sync import DiskTransport
 
     info = device_info()

@@ -27,7 +27,7 @@ VOCAB = 128256
 
 
 def _engine(path: str, seq: int, optimizer: dict[str, Any]) -> Any:
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
     config = EngineConfig(
         param_dtype="bfloat16", optimizer=OptimizerConfig(lr=1e-5, **optimizer), max_tokens_per_microbatch=seq
@@ -38,7 +38,7 @@ def _engine(path: str, seq: int, optimizer: dict[str, Any]) -> Any:
 def _batch(seq: int) -> Any:
     import torch
 
-    from shardforge.algorithms import pack_sequences
+    from shardforge.engine import pack_sequences
 
     gen = torch.Generator().manual_seed(0)
     lengths = document_lengths(seq)

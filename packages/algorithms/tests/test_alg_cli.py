@@ -9,10 +9,10 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardforge.algorithms.cli import main
-from shardforge.algorithms.demos.demo import make_addition_data
+from shardforge.algorithms.cli.main import main
 from shardforge.algorithms.loggers import read_metrics
 from shardforge.algorithms.testing import tiny_assets
+from shardforge.algorithms.testing.tiny import make_addition_data
 
 
 @pytest.fixture(autouse=True)
@@ -181,7 +181,7 @@ def test_list_imports_no_vllm_code():
     import sys
 
     code = (
-        "import sys; from shardforge.algorithms.cli import main; main(['list']); "
+        "import sys; from shardforge.algorithms.cli.main import main; main(['list']); "
         "print([m for m in sys.modules if 'vllm' in m])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

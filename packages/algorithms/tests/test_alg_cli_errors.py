@@ -12,7 +12,7 @@ import time
 import pytest
 import yaml
 
-from shardforge.algorithms.cli import main
+from shardforge.algorithms.cli.main import main
 from shardforge.algorithms.testing import tiny_assets
 
 
@@ -216,7 +216,7 @@ def test_run_writes_resolved_schedule_no_empty_checkpoints_and_logs_changed_step
 def test_launcher_prints_the_first_failing_ranks_line_whichever_rank_it_was(tmp_path, monkeypatch):
     # CI saw rank 1 fail first and the agent stop rank 0 (-15) before rank 0 could print: the
     # launcher must print rank 1's line, once, not "rank 0 exited with code -15".
-    from shardforge.algorithms.launch import ERROR_DIR_ENV, first_rank_error, write_rank_error
+    from shardforge.algorithms.launch.torchrun import ERROR_DIR_ENV, first_rank_error, write_rank_error
 
     monkeypatch.delenv(ERROR_DIR_ENV, raising=False)
     assert write_rank_error("x\n") is False  # nobody listening: the caller prints itself

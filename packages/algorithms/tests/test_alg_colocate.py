@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.engine.features.offload import OffloadState
-from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams
+from shardforge.engine.features.offload import OffloadState
+from shardforge.rollout import HFRolloutEngine, SamplingParams
 from shardforge.weight_sync import DiskTransport, WeightPublisher, WeightReceiver
 
 COLOCATED = {"rollout_sleep": "true", "offload_train_state_during_rollout": "true"}
@@ -49,8 +49,8 @@ def _run(
 ) -> dict[str, Any]:
     """Train 3 steps; record every generate's (version, responses, behaviour log-probs) and the phase events."""
     from shardforge.algorithms.config_io import apply_overrides, build_config
-    from shardforge.algorithms.engine import TrainEngine
     from shardforge.algorithms.trainers import TRAINERS
+    from shardforge.engine import TrainEngine
 
     data = {
         "model": assets["model"], "train_file": str(assets["train"]), "eval_file": str(assets["eval"]),
@@ -183,9 +183,9 @@ def test_sleeping_engine_frees_weights_and_sessions_and_wakes_with_the_next_vers
 
 def test_colocation_refusals(assets: dict[str, Any], tmp_path: Path) -> None:
     from shardforge.algorithms.config_io import apply_overrides, build_config, load_yaml
-    from shardforge.algorithms.rollout.placement import rollout_actor_spec
     from shardforge.algorithms.trainers.grpo import GRPOConfig
-    from shardforge.algorithms.trainers.rl_colocate import ColocatedPhases, check_colocation
+    from shardforge.algorithms.trainers.rl.colocate import ColocatedPhases, check_colocation
+    from shardforge.rollout.ray.placement import rollout_actor_spec
 
     def config(**overrides: str) -> GRPOConfig:
         data = {"model": assets["model"], "train_file": str(assets["train"]), "output_dir": str(tmp_path)}

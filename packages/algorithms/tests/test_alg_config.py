@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from shardforge.algorithms import EngineConfig, OptimizerConfig, SchedulerConfig, parse_dtype
 from shardforge.algorithms.config_io import apply_overrides, build_config, config_to_dict, load_yaml
 from shardforge.algorithms.trainers.sft import SFTConfig
+from shardforge.engine import EngineConfig, OptimizerConfig, SchedulerConfig, parse_dtype
 
 REQUIRED = {"model": "m", "train_file": "t.jsonl", "output_dir": "out"}
 

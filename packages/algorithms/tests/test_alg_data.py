@@ -14,7 +14,7 @@ from shardforge.algorithms.data import (
     pack_examples,
     tokenize_sft_row,
 )
-from shardforge.algorithms.demos.demo import build_char_tokenizer
+from shardforge.algorithms.testing.tiny import build_char_tokenizer
 
 # The char tokenizer's vocabulary: <pad> <bos> <eos> <unk>, then "0123456789+-*=? ".
 BOS, EOS = 1, 2

@@ -12,7 +12,7 @@ import datasets
 import pytest
 
 import shardforge.algorithms.trainers.sft as sft_module
-from shardforge.algorithms.cli import main
+from shardforge.algorithms.cli.main import main
 from shardforge.algorithms.config_io import build_config
 from shardforge.algorithms.data.mixture import MixtureSampler
 from shardforge.algorithms.trainers.sft import SFTConfig, run_sft

@@ -18,7 +18,7 @@ import shardforge.algorithms.trainers.rm as rm_module
 from shardforge.algorithms.config_io import build_config
 from shardforge.algorithms.data.sources import SourceConfig
 from shardforge.algorithms.trainers import TRAINERS
-from shardforge.algorithms.trainers.rl_data import load_prompt_data
+from shardforge.algorithms.trainers.rl.data import load_prompt_data
 
 REWARD_MODULE = textwrap.dedent(
     """

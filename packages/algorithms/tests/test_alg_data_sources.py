@@ -16,7 +16,7 @@ from shardforge.algorithms.data import SFT_ROW_FIELDS, load_sft_examples
 from shardforge.algorithms.data.config import DataConfig, apply_chat_template_override
 from shardforge.algorithms.data.mixture import MixtureSampler
 from shardforge.algorithms.data.sources import SourceConfig, read_source
-from shardforge.algorithms.demos.demo import build_char_tokenizer
+from shardforge.algorithms.testing.tiny import build_char_tokenizer
 from shardforge.algorithms.trainers.sft import SFTConfig
 
 ROWS = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from shardforge.algorithms import cli
+from shardforge.algorithms.cli import main as cli
 from shardforge.algorithms.config_io import build_config, load_yaml
 from shardforge.algorithms.demos import demo_agent
 from shardforge.algorithms.demos.agent_sft_stop import SFTStopResult, SFTStopRule, train_until_success

@@ -20,9 +20,9 @@ def _single_process(monkeypatch):
 
 
 def test_distill_advantages_follow_the_formula() -> None:
-    from shardforge.algorithms.batching import pack_sequences
-    from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
     from shardforge.algorithms.trainers.distill import distill_advantages
+    from shardforge.engine.batching import pack_sequences
+    from shardforge.engine.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
 
     batch = pack_sequences([[1, 2, 3, 4], [1, 5, 6]], [[0, 0, 1, 1], [0, 1, 1]])
     student = torch.tensor([0.0, 9.0, -1.0, -2.0, 0.0, -0.5, -3.0])  # 9.0 sits on a prompt token: ignored

@@ -43,7 +43,7 @@ def _reference(student_TV: torch.Tensor, teacher_TV: torch.Tensor, mask: list[bo
 
 
 def _batch() -> Any:
-    from shardforge.algorithms.batching import pack_sequences
+    from shardforge.engine.batching import pack_sequences
 
     # sequence 0: two targets; sequence 1: all masked (a prompt-only row); sequence 2: three targets
     return pack_sequences([[1, 2, 3, 4], [1, 5, 6], [1, 2, 7, 8]], [[0, 0, 1, 1], [0, 0, 0], [0, 1, 1, 1]])
@@ -52,7 +52,7 @@ def _batch() -> Any:
 @pytest.mark.parametrize(("loss", "beta"), [("full_reverse_kl", 0.5), ("full_forward_kl", 0.5), ("jsd", 0.3),
                                             ("jsd", 0.0), ("jsd", 1.0)])  # fmt: skip
 def test_divergence_term_matches_the_formula(loss: str, beta: float) -> None:
-    from shardforge.algorithms.objectives.distillation import TEACHER_LOGPROBS, DistributionDistillTerm
+    from shardforge.engine.objectives.distillation import TEACHER_LOGPROBS, DistributionDistillTerm
 
     batch, vocab = _batch(), 7
     gen = torch.Generator().manual_seed(0)
@@ -75,7 +75,7 @@ def test_divergence_term_matches_the_formula(loss: str, beta: float) -> None:
     assert torch.all(student.grad[~batch.loss_mask.bool()] == 0)  # masked rows (incl. the all-masked row) get nothing
     # the gradient is the float64 autograd of the same formula, through the student's whole distribution
     s64 = student_logits.clone().requires_grad_(True)
-    from shardforge.algorithms.objectives.distillation import DIVERGENCES
+    from shardforge.engine.objectives.distillation import DIVERGENCES
 
     rows = batch.loss_mask.bool()
     ref = 0.5 * DIVERGENCES.get(loss)(s64.log_softmax(-1)[rows], teacher_logits.log_softmax(-1)[rows], beta).sum()
@@ -84,7 +84,7 @@ def test_divergence_term_matches_the_formula(loss: str, beta: float) -> None:
 
 
 def test_top_k_with_tail_bucket_is_exact_when_the_tail_is_empty_and_a_bucketed_kl_otherwise() -> None:
-    from shardforge.algorithms.objectives.distillation import (
+    from shardforge.engine.objectives.distillation import (
         TEACHER_LOGPROBS,
         TEACHER_TOKEN_IDS,
         DistributionDistillTerm,
@@ -119,8 +119,8 @@ def test_engine_hands_the_loss_the_whole_distribution_of_each_target(tmp_path: P
     previous position, 0 at sequence starts; the target log-probs are those rows at the tokens."""
     from transformers import AutoModelForCausalLM
 
-    from shardforge.algorithms import EngineConfig, TrainEngine
     from shardforge.algorithms.testing import tiny_assets
+    from shardforge.engine import EngineConfig, TrainEngine
 
     model_dir = tiny_assets(tmp_path, seed=3, data=False)["model"]
     engine = TrainEngine(model_dir, "d1", EngineConfig(max_tokens_per_microbatch=8))

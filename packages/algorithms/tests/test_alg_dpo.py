@@ -47,7 +47,7 @@ def _reference_loss(kind: str, pc, pr, rc, rr, nc, nr, beta: float, eps: float, 
     ("kind", "eps"), [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0), ("hinge", 0.0), ("simpo", 0.0), ("simpo", 0.2)]
 )
 def test_each_loss_matches_its_formula(kind: str, eps: float) -> None:
-    from shardforge.algorithms.objectives import PreferenceLossConfig, preference_loss
+    from shardforge.engine.objectives import PreferenceLossConfig, preference_loss
 
     gen = torch.Generator().manual_seed(3)
     pc, pr, rc, rr = (-torch.rand(7, generator=gen, dtype=torch.float64) * 20 for _ in range(4))
@@ -76,7 +76,7 @@ def test_each_loss_matches_its_formula(kind: str, eps: float) -> None:
 
 
 def test_bad_settings_are_refused_with_the_valid_range() -> None:
-    from shardforge.algorithms.objectives import PreferenceLossConfig, preference_loss
+    from shardforge.engine.objectives import PreferenceLossConfig, preference_loss
 
     one = torch.zeros(1, dtype=torch.float64)
     with pytest.raises(ValueError, match="label_smoothing must be in"):
@@ -94,7 +94,7 @@ def test_bad_settings_are_refused_with_the_valid_range() -> None:
 
 
 def test_sequence_logprobs_sums_only_masked_tokens_per_sequence() -> None:
-    from shardforge.algorithms.objectives import sequence_logprobs
+    from shardforge.engine.objectives import sequence_logprobs
 
     logprobs = torch.tensor([0.0, -1.0, -2.0, 0.0, -4.0, -8.0, -16.0])
     mask = torch.tensor([0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
@@ -159,10 +159,10 @@ def _one_row(assets: dict[str, Any], row: dict[str, str]) -> Path:
 
 
 def test_loss_through_the_engine_equals_the_pure_function(assets: dict[str, Any]) -> None:
-    from shardforge.algorithms import EngineConfig, TrainEngine
     from shardforge.algorithms.data import load_pairs, pack_pairs
-    from shardforge.algorithms.objectives import PreferenceLossConfig, preference_loss, sequence_logprobs
     from shardforge.algorithms.trainers.dpo import REF_LOGPROBS, DPOLossFn
+    from shardforge.engine import EngineConfig, TrainEngine
+    from shardforge.engine.objectives import PreferenceLossConfig, preference_loss, sequence_logprobs
 
     pairs = load_pairs(assets["eval"], assets["tokenizer"])
     engine = TrainEngine(assets["model"], "d1", EngineConfig(max_tokens_per_microbatch=40))

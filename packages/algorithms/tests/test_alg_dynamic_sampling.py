@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.rollout import Rollout
-from shardforge.algorithms.rollout.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, filter_groups
+from shardforge.algorithms.trainers.rl.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, filter_groups
+from shardforge.rollout import Rollout
 
 GROUP = 2
 

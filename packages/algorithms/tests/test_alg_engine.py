@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
-from shardforge.algorithms.engine.checks import check_layout as validate_layout
+from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
+from shardforge.engine.checks import check_layout as validate_layout
 from shardforge.mesh import ParallelDims
 
 VOCAB = 64
@@ -317,8 +317,8 @@ def test_export_hf_round_trips(tmp_path, tied):
 
 
 def test_ddp_is_refused_on_sharded_layouts():
-    from shardforge.algorithms.engine import EngineConfig
-    from shardforge.algorithms.engine.checks import check_engine
+    from shardforge.engine import EngineConfig
+    from shardforge.engine.checks import check_engine
 
     for layout in ("d4", "r2d2", "r2t2"):
         with pytest.raises(ValueError, match="data_parallel=ddp keeps a whole replica"):
@@ -334,13 +334,13 @@ def test_ddp_is_refused_on_sharded_layouts():
 
 def test_world1_warns_about_settings_only_fsdp_applies(caplog):
     # One process builds a plain model: compute_dtype and cpu_offload would do nothing silently.
-    with caplog.at_level("WARNING", logger="shardforge.algorithms.engine.engine"):
+    with caplog.at_level("WARNING", logger="shardforge.engine.train_engine"):
         TrainEngine(tiny_config(), "d1", EngineConfig(compute_dtype="bfloat16", cpu_offload=True))
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1, warnings
     assert "engine.compute_dtype=bfloat16" in warnings[0] and "engine.cpu_offload=true" in warnings[0]
     assert "--nproc-per-node" in warnings[0]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="shardforge.algorithms.engine.engine"):
+    with caplog.at_level("WARNING", logger="shardforge.engine.train_engine"):
         TrainEngine(tiny_config(), "d1", EngineConfig(compute_dtype="float32"))  # same as param_dtype: nothing lost
     assert not [r for r in caplog.records if r.levelname == "WARNING"]

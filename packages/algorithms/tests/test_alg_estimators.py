@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from shardforge.algorithms.objectives import (
+from shardforge.engine.objectives import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
     broadcast_to_tokens,
@@ -17,8 +17,8 @@ from shardforge.algorithms.objectives import (
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
 )
-from shardforge.algorithms.objectives.kl_control import KLControlConfig, build_kl_controller
-from shardforge.algorithms.rlvr import group_advantages
+from shardforge.engine.objectives.advantages import group_advantages
+from shardforge.engine.objectives.kl_control import KLControlConfig, build_kl_controller
 
 # two groups of 3: the second has all-equal rewards (zero variance)
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.3, 0.3, 0.3], dtype=torch.float64)

@@ -24,14 +24,14 @@ def _single_process(monkeypatch):
     ("n", "c", "k"), [(10, 0, 1), (10, 3, 1), (10, 3, 5), (10, 8, 3), (5, 5, 5), (20, 1, 20), (7, 2, 6)]
 )
 def test_pass_at_k_equals_the_binomial_definition(n: int, c: int, k: int) -> None:
-    from shardforge.algorithms.objectives.passk import pass_at_k
+    from shardforge.engine.objectives.passk import pass_at_k
 
     expected = 1.0 - comb(n - c, k) / comb(n, k)  # Chen et al. 2021: 1 - C(n-c, k) / C(n, k)
     assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
 
 
 def test_pass_at_1_is_the_fraction_correct_and_bad_k_is_refused() -> None:
-    from shardforge.algorithms.objectives.passk import pass_at_k, sampled_eval_sums
+    from shardforge.engine.objectives.passk import pass_at_k, sampled_eval_sums
 
     assert pass_at_k(8, 3, 1) == pytest.approx(3 / 8)
     with pytest.raises(ValueError, match="1 <= k <= n"):
@@ -40,7 +40,7 @@ def test_pass_at_1_is_the_fraction_correct_and_bad_k_is_refused() -> None:
     assert sums == {"num_prompts": 2.0, "avg@4": pytest.approx(0.375), "pass@1": 0.25, "pass@2": pytest.approx(0.5)}
     with pytest.raises(ValueError, match="same number of samples"):
         sampled_eval_sums([[1.0], [1.0, 0.0]], [[True], [True, False]], (1,))
-    from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig
+    from shardforge.algorithms.trainers.rl.eval import EvalSamplingConfig
 
     # A k above the sample count is refused where the config is built (the CLI prints this line, exit 2).
     with pytest.raises(ValueError, match=r"pass_k=\[5\] needs every k in \[1, samples=2\]"):
@@ -56,7 +56,7 @@ class _StubRollout:
         self.version = 0
 
     def generate(self, ids: list[list[int]], params: Any) -> list[Any]:
-        from shardforge.algorithms.rollout.types import Rollout
+        from shardforge.rollout.types import Rollout
 
         outs = []
         for p, one in enumerate(ids):
@@ -76,7 +76,7 @@ class _Engine:
 
 
 def _expected(prompts: Any, n: int, ks: tuple[int, ...]) -> dict[str, float]:
-    from shardforge.algorithms.objectives.passk import pass_at_k
+    from shardforge.engine.objectives.passk import pass_at_k
 
     count = len(prompts)
     out = {
@@ -89,9 +89,9 @@ def _expected(prompts: Any, n: int, ks: tuple[int, ...]) -> dict[str, float]:
 
 
 def test_evaluate_prompts_reports_greedy_avg_and_pass_at_k(tmp_path: Path) -> None:
-    from shardforge.algorithms.rlvr import PromptSet
-    from shardforge.algorithms.rollout import exact_match_reward
-    from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig, evaluate_prompts
+    from shardforge.algorithms.trainers.rl.eval import EvalSamplingConfig, evaluate_prompts
+    from shardforge.rewards import exact_match_reward
+    from shardforge.rollout.types import PromptSet
 
     prompts = PromptSet([f"{i}+1=" for i in range(9)], [str(i + 1) for i in range(9)], [[2, i] for i in range(9)])
     sampling = EvalSamplingConfig(samples=4, pass_k=(1, 2, 4))
@@ -166,9 +166,9 @@ class _SeedRecorder(_StubRollout):
 def test_sampled_eval_seeds_each_prompt_alike_on_every_layout() -> None:
     """A held-out prompt samples from a seed of its own (its index in the eval set), not from one derived from
     the data-parallel rank: world 1 and two ranks sample the same responses, so avg@k/pass@k agree across layouts."""
-    from shardforge.algorithms.rlvr import PromptSet
-    from shardforge.algorithms.rollout import exact_match_reward
-    from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig, evaluate_prompts
+    from shardforge.algorithms.trainers.rl.eval import EvalSamplingConfig, evaluate_prompts
+    from shardforge.rewards import exact_match_reward
+    from shardforge.rollout.types import PromptSet
 
     prompts = PromptSet([f"{i}+1=" for i in range(7)], [str(i + 1) for i in range(7)], [[2, i] for i in range(7)])
     sampling = EvalSamplingConfig(samples=4, pass_k=(1, 2))

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from shardforge.algorithms.demos.demo import build_char_tokenizer
-from shardforge.algorithms.evaluation import exact_match_accuracy, greedy_answers
+from shardforge.algorithms.demos.evaluation import exact_match_accuracy, greedy_answers
+from shardforge.algorithms.testing.tiny import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from shardforge.algorithms.data import tokenize_sft_row
-from shardforge.algorithms.evaluation import greedy_answers
+from shardforge.algorithms.demos.evaluation import greedy_answers
 from shardforge.algorithms.testing import tiny_assets
 
 

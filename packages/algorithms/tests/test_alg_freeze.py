@@ -34,8 +34,8 @@ def _is_frozen(name: str) -> bool:
 
 
 def _freeze_steps(model_dir: str, layout: str) -> dict[str, Any]:
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
-    from shardforge.algorithms.objectives.sft import sft_loss
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
+    from shardforge.engine.objectives.sft import sft_loss
 
     config = EngineConfig(freeze_module_prefix=FROZEN, optimizer=OptimizerConfig(lr=1e-2))
     engine = TrainEngine(model_dir, layout, config)
@@ -85,7 +85,7 @@ def test_freeze_module_prefix_world1_and_fsdp2(lm_dir: str) -> None:
 
 
 def test_unknown_prefix_lists_module_names(lm_dir: str) -> None:
-    from shardforge.algorithms import EngineConfig, TrainEngine
+    from shardforge.engine import EngineConfig, TrainEngine
 
     with pytest.raises(ValueError, match=r"\['model.vision'\] matches no parameter.*'model.layers'"):
         TrainEngine(lm_dir, "d1", EngineConfig(freeze_module_prefix=("model.vision",)))

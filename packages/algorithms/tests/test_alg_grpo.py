@@ -13,9 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
-from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS, group_advantages, load_prompts, rollouts_to_batch
-from shardforge.algorithms.rollout import Rollout, SamplingParams, exact_match_reward, load_reward_fn, score_rollouts
+from shardforge.algorithms.data.prompts import load_prompts
+from shardforge.algorithms.testing.reference import rollouts_to_batch, score_rollouts
+from shardforge.engine.objectives.advantages import group_advantages
+from shardforge.engine.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
+from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
+from shardforge.rewards import exact_match_reward, load_reward_fn
+from shardforge.rollout import Rollout, SamplingParams
 
 REWARD_MODULE = textwrap.dedent(
     """
@@ -105,7 +109,7 @@ def test_sampling_params_validation() -> None:
 def test_hf_rollout_engine_logprobs_versions_and_determinism(assets: dict[str, Any], tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from shardforge.algorithms.rollout import HFRolloutEngine
+    from shardforge.rollout import HFRolloutEngine
     from shardforge.weight_sync import DiskTransport, WeightPublisher
 
     tokenizer = assets["tokenizer"]

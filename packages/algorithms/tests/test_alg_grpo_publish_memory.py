@@ -26,8 +26,8 @@ def _run(
     assets: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch, trainer: str = "grpo", **overrides: Any
 ) -> dict[str, Any]:
     from shardforge.algorithms.config_io import apply_overrides, build_config
-    from shardforge.algorithms.rollout import HFRolloutEngine
     from shardforge.algorithms.trainers import TRAINERS
+    from shardforge.rollout import HFRolloutEngine
 
     data = {
         "model": assets["model"], "train_file": str(assets["train"]), "eval_file": str(assets["eval"]),

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.objectives import RolloutCorrectionConfig
-from shardforge.algorithms.objectives.on_policy import OnPolicyActorLossFn, correction_fits_in_loss, has_dropout
+from shardforge.engine.objectives import RolloutCorrectionConfig
+from shardforge.engine.objectives.on_policy import OnPolicyActorLossFn, correction_fits_in_loss, has_dropout
 
 # The two paths differ only in how the old log-probs are computed: a separate eval-mode forward
 # (micro-batched the same way) vs the training forward, detached. Same kernels and inputs: measured
@@ -51,8 +51,8 @@ def _config(assets: dict[str, Any], out: Path, **overrides: Any) -> Any:
 def _run(
     assets: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch, **overrides: Any
 ) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor], int]:
-    from shardforge.algorithms.engine import TrainEngine
     from shardforge.algorithms.trainers.grpo import GRPOTrainer
+    from shardforge.engine import TrainEngine
 
     calls = {"forward": 0}
     original = TrainEngine.forward

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.rollout import SamplingParams
-from shardforge.algorithms.rollout.kv_reuse import KVReuseCache, KVSession
-from shardforge.algorithms.workflows import PromptRow, WorkflowConfig, build_workflow, run_episodes
+from shardforge.rollout import SamplingParams
+from shardforge.rollout.hf.kv_reuse import KVReuseCache, KVSession
+from shardforge.rollout.workflows import PromptRow, WorkflowConfig, build_workflow, run_episodes
 
 ATOL = 1e-5  # float32: the cached prefix and the re-encoded one differ only in reduction order
 
@@ -26,7 +26,7 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _engine(chat: dict[str, Any], **kwargs: Any) -> Any:
-    from shardforge.algorithms.rollout import HFRolloutEngine
+    from shardforge.rollout import HFRolloutEngine
 
     return HFRolloutEngine(chat["model"], chat["tokenizer"], **kwargs)
 
@@ -218,7 +218,7 @@ def test_partial_rollout_chunks_reuse_the_cache_and_equal_reencoding(chat: dict[
 def test_the_trainer_knobs_reach_the_embedded_engine(chat: dict[str, Any]) -> None:
     from shardforge.algorithms.config_io import apply_overrides, build_config
     from shardforge.algorithms.trainers.grpo import GRPOConfig
-    from shardforge.algorithms.trainers.rl_common import configure_kv_reuse
+    from shardforge.algorithms.trainers.rl.common import configure_kv_reuse
 
     data = {"model": chat["model"], "output_dir": "unused"}
     assert build_config(GRPOConfig, data).rollout_kv_reuse, "on by default"

@@ -23,19 +23,19 @@ HEAVY = (
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
     "transformers",
-    "shardforge.algorithms.engine.engine",
+    "shardforge.engine.train_engine",
 )
 
 # Replaces the relaunch with a probe: what the launching process has imported once its checks passed.
 PROBE = """
 import json, sys
-import shardforge.algorithms.launch as launch
+import shardforge.algorithms.launch.torchrun as launch
 seen = {}
 def probe(spec, argv, debug=False):
     seen["heavy"] = sorted(m for m in HEAVY if m in sys.modules)
     return 0
 launch.relaunch = probe
-from shardforge.algorithms.cli import main
+from shardforge.algorithms.cli.main import main
 rc = main(sys.argv[1:])
 print(json.dumps({"rc": rc, **seen}))
 """

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shardforge.algorithms.config_io import apply_overrides, build_config, config_to_dict
-from shardforge.algorithms.engine.checks import check_engine
-from shardforge.algorithms.engine.config import EngineConfig
+from shardforge.engine.checks import check_engine
+from shardforge.engine.config import EngineConfig
 from shardforge.lora import LoRAConfig
 from shardforge.mesh import ParallelDims
 

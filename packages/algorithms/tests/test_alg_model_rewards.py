@@ -73,7 +73,7 @@ def judge() -> Iterator[tuple[_Judge, str]]:
 
 # ------------------------------------------------------------------------------------------ HTTP judge
 def test_judge_reads_the_last_score_and_sends_the_filled_template(judge) -> None:
-    from shardforge.algorithms.rollout.http_reward import HTTPJudgeReward
+    from shardforge.rewards.http_judge import HTTPJudgeReward
 
     state, url = judge
     state.reply = "The answer 12 is wrong... Score: 7"
@@ -86,7 +86,7 @@ def test_judge_reads_the_last_score_and_sends_the_filled_template(judge) -> None
 
 
 def test_judge_retries_busy_answers_with_backoff_then_fails_counted(judge) -> None:
-    from shardforge.algorithms.rollout.http_reward import HTTPJudgeReward
+    from shardforge.rewards.http_judge import HTTPJudgeReward
 
     state, url = judge
     state.fail_first = 2
@@ -102,7 +102,7 @@ def test_judge_retries_busy_answers_with_backoff_then_fails_counted(judge) -> No
 
 
 def test_judge_client_errors_fail_at_once_and_timeouts_retry(judge) -> None:
-    from shardforge.algorithms.rollout.http_reward import HTTPJudgeReward
+    from shardforge.rewards.http_judge import HTTPJudgeReward
 
     state, url = judge
     state.fail_first, state.fail_status = 1, 400
@@ -117,7 +117,7 @@ def test_judge_client_errors_fail_at_once_and_timeouts_retry(judge) -> None:
 
 
 def test_unparseable_replies_and_the_json_api(judge) -> None:
-    from shardforge.algorithms.rollout.http_reward import HTTPJudgeReward, JudgeReplyError
+    from shardforge.rewards.http_judge import HTTPJudgeReward, JudgeReplyError
 
     state, url = judge
     state.reply = "I cannot decide."
@@ -136,8 +136,8 @@ def test_unparseable_replies_and_the_json_api(judge) -> None:
 def test_a_dead_judge_scores_zero_under_the_reward_runner() -> None:
     import socket
 
-    from shardforge.algorithms.rollout.http_reward import HTTPJudgeReward
-    from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
+    from shardforge.rewards.guarded import GuardedReward, RewardConfig
+    from shardforge.rewards.http_judge import HTTPJudgeReward
 
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
@@ -153,9 +153,9 @@ def test_a_dead_judge_scores_zero_under_the_reward_runner() -> None:
 
 # ------------------------------------------------------------------------------------------ composition
 def test_weighted_sum_and_per_term_means() -> None:
-    from shardforge.algorithms.rollout.reward_compose import CompositeReward, RewardTermConfig
-    from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
-    from shardforge.algorithms.trainers.rl_common import reward_call_stats
+    from shardforge.algorithms.trainers.rl.common import reward_call_stats
+    from shardforge.rewards.compose import CompositeReward, RewardTermConfig
+    from shardforge.rewards.guarded import GuardedReward, RewardConfig
 
     composite = CompositeReward(
         (RewardTermConfig(name="exact_match", weight=1.0), RewardTermConfig(name="boxed_format", weight=-0.5))
@@ -173,9 +173,9 @@ def test_weighted_sum_and_per_term_means() -> None:
 
 def test_bad_reward_terms_are_refused(tmp_path: Path) -> None:
     from shardforge.algorithms.config_io import build_config
-    from shardforge.algorithms.rollout.reward_compose import CompositeReward, RewardTermConfig, make_reward
     from shardforge.algorithms.trainers.grpo import GRPOConfig
-    from shardforge.algorithms.trainers.rl_common import check_rollout_batch
+    from shardforge.algorithms.trainers.rl.common import check_rollout_batch
+    from shardforge.rewards.compose import CompositeReward, RewardTermConfig, make_reward
 
     with pytest.raises(ValueError, match="plain function and takes no args"):
         make_reward("exact_match", {"x": 1})
@@ -220,8 +220,8 @@ def _trajectories() -> list[Any]:
 
 
 def _score(rm: str, layout: str) -> list[float]:
-    from shardforge.algorithms import EngineConfig
-    from shardforge.algorithms.trainers.model_rewards import RewardModelConfig, RewardModelScorer
+    from shardforge.algorithms.trainers.rl.model_rewards import RewardModelConfig, RewardModelScorer
+    from shardforge.engine import EngineConfig
 
     scorer = RewardModelScorer(
         RewardModelConfig(path=rm), layout, EngineConfig(max_tokens_per_microbatch=16), vocab_size=_vocab(rm)
@@ -252,7 +252,7 @@ def test_reward_model_scores_are_the_hf_models_last_token_values(reward_model_di
 
 
 def test_a_causal_lm_is_refused_as_a_reward_model(reward_model_dir) -> None:
-    from shardforge.algorithms.trainers.model_rewards import check_reward_model_dir
+    from shardforge.algorithms.trainers.rl.model_rewards import check_reward_model_dir
 
     with pytest.raises(ValueError, match=r"no reward head \(score.weight\)"):
         check_reward_model_dir(reward_model_dir["policy"])

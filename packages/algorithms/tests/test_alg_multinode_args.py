@@ -8,8 +8,8 @@ import stat
 
 import pytest
 
-from shardforge.algorithms.cli import _parser, main
-from shardforge.algorithms.multinode import LaunchSpec, launch_spec, strip_launch_args
+from shardforge.algorithms.cli.main import _parser, main
+from shardforge.algorithms.launch.multinode import LaunchSpec, launch_spec, strip_launch_args
 
 
 @pytest.fixture(autouse=True)
@@ -142,7 +142,7 @@ def test_ray_launcher_places_nnodes_times_nproc_ranks_and_refuses_torchrun_only_
 
 
 def test_ray_rank_environment_is_torchruns():
-    from shardforge.algorithms.ray_launch import _rank_env
+    from shardforge.algorithms.launch.ray import _rank_env
 
     ips = ["10.0.0.1", "10.0.0.1", "10.0.0.2"]
     env = _rank_env(2, ips, ("10.0.0.1", 1234), gpu=False)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from shardforge.algorithms.objectives import (
+from shardforge.engine.objectives import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -22,8 +22,9 @@ from shardforge.algorithms.objectives import (
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
 )
-from shardforge.algorithms.rlvr import group_advantages
-from shardforge.algorithms.rollout import REWARD_FUNCTIONS, ROLLOUT_ENGINES, exact_match_reward, load_reward_fn
+from shardforge.engine.objectives.advantages import group_advantages
+from shardforge.rewards import REWARD_FUNCTIONS, exact_match_reward, load_reward_fn
+from shardforge.rollout import ROLLOUT_ENGINES
 
 
 def test_verl_names_are_registered() -> None:
@@ -89,7 +90,7 @@ def test_user_registered_and_import_path_estimators() -> None:
 
     rewards = torch.tensor([1.0, -2.0, 0.0, 3.0])
     assert torch.equal(group_advantages(rewards, 2, "test_sign"), torch.sign(rewards))
-    by_path = group_advantages(rewards, 2, "shardforge.algorithms.objectives.advantages:rloo_advantages")
+    by_path = group_advantages(rewards, 2, "shardforge.engine.objectives.advantages:rloo_advantages")
     assert torch.equal(by_path, group_advantages(rewards, 2, "rloo"))
     with pytest.raises(ValueError, match="'gae' needs a critic"):
         group_advantages(rewards, 2, "gae")
@@ -114,16 +115,13 @@ def test_importing_sft_or_the_package_imports_no_vllm_or_rollout_code() -> None:
     code = (
         "import shardforge.algorithms, shardforge.algorithms.trainers.sft, sys; "
         "print([m for m in sys.modules if 'vllm' in m]); "
-        "print([m for m in sys.modules if m.startswith('shardforge.algorithms.rollout')])"
+        "print([m for m in sys.modules if m.startswith('shardforge.rollout')])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines() == ["[]", "[]"]
 
 
 def test_rollout_package_does_not_import_vllm_modules() -> None:
-    code = (
-        "import shardforge.algorithms.rollout as r, sys; r.build_rollout_engine; "
-        "print([m for m in sys.modules if 'vllm' in m])"
-    )
+    code = "import shardforge.rollout as r, sys; r.build_rollout_engine; print([m for m in sys.modules if 'vllm' in m])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
-from shardforge.algorithms.engine.features.offload import move_optimizer_state
+from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
+from shardforge.engine.features.offload import move_optimizer_state
 
 VOCAB = 64
 

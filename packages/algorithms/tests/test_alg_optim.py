@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from shardforge.algorithms import OptimizerConfig, SchedulerConfig
-from shardforge.algorithms.engine.optim import build_optimizer, build_scheduler, fused_by_default, lr_factor
+from shardforge.engine import OptimizerConfig, SchedulerConfig
+from shardforge.engine.optim import build_optimizer, build_scheduler, fused_by_default, lr_factor
 
 
 def _model() -> nn.Module:

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.rlvr import load_prompts
-from shardforge.algorithms.rollout import Rollout, SamplingParams
-from shardforge.algorithms.rollout.partial_stats import staleness_metrics, token_staleness_counts
-from shardforge.algorithms.rollout.sources import AsyncRollouts
-from shardforge.algorithms.rollout.trajectory import Trajectory
+from shardforge.algorithms.data.prompts import load_prompts
+from shardforge.algorithms.trainers.rl.partial_stats import staleness_metrics, token_staleness_counts
+from shardforge.algorithms.trainers.rl.sources import AsyncRollouts
+from shardforge.rollout import Rollout, SamplingParams
+from shardforge.rollout.episodes.trajectory import Trajectory
 
 REWARDS = textwrap.dedent(
     """
@@ -55,7 +55,7 @@ def _teacher_logprobs(model: Any, r: Rollout, temperature: float) -> torch.Tenso
 def test_an_interrupted_generation_continues_under_the_new_weights(assets: dict[str, Any], tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from shardforge.algorithms.rollout import HFRolloutEngine
+    from shardforge.rollout import HFRolloutEngine
     from shardforge.weight_sync import DiskTransport, WeightPublisher
 
     tokenizer = assets["tokenizer"]
@@ -323,7 +323,7 @@ def test_grpo_with_partial_rollouts_two_ranks_match_world1(
 def _stats_on_rank(rollouts: list[list[Any]]) -> dict[str, float]:
     import torch.distributed as dist
 
-    from shardforge.algorithms.trainers.rl_partial import partial_rollout_stats
+    from shardforge.algorithms.trainers.rl.partial import partial_rollout_stats
 
     engine = type("Engine", (), {"dp_group": dist.group.WORLD, "device": torch.device("cpu")})()
     counts = token_staleness_counts(rollouts[dist.get_rank()], 3, {10: 0, 11: 1, 12: 2, 13: 3})
@@ -358,7 +358,7 @@ def test_partial_metrics_describe_every_ranks_share() -> None:
 def test_partial_rollout_settings_errors(
     assets: dict[str, Any], tmp_path: Path, overrides: dict[str, Any], match: str
 ) -> None:
-    from shardforge.algorithms.trainers.rl_partial import check_partial_rollouts
+    from shardforge.algorithms.trainers.rl.partial import check_partial_rollouts
 
     with pytest.raises(ValueError, match=match):
         check_partial_rollouts(_config(assets, tmp_path, **overrides))
@@ -391,7 +391,7 @@ class _RequestEngine:
         self.version, self.stop_after, self.calls = 1, stop_after, []  # type: ignore[var-annotated]
 
     def generate(self, prompts: list[list[int]], params: Any) -> list[Any]:
-        from shardforge.algorithms.rollout import Rollout
+        from shardforge.rollout import Rollout
 
         assert params.n == 1 and params.seeds is not None and len(params.seeds) == len(prompts)
         self.calls.append((len(prompts), params.max_new_tokens, params.seeds))
@@ -412,9 +412,9 @@ def test_chunked_requests_continue_from_the_returned_ids_under_new_weights() -> 
     after every chunk; a weight switch between chunks shows in the per-token versions and log-probs; finished
     responses leave; the first chunk samples from the response's own seed, a continuation from a seed of
     (that seed, tokens done)."""
-    from shardforge.algorithms.rollout import SamplingParams
-    from shardforge.algorithms.rollout.chunked import chunked_requests
-    from shardforge.algorithms.rollout.seeds import request_seed
+    from shardforge.rollout import SamplingParams
+    from shardforge.rollout.chunked import chunked_requests
+    from shardforge.rollout.seeds import request_seed
 
     engine = _RequestEngine({5: 3, 6: 7})
     switches = []

@@ -95,8 +95,8 @@ def test_ppo_runs_end_to_end_and_resumes(assets: dict[str, Any], tmp_path: Path)
 
 
 def test_ppo_critic_from_a_value_model_dir_and_errors(assets: dict[str, Any], tmp_path: Path) -> None:
-    from shardforge.algorithms import EngineConfig, TrainEngine
     from shardforge.algorithms.trainers.ppo import run_ppo
+    from shardforge.engine import EngineConfig, TrainEngine
 
     rm = TrainEngine(assets["model"], "d1", EngineConfig(head="value", seed=4))
     rm.export_hf(tmp_path / "rm")
@@ -109,10 +109,10 @@ def test_ppo_critic_from_a_value_model_dir_and_errors(assets: dict[str, Any], tm
 
 
 def test_prepare_ppo_batch_gae_and_whitening(assets: dict[str, Any]) -> None:
-    from shardforge.algorithms import EngineConfig, TrainEngine, pack_sequences
-    from shardforge.algorithms.batching import target_aligned_values
-    from shardforge.algorithms.objectives import gae_advantages, token_rewards
-    from shardforge.algorithms.trainers.ppo_update import prepare_ppo_batch
+    from shardforge.algorithms.trainers.rl.ppo_update import prepare_ppo_batch
+    from shardforge.engine import EngineConfig, TrainEngine, pack_sequences
+    from shardforge.engine.batching import target_aligned_values
+    from shardforge.engine.objectives import gae_advantages, token_rewards
 
     actor = TrainEngine(assets["model"], "d1")
     critic = TrainEngine(assets["model"], "d1", EngineConfig(head="value"))

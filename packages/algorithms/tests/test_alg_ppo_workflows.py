@@ -70,11 +70,13 @@ def test_rlvr_workflow_samples_what_the_plain_rollout_path_sampled(chat: dict[st
     """PPO used to call ``rollout.generate(prompts, n=group_size, seed)`` + ``rollouts_to_batch``; the
     rlvr workflow must give the same packed batch, behaviour log-probs and rewards (so the same steps)."""
     from shardforge.algorithms.data import GlobalBatchSampler
-    from shardforge.algorithms.rlvr import load_prompts, rollouts_to_batch
-    from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams, load_reward_fn, score_rollouts
-    from shardforge.algorithms.rollout.seeds import request_seed
-    from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, workflow_round_fn
-    from shardforge.algorithms.workflows import trajectories_to_batch
+    from shardforge.algorithms.data.prompts import load_prompts
+    from shardforge.algorithms.testing.reference import rollouts_to_batch, score_rollouts
+    from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
+    from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, workflow_round_fn
+    from shardforge.rewards import load_reward_fn
+    from shardforge.rollout import HFRolloutEngine, SamplingParams
+    from shardforge.rollout.seeds import request_seed
 
     config = _config(chat, tmp_path, **{"workflow.name": "rlvr", "workflow.chat_template": "false", "group_size": 3})
     tokenizer = chat["tokenizer"]
@@ -137,12 +139,12 @@ def test_gae_values_and_losses_only_on_generated_tokens(chat: dict[str, Any]) ->
     """A multi-turn trajectory: prepare_ppo_batch's advantages/returns/values are 0 on environment
     tokens, equal GAE over the generated tokens alone (changing the environment tokens' critic
     values changes nothing), and the actor's / critic's losses do not see environment tokens."""
-    from shardforge.algorithms import EngineConfig, TrainEngine
-    from shardforge.algorithms.objectives import PPOActorConfig, PPOActorLossFn, PPOCriticConfig, gae_advantages
-    from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_VALUES, RETURNS
-    from shardforge.algorithms.rollout.trajectory import Trajectory
-    from shardforge.algorithms.trainers.ppo_update import ShiftedCriticLossFn, prepare_ppo_batch
-    from shardforge.algorithms.workflows import trajectories_to_batch
+    from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
+    from shardforge.algorithms.trainers.rl.ppo_update import ShiftedCriticLossFn, prepare_ppo_batch
+    from shardforge.engine import EngineConfig, TrainEngine
+    from shardforge.engine.objectives import PPOActorConfig, PPOActorLossFn, PPOCriticConfig, gae_advantages
+    from shardforge.engine.objectives.loss_fns import ADVANTAGES, OLD_VALUES, RETURNS
+    from shardforge.rollout.episodes.trajectory import Trajectory
 
     def traj(ids: list[int], mask: list[int]) -> Trajectory:
         return Trajectory(group=0, token_ids=ids, loss_mask=mask, logprobs=[-1.0 * m for m in mask],
@@ -184,13 +186,13 @@ def test_rollout_correction_weights_the_ppo_actor_loss_as_the_reference(chat: di
     """A known mismatch (behaviour = old - noise): the actor's loss equals the float64 reference
     -sum(A_t w_t) / kept tokens (at ratio 1, no clipping), w from the formula written here; the
     critic's batch keeps every generated token; the metrics are reported."""
-    from shardforge.algorithms import EngineConfig, TrainEngine
-    from shardforge.algorithms.objectives import PPOActorConfig, PPOActorLossFn, RolloutCorrectionConfig
-    from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
-    from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS
-    from shardforge.algorithms.rollout.trajectory import Trajectory
-    from shardforge.algorithms.trainers.ppo_update import correct_actor_batch, prepare_ppo_batch
-    from shardforge.algorithms.workflows import trajectories_to_batch
+    from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
+    from shardforge.algorithms.trainers.rl.ppo_update import correct_actor_batch, prepare_ppo_batch
+    from shardforge.engine import EngineConfig, TrainEngine
+    from shardforge.engine.objectives import PPOActorConfig, PPOActorLossFn, RolloutCorrectionConfig
+    from shardforge.engine.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
+    from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
+    from shardforge.rollout.episodes.trajectory import Trajectory
 
     gen = torch.Generator().manual_seed(0)
     trajectories = []

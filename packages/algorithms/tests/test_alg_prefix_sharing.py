@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
-from shardforge.algorithms.batching import share_prefixes, unshare_outputs
-from shardforge.algorithms.objectives import PPOActorConfig, PPOActorLossFn, broadcast_to_tokens, grpo_advantages
+from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine, pack_sequences
+from shardforge.engine.batching import share_prefixes, unshare_outputs
+from shardforge.engine.objectives import PPOActorConfig, PPOActorLossFn, broadcast_to_tokens, grpo_advantages
 
 VOCAB = 48
 PROMPTS = [[1, 5, 9, 11, 7, 3, 8, 2, 6], [1, 4, 4, 10, 12, 13]]  # 9- and 6-token prompts
@@ -129,8 +129,8 @@ def test_value_head_and_micro_batches_share_within_each_micro_batch() -> None:
 def test_share_prefixes_true_is_refused_where_unsupported() -> None:
     from types import SimpleNamespace
 
-    from shardforge.algorithms.engine.features.prefix_sharing import prefix_sharing_blockers, use_prefix_sharing
-    from shardforge.algorithms.engine.heads import LMHead
+    from shardforge.engine.features.prefix_sharing import prefix_sharing_blockers, use_prefix_sharing
+    from shardforge.engine.heads import LMHead
 
     dims = SimpleNamespace(cp=2, pp=1)
     ctx = SimpleNamespace(dims=dims, config=EngineConfig(share_prefixes=True), device=torch.device("cpu"))

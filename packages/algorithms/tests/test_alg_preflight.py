@@ -7,9 +7,9 @@ import json
 import pytest
 from transformers import Qwen3Config
 
-from shardforge.algorithms import preflight as preflight_module
+from shardforge.algorithms.cli import preflight as preflight_module
+from shardforge.algorithms.cli.preflight import needs_model_config, preflight
 from shardforge.algorithms.config_io import build_config
-from shardforge.algorithms.preflight import needs_model_config, preflight
 from shardforge.algorithms.trainers.sft import SFTConfig
 from shardforge.mesh import ParallelDims
 

@@ -13,7 +13,7 @@ import pytest
 
 from shardforge.algorithms.config_io import apply_overrides, build_config
 from shardforge.algorithms.trainers import TRAINERS
-from shardforge.algorithms.trainers.profiling import PHASES, phase
+from shardforge.algorithms.trainers.run.profiling import PHASES, phase
 
 REWARD_MODULE = textwrap.dedent(
     """

@@ -46,10 +46,10 @@ def _length_reward(prompt: str, response: str, reference: str) -> float:
 def test_remax_baseline_is_the_reward_of_each_prompts_greedy_response(assets: dict[str, Any], tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from shardforge.algorithms.objectives.rewards import shape_rewards
-    from shardforge.algorithms.rlvr import load_prompts
-    from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams
-    from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, workflow_round_fn
+    from shardforge.algorithms.data.prompts import load_prompts
+    from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, workflow_round_fn
+    from shardforge.engine.objectives.rewards import shape_rewards
+    from shardforge.rollout import HFRolloutEngine, SamplingParams
 
     config = _grpo(assets, tmp_path, **{"reward_shaping.scale": 0.5})
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from shardforge.algorithms.rollout import Rollout, SamplingParams
-from shardforge.algorithms.rollout.ray_reward import RayPooledReward, RewardActor, reward_actor_names
-from shardforge.algorithms.rollout.reward_batch import score_outcomes
-from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
-from shardforge.algorithms.workflows import PromptRow, WorkflowConfig, build_workflow, run_episodes
-from shardforge.algorithms.workflows.base import new_trajectory, score
+from shardforge.rewards.batch import score_outcomes
+from shardforge.rewards.guarded import GuardedReward, RewardConfig
+from shardforge.rewards.ray_pool import RayPooledReward, RewardActor, reward_actor_names
+from shardforge.rollout import Rollout, SamplingParams
+from shardforge.rollout.workflows import PromptRow, WorkflowConfig, build_workflow, run_episodes
+from shardforge.rollout.workflows.base import new_trajectory, score
 
 
 class CharTokenizer:

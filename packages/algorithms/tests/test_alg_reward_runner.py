@@ -33,7 +33,7 @@ def _flaky(prompt: str, response: str, reference: str) -> float:
 
 
 def test_failures_timeouts_and_nonfinite_values_score_zero_and_are_counted() -> None:
-    from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
+    from shardforge.rewards.guarded import GuardedReward, RewardConfig
 
     reward = GuardedReward(_flaky, RewardConfig(timeout_s=0.3, max_concurrency=4))
     items = [("ok", "1", "1"), ("raise", "1", "1"), ("hang", "1", "1"), ("nan", "1", "1"), ("ok", "2", "1")]
@@ -53,7 +53,7 @@ def test_failures_timeouts_and_nonfinite_values_score_zero_and_are_counted() -> 
      ("nan", r"returned nan for prompt 'nan'.*finite")],
 )  # fmt: skip
 def test_on_error_raise_names_the_prompt_and_the_fix(prompt: str, message: str) -> None:
-    from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig, RewardError
+    from shardforge.rewards.guarded import GuardedReward, RewardConfig, RewardError
 
     reward = GuardedReward(_flaky, RewardConfig(timeout_s=0.2, on_error="raise"))
     with pytest.raises(RewardError, match=message) as info:
@@ -62,7 +62,7 @@ def test_on_error_raise_names_the_prompt_and_the_fix(prompt: str, message: str) 
 
 
 def test_batches_run_concurrently_up_to_the_limit() -> None:
-    from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
+    from shardforge.rewards.guarded import GuardedReward, RewardConfig
 
     running, peak, lock = [0], [0], threading.Lock()
 
@@ -84,7 +84,7 @@ def test_batches_run_concurrently_up_to_the_limit() -> None:
 
 
 def test_async_reward_functions_are_awaited() -> None:
-    from shardforge.algorithms.rollout.reward_runner import GuardedReward
+    from shardforge.rewards.guarded import GuardedReward
 
     async def judge(prompt: str, response: str, reference: str) -> float:
         return 0.5 if response else 0.0
@@ -97,7 +97,7 @@ def test_a_reward_that_never_returns_does_not_block_interpreter_exit(tmp_path: P
     script.write_text(
         textwrap.dedent("""
         import time
-        from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
+        from shardforge.rewards.guarded import GuardedReward, RewardConfig
         reward = GuardedReward(lambda p, r, x: time.sleep(3600), RewardConfig(timeout_s=0.1))
         print(reward("p", "r", "x"))
     """)
@@ -109,7 +109,7 @@ def test_a_reward_that_never_returns_does_not_block_interpreter_exit(tmp_path: P
 
 
 def test_bad_settings_are_refused() -> None:
-    from shardforge.algorithms.rollout.reward_runner import RewardConfig
+    from shardforge.rewards.guarded import RewardConfig
 
     with pytest.raises(ValueError, match="timeout_s=0 must be > 0"):
         RewardConfig(timeout_s=0)
@@ -155,9 +155,9 @@ def test_reward_shaping_is_reachable_from_the_rl_config_and_applies_after_sampli
     import torch
 
     from shardforge.algorithms.config_io import build_config
-    from shardforge.algorithms.objectives import overlong_penalty
     from shardforge.algorithms.trainers.grpo import GRPOConfig
-    from shardforge.algorithms.trainers.rl_sampling import make_sample_fn
+    from shardforge.algorithms.trainers.rl.sampling import make_sample_fn
+    from shardforge.engine.objectives import overlong_penalty
 
     base = {"model": "m", "train_file": "t", "output_dir": str(tmp_path), "group_size": 2, "prompts_per_step": 2}
     lengths = [1, 3, 5, 8]  # generated tokens of each trajectory (prompt tokens have mask 0)

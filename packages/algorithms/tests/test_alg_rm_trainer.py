@@ -67,10 +67,10 @@ def _records(out: Path, split: str) -> list[dict[str, Any]]:
 
 
 def test_bradley_terry_through_the_engine_matches_the_pure_loss(assets: dict[str, Any]) -> None:
-    from shardforge.algorithms import EngineConfig, TrainEngine
     from shardforge.algorithms.data import load_pairs, pack_pairs
-    from shardforge.algorithms.objectives import bradley_terry_loss, last_token_scores, summarize_stats
     from shardforge.algorithms.trainers.rm import BradleyTerryLossFn
+    from shardforge.engine import EngineConfig, TrainEngine
+    from shardforge.engine.objectives import bradley_terry_loss, last_token_scores, summarize_stats
 
     pairs = load_pairs(assets["eval"], assets["tokenizer"])
     tok = assets["tokenizer"]
@@ -136,9 +136,9 @@ def _rm_steps(model_dir: str, pairs_file: str, layout: str) -> dict[str, Any]:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
     from shardforge.algorithms.data import load_pairs, pack_pairs
     from shardforge.algorithms.trainers.rm import BradleyTerryLossFn
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
     pairs = load_pairs(pairs_file, AutoTokenizer.from_pretrained(model_dir))[:12]
     config = EngineConfig(head="value", max_tokens_per_microbatch=40, optimizer=OptimizerConfig(lr=1e-2, eps=1e-6))

@@ -29,7 +29,7 @@ def _single_process(monkeypatch):
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, make_addition_data
+    from shardforge.algorithms.testing.tiny import build_char_tokenizer, make_addition_data
 
     root = tmp_path_factory.mktemp("router_replay")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -63,12 +63,13 @@ def _sampled_batch(assets: dict[str, str], rollout_dir: str) -> Any:
     """Trajectories of 6 prompts x 2 samples from an HF engine that records routing, packed."""
     from transformers import AutoTokenizer
 
-    from shardforge.algorithms.rlvr import load_prompts
-    from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams
-    from shardforge.algorithms.workflows import WorkflowConfig, trajectories_to_batch
-    from shardforge.algorithms.workflows.base import PromptRow
-    from shardforge.algorithms.workflows.rlvr import RLVRWorkflow
-    from shardforge.algorithms.workflows.runner import run_episodes
+    from shardforge.algorithms.data.prompts import load_prompts
+    from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
+    from shardforge.rollout import HFRolloutEngine, SamplingParams
+    from shardforge.rollout.workflows import WorkflowConfig
+    from shardforge.rollout.workflows.base import PromptRow
+    from shardforge.rollout.workflows.rlvr import RLVRWorkflow
+    from shardforge.rollout.workflows.runner import run_episodes
 
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
     prompts = load_prompts(assets["train"], tokenizer)
@@ -83,7 +84,7 @@ def _sampled_batch(assets: dict[str, str], rollout_dir: str) -> Any:
 
 
 def test_trajectories_carry_the_engines_routing_into_the_batch(assets: dict[str, str]) -> None:
-    from shardforge.algorithms.engine.features.router_replay import ROUTED_EXPERTS
+    from shardforge.engine.features.router_replay import ROUTED_EXPERTS
 
     trajectories, batch = _sampled_batch(assets, assets["model"])
     experts = batch.extras[ROUTED_EXPERTS]
@@ -95,7 +96,7 @@ def test_trajectories_carry_the_engines_routing_into_the_batch(assets: dict[str,
         assert (mine[:-1] >= 0).all() and (mine < 8).all()  # every token the engine ran was routed
     # The recorded prompt routing is what a plain forward of the same model routes (same weights; a tie
     # flipped by a different summation order would be rare: allow 2% of rows).
-    from shardforge.algorithms import EngineConfig, PackedBatch, TrainEngine
+    from shardforge.engine import EngineConfig, PackedBatch, TrainEngine
 
     engine = TrainEngine(assets["model"], "d1", EngineConfig(router_replay=True, max_tokens_per_microbatch=4096))
     assert engine.runner.replay is not None
@@ -112,15 +113,15 @@ def test_trajectories_carry_the_engines_routing_into_the_batch(assets: dict[str,
 
 
 def _gap(engine: Any, batch: Any) -> float:
-    from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS
+    from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
 
     mask = batch.loss_mask != 0
     return float((engine.forward(batch) - batch.extras[BEHAVIOUR_LOGPROBS])[mask].abs().mean())
 
 
 def test_replay_routes_as_the_engine_did_and_shrinks_the_logprob_gap(assets: dict[str, str]) -> None:
-    from shardforge.algorithms import EngineConfig, TrainEngine
-    from shardforge.algorithms.engine.features.router_replay import ROUTED_EXPERTS
+    from shardforge.engine import EngineConfig, TrainEngine
+    from shardforge.engine.features.router_replay import ROUTED_EXPERTS
 
     _, batch = _sampled_batch(assets, assets["rollout"])  # the engine's routers are perturbed
     experts = batch.extras[ROUTED_EXPERTS]
@@ -144,7 +145,7 @@ def test_replay_routes_as_the_engine_did_and_shrinks_the_logprob_gap(assets: dic
 
 
 def _ep2_routing(model: str, batch: Any) -> dict[str, Any]:
-    from shardforge.algorithms import EngineConfig, TrainEngine
+    from shardforge.engine import EngineConfig, TrainEngine
 
     engine = TrainEngine(model, "d2e2", EngineConfig(router_replay=True, max_tokens_per_microbatch=4096))
     with engine.runner.replay.record() as seen:
@@ -153,7 +154,7 @@ def _ep2_routing(model: str, batch: Any) -> dict[str, Any]:
 
 
 def test_replay_under_expert_parallel_2_routes_token_for_token(assets: dict[str, str]) -> None:
-    from shardforge.algorithms.engine.features.router_replay import ROUTED_EXPERTS
+    from shardforge.engine.features.router_replay import ROUTED_EXPERTS
 
     _, batch = _sampled_batch(assets, assets["rollout"])
     experts = batch.extras[ROUTED_EXPERTS]
@@ -187,8 +188,8 @@ def test_grpo_runs_with_router_replay_and_refuses_what_it_cannot_replay(assets: 
     with pytest.raises(ValueError, match="router_replay replays MoE routing"):
         run_grpo(config(model=dense["model"]))
     with pytest.raises(ValueError, match="not with cp=2"):
-        from shardforge.algorithms import EngineConfig
-        from shardforge.algorithms.engine.checks import check_features
+        from shardforge.engine import EngineConfig
+        from shardforge.engine.checks import check_features
         from shardforge.mesh import ParallelDims
 
         check_features(ParallelDims.parse("c2"), EngineConfig(router_replay=True))

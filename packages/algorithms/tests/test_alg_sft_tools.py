@@ -14,7 +14,7 @@ import pytest
 from shardforge.algorithms.config_io import build_config
 from shardforge.algorithms.data import load_sft_examples, tokenize_sft_row
 from shardforge.algorithms.trainers.sft import SFTConfig, run_sft
-from shardforge.algorithms.workflows.tools import calculator, tool_schema
+from shardforge.rollout.workflows.tools import calculator, tool_schema
 
 TOOLS = [tool_schema(calculator)]
 

@@ -17,8 +17,8 @@ import sys
 import pytest
 import yaml
 
-from shardforge.algorithms.startup_gc import end_startup_gc, paused_gc
 from shardforge.algorithms.testing import tiny_assets
+from shardforge.algorithms.trainers.run.startup_gc import end_startup_gc, paused_gc
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ for name in seen:
         seen[_name].append([gc.isenabled(), gc.get_freeze_count() > 0])
         return _original(self, *args)
     setattr(SFTTrainer, name, wrapped)
-from shardforge.algorithms.cli import main
+from shardforge.algorithms.cli.main import main
 rc = main(sys.argv[1:])
 print(json.dumps({"rc": rc, "after": [gc.isenabled(), gc.get_freeze_count()], **seen}))
 """

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from shardforge.algorithms.threads import default_threads, set_process_threads
+from shardforge.algorithms.trainers.run.threads import default_threads, set_process_threads
 
 
 def test_default_threads_takes_the_free_cores() -> None:
@@ -27,13 +27,13 @@ def test_set_process_threads_logs_one_line_and_honours_the_environment(
     try:
         monkeypatch.delenv("SHARDFORGE_THREADS", raising=False)
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        with caplog.at_level(logging.INFO, logger="shardforge.algorithms.threads"):
+        with caplog.at_level(logging.INFO, logger="shardforge.algorithms.trainers.run.threads"):
             line = set_process_threads(1)
         assert line == "torch threads: 1 (from OMP_NUM_THREADS; set OMP_NUM_THREADS to choose)"
         assert [r.getMessage() for r in caplog.records] == [line]
         monkeypatch.delenv("OMP_NUM_THREADS")
         assert set_process_threads(2).startswith("torch threads: 1 (2 processes on this machine")
-        monkeypatch.setattr("shardforge.algorithms.threads._load", lambda: 5.0)
+        monkeypatch.setattr("shardforge.algorithms.trainers.run.threads._load", lambda: 5.0)
         assert set_process_threads(1).startswith("torch threads: 1 (")
         assert torch.get_num_threads() == 1
     finally:

@@ -32,7 +32,7 @@ def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _engine(source: Any, layout: str = "d1", budget: int = 4096, lr: float = 1e-2) -> Any:
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
     config = EngineConfig(
         head="value", max_tokens_per_microbatch=budget, seed=3, optimizer=OptimizerConfig(lr=lr, eps=1e-6)
@@ -49,7 +49,7 @@ def _hf_values(model: Any, seqs: list[list[int]]) -> torch.Tensor:
 def test_values_match_hf_token_classification_and_export_round_trips(lm_dir: str, tmp_path: Path) -> None:
     from transformers import AutoModelForTokenClassification
 
-    from shardforge.algorithms import pack_sequences
+    from shardforge.engine import pack_sequences
 
     batch = pack_sequences(SEQS)
     engine = _engine(lm_dir, budget=12)  # several micro-batches: order and packing must not matter
@@ -70,8 +70,8 @@ def test_values_match_hf_token_classification_and_export_round_trips(lm_dir: str
 
 
 def test_value_engine_errors(lm_dir: str) -> None:
-    from shardforge.algorithms import EngineConfig, TrainEngine, pack_sequences
-    from shardforge.algorithms.objectives import PPOActorLossFn
+    from shardforge.engine import EngineConfig, TrainEngine, pack_sequences
+    from shardforge.engine.objectives import PPOActorLossFn
 
     with pytest.raises(ValueError, match="unknown engine head 'critic'"):
         EngineConfig(head="critic")  # type: ignore[arg-type]
@@ -84,8 +84,8 @@ def test_value_engine_errors(lm_dir: str) -> None:
 
 
 def test_sequence_groups_stay_in_one_microbatch() -> None:
-    from shardforge.algorithms import pack_sequences
-    from shardforge.algorithms.batching import SEQUENCE_GROUP, grouped_microbatches
+    from shardforge.engine import pack_sequences
+    from shardforge.engine.batching import SEQUENCE_GROUP, grouped_microbatches
 
     batch = pack_sequences(SEQS)  # lengths 5, 7, 3, 8, 3
     batch.extras[SEQUENCE_GROUP] = torch.tensor([0, 0, 1, 1, 2])
@@ -104,10 +104,10 @@ def test_sequence_groups_stay_in_one_microbatch() -> None:
 
 
 def _critic_batch(engine: Any) -> Any:
-    from shardforge.algorithms import pack_sequences
-    from shardforge.algorithms.batching import target_aligned_values
-    from shardforge.algorithms.objectives import gae_advantages, token_rewards
-    from shardforge.algorithms.objectives.loss_fns import OLD_VALUES, RETURNS
+    from shardforge.engine import pack_sequences
+    from shardforge.engine.batching import target_aligned_values
+    from shardforge.engine.objectives import gae_advantages, token_rewards
+    from shardforge.engine.objectives.loss_fns import OLD_VALUES, RETURNS
 
     masks = [[float(t >= 2) for t in range(len(s))] for s in SEQS]
     batch = pack_sequences(SEQS, masks)
@@ -121,8 +121,8 @@ def _critic_batch(engine: Any) -> Any:
 def _critic_steps(lm_dir: str, layout: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardforge.algorithms.objectives import PPOCriticConfig, summarize_stats
-    from shardforge.algorithms.trainers.ppo_update import ShiftedCriticLossFn, dp_reduce_stats
+    from shardforge.algorithms.trainers.rl.ppo_update import ShiftedCriticLossFn, dp_reduce_stats
+    from shardforge.engine.objectives import PPOCriticConfig, summarize_stats
 
     engine = _engine(lm_dir, layout, budget=16)
     batch = _critic_batch(engine)

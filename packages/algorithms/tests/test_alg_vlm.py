@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.testing_vlm import vlm_sft_steps
+from shardforge.algorithms.testing.vlm import vlm_sft_steps
 from shardforge.mesh.testing import get_rank_pool
 
 
@@ -21,7 +21,7 @@ def _single_process(monkeypatch):
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.testing_vlm import tiny_vlm_assets
+    from shardforge.algorithms.testing.vlm import tiny_vlm_assets
 
     return tiny_vlm_assets(tmp_path_factory.mktemp("vlm"), seed=0, num_train=6, num_eval=2)
 
@@ -29,7 +29,7 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def sharp_vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Larger initial weights: outputs depend visibly on positions and images (see tiny_qwen2_5_vl_config)."""
-    from shardforge.algorithms.testing_vlm import tiny_vlm_assets
+    from shardforge.algorithms.testing.vlm import tiny_vlm_assets
 
     return tiny_vlm_assets(tmp_path_factory.mktemp("vlm_sharp"), seed=1, num_train=4, num_eval=1, initializer_range=0.2)
 
@@ -66,8 +66,8 @@ def test_assets_load_with_hf_auto_classes(vlm: dict[str, Any]) -> None:
 def test_packed_forward_equals_each_sample_alone(sharp_vlm: dict[str, Any]) -> None:
     from transformers import AutoModelForImageTextToText
 
-    from shardforge.algorithms import EngineConfig, TrainEngine
     from shardforge.algorithms.data.vlm import pack_vlm_examples
+    from shardforge.engine import EngineConfig, TrainEngine
 
     examples = _examples(sharp_vlm)[:4]
     engine = TrainEngine(sharp_vlm["model"], "d1", EngineConfig())
@@ -114,8 +114,8 @@ def test_vlm_sft_world1_matches_fsdp2(vlm: dict[str, Any], freeze: tuple[str, ..
 def _mixed_steps(model_dir: str, train: str, layout: str) -> list[float]:
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
     from shardforge.algorithms.data.vlm import load_vlm_examples, pack_vlm_examples, tokenize_vlm_row
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     processor = AutoImageProcessor.from_pretrained(model_dir)

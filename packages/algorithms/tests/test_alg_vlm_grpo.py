@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.testing_vlm import vlm_grpo_steps
+from shardforge.algorithms.testing.vlm import vlm_grpo_steps
 from shardforge.mesh.testing import get_rank_pool
 
 
@@ -23,7 +23,7 @@ def _single_process(monkeypatch):
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.testing_vlm import tiny_vlm_assets
+    from shardforge.algorithms.testing.vlm import tiny_vlm_assets
 
     return tiny_vlm_assets(tmp_path_factory.mktemp("vlm_grpo"), seed=0, num_train=4, num_eval=2)
 
@@ -31,7 +31,7 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def _prompts(assets: dict[str, Any], split: str = "train") -> Any:
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    from shardforge.algorithms.rlvr import load_image_prompts
+    from shardforge.algorithms.data.prompts import load_image_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
     processor = AutoImageProcessor.from_pretrained(assets["model"])
@@ -40,14 +40,15 @@ def _prompts(assets: dict[str, Any], split: str = "train") -> Any:
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_trainer_logprobs_equal_the_engines_behaviour_logprobs(tmp_path: Path, family: str) -> None:
-    from shardforge.algorithms import EngineConfig, TrainEngine
-    from shardforge.algorithms.batching.visual import VLM_PIXELS
-    from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS
-    from shardforge.algorithms.rollout import SamplingParams
-    from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
-    from shardforge.algorithms.testing_vlm import colour_overlap_reward, tiny_vlm_assets
-    from shardforge.algorithms.workflows import PromptRow, WorkflowConfig, run_episodes, trajectories_to_batch
-    from shardforge.algorithms.workflows.rlvr import RLVRWorkflow
+    from shardforge.algorithms.testing.vlm import colour_overlap_reward, tiny_vlm_assets
+    from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
+    from shardforge.engine import EngineConfig, TrainEngine
+    from shardforge.engine.batching.visual import VLM_PIXELS
+    from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
+    from shardforge.rollout import SamplingParams
+    from shardforge.rollout.hf.engine import HFRolloutEngine
+    from shardforge.rollout.workflows import PromptRow, WorkflowConfig, run_episodes
+    from shardforge.rollout.workflows.rlvr import RLVRWorkflow
 
     # Sharp initial weights: outputs depend visibly on positions and images (see tiny_qwen2_5_vl_config).
     assets = tiny_vlm_assets(tmp_path, seed=1, num_train=4, num_eval=1, initializer_range=0.2, family=family)
@@ -102,7 +103,7 @@ def test_vlm_grpo_world1_matches_fsdp2(vlm: dict[str, Any]) -> None:
 def test_vlm_grpo_world1_matches_cp2_and_tp2(tmp_path: Path, layout: str, family: str) -> None:
     """GRPO with image prompts under Ulysses CP 2 (Qwen3-VL, DeepStack) and TP 2 with sequence parallelism
     (Qwen2.5-VL) vs one process: the same rollouts, trainer-vs-engine gaps, losses and weights."""
-    from shardforge.algorithms.testing_vlm import tiny_vlm_assets
+    from shardforge.algorithms.testing.vlm import tiny_vlm_assets
 
     assets = tiny_vlm_assets(tmp_path, seed=0, num_train=4, num_eval=1, family=family, vocab_size=112)
     single = vlm_grpo_steps(assets["model"], str(assets["train"]), "d1")
@@ -119,12 +120,13 @@ def test_vlm_grpo_world1_matches_cp2_and_tp2(tmp_path: Path, layout: str, family
 def test_multi_turn_episodes_keep_the_images_in_every_turn(vlm: dict[str, Any]) -> None:
     """multi_turn (chat template, feedback turns): every turn generates with the prompt's images and the
     trainer scores the whole episode as the engine sampled it."""
-    from shardforge.algorithms import EngineConfig, TrainEngine
-    from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS
-    from shardforge.algorithms.rollout import SamplingParams
-    from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
-    from shardforge.algorithms.workflows import PromptRow, WorkflowConfig, run_episodes, trajectories_to_batch
-    from shardforge.algorithms.workflows.multi_turn import MultiTurnWorkflow
+    from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
+    from shardforge.engine import EngineConfig, TrainEngine
+    from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
+    from shardforge.rollout import SamplingParams
+    from shardforge.rollout.hf.engine import HFRolloutEngine
+    from shardforge.rollout.workflows import PromptRow, WorkflowConfig, run_episodes
+    from shardforge.rollout.workflows.multi_turn import MultiTurnWorkflow
 
     prompts, tokenizer = _prompts(vlm)
     rows = [
@@ -146,11 +148,11 @@ def test_multi_turn_episodes_keep_the_images_in_every_turn(vlm: dict[str, Any]) 
 
 def test_unsupported_image_prompt_settings_are_refused(vlm: dict[str, Any], tmp_path: Path) -> None:
     from shardforge.algorithms.config_io import apply_overrides, build_config
-    from shardforge.algorithms.rollout import SamplingParams
-    from shardforge.algorithms.rollout.types import generate_rollouts
     from shardforge.algorithms.trainers.grpo import GRPOConfig
     from shardforge.algorithms.trainers.ppo import PPOConfig, _validate
-    from shardforge.algorithms.trainers.rl_common import check_rollout_batch
+    from shardforge.algorithms.trainers.rl.common import check_rollout_batch
+    from shardforge.rollout import SamplingParams
+    from shardforge.rollout.types import generate_rollouts
 
     prompts, _ = _prompts(vlm)
     base = {"model": vlm["model"], "train_file": str(vlm["train"]), "output_dir": str(tmp_path), "prompts_per_step": 2}
@@ -180,8 +182,8 @@ def test_unsupported_image_prompt_settings_are_refused(vlm: dict[str, Any], tmp_
 def test_engine_never_samples_the_image_placeholder(vlm: dict[str, Any]) -> None:
     """A sampled image token would reach the trainer as an image without pixels: the engine suppresses it,
     and its behaviour log-probs stay those of the full softmax (what the trainer computes)."""
-    from shardforge.algorithms.rollout import SamplingParams
-    from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
+    from shardforge.rollout import SamplingParams
+    from shardforge.rollout.hf.engine import HFRolloutEngine
 
     prompts, tokenizer = _prompts(vlm)
     rollout = HFRolloutEngine(vlm["model"], tokenizer)
@@ -201,8 +203,8 @@ def test_engine_never_samples_the_image_placeholder(vlm: dict[str, Any]) -> None
 
 def test_image_rows_sample_from_their_own_seeds(vlm: dict[str, Any]) -> None:
     """Per-request seeds with image prompts: an image row samples the same alone as in a batch with other rows."""
-    from shardforge.algorithms.rollout import SamplingParams
-    from shardforge.algorithms.rollout.hf_engine import HFRolloutEngine
+    from shardforge.rollout import SamplingParams
+    from shardforge.rollout.hf.engine import HFRolloutEngine
 
     prompts, tokenizer = _prompts(vlm)
     engine = HFRolloutEngine(vlm["model"], tokenizer)
@@ -226,8 +228,8 @@ def test_image_prompt_rows_and_trajectory_state(vlm: dict[str, Any], tmp_path: P
 
     from transformers import AutoImageProcessor
 
-    from shardforge.algorithms.rlvr import load_image_prompts
-    from shardforge.algorithms.rollout.trajectory import Trajectory
+    from shardforge.algorithms.data.prompts import load_image_prompts
+    from shardforge.rollout.episodes.trajectory import Trajectory
 
     prompts, tokenizer = _prompts(vlm)
     rows = [json.loads(line) for line in Path(vlm["train"]).read_text().splitlines()]
@@ -264,7 +266,7 @@ def test_grpo_trainer_runs_on_image_rows_and_exports_the_image_processor(vlm: di
         "model": vlm["model"], "train_file": str(vlm["train"]), "eval_file": str(vlm["eval"]),
         "output_dir": str(tmp_path), "layout": "d1", "steps": 1, "prompts_per_step": 2, "group_size": 2,
         "max_new_tokens": 4, "progress": False, "save_every": 0, "resume": "never",
-        "reward_fn": "shardforge.algorithms.testing_vlm:colour_overlap_reward",
+        "reward_fn": "shardforge.algorithms.testing.vlm:colour_overlap_reward",
         "engine": {"max_tokens_per_microbatch": 256, "optimizer": {"lr": 3e-3}},
     }  # fmt: skip
     summary = run_grpo(build_config(GRPOConfig, apply_overrides(data, [])))

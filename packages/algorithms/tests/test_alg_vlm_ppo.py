@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.testing_vlm_ppo import vlm_ppo_steps
+from shardforge.algorithms.testing.vlm_ppo import vlm_ppo_steps
 from shardforge.mesh.testing import get_rank_pool
 
 
@@ -20,7 +20,7 @@ def _single_process(monkeypatch):
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.testing_vlm import tiny_vlm_assets
+    from shardforge.algorithms.testing.vlm import tiny_vlm_assets
 
     return tiny_vlm_assets(tmp_path_factory.mktemp("vlm_ppo"), seed=0, num_train=4, num_eval=2)
 
@@ -74,7 +74,7 @@ def test_ppo_trainer_runs_on_image_rows(vlm: dict[str, Any], tmp_path: Any) -> N
         "model": vlm["model"], "train_file": str(vlm["train"]), "eval_file": str(vlm["eval"]),
         "output_dir": str(tmp_path), "layout": "d1", "steps": 1, "prompts_per_step": 2, "group_size": 2,
         "max_new_tokens": 4, "progress": False, "save_every": 0, "resume": "never", "kl_coef": 0.0,
-        "reward_fn": "shardforge.algorithms.testing_vlm:colour_overlap_reward",
+        "reward_fn": "shardforge.algorithms.testing.vlm:colour_overlap_reward",
         "engine": {"max_tokens_per_microbatch": 256, "optimizer": {"lr": 3e-3}},
         "critic_engine": {"max_tokens_per_microbatch": 256, "freeze_module_prefix": ["model.visual"]},
     }  # fmt: skip

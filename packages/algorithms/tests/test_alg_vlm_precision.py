@@ -20,7 +20,7 @@ def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.testing_vlm import tiny_vlm_assets
+    from shardforge.algorithms.testing.vlm import tiny_vlm_assets
 
     return tiny_vlm_assets(tmp_path_factory.mktemp("vlm_mp"), seed=0, num_train=4, num_eval=1)
 
@@ -28,9 +28,9 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def _steps(model_dir: str, train: str, compute_dtype: str | None) -> dict[str, Any]:
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
     from shardforge.algorithms.data.vlm import load_vlm_examples, pack_vlm_examples
-    from shardforge.algorithms.engine.vision import vision_tower
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
+    from shardforge.engine.vision import vision_tower
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     examples = load_vlm_examples(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.testing_vlm import vlm_sft_steps
+from shardforge.algorithms.testing.vlm import vlm_sft_steps
 from shardforge.mesh.testing import get_rank_pool
 
 
@@ -24,7 +24,7 @@ def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Larger initial weights (outputs depend visibly on positions and images), as the Qwen2.5-VL parity tests."""
-    from shardforge.algorithms.testing_vlm import tiny_vlm_assets
+    from shardforge.algorithms.testing.vlm import tiny_vlm_assets
 
     return tiny_vlm_assets(
         tmp_path_factory.mktemp("qwen3_vl"), seed=2, num_train=8, num_eval=3, initializer_range=0.2, family="qwen3_vl"
@@ -34,8 +34,8 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_packed_forward_equals_each_sample_alone(vlm: dict[str, Any]) -> None:
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-    from shardforge.algorithms import EngineConfig, TrainEngine
     from shardforge.algorithms.data.vlm import load_vlm_examples, pack_vlm_examples
+    from shardforge.engine import EngineConfig, TrainEngine
 
     processor = AutoImageProcessor.from_pretrained(vlm["model"])
     tokenizer = AutoTokenizer.from_pretrained(vlm["model"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from shardforge.algorithms.cli import main
+from shardforge.algorithms.cli.main import main
 from shardforge.algorithms.loggers import read_metrics
 
 
@@ -28,7 +28,7 @@ def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 def vlm(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
     """Larger initial weights, so greedy tokens differ clearly between candidates (see tiny_qwen2_5_vl_config);
     Qwen2.5-VL unless a test asks for another family (``indirect`` parametrization)."""
-    from shardforge.algorithms.testing_vlm import tiny_vlm_assets
+    from shardforge.algorithms.testing.vlm import tiny_vlm_assets
 
     family = getattr(request, "param", "qwen2_5_vl")
     return tiny_vlm_assets(
@@ -94,7 +94,6 @@ def _engine_greedy(engine: Any, prompt: Any, max_new_tokens: int, eos: int) -> t
 def test_export_generates_the_engines_greedy_tokens(tmp_path: Path, vlm: dict[str, Any]) -> None:
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    from shardforge.algorithms import EngineConfig, OptimizerConfig, TrainEngine
     from shardforge.algorithms.data.vlm import (
         encode_vlm_prompt,
         load_image_processor,
@@ -102,6 +101,7 @@ def test_export_generates_the_engines_greedy_tokens(tmp_path: Path, vlm: dict[st
         pack_vlm_examples,
     )  # fmt: skip
     from shardforge.algorithms.demos.demo_vlm import greedy_vlm_ids
+    from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
 
     tokenizer, processor = vlm["tokenizer"], vlm["image_processor"]
     examples = load_vlm_examples(vlm["train"], tokenizer, processor, image_token="<|image_pad|>")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from shardforge.algorithms.testing_vlm import check_vlm_parity, vlm_tp_steps
+from shardforge.algorithms.testing.vlm import check_vlm_parity, vlm_tp_steps
 from shardforge.mesh.testing import get_rank_pool
 
 
@@ -23,7 +23,7 @@ def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _assets(root: Any, family: str) -> dict[str, Any]:
-    from shardforge.algorithms.testing_vlm import tiny_vlm_assets
+    from shardforge.algorithms.testing.vlm import tiny_vlm_assets
 
     # vocab 112 (the tokenizer has 105 tokens): tp=2 splits the embedding and the LM head.
     return tiny_vlm_assets(root, seed=1, num_train=4, num_eval=1, family=family, vocab_size=112)
@@ -56,9 +56,9 @@ def test_vlm_ulysses_cp2_matches_one_process(tmp_path: Any) -> None:
 
 
 def test_vlm_layout_refusals() -> None:
-    from shardforge.algorithms.engine.checks import check_engine
-    from shardforge.algorithms.engine.config import EngineConfig
-    from shardforge.algorithms.testing_vlm import build_vlm_tokenizer, tiny_qwen2_5_vl_config
+    from shardforge.algorithms.testing.vlm import build_vlm_tokenizer, tiny_qwen2_5_vl_config
+    from shardforge.engine.checks import check_engine
+    from shardforge.engine.config import EngineConfig
     from shardforge.mesh import ParallelDims
 
     config = tiny_qwen2_5_vl_config(build_vlm_tokenizer(), vocab_size=112)

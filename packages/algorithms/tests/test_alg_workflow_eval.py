@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from shardforge.algorithms.objectives.passk import pass_at_k
-from shardforge.algorithms.rlvr import PromptSet
-from shardforge.algorithms.rollout import Rollout, SamplingParams
-from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig
-from shardforge.algorithms.trainers.workflow_eval import evaluate_workflow
-from shardforge.algorithms.workflows import WorkflowConfig, build_workflow
+from shardforge.algorithms.trainers.rl.eval import EvalSamplingConfig
+from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_workflow
+from shardforge.engine.objectives.passk import pass_at_k
+from shardforge.rollout import Rollout, SamplingParams
+from shardforge.rollout.types import PromptSet
+from shardforge.rollout.workflows import WorkflowConfig, build_workflow
 
 NUM_PROMPTS, SAMPLES, MAX_TURNS = 10, 4, 3
 

@@ -14,18 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
-from shardforge.algorithms.rollout import Rollout, SamplingParams
-from shardforge.algorithms.workflows import (
-    WORKFLOWS,
-    PromptRow,
-    Trajectory,
-    WorkflowConfig,
-    build_workflow,
-    run_episodes,
-    trajectories_to_batch,
-)
-from shardforge.algorithms.workflows.tools import calculator, load_tools, python, run_tool_call, tool_schema
+from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
+from shardforge.engine.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
+from shardforge.rollout import Rollout, SamplingParams
+from shardforge.rollout.workflows import WORKFLOWS, PromptRow, Trajectory, WorkflowConfig, build_workflow, run_episodes
+from shardforge.rollout.workflows.tools import calculator, load_tools, python, run_tool_call, tool_schema
 
 USER_MODULE = textwrap.dedent(
     """
@@ -93,7 +86,7 @@ class ScriptedEngine:
 def test_multi_turn_is_token_in_token_out_and_logprobs_match_the_trainer(chat: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM
 
-    from shardforge.algorithms.rollout import HFRolloutEngine
+    from shardforge.rollout import HFRolloutEngine
 
     tokenizer = chat["tokenizer"]
     config = WorkflowConfig(name="multi_turn", max_turns=3, chat_template=True, turn_discount=0.5)

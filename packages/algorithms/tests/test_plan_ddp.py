@@ -62,7 +62,7 @@ def test_cli_table_marks_ddp_rows_and_says_how_to_select_them(
     import json
     from pathlib import Path
 
-    from shardforge.algorithms.cli import main
+    from shardforge.algorithms.cli.main import main
 
     config = Path(str(tmp_path)) / "config.json"
     config.write_text(json.dumps({"model_type": "qwen3", **MODEL}))

@@ -68,7 +68,7 @@ def test_nothing_is_suggested_without_fsdp_or_when_the_user_chose(stats) -> None
 
 
 def test_cli_prints_the_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from shardforge.algorithms.cli import main
+    from shardforge.algorithms.cli.main import main
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "qwen3", **MODEL}))

@@ -81,7 +81,7 @@ def test_prime_world_size_leaves_pure_data_parallel_layouts() -> None:
 
 
 def test_cli_plans_llama3_70b_on_1024_ranks(capsys: pytest.CaptureFixture[str]) -> None:
-    from shardforge.algorithms.cli import main
+    from shardforge.algorithms.cli.main import main
 
     argv = ["plan", "llama3-70b", "--world-size", "1024", "--seq-len", "8192", "--memory", "80GiB"]
     assert main([*argv, "--compute-dtype", "bf16", "--json"]) == 0
@@ -95,7 +95,7 @@ def test_cli_plans_llama3_70b_on_1024_ranks(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_cli_plan_errors_are_one_line_and_units_fit_tiny_models(capsys: pytest.CaptureFixture[str]) -> None:
-    from shardforge.algorithms.cli import main
+    from shardforge.algorithms.cli.main import main
 
     argv = ["plan", "llama3-70b", "--world-size", "8", "--seq-len", "128"]
     assert main([*argv, "--memory", "80"]) == 1
@@ -121,7 +121,7 @@ def test_plan_table_scales_units_and_prints_cli_layouts() -> None:
 
 
 def test_cli_unknown_preset(capsys: pytest.CaptureFixture[str]) -> None:
-    from shardforge.algorithms.cli import main
+    from shardforge.algorithms.cli.main import main
 
     with pytest.raises(ValueError, match="presets"):
         main(["--debug", "plan", "nope-7b", "--world-size", "8", "--seq-len", "128"])
@@ -139,7 +139,7 @@ def test_one_refused_layout_among_several_is_reported_and_the_others_planned(
     assert [layout for layout, _ in result.rejected] == ["d2t4"] and "tp=4 must divide" in result.rejected[0][1]
     assert result.as_dict()["rejected"][0]["layout"] == "d2t4"
 
-    from shardforge.algorithms.cli import main
+    from shardforge.algorithms.cli.main import main
 
     assert main(["plan", "qwen3-8b", "--world-size", "8", "--seq-len", "128", "--layout", "d8", "--layout", "t3"]) == 0
     out = capsys.readouterr().out

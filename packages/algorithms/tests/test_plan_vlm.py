@@ -16,7 +16,7 @@ def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def config() -> Any:
-    from shardforge.algorithms.testing_vlm import build_vlm_tokenizer, tiny_qwen2_5_vl_config
+    from shardforge.algorithms.testing.vlm import build_vlm_tokenizer, tiny_qwen2_5_vl_config
 
     return tiny_qwen2_5_vl_config(build_vlm_tokenizer(), hidden=64, layers=2, vision_depth=2)
 

@@ -9,7 +9,10 @@ import pickle
 import pytest
 
 from shardforge.algorithms.config_io import build_config
-from shardforge.algorithms.rollout.ray_reward import (
+from shardforge.algorithms.trainers.grpo import GRPOConfig
+from shardforge.algorithms.trainers.rl.common import build_reward_fn
+from shardforge.rewards.guarded import GuardedReward, RewardConfig, RewardError
+from shardforge.rewards.ray_pool import (
     REWARD_ACTORS_ENV,
     RayPooledReward,
     RewardActor,
@@ -19,9 +22,6 @@ from shardforge.algorithms.rollout.ray_reward import (
     reward_workers_for_launcher,
     split_evenly,
 )
-from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig, RewardError
-from shardforge.algorithms.trainers.grpo import GRPOConfig
-from shardforge.algorithms.trainers.rl_common import build_reward_fn
 
 
 def length_or_fail(prompt: str, response: str, reference: str) -> float:

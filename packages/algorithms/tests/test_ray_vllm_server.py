@@ -19,15 +19,16 @@ from typing import Any
 import pytest
 
 from shardforge.algorithms.config_io import build_config
-from shardforge.algorithms.rollout.placement import rollout_actor_spec
-from shardforge.algorithms.rollout.ray_vllm_server import RayVLLMServerEngine, VLLMServerActor
-from shardforge.algorithms.rollout.server_health import RolloutServerError
-from shardforge.algorithms.rollout.types import SamplingParams
-from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
-from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine
 from shardforge.algorithms.trainers.grpo import GRPOConfig
+from shardforge.rollout.ray.placement import rollout_actor_spec
+from shardforge.rollout.ray.vllm_server import RayVLLMServerEngine, VLLMServerActor
+from shardforge.rollout.server.health import RolloutServerError
+from shardforge.rollout.testing import STUB_SERVER
+from shardforge.rollout.types import SamplingParams
+from shardforge.rollout.vllm.engine import VLLMOptions
+from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
-STUB = Path(__file__).with_name("rollout_server_stub.py")
+STUB = STUB_SERVER
 TOKENIZER = SimpleNamespace(eos_token_id=2, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
 PARAMS = SamplingParams(n=3, max_new_tokens=4, seed=7)
 PROMPTS = [[5, 6, 7], [8, 9], [10]]
@@ -87,7 +88,7 @@ def test_restart_with_the_actor_is_accepted_at_any_world_size(world: int | None)
 
 
 def test_the_server_actors_bundle_holds_its_tensor_parallel_gpus_when_the_cluster_has_them() -> None:
-    from shardforge.algorithms.ray_launch import _bundles
+    from shardforge.algorithms.launch.ray import _bundles
 
     tp2 = rollout_actor_spec(_config(**SERVER | {"vllm": {"mode": "server", "tensor_parallel_size": 2}}), "ray")
     cpu, gpu = {"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}
@@ -101,8 +102,8 @@ def test_the_server_actors_bundle_holds_its_tensor_parallel_gpus_when_the_cluste
 def test_the_launcher_finds_the_actor_class_of_each_engine() -> None:
     import importlib
 
-    from shardforge.algorithms.ray_launch import _ROLLOUT_ACTORS
-    from shardforge.algorithms.rollout.ray_rollout import RolloutActor
+    from shardforge.algorithms.launch.ray import _ROLLOUT_ACTORS
+    from shardforge.rollout.ray.hf_actor import RolloutActor
 
     module, _, name = _ROLLOUT_ACTORS["vllm"].partition(":")
     assert getattr(importlib.import_module(module), name) is VLLMServerActor

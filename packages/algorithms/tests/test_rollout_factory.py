@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from shardforge.algorithms.config_io import apply_overrides, build_config
-from shardforge.algorithms.rollout import HFRolloutEngine
-from shardforge.algorithms.rollout.factory import build_rollout_engine
-from shardforge.algorithms.rollout.seeds import request_seed
-from shardforge.algorithms.rollout.vllm_engine import VLLMOptions, _tokenizer_dir, require_main_thread
+from shardforge.rollout import HFRolloutEngine
+from shardforge.rollout.factory import build_rollout_engine
+from shardforge.rollout.seeds import request_seed
+from shardforge.rollout.vllm.engine import VLLMOptions, _tokenizer_dir, require_main_thread
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ def test_collective_vllm_modes_refuse_the_async_rollout_thread() -> None:
 def test_rank0_vllm_refuses_a_held_out_split_that_leaves_a_rank_without_prompts() -> None:
     from types import SimpleNamespace
 
-    from shardforge.algorithms.trainers.rl_common import check_eval_split
+    from shardforge.algorithms.trainers.rl.common import check_eval_split
 
     def config(engine: str = "vllm", placement: str = "rank0", eval_size: int | None = None) -> Any:
         return SimpleNamespace(rollout_engine=engine, vllm=VLLMOptions(placement=placement), eval_size=eval_size)

@@ -8,18 +8,18 @@ import dataclasses
 import pytest
 import yaml
 
-from shardforge.algorithms.cli import main
+from shardforge.algorithms.cli.main import main
 from shardforge.algorithms.config_io import build_config
-from shardforge.algorithms.rollout.placement import (
+from shardforge.algorithms.testing import tiny_assets
+from shardforge.algorithms.trainers.grpo import GRPOConfig
+from shardforge.algorithms.trainers.ppo import PPOConfig
+from shardforge.rollout.ray.placement import (
     ROLLOUT_ACTORS_ENV,
     actor_for_rank,
     actor_names,
     rollout_actor_names_from_env,
     rollout_actor_spec,
 )
-from shardforge.algorithms.testing import tiny_assets
-from shardforge.algorithms.trainers.grpo import GRPOConfig
-from shardforge.algorithms.trainers.ppo import PPOConfig
 
 
 def _config(cls=GRPOConfig, **entries):

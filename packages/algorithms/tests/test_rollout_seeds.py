@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.rollout import SamplingParams
-from shardforge.algorithms.rollout.seeds import prompt_seeds, request_seed
+from shardforge.rollout import SamplingParams
+from shardforge.rollout.seeds import prompt_seeds, request_seed
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _engine(tiny: dict[str, Any]) -> Any:
-    from shardforge.algorithms.rollout import HFRolloutEngine
+    from shardforge.rollout import HFRolloutEngine
 
     return HFRolloutEngine(tiny["model"], tiny["tokenizer"])
 

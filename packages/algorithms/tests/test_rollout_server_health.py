@@ -1,4 +1,4 @@
-"""Rollout-server health checks and restarts (`shardforge.algorithms.rollout.server_health`).
+"""Rollout-server health checks and restarts (`shardforge.rollout.server.health`).
 
 `VLLMServerRolloutEngine` against a stub server process on 127.0.0.1 (tests/rollout_server_stub.py)
 that the tests kill (SIGKILL), hang (SIGSTOP) or let die mid-request: the engine must not hang,
@@ -21,12 +21,13 @@ from typing import Any
 
 import pytest
 
-from shardforge.algorithms.rollout.server_health import RolloutServerError
-from shardforge.algorithms.rollout.types import SamplingParams
-from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
-from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine
+from shardforge.rollout.server.health import RolloutServerError
+from shardforge.rollout.testing import STUB_SERVER
+from shardforge.rollout.types import SamplingParams
+from shardforge.rollout.vllm.engine import VLLMOptions
+from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
-STUB = Path(__file__).with_name("rollout_server_stub.py")
+STUB = STUB_SERVER
 TOKENIZER = SimpleNamespace(eos_token_id=2, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
 PARAMS = SamplingParams(n=3, max_new_tokens=4, seed=7)
 PROMPTS = [[5, 6, 7], [8, 9], [10]]
@@ -50,7 +51,7 @@ class StubEngine(VLLMServerRolloutEngine):
 
 
 def _free_port() -> int:
-    from shardforge.algorithms.rollout.vllm_server import _free_port as free
+    from shardforge.rollout.vllm.server import _free_port as free
 
     return free()
 
@@ -167,7 +168,7 @@ def test_shutdown_also_stops_the_children_a_killed_server_left_running(tmp_path:
     restart, stops the server's whole process group."""
     import time
 
-    from shardforge.algorithms.rollout.ray_vllm_server import server_process
+    from shardforge.rollout.ray.vllm_server import server_process
 
     pid_file = tmp_path / "child"
     script = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
@@ -273,7 +274,7 @@ def test_grpo_stops_with_one_line_when_its_rollout_server_dies(assets, tmp_path:
 def test_a_reset_connection_reads_as_an_exiting_server() -> None:
     import urllib.error
 
-    from shardforge.algorithms.rollout.server_health import describe_failure
+    from shardforge.rollout.server.health import describe_failure
 
     reset = urllib.error.URLError(ConnectionResetError(104, "Connection reset by peer"))
     assert describe_failure("/health", reset, 5.0) == "/health: connection reset (the server is exiting or dead)"

@@ -1,4 +1,4 @@
-"""Restarts of a rollout server shared by several trainer ranks (`shardforge.algorithms.rollout.shared_restart`).
+"""Restarts of a rollout server shared by several trainer ranks (`shardforge.rollout.server.shared_restart`).
 
 Two gloo ranks share one stub server (tests/rollout_server_stub.py) that rank 0 started. The server dies with
 one rank's batch in flight while the other rank's round already succeeded: the ranks must agree at the end of
@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 
-STUB = Path(__file__).with_name("rollout_server_stub.py")
+from shardforge.rollout.testing import STUB_SERVER
+
+STUB = STUB_SERVER
 FAST = {"health_timeout_s": 0.5, "request_timeout_s": 2.0, "server_startup_timeout_s": 30.0}
 PROMPTS = {0: [[5, 6, 7], [8, 9], [10]], 1: [[11, 12], [13], [14, 15, 16]]}
 """Each rank's own prompts (3 requests per rank and round)."""
@@ -40,11 +42,11 @@ def _two_ranks_share_a_server(tmp: Path, dying_rank: int) -> dict[str, Any]:
     up, a round in which only the other rank sends requests to a killed server."""
     import torch.distributed as dist
 
-    from shardforge.algorithms.rollout.server_health import RolloutServerError
-    from shardforge.algorithms.rollout.shared_restart import generation_round
-    from shardforge.algorithms.rollout.types import SamplingParams
-    from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
-    from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine
+    from shardforge.rollout.server.health import RolloutServerError
+    from shardforge.rollout.server.shared_restart import generation_round
+    from shardforge.rollout.types import SamplingParams
+    from shardforge.rollout.vllm.engine import VLLMOptions
+    from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
     marker = tmp / "die"
 
@@ -167,11 +169,11 @@ def _share_a_server_given_by_url(url: str, pid: int, tmp: Path) -> str | None:
 
     import torch.distributed as dist
 
-    from shardforge.algorithms.rollout.server_health import RolloutServerError
-    from shardforge.algorithms.rollout.shared_restart import generation_round
-    from shardforge.algorithms.rollout.types import SamplingParams
-    from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
-    from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine
+    from shardforge.rollout.server.health import RolloutServerError
+    from shardforge.rollout.server.shared_restart import generation_round
+    from shardforge.rollout.types import SamplingParams
+    from shardforge.rollout.vllm.engine import VLLMOptions
+    from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
     tokenizer = SimpleNamespace(eos_token_id=2, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
     options = VLLMOptions(mode="server", server_url=url, on_server_failure="restart", **FAST)
@@ -197,8 +199,8 @@ def _share_a_server_given_by_url(url: str, pid: int, tmp: Path) -> str | None:
 def test_two_ranks_end_with_one_line_when_a_server_given_by_url_dies(tmp_path: Path) -> None:
     import subprocess
 
-    from shardforge.algorithms.rollout.vllm_server import _free_port
     from shardforge.mesh.testing import get_rank_pool
+    from shardforge.rollout.vllm.server import _free_port
 
     port = _free_port()
     process = subprocess.Popen([sys.executable, str(STUB), "--port", str(port)])
@@ -236,8 +238,8 @@ def _grpo(assets: dict[str, Any], out: Path, layout: str, marker: Path | None) -
     import torch.distributed as dist
 
     from shardforge.algorithms.config_io import build_config
-    from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine
     from shardforge.algorithms.trainers.grpo import GRPOConfig, run_grpo
+    from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
     die = [] if marker is None else ["--die-once", str(marker), "--die-after", "8"]
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.rollout import SamplingParams
+from shardforge.rollout import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def _fed_rows(engine: Any) -> list[tuple[int, int]]:
 
 
 def test_groups_are_encoded_once_and_sample_as_if_each_copy_was(tiny: dict[str, Any]) -> None:
-    from shardforge.algorithms.rollout import HFRolloutEngine
+    from shardforge.rollout import HFRolloutEngine
 
     engine = HFRolloutEngine(tiny["model"], tiny["tokenizer"])
     shapes = _fed_rows(engine)
@@ -59,8 +59,8 @@ def test_groups_are_encoded_once_and_sample_as_if_each_copy_was(tiny: dict[str, 
 
 
 def test_nothing_is_shared_without_repeated_prompts(tiny: dict[str, Any]) -> None:
-    from shardforge.algorithms.rollout import HFRolloutEngine
-    from shardforge.algorithms.rollout.shared_prefill import shared_prefill
+    from shardforge.rollout import HFRolloutEngine
+    from shardforge.rollout.hf.shared_prefill import shared_prefill
 
     engine = HFRolloutEngine(tiny["model"], tiny["tokenizer"])
     ids = torch.tensor([[5, 6, 7], [5, 6, 8]])

@@ -1,5 +1,5 @@
 """``vllm.weight_transport: collective`` (issue 21): weights into a vLLM server over weight-sync's collective
-transport, no disk versions (`shardforge.algorithms.rollout.vllm_server_collective`).
+transport, no disk versions (`shardforge.rollout.vllm.server_collective`).
 
 The server is the stub (tests/rollout_server_stub.py), which joins trainer rank 0's weight group on
 ``/init_weight_transfer_engine`` and receives each version with weight-sync's `CollectiveReceiver` on
@@ -22,14 +22,15 @@ import pytest
 import torch
 from torch import nn
 
-from shardforge.algorithms.engine.config import parse_dtype
-from shardforge.algorithms.rollout.server_health import RolloutServerError, probe_health
-from shardforge.algorithms.rollout.types import SamplingParams
-from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
-from shardforge.algorithms.rollout.vllm_server import VLLMServerRolloutEngine
+from shardforge.engine.config import parse_dtype
+from shardforge.rollout.server.health import RolloutServerError, probe_health
+from shardforge.rollout.testing import STUB_SERVER
+from shardforge.rollout.types import SamplingParams
+from shardforge.rollout.vllm.engine import VLLMOptions
+from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 from shardforge.weight_sync import WeightPublisher, tensor_checksum
 
-STUB = Path(__file__).with_name("rollout_server_stub.py")
+STUB = STUB_SERVER
 FAST = {"health_timeout_s": 1.0, "request_timeout_s": 30.0, "server_startup_timeout_s": 60.0}
 TOKENIZER = SimpleNamespace(eos_token_id=2, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
 PARAMS = SamplingParams(n=2, max_new_tokens=3, seed=7)
@@ -99,7 +100,7 @@ def test_the_weight_transport_option_is_checked_in_one_line() -> None:
 def test_async_rollouts_with_the_collective_transport_are_refused() -> None:
     from shardforge.algorithms.config_io import build_config
     from shardforge.algorithms.trainers.grpo import GRPOConfig
-    from shardforge.algorithms.trainers.rl_common import check_rollout_batch
+    from shardforge.algorithms.trainers.rl.common import check_rollout_batch
 
     vllm = {"mode": "server", "weight_transport": "collective"}
     config = build_config(GRPOConfig, {"model": "m", "train_file": "t.jsonl", "output_dir": "o", "async_rollouts": True,
@@ -112,7 +113,7 @@ def test_async_rollouts_with_the_collective_transport_are_refused() -> None:
 def test_the_trainer_publishes_through_the_engine_when_it_says_so() -> None:
     """`direct_publisher` hands the trainer's publish to an engine with ``direct_publish`` (then the trainers write
     no disk version and create no output_dir/weights); an engine without it is published to through disk."""
-    from shardforge.algorithms.trainers.rl_publish import direct_publisher
+    from shardforge.algorithms.trainers.rl.publish import direct_publisher
 
     calls: list[tuple[Any, ...]] = []
     engine = SimpleNamespace(direct_publish=True, publish=lambda *args: calls.append(args) or 7)
@@ -189,8 +190,8 @@ def _two_ranks(tmp: Path) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from shardforge.algorithms.rollout.shared_restart import generation_round
     from shardforge.mesh import ParallelDims, build_mesh
+    from shardforge.rollout.server.shared_restart import generation_round
 
     rank = dist.get_rank()
     model = _model()
@@ -241,7 +242,7 @@ def test_the_ray_server_actor_gets_its_weights_over_the_collective_transport_by_
     (its restart through the actor is `VLLMServerRolloutEngine.restart_server`, tested above). With
     ``on_server_failure: error`` (the default) a server that dies mid-transfer is the one-line error of the publish,
     at once (the broken broadcast, not a timeout). Ray's handle is a stand-in."""
-    from shardforge.algorithms.rollout.ray_vllm_server import RayVLLMServerEngine, VLLMServerActor
+    from shardforge.rollout.ray.vllm_server import RayVLLMServerEngine, VLLMServerActor
 
     class StubEngine(VLLMServerRolloutEngine):
         def _server_command(self, model_dir: Any, tokenizer: Any, dtype: str, seed: int, port: int) -> list[str]:

@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 
 import torch
 
-from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS
+from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
 
 LOGPROB_ATOL = 1e-4  # float32, vLLM CPU kernels vs HF: measured ~1e-6 (test_vllm_rollout.py)
 

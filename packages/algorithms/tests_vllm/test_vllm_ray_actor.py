@@ -50,7 +50,7 @@ def _train(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
 
 def _setup(tmp_path: Path, vllm: dict[str, Any]) -> tuple[list[str], dict[str, str], Path]:
     """The run's command, environment and output directory (``vllm``: more ``vllm.*`` options)."""
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.testing.tiny import build_char_tokenizer, build_tiny_qwen3, make_addition_data
 
     tokenizer = build_char_tokenizer(tmp_path / "tokenizer")
     build_tiny_qwen3(tmp_path / "model", tokenizer, hidden=128, layers=2, seed=5)  # head_dim 32: vLLM CPU attention

@@ -28,11 +28,13 @@ pytest.importorskip("vllm")
 import torch
 import yaml
 
-from shardforge.algorithms.engine import TrainEngine
-from shardforge.algorithms.engine.config import EngineConfig
-from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS, load_prompts, rollouts_to_batch
-from shardforge.algorithms.rollout import HFRolloutEngine, SamplingParams, VLLMOptions, VLLMRolloutEngine
-from shardforge.algorithms.trainers.rl_common import publish_to_rollout
+from shardforge.algorithms.data.prompts import load_prompts
+from shardforge.algorithms.testing.reference import rollouts_to_batch
+from shardforge.algorithms.trainers.rl.common import publish_to_rollout
+from shardforge.engine import TrainEngine
+from shardforge.engine.config import EngineConfig
+from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
+from shardforge.rollout import HFRolloutEngine, SamplingParams, VLLMOptions, VLLMRolloutEngine
 from shardforge.weight_sync import DiskTransport
 
 MAX_NEW = 8
@@ -51,7 +53,7 @@ def digits_and_length(prompt, response, reference):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.demos.demo import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+    from shardforge.algorithms.testing.tiny import build_char_tokenizer, build_tiny_qwen3, make_addition_data
 
     root = tmp_path_factory.mktemp("vllm-rollout")
     tokenizer = build_char_tokenizer(root / "tokenizer")
@@ -227,7 +229,7 @@ def test_publish_switches_the_served_version(
 def test_server_mode_samples_and_follows_publishes(assets: dict[str, Any], tmp_path: Path) -> None:
     """``vllm.mode: server``: an OpenAI-compatible vLLM server over HTTP, weights through its RL routes; partial
     rollouts continue each response from its returned ids in a new request after a weight switch."""
-    from shardforge.algorithms.rollout import VLLMServerRolloutEngine, build_rollout_engine
+    from shardforge.rollout import VLLMServerRolloutEngine, build_rollout_engine
 
     tokenizer, prompts = assets["tokenizer"], assets["prompts"].ids
     weights = tmp_path / "weights"

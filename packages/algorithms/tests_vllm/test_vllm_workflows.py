@@ -24,13 +24,14 @@ pytest.importorskip("vllm")
 
 import torch
 
-from shardforge.algorithms.engine import TrainEngine
-from shardforge.algorithms.engine.config import EngineConfig
-from shardforge.algorithms.rlvr import BEHAVIOUR_LOGPROBS
-from shardforge.algorithms.rollout import SamplingParams, VLLMOptions, build_rollout_engine
-from shardforge.algorithms.workflows.base import PromptRow, WorkflowConfig
-from shardforge.algorithms.workflows.multi_turn import MultiTurnWorkflow
-from shardforge.algorithms.workflows.runner import run_episodes, trajectories_to_batch
+from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
+from shardforge.engine import TrainEngine
+from shardforge.engine.config import EngineConfig
+from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
+from shardforge.rollout import SamplingParams, VLLMOptions, build_rollout_engine
+from shardforge.rollout.workflows.base import PromptRow, WorkflowConfig
+from shardforge.rollout.workflows.multi_turn import MultiTurnWorkflow
+from shardforge.rollout.workflows.runner import run_episodes
 
 LOGPROB_ATOL = 1e-4  # float32 on both sides, different kernels: measured gaps ~1e-6 (see test_vllm_rollout.py)
 TURNS, MAX_NEW = 3, 8

@@ -8,6 +8,7 @@ from shardforge.mesh.distributed import (
     free_port,
     init_distributed,
 )
+from shardforge.mesh.dtypes import parse_dtype
 from shardforge.mesh.mesh import DENSE_AXES, DERIVED_AXES, ParallelMesh, build_mesh
 
 __version__ = "0.1.0"
@@ -24,4 +25,5 @@ __all__ = [
     "divisors",
     "free_port",
     "init_distributed",
+    "parse_dtype",
 ]

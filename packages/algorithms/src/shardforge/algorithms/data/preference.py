@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from shardforge.algorithms.batching import SEQUENCE_GROUP, PackedBatch, pack_sequences
 from shardforge.algorithms.data.config import eval_source, train_sources
 from shardforge.algorithms.data.source_set import SourceSet, loader_arg
 from shardforge.algorithms.data.sources import SourceConfig, read_rows
+from shardforge.engine.batching import SEQUENCE_GROUP, PackedBatch, pack_sequences
 
 __all__ = [
     "IS_CHOSEN",

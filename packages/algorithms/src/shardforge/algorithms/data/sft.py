@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardforge.algorithms.batching import PackedBatch, pack_sequences
 from shardforge.algorithms.data.sources import SourceConfig, read_rows
+from shardforge.engine.batching import PackedBatch, pack_sequences
 
 __all__ = ["SFT_ROW_FIELDS", "SFTExample", "load_sft_examples", "pack_examples", "tokenize_sft_row"]
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from shardforge.algorithms.batching import PackedBatch, pack_sequences
-from shardforge.algorithms.batching.visual import VLM_GRIDS, VLM_PIXELS, ImageInputs, image_extras
 from shardforge.algorithms.data.sources import SourceConfig, read_rows
+from shardforge.engine.batching import PackedBatch, pack_sequences
+from shardforge.engine.batching.visual import VLM_GRIDS, VLM_PIXELS, image_extras
 
 __all__ = [
     "VLM_GRIDS",
@@ -231,5 +231,5 @@ def pack_vlm_examples(examples: list[VLMExample], indices: list[int]) -> PackedB
     """Pack the examples at ``indices`` into one `PackedBatch` with ``VLM_PIXELS`` / ``VLM_GRIDS`` extras."""
     chosen = [examples[i] for i in indices]
     batch = pack_sequences([e.input_ids for e in chosen], [e.loss_mask for e in chosen])
-    batch.extras.update(image_extras([ImageInputs(e.pixel_values, e.image_grid_thw) for e in chosen]))
+    batch.extras.update(image_extras(chosen))
     return batch

@@ -46,7 +46,7 @@ def make_tool_data(
     """Disjoint 3-digit additions: ``sft.jsonl`` (tool-call traces), ``train.jsonl`` / ``eval.jsonl``
     (prompt + reference answer, for GRPO and the held-out evals) and ``val.jsonl`` (``num_val`` prompts
     for the SFT stop rule; drawn last, so the other splits do not depend on it)."""
-    from shardforge.algorithms.workflows.tools import calculator, tool_schema
+    from shardforge.rollout.workflows.tools import calculator, tool_schema
 
     rng = random.Random(seed)
     pairs: dict[tuple[int, int], None] = {}

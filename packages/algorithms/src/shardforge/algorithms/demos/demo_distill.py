@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardforge.algorithms.demos.demo import build_tiny_qwen3, held_out_accuracy, prepare_demo
+from shardforge.algorithms.demos.demo import held_out_accuracy, prepare_demo
 from shardforge.algorithms.demos.demo_rl import _torchrun
+from shardforge.algorithms.testing.tiny import build_tiny_qwen3
 
 __all__ = ["run_distill_demo"]
 

@@ -16,7 +16,7 @@ from typing import Any
 from shardforge.algorithms.loggers.base import MetricsSink
 from shardforge.algorithms.loggers.jsonl import JsonlLogger
 from shardforge.algorithms.loggers.tensorboard import TensorBoardLogger
-from shardforge.algorithms.registry import Registry
+from shardforge.core.registry import Registry
 
 __all__ = ["LOGGERS", "NeverFatal", "build_sinks"]
 

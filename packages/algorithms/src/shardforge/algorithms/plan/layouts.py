@@ -35,8 +35,8 @@ __all__ = ["PlanResult", "enumerate_layouts", "plan_layouts", "rank_key", "valid
 
 def validate_for_engine(dims: ParallelDims, stats: ModelStats, opts: PlanOptions) -> None:
     """Raise `ValueError` exactly when `TrainEngine` would refuse ``dims`` for this model."""
-    from shardforge.algorithms.engine.checks import check_engine
-    from shardforge.algorithms.engine.config import EngineConfig
+    from shardforge.engine.checks import check_engine
+    from shardforge.engine.config import EngineConfig
 
     check_engine(dims, stats.hf_config, EngineConfig(pp_schedule=opts.pp_schedule))
 

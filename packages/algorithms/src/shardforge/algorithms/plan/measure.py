@@ -210,8 +210,8 @@ def measure_layout(
     import torch.distributed as dist
     from transformers import Qwen3Config
 
-    from shardforge.algorithms import EngineConfig, TrainEngine, pack_sequences
-    from shardforge.algorithms.engine.config import OptimizerConfig
+    from shardforge.engine import EngineConfig, TrainEngine, pack_sequences
+    from shardforge.engine.config import OptimizerConfig
 
     torch.set_num_threads(1)
     options = dict(engine_options or {})

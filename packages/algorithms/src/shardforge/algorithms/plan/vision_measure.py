@@ -50,8 +50,8 @@ def measure_vlm_peak(
     import torch
 
     from shardforge.algorithms.data.vlm import pack_vlm_examples
-    from shardforge.algorithms.engine import EngineConfig, TrainEngine
     from shardforge.algorithms.plan.measure import measure_train_peak
+    from shardforge.engine import EngineConfig, TrainEngine
 
     torch.set_num_threads(1)
     batch = pack_vlm_examples(examples, indices)

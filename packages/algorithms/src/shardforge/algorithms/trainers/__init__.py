@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shardforge.algorithms.registry import Registry
+from shardforge.core.registry import Registry
 
 __all__ = ["TRAINERS", "TrainerSpec"]
 

@@ -25,19 +25,19 @@ import torch.distributed as dist
 
 from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.data.config import DataConfig, check_data_fields
-from shardforge.algorithms.engine.config import EngineConfig
-from shardforge.algorithms.log import rank_log_file
 from shardforge.algorithms.loggers import MetricsLogger, TrackerConfig, truncate_metrics, write_curves
-from shardforge.algorithms.startup_gc import end_startup_gc
 from shardforge.algorithms.trainers.common import progress_bar
-from shardforge.algorithms.trainers.fault_injection import kill_if_requested, sleep_if_requested
-from shardforge.algorithms.trainers.profiling import ProfileConfig, StepProfiler, take_phase_seconds
-from shardforge.algorithms.trainers.stop import StopSignal
-from shardforge.algorithms.trainers.watchdog import StepWatchdog, collective_timeout_error, is_collective_timeout
+from shardforge.algorithms.trainers.run.profiling import ProfileConfig, StepProfiler, take_phase_seconds
+from shardforge.algorithms.trainers.run.startup_gc import end_startup_gc
+from shardforge.algorithms.trainers.run.stop import StopSignal
+from shardforge.algorithms.trainers.run.watchdog import StepWatchdog, collective_timeout_error, is_collective_timeout
+from shardforge.core import hooks
+from shardforge.core.log import rank_log_file
+from shardforge.engine.config import EngineConfig
 
 if TYPE_CHECKING:  # the launching process imports this module for the config: no engine, no DCP there
-    from shardforge.algorithms.engine import TrainEngine
     from shardforge.checkpoint_dcp import Checkpointer
+    from shardforge.engine import TrainEngine
 
 __all__ = ["Trainer", "TrainerConfig", "check_data_state", "load_tokenizer"]
 
@@ -295,7 +295,7 @@ class Trainer(Generic[C]):
             stop.__enter__()
             for step in range(start, config.steps):
                 watchdog.arm(step + 1)
-                sleep_if_requested(step + 1)  # tests only: SHARDFORGE_FAULT_SLEEP
+                hooks.fire("step_start", step=step + 1)  # tests hang a rank here (testing/fault_injection.py)
                 profiler.before_step(step + 1)
                 take_phase_seconds()  # drop what ran between steps (eval, setup)
                 step_start = time.perf_counter()
@@ -320,7 +320,7 @@ class Trainer(Generic[C]):
                     state = data_state | self.extra_state()
                     for name, target in self.checkpoint_engines().items():
                         target.save(checkpointers[name], state)
-                kill_if_requested(step + 1)  # tests only: SHARDFORGE_FAULT_KILL
+                hooks.fire("step_end", step=step + 1)  # tests kill a rank here (testing/fault_injection.py)
                 if signum:  # every rank saw it at this step (all-reduced): stop here, resumable
                     summary |= {"stopped_by": StopSignal.name(signum), "stopped_at_step": step + 1}
                     logger.warning(

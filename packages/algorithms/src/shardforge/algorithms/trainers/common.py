@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from shardforge.algorithms.engine.config import EngineConfig
+from shardforge.engine.config import EngineConfig
 
 if TYPE_CHECKING:  # imported where built: the launching process reads trainer configs without the engine
-    from shardforge.algorithms.engine import TrainEngine
+    from shardforge.engine import TrainEngine
 
 __all__ = ["SourceSetState", "build_reference", "check_max_positions", "progress_bar", "with_total_steps"]
 
@@ -72,7 +72,7 @@ def build_reference(config: Any, needed: bool) -> TrainEngine | None:
     ref_config = config.engine
     if config.offload_reference:  # on the device only for its forward (cpu_offload would keep it on host)
         ref_config = dataclasses.replace(ref_config, offload_when_idle=True, cpu_offload=False)
-    from shardforge.algorithms.engine import TrainEngine
+    from shardforge.engine import TrainEngine
 
     reference = TrainEngine(config.reference_model or config.model, config.layout, ref_config)
     temperature = getattr(config, "temperature", 0.0)

@@ -38,10 +38,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from shardforge.algorithms.batching import PackedBatch
-from shardforge.algorithms.batching.collectives import all_reduce_sum
-from shardforge.algorithms.engine.loading import load_hf_config
-from shardforge.algorithms.objectives.distillation import (
+from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
+from shardforge.algorithms.trainers import TrainerSpec
+from shardforge.algorithms.trainers.grpo import GRPOConfig, GRPOTrainer
+from shardforge.engine.batching import PackedBatch
+from shardforge.engine.loading import load_hf_config
+from shardforge.engine.objectives.advantages import AdvantageEstimator
+from shardforge.engine.objectives.distillation import (
     DIVERGENCES,
     TEACHER_LOGPROBS,
     TEACHER_TOKEN_IDS,
@@ -49,16 +52,14 @@ from shardforge.algorithms.objectives.distillation import (
     FullDistillActorLossFn,
     FullDistillOnPolicyActorLossFn,
 )
-from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
-from shardforge.algorithms.objectives.on_policy import OnPolicyActorLossFn
-from shardforge.algorithms.objectives.rollout_correction import BEHAVIOUR_LOGPROBS, RolloutCorrectionConfig
-from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, AdvantageEstimator
-from shardforge.algorithms.rollout.factory import PublishedRolloutEngine, RolloutEngineKind, build_rollout_engine
-from shardforge.algorithms.trainers import TrainerSpec
-from shardforge.algorithms.trainers.grpo import GRPOConfig, GRPOTrainer
+from shardforge.engine.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
+from shardforge.engine.objectives.on_policy import OnPolicyActorLossFn
+from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS, RolloutCorrectionConfig
+from shardforge.mesh.collectives import all_reduce_sum
+from shardforge.rollout.factory import PublishedRolloutEngine, RolloutEngineKind, build_rollout_engine
 
 if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
-    from shardforge.algorithms.engine import TrainEngine
+    from shardforge.engine import TrainEngine
 
 __all__ = ["DistillConfig", "DistillTrainer", "distill_advantages", "run_distill"]
 
@@ -198,7 +199,7 @@ class DistillTrainer(GRPOTrainer):
         teacher_config = config.engine
         if config.offload_teacher:
             teacher_config = dataclasses.replace(teacher_config, offload_when_idle=True, cpu_offload=False)
-        from shardforge.algorithms.engine import TrainEngine
+        from shardforge.engine import TrainEngine
 
         self.teacher = TrainEngine(config.teacher_model, config.layout, teacher_config)
         _check_vocab(self.teacher.hf_config.vocab_size, engine.hf_config.vocab_size)

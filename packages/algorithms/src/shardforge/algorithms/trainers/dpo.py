@@ -15,24 +15,24 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.data import IS_CHOSEN, PAIR_ROW_FIELDS, PAIR_WEIGHT
 from shardforge.algorithms.data.config import refuse_chat_template
 from shardforge.algorithms.data.preference import PreferencePair, load_pair_data, pack_pairs
-from shardforge.algorithms.objectives import summarize_stats
-from shardforge.algorithms.objectives.preference import (
+from shardforge.algorithms.trainers import TrainerSpec
+from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
+from shardforge.algorithms.trainers.common import SourceSetState, build_reference, check_max_positions, with_total_steps
+from shardforge.engine.batching import PackedBatch
+from shardforge.engine.objectives import summarize_stats
+from shardforge.engine.objectives.preference import (
     PreferenceLossConfig,
     check_preference_config,
     preference_loss,
     sequence_logprobs,
 )
-from shardforge.algorithms.objectives.stats import merge_stats
-from shardforge.algorithms.trainers import TrainerSpec
-from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
-from shardforge.algorithms.trainers.common import SourceSetState, build_reference, check_max_positions, with_total_steps
+from shardforge.engine.objectives.stats import merge_stats
 
 if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
-    from shardforge.algorithms.engine import TrainEngine
+    from shardforge.engine import TrainEngine
 
 __all__ = ["REF_LOGPROBS", "DPOConfig", "DPOLossFn", "DPOTrainer", "run_dpo"]
 
@@ -168,7 +168,7 @@ class DPOTrainer(SourceSetState, Trainer[DPOConfig]):
 
     def build_engines(self) -> TrainEngine:
         config = self.config
-        from shardforge.algorithms.engine import TrainEngine
+        from shardforge.engine import TrainEngine
 
         engine = TrainEngine(config.model, config.layout, with_total_steps(config.engine, config.steps))
         if config.global_batch_size < engine.dp_size:

@@ -20,18 +20,18 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from shardforge.algorithms.config_io import config_to_dict
-from shardforge.algorithms.engine.config import EngineConfig
-from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, load_prompts
-from shardforge.algorithms.rollout import load_reward_fn
-from shardforge.algorithms.rollout.factory import RolloutEngineKind, build_rollout_engine
-from shardforge.algorithms.rollout.reward_runner import GuardedReward, RewardConfig
-from shardforge.algorithms.rollout.vllm_engine import VLLMOptions
-from shardforge.algorithms.startup_gc import end_startup_gc
+from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS, load_prompts
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import load_tokenizer
-from shardforge.algorithms.trainers.rl_eval import EvalSamplingConfig
-from shardforge.algorithms.trainers.workflow_eval import evaluate_held_out
-from shardforge.algorithms.workflows import WorkflowConfig, build_workflow
+from shardforge.algorithms.trainers.rl.eval import EvalSamplingConfig
+from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
+from shardforge.algorithms.trainers.run.startup_gc import end_startup_gc
+from shardforge.engine.config import EngineConfig
+from shardforge.rewards import load_reward_fn
+from shardforge.rewards.guarded import GuardedReward, RewardConfig
+from shardforge.rollout.factory import RolloutEngineKind, build_rollout_engine
+from shardforge.rollout.vllm.engine import VLLMOptions
+from shardforge.rollout.workflows import WorkflowConfig, build_workflow
 
 if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
     pass
@@ -101,7 +101,7 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
             "reward.ray_workers=0 (Ray reward workers are for `shardforge train grpo|ppo --launcher ray`)"
         )
     reward_fn = GuardedReward(load_reward_fn(config.reward_fn), config.reward, name=config.reward_fn)
-    from shardforge.algorithms.engine import TrainEngine
+    from shardforge.engine import TrainEngine
 
     engine = TrainEngine(config.model, config.layout, config.engine)
     rollout = build_rollout_engine(

@@ -9,7 +9,7 @@ log-probs are recomputed by the training engine before the update (``recompute_l
 so the first PPO ratio is exactly 1 (when that is redundant, synchronous rollouts with one update
 per batch, they are the training forward's, detached: ``reuse_training_logprobs``); the rollout engine's own log-probs are kept as
 ``behaviour_logprobs``, and every batch (fresh or stale) is corrected for the gap between the two
-by ``rollout_correction`` (`shardforge.algorithms.objectives.rollout_correction`; metrics
+by ``rollout_correction`` (`shardforge.engine.objectives.rollout_correction`; metrics
 ``rollout_corr/*``, and ``behaviour_kl`` = mean |trainer - engine|).
 """
 
@@ -26,33 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardforge.algorithms.batching import PackedBatch
-from shardforge.algorithms.batching.collectives import all_reduce_stats, all_reduce_sum
-from shardforge.algorithms.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
-from shardforge.algorithms.objectives.kl_control import KLController, build_kl_controller
-from shardforge.algorithms.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS
-from shardforge.algorithms.objectives.on_policy import OnPolicyActorLossFn, correction_fits_in_loss, has_dropout
-from shardforge.algorithms.objectives.rollout_correction import (
-    ROLLOUT_CORRECTIONS,
-    apply_rollout_correction,
-    behaviour_kl,
-    summarize_correction_stats,
-)
-from shardforge.algorithms.rlvr import (
-    BEHAVIOUR_LOGPROBS,
-    PROMPT_ROW_FIELDS,
-    AdvantageEstimator,
-    PromptSet,
-    group_advantages,
-)
-from shardforge.algorithms.rollout.factory import PublishedRolloutEngine
-from shardforge.algorithms.rollout.sources import AsyncRollouts, RolloutSource, SampledBatch, SampleFn, SyncRollouts
+from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
 from shardforge.algorithms.trainers.common import with_total_steps
-from shardforge.algorithms.trainers.profiling import phase
-from shardforge.algorithms.trainers.rl_colocate import colocated_phases
-from shardforge.algorithms.trainers.rl_common import (
+from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
+from shardforge.algorithms.trainers.rl.colocate import colocated_phases
+from shardforge.algorithms.trainers.rl.common import (
     RLTrainerConfig,
     build_reference,
     build_reward_fn,
@@ -68,21 +48,38 @@ from shardforge.algorithms.trainers.rl_common import (
     reward_call_stats,
     rollout_server_stats,
 )
-from shardforge.algorithms.trainers.rl_data import load_prompt_data
-from shardforge.algorithms.trainers.rl_partial import (
+from shardforge.algorithms.trainers.rl.data import load_prompt_data
+from shardforge.algorithms.trainers.rl.partial import (
     check_partial_rollouts,
     enable_partial_rollouts,
     partial_rollout_stats,
 )
-from shardforge.algorithms.trainers.rl_publish import build_placed_rollout, direct_publisher, in_process_receiver
-from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
-from shardforge.algorithms.trainers.workflow_eval import evaluate_held_out
-from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
-from shardforge.algorithms.workflows import trajectories_to_batch
+from shardforge.algorithms.trainers.rl.publish import build_placed_rollout, direct_publisher, in_process_receiver
+from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
+from shardforge.algorithms.trainers.rl.sources import AsyncRollouts, RolloutSource, SampledBatch, SampleFn, SyncRollouts
+from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
+from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes, workflow_stats
+from shardforge.algorithms.trainers.run.profiling import phase
+from shardforge.engine.batching import PackedBatch
+from shardforge.engine.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
+from shardforge.engine.objectives.advantages import AdvantageEstimator, group_advantages
+from shardforge.engine.objectives.kl_control import KLController, build_kl_controller
+from shardforge.engine.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS
+from shardforge.engine.objectives.on_policy import OnPolicyActorLossFn, correction_fits_in_loss, has_dropout
+from shardforge.engine.objectives.rollout_correction import (
+    BEHAVIOUR_LOGPROBS,
+    ROLLOUT_CORRECTIONS,
+    apply_rollout_correction,
+    behaviour_kl,
+    summarize_correction_stats,
+)
+from shardforge.mesh.collectives import all_reduce_stats, all_reduce_sum
+from shardforge.rollout.factory import PublishedRolloutEngine
+from shardforge.rollout.types import PromptSet
 from shardforge.weight_sync import DiskTransport
 
 if TYPE_CHECKING:  # imported in build_engines: the launcher reads GRPOConfig without the engine
-    from shardforge.algorithms.engine import TrainEngine
+    from shardforge.engine import TrainEngine
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "run_grpo"]
 
@@ -183,7 +180,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         self.workflow = build_rl_workflow(config, self.tokenizer, self.reward_fn, budget)
 
     def build_engines(self) -> TrainEngine:
-        from shardforge.algorithms.engine import TrainEngine
+        from shardforge.engine import TrainEngine
 
         config = self.config
         engine = TrainEngine(config.model, config.layout, with_total_steps(config.engine, config.steps))

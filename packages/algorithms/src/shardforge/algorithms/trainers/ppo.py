@@ -8,7 +8,7 @@ optional dynamic sampling) -> sequence rewards -> optional KL-in-reward against 
 policy -> GAE on per-token values over the generated tokens only (tool results, user turns and
 template markers have loss mask 0: no value target, no advantage, no loss) -> rollout correction
 of the actor's batch (``rollout_correction``, as GRPO) -> actor steps (PPO clip) and critic steps
-(value-clipped loss) -> publish the actor's weights. See `shardforge.algorithms.trainers.ppo_update` for the update itself.
+(value-clipped loss) -> publish the actor's weights. See `shardforge.algorithms.trainers.rl.ppo_update` for the update itself.
 The shared fields (layout applies to the actor, critic and reference engines; no pp for the
 critic) and the run loop are `shardforge.algorithms.trainers.base`.
 """
@@ -24,23 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardforge.algorithms.engine.config import EngineConfig
-from shardforge.algorithms.objectives import KLEstimator, PPOActorLossFn, PPOCriticConfig
-from shardforge.algorithms.objectives.kl_control import KLController, build_kl_controller
-from shardforge.algorithms.objectives.rollout_correction import ROLLOUT_CORRECTIONS
-from shardforge.algorithms.rlvr import PROMPT_ROW_FIELDS, PromptSet
+from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
 from shardforge.algorithms.trainers.common import with_total_steps
-from shardforge.algorithms.trainers.ppo_update import (
-    ShiftedCriticLossFn,
-    correct_actor_batch,
-    ppo_update,
-    prepare_ppo_batch,
-)
-from shardforge.algorithms.trainers.profiling import phase
-from shardforge.algorithms.trainers.rl_colocate import colocated_phases
-from shardforge.algorithms.trainers.rl_common import (
+from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
+from shardforge.algorithms.trainers.rl.colocate import colocated_phases
+from shardforge.algorithms.trainers.rl.common import (
     RLTrainerConfig,
     build_reference,
     build_reward_fn,
@@ -56,16 +46,27 @@ from shardforge.algorithms.trainers.rl_common import (
     reward_call_stats,
     rollout_server_stats,
 )
-from shardforge.algorithms.trainers.rl_data import load_prompt_data
-from shardforge.algorithms.trainers.rl_publish import build_placed_rollout, direct_publisher, in_process_receiver
-from shardforge.algorithms.trainers.rl_sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
-from shardforge.algorithms.trainers.workflow_eval import evaluate_held_out
-from shardforge.algorithms.trainers.workflow_stats import check_failed_episodes, workflow_stats
-from shardforge.algorithms.workflows import trajectories_to_batch
+from shardforge.algorithms.trainers.rl.data import load_prompt_data
+from shardforge.algorithms.trainers.rl.ppo_update import (
+    ShiftedCriticLossFn,
+    correct_actor_batch,
+    ppo_update,
+    prepare_ppo_batch,
+)
+from shardforge.algorithms.trainers.rl.publish import build_placed_rollout, direct_publisher, in_process_receiver
+from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
+from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
+from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes, workflow_stats
+from shardforge.algorithms.trainers.run.profiling import phase
+from shardforge.engine.config import EngineConfig
+from shardforge.engine.objectives import KLEstimator, PPOActorLossFn, PPOCriticConfig
+from shardforge.engine.objectives.kl_control import KLController, build_kl_controller
+from shardforge.engine.objectives.rollout_correction import ROLLOUT_CORRECTIONS
+from shardforge.rollout.types import PromptSet
 from shardforge.weight_sync import DiskTransport
 
 if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
-    from shardforge.algorithms.engine import TrainEngine
+    from shardforge.engine import TrainEngine
 
 __all__ = ["PPOConfig", "PPOTrainer", "ShiftedCriticLossFn", "run_ppo"]
 
@@ -148,7 +149,7 @@ class PPOTrainer(Trainer[PPOConfig]):
         self.workflow = build_rl_workflow(config, self.tokenizer, self.reward_fn, budget)
 
     def build_engines(self) -> TrainEngine:
-        from shardforge.algorithms.engine import TrainEngine
+        from shardforge.engine import TrainEngine
 
         config = self.config
         total = config.steps * config.update_epochs

@@ -14,19 +14,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.data import IS_CHOSEN, PAIR_ROW_FIELDS, PAIR_WEIGHT, PreferencePair, pack_pairs
 from shardforge.algorithms.data.config import refuse_chat_template
 from shardforge.algorithms.data.preference import load_pair_data
-from shardforge.algorithms.objectives import bradley_terry_loss, last_token_scores, summarize_stats
-from shardforge.algorithms.objectives.stats import merge_stats
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
 from shardforge.algorithms.trainers.common import SourceSetState, with_total_steps
-from shardforge.algorithms.trainers.ppo_update import dp_reduce_stats
+from shardforge.algorithms.trainers.rl.ppo_update import dp_reduce_stats
+from shardforge.engine.batching import PackedBatch
+from shardforge.engine.objectives import bradley_terry_loss, last_token_scores, summarize_stats
+from shardforge.engine.objectives.stats import merge_stats
 
 if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
-    from shardforge.algorithms.engine import TrainEngine
+    from shardforge.engine import TrainEngine
 
 __all__ = ["BradleyTerryLossFn", "RMConfig", "RMTrainer", "evaluate_pairs", "run_rm"]
 
@@ -123,7 +123,7 @@ class RMTrainer(SourceSetState, Trainer[RMConfig]):
     def build_engines(self) -> TrainEngine:
         config = self.config
         engine_config = with_total_steps(dataclasses.replace(config.engine, head="value"), config.steps)
-        from shardforge.algorithms.engine import TrainEngine
+        from shardforge.engine import TrainEngine
 
         engine = TrainEngine(config.model, config.layout, engine_config)
         if config.global_batch_size < engine.dp_size:

@@ -11,18 +11,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from shardforge.algorithms.batching import PackedBatch
 from shardforge.algorithms.data import SFT_ROW_FIELDS, load_sft_examples, pack_examples
 from shardforge.algorithms.data.config import apply_chat_template_override, eval_source, train_sources
 from shardforge.algorithms.data.source_set import SourceSet, loader_arg
 from shardforge.algorithms.data.sources import SourceConfig
-from shardforge.algorithms.engine.loading import is_vlm, load_hf_config
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
 from shardforge.algorithms.trainers.common import SourceSetState, check_max_positions, with_total_steps
+from shardforge.engine.batching import PackedBatch
+from shardforge.engine.loading import is_vlm, load_hf_config
 
 if TYPE_CHECKING:  # imported in build_engines: the launching process reads SFTConfig without the engine
-    from shardforge.algorithms.engine import TrainEngine
+    from shardforge.engine import TrainEngine
 
 __all__ = ["ImageRows", "SFTConfig", "SFTRows", "SFTTrainer", "TextRows", "image_rows", "run_sft", "sft_rows"]
 
@@ -155,7 +155,7 @@ class SFTTrainer(SourceSetState, Trainer[SFTConfig]):
             _check_lengths(self.held_out, budget, held_out.label)
 
     def build_engines(self) -> TrainEngine:
-        from shardforge.algorithms.engine import TrainEngine
+        from shardforge.engine import TrainEngine
 
         config = self.config
         engine = TrainEngine(config.model, config.layout, with_total_steps(config.engine, config.steps))

@@ -1,0 +1,375 @@
+"""The `shardforge` command line.
+
+    shardforge [--log-level INFO] [--debug] train sft|rm|ppo|grpo --config examples/sft_tiny.yaml [--nproc-per-node N] key=value ...
+    shardforge train sft --config c.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint node01:29400
+    shardforge train grpo --config c.yaml --nproc-per-node 2 --launcher ray [--ray-address auto]
+    shardforge train sft --help   (every config key with its type, default and description)
+    shardforge list        (every registry: trainers, losses, estimators, rewards, rollout engines, ...)
+    shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600] [--prepare-only]
+    shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 450] [--grpo-steps N]
+    shardforge demo-agent [--out outputs/demo_agent] [--nproc-per-node 2] [--sft-steps N | --sft-stop KEY=VALUE]
+                          [--sft-only] [--grpo-steps N] [--seed S]
+    shardforge demo-vlm [--out outputs/demo_vlm] [--nproc-per-node 2] [--steps N] [--grpo-steps N] [--prepare-only]
+    shardforge plan llama3-70b --world-size 1024 --seq-len 8192 --memory 80GiB [--ac full] [--json] ...
+
+``key=value`` overrides use dotted paths into the config (``engine.optimizer.lr=1e-3``).
+Before any rank starts, the launching process builds the config and checks the layout against
+``--nproc-per-node``, the model paths, the data files and the output directory
+(`shardforge.algorithms.cli.preflight`). With ``--nproc-per-node N > 1`` outside torchrun, the command
+then relaunches itself through torchrun's agent in this process (`shardforge.algorithms.launch.torchrun`:
+signals reach every rank); under torchrun it runs as one rank. Errors are one line on rank 0
+(``--debug``: tracebacks). Trainers are looked up by name
+in `shardforge.algorithms.trainers.TRAINERS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+from typing import Any
+
+from shardforge.algorithms.trainers import TRAINERS
+from shardforge.algorithms.trainers.run.startup_gc import end_startup_gc, paused_gc
+from shardforge.core.log import get_logger, setup_logging
+
+__all__ = ["main"]
+
+log = get_logger(__name__)
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+# Modules that define registries; `shardforge list` imports them (none imports vLLM).
+_REGISTRY_MODULES = (
+    "shardforge.algorithms.trainers",
+    "shardforge.engine.objectives",
+    "shardforge.rollout.factory",
+    "shardforge.rewards.functions",
+    "shardforge.algorithms.loggers",
+)
+
+
+class _TrainHelp(argparse.Action):
+    """``train <algo> --help``: the usage plus every config key (type, default, docstring)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show this help and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None) -> None:
+        text = parser.format_help()
+        algorithm = getattr(namespace, "algorithm", None)
+        if isinstance(algorithm, str) and algorithm in TRAINERS:
+            from shardforge.algorithms.config_io import describe_config
+
+            rows = describe_config(TRAINERS.get(algorithm).config_cls)
+            text += f"\nconfig keys of `{algorithm}` (YAML keys, or key=value overrides):\n"
+            for key, kind, default, doc in rows:
+                text += f"  {key} ({kind}, default {default})\n" + (f"      {doc}\n" if doc else "")
+        else:
+            text += "\n`shardforge train <algorithm> --help` lists that trainer's config keys.\n"
+        sys.stdout.write(text)
+        parser.exit(0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardforge", description="Distributed LLM training on HF models.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default="INFO", help="logging level")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks (every rank's) on errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser(
+        "train", help="train a model", description="Train with a YAML config plus overrides.", add_help=False
+    )
+    train.add_argument("-h", "--help", action=_TrainHelp)
+    train.add_argument("algorithm", help=f"a registered trainer: {TRAINERS.names()} (see `shardforge list`)")
+    train.add_argument(
+        "--log-level", type=str.upper, choices=_LOG_LEVELS, default=argparse.SUPPRESS, help="logging level"
+    )
+    train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
+    train.add_argument("--config", required=True, help="YAML config file")
+    train.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
+    from shardforge.algorithms.launch.multinode import add_launch_arguments
+
+    add_launch_arguments(train)
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check everything, print the resolved config, layout, predicted memory and data row counts; train nothing",
+    )
+    train.epilog = "Any further key=value arguments override config entries, e.g. engine.optimizer.lr=1e-3"
+    evaluate = sub.add_parser(
+        "eval",
+        help="evaluate a model on held-out prompts (greedy accuracy, avg@n, pass@k)",
+        description="Evaluate with a YAML config (keys: `shardforge eval --config x.yaml --dry-run`) plus overrides.",
+    )
+    evaluate.add_argument("--config", required=True, help="YAML config file (model, eval_files, eval_sampling, ...)")
+    evaluate.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
+    add_launch_arguments(evaluate)
+    evaluate.add_argument("--dry-run", action="store_true", help="check everything and print the resolved config")
+    evaluate.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
+    evaluate.epilog = "Any further key=value arguments override config entries, e.g. eval_sampling.samples=8"
+    demo = sub.add_parser("demo", help="run the end-to-end CPU demo")
+    demo.add_argument("--out", default="outputs/demo", help="output directory")
+    demo.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
+    demo.add_argument("--steps", type=int, default=600, help="SFT steps")
+    demo.add_argument(
+        "--prepare-only", action="store_true", help="only write the tiny model, tokenizer and data under --out"
+    )
+    demo_rl = sub.add_parser("demo-rl", help="run the CPU RL demo: a short SFT, then GRPO")
+    demo_rl.add_argument("--out", default="outputs/demo_rl", help="output directory")
+    demo_rl.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
+    demo_rl.add_argument("--sft-steps", type=int, default=450, help="SFT steps before GRPO")
+    demo_rl.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_grpo.yaml)")
+    demo_kd = sub.add_parser("demo-distill", help="run the CPU distillation demo: a small student from the SFT model")
+    demo_kd.add_argument("--out", default="outputs/demo_distill", help="output directory")
+    demo_kd.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
+    demo_kd.add_argument("--teacher-steps", type=int, default=600, help="SFT steps of the teacher")
+    demo_kd.add_argument("--student-steps", type=int, default=300, help="SFT steps of the student before the split")
+    demo_kd.add_argument("--extra-steps", type=int, default=100, help="steps of each continuation (SFT / distill)")
+    demo_kd.add_argument("--teacher", default=None, help="reuse this teacher HF dir (e.g. an earlier run's teacher/hf)")
+    demo_kd.add_argument("--student-hidden", type=int, default=128, help="student hidden size")
+    demo_kd.add_argument("--student-layers", type=int, default=4, help="student decoder layers")
+    demo_kd.add_argument(
+        "--distill-loss", default=None, help="distill_loss of the distillation stage (default: demo_distill.yaml's)"
+    )
+    demo_kd.add_argument(
+        "--distill-set", action="append", default=[], metavar="KEY=VALUE",
+        help="extra override of the distillation stage (repeatable), e.g. engine.optimizer.lr=5e-4",
+    )  # fmt: skip
+    demo_agent = sub.add_parser(
+        "demo-agent", help="run the CPU agent demo: SFT on calculator tool-call traces, then GRPO with tool_use"
+    )
+    demo_agent.add_argument("--out", default="outputs/demo_agent", help="output directory")
+    demo_agent.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
+    demo_agent.add_argument(
+        "--sft-steps", type=int, default=None, help="fixed SFT steps (default: stop on validation success, --sft-stop)"
+    )
+    demo_agent.add_argument(
+        "--sft-stop", action="append", default=[], metavar="KEY=VALUE",
+        help="override of the SFT stop rule (demo_agent_sft_stop.yaml; repeatable), e.g. target=0.25 max_steps=400",
+    )  # fmt: skip
+    demo_agent.add_argument("--sft-only", action="store_true", help="stop after the SFT stage")
+    demo_agent.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_agent_grpo.yaml)")
+    demo_agent.add_argument("--seed", type=int, default=0, help="seed of the model, data, SFT and GRPO")
+    demo_vlm = sub.add_parser(
+        "demo-vlm",
+        help="run the CPU vision-language demo: a tiny Qwen2.5-VL learns the colour of a square (SFT, then GRPO)",
+    )
+    demo_vlm.add_argument("--out", default="outputs/demo_vlm", help="output directory")
+    demo_vlm.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
+    demo_vlm.add_argument("--steps", type=int, default=None, help="SFT steps (default: demo_vlm_sft.yaml)")
+    demo_vlm.add_argument(
+        "--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_vlm_grpo.yaml; 0: SFT only)"
+    )
+    demo_vlm.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="only write the tiny VLM and the image data (examples/sft_vlm_tiny.yaml, examples/grpo_vlm_tiny.yaml)",
+    )
+    sub.add_parser("list", help="list every registry (trainers, losses, estimators, ...) with its names")
+    from shardforge.algorithms.plan.report import add_plan_parser
+
+    add_plan_parser(sub)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shardforge-algorithms")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
+    from shardforge.algorithms.config_io import apply_overrides, build_config, load_yaml
+
+    if args.command == "eval":
+        from shardforge.algorithms.trainers.eval_run import EVAL as trainer
+    elif args.algorithm not in TRAINERS:
+        raise ValueError(f"unknown algorithm {args.algorithm!r}; available: {TRAINERS.names()} (see `shardforge list`)")
+    else:
+        trainer = TRAINERS.get(args.algorithm)
+    # Models and tokenizers are local directories: never a Hub lookup (set HF_HUB_OFFLINE=0 to allow one).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    data = apply_overrides(load_yaml(args.config), args.overrides)
+    config = build_config(trainer.config_cls, data)
+    for path in getattr(config, "eval_files", ()):  # eval: every file is checked before any rank starts
+        from shardforge.algorithms.data.jsonl import read_jsonl
+
+        read_jsonl(path, "eval file", trainer.row_fields)
+    if "WORLD_SIZE" not in os.environ:  # the launching process: check everything before any rank starts
+        from shardforge.algorithms.cli.preflight import preflight
+        from shardforge.algorithms.launch.multinode import launch_spec
+
+        spec = launch_spec(args)  # --nnodes/--node-rank/--rdzv-endpoint or Slurm's environment
+        trains_here = not (args.dry_run or spec.launcher == "ray" or spec.needs_agent)
+        dims = preflight(config, spec.world_size, trainer.row_fields, keep_rows=trains_here)
+        from shardforge.rewards.ray_pool import reward_workers_for_launcher
+        from shardforge.rollout.ray.placement import rollout_actor_spec
+
+        rollout_actors = rollout_actor_spec(
+            config, spec.launcher, spec.world_size
+        )  # rollout_placement=disaggregated: Ray only
+        reward_workers = reward_workers_for_launcher(config, spec.launcher)  # reward.ray_workers: Ray only
+        if args.dry_run:
+            from shardforge.algorithms.cli.dryrun import dry_run_report
+
+            sys.stdout.write(dry_run_report(config, dims, spec.world_size) + "\n")
+            return 0
+        if spec.launcher == "ray":
+            from shardforge.algorithms.launch.ray import launch_ray
+
+            end_startup_gc()  # the Ray driver lives as long as the run
+            return launch_ray(
+                spec,
+                argv,
+                entry="shardforge.algorithms.cli.main:main",
+                address=args.ray_address,
+                debug=args.debug,
+                rollout=rollout_actors,
+                reward_workers=reward_workers,
+            )
+        if spec.needs_agent:
+            from shardforge.algorithms.launch.torchrun import relaunch
+
+            return relaunch(spec, argv, debug=args.debug)
+    from shardforge.algorithms.trainers.run.threads import set_process_threads
+
+    set_process_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
+    summary = trainer.run(config)
+    from shardforge.mesh import destroy_distributed
+
+    destroy_distributed()
+    if "stopped_by" in summary:  # SIGTERM / Ctrl-C: checkpoint saved at a step boundary
+        return 128 + int(getattr(signal, summary["stopped_by"]))
+    log.info("done: %s", summary)
+    return 0
+
+
+def _report(exc: BaseException) -> int:
+    """One concise error line; returns the exit code.
+
+    Under our own relaunch every rank hands its line to the launcher (`launch.write_rank_error`),
+    which prints the first one: the rank that failed first may not be rank 0, and rank 0 may be
+    stopped by the agent before it could print. Under an external torchrun rank 0 prints.
+    """
+    from shardforge.algorithms.launch.torchrun import write_rank_error
+
+    user_error = isinstance(exc, (ValueError, TypeError, OSError, FloatingPointError))
+    message = str(exc) if user_error else f"{type(exc).__name__}: {exc}"
+    hint = "" if user_error else " (rerun with --debug for the traceback)"
+    line = f"shardforge: error: {message}{hint}\n"
+    if not write_rank_error(line) and int(os.environ.get("RANK", "0")) == 0:
+        sys.stderr.write(line)
+    return 1
+
+
+def _list() -> int:
+    """Print every registry with each name and its one-line description (stdout, on purpose)."""
+    from shardforge.core.registry import all_registries
+
+    for module in _REGISTRY_MODULES:
+        importlib.import_module(module)
+    lines: list[str] = []
+    for registry in sorted(all_registries(), key=lambda r: r.kind):
+        lines.append(f"{registry.kind}:")
+        entries = list(registry.describe())
+        width = max((len(name) for name, _ in entries), default=0)
+        lines.extend(f"  {name:<{width}}  {doc}".rstrip() for name, doc in entries)
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    # No cyclic garbage collection while this process starts up (startup_gc.py): on the demo SFT at 2 ranks
+    # the collections were about a fifth of each rank's start-up (importing torch already counts here).
+    with paused_gc():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    bad = [a for a in extra if "=" not in a or a.startswith("-")]
+    if bad or (extra and args.command not in ("train", "eval")):
+        hint = (
+            "overrides look like key=value"
+            if args.command in ("train", "eval")
+            else f"`{args.command}` takes no key=value"
+        )
+        parser.error(f"unrecognized arguments: {' '.join(bad or extra)} ({hint}; see shardforge {args.command} -h)")
+    args.overrides = extra
+    setup_logging(args.log_level)
+    try:
+        return _dispatch(args, argv)
+    except Exception as exc:
+        if args.debug:
+            raise
+        return _report(exc)
+
+
+def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.command == "list":
+        return _list()
+    if args.command in ("train", "eval"):
+        return _train(args, argv)  # the collector stays paused until the first step (or the agent waits)
+    end_startup_gc()
+    if args.command == "demo":
+        from shardforge.algorithms.demos.demo import prepare_demo, run_demo
+
+        if args.prepare_only:
+            assets = prepare_demo(args.out)
+            log.info("tiny model + tokenizer: %s; data: %s, %s", assets["model"], assets["train"], assets["eval"])
+            return 0
+        run_demo(args.out, nproc=args.nproc_per_node, steps=args.steps)
+        return 0
+    if args.command == "demo-distill":
+        from shardforge.algorithms.demos.demo_distill import run_distill_demo
+
+        run_distill_demo(
+            args.out, nproc=args.nproc_per_node, teacher_steps=args.teacher_steps,
+            student_steps=args.student_steps, extra_steps=args.extra_steps, teacher_dir=args.teacher,
+            student_hidden=args.student_hidden, student_layers=args.student_layers, distill_loss=args.distill_loss,
+            distill_overrides=args.distill_set,
+        )  # fmt: skip
+        return 0
+    if args.command == "demo-rl":
+        from shardforge.algorithms.demos.demo_rl import run_rl_demo
+
+        run_rl_demo(args.out, nproc=args.nproc_per_node, sft_steps=args.sft_steps, grpo_steps=args.grpo_steps)
+        return 0
+    if args.command == "demo-agent":
+        from shardforge.algorithms.demos.demo_agent import load_sft_stop_rule, run_agent_demo
+
+        if args.sft_steps is not None and args.sft_stop:
+            raise SystemExit("demo-agent: give --sft-steps (a fixed count) or --sft-stop (the stop rule), not both")
+        run_agent_demo(
+            args.out, nproc=args.nproc_per_node, sft_steps=args.sft_steps, sft_stop=load_sft_stop_rule(args.sft_stop),
+            grpo_steps=args.grpo_steps, seed=args.seed, sft_only=args.sft_only,
+        )  # fmt: skip
+        return 0
+    if args.command == "demo-vlm":
+        from shardforge.algorithms.demos.demo_vlm import prepare_vlm_demo, run_vlm_demo
+
+        if args.prepare_only:
+            made = prepare_vlm_demo(args.out)
+            log.info(
+                "tiny VLM + tokenizer + image processor: %s; data: %s, %s", made["model"], made["train"], made["eval"]
+            )
+            return 0
+        run_vlm_demo(args.out, nproc=args.nproc_per_node, steps=args.steps, grpo_steps=args.grpo_steps)
+        return 0
+    if args.command == "plan":
+        from shardforge.algorithms.plan.report import run_plan
+
+        return run_plan(args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

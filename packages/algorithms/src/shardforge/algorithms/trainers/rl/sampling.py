@@ -1,0 +1,143 @@
+"""How the RL trainers (GRPO, PPO) turn a step's prompts into trajectories: through a workflow
+(`shardforge.rollout.workflows`), one generation round at a time, optionally wrapped in
+dynamic sampling (`shardforge.algorithms.trainers.rl.dynamic_sampling`).
+
+Round 0 of batch ``index`` is the step's usual prompts (``GlobalBatchSampler(seed)``, this rank's
+share); dynamic sampling's backfill round r draws from its own prompt stream (seed ``seed + 7919 r``).
+Each prompt's episodes sample from a seed of (seed, batch index, round, the prompt's position in the
+round's global batch) (`rollout.seeds`), never of the dp rank or batch row: a resumed run, the
+asynchronous mode (batches generated on another thread) and every data-parallel layout (world 1, FSDP 2,
+...) sample the same responses from the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardforge.algorithms.data import GlobalBatchSampler
+from shardforge.algorithms.data.source_set import IndexSampler
+from shardforge.algorithms.trainers.rl.common import RLTrainerConfig
+from shardforge.algorithms.trainers.rl.dynamic_sampling import DynamicSampler, GenerateRoundFn, keep_exchange
+from shardforge.algorithms.trainers.rl.sources import SampleFn
+from shardforge.engine.objectives.rewards import RewardShapingConfig, shape_rewards
+from shardforge.rollout import RolloutEngine, SamplingParams
+from shardforge.rollout.seeds import request_seed
+from shardforge.rollout.server.shared_restart import generation_round
+from shardforge.rollout.types import PromptSet
+from shardforge.rollout.workflows import EpisodeList, PromptRow, Workflow, build_workflow, run_episodes
+
+if TYPE_CHECKING:  # the launching process imports this module for the config; only ranks build engines
+    from shardforge.engine import TrainEngine
+
+__all__ = ["build_rl_workflow", "make_sample_fn", "workflow_round_fn"]
+
+
+def build_rl_workflow(config: RLTrainerConfig, tokenizer: Any, reward_fn: Any, budget: int) -> Workflow:
+    """The configured workflow; episodes stop before ``workflow.max_total_tokens`` (default: ``budget``,
+    the trainer's micro-batch token budget, so every trajectory fits one micro-batch)."""
+    return build_workflow(
+        replace(config.workflow, max_total_tokens=config.workflow.max_total_tokens or budget), tokenizer, reward_fn
+    )
+
+
+def workflow_round_fn(
+    config: RLTrainerConfig,
+    rollout: RolloutEngine,
+    prompts: PromptSet,
+    workflow: Workflow,
+    engine: TrainEngine,
+    make_sampler: Callable[[int], IndexSampler] | None = None,
+) -> GenerateRoundFn:
+    """(batch index, round) -> this rank's trajectories (``group_size`` consecutive per prompt) and raw rewards.
+    ``make_sampler``: seed -> the prompt sampler (`trainers.rl_data.PromptData.sampler`, e.g. a mixture);
+    default: uniform over ``prompts``."""
+    samplers: dict[int, IndexSampler] = {}
+    dp_rank, dp_size = engine.dp_rank, engine.dp_size
+
+    def sample(index: int, round_: int) -> tuple[list[Any], torch.Tensor]:
+        if round_ not in samplers:
+            seed = config.seed + 7_919 * round_
+            if make_sampler is not None:
+                samplers[round_] = make_sampler(seed)
+            else:
+                samplers[round_] = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=seed)
+        indices = samplers[round_].local_batch(index, dp_rank, dp_size)
+        # This rank's prompts are positions dp_rank, dp_rank + dp_size, ... of the global batch (local_batch).
+        positions = range(dp_rank, dp_size * len(indices), dp_size)
+        seed = (config.seed * 1_000_003 + index) * 1_009 + 104_729 * round_
+        params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=seed)
+        rows = [
+            PromptRow.from_prompts(prompts, i, index=g, seed=request_seed(seed, position, config.group_size))
+            for g, (i, position) in enumerate(zip(indices, positions, strict=True))
+        ]
+
+        def episodes() -> EpisodeList:
+            # Every (prompt, sample) is one concurrent episode; their generate calls are batched per round.
+            # max_failed_fraction=0: a crash raises as it is (no group is dropped).
+            drop = config.workflow.max_failed_fraction > 0
+            trajectories = run_episodes(workflow, rollout, rows, config.group_size, params, drop_failed=drop)
+            if getattr(config, "advantage", None) == "remax":
+                set_greedy_baselines(config, workflow, rollout, rows, params, trajectories)
+            return trajectories
+
+        # A rollout server shared by the ranks that dies in the round: the ranks agree at its end, rank 0
+        # restarts it, and the ranks that lost requests run the whole round again (same seeds: whole groups).
+        trajectories = generation_round(rollout, episodes)
+        return trajectories, torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+
+    return sample
+
+
+def set_greedy_baselines(
+    config: RLTrainerConfig,
+    workflow: Workflow,
+    rollout: RolloutEngine,
+    rows: list[PromptRow],
+    params: SamplingParams,
+    trajectories: list[Any],
+) -> None:
+    """ReMax (Li et al. 2024): one greedy episode per prompt; its reward (shaped as the samples' are)
+    becomes ``baseline_reward`` of the prompt's samples. A prompt whose greedy episode crashed (and was
+    dropped) falls back to its samples' mean reward."""
+    greedy = run_episodes(workflow, rollout, rows, 1, replace(params, temperature=0.0), drop_failed=True)
+    rewards = torch.tensor([t.reward for t in greedy], dtype=torch.float32)
+    if config.reward_shaping != RewardShapingConfig():
+        lengths = torch.tensor([sum(1 for m in t.loss_mask if m) for t in greedy], dtype=torch.float32)
+        rewards = shape_rewards(rewards, config.reward_shaping, response_lengths=lengths)
+    baseline = {t.group: float(r) for t, r in zip(greedy, rewards, strict=True)}
+    for t in trajectories:
+        if t.group not in baseline:
+            group = [s.reward for s in trajectories if s.group == t.group]
+            baseline[t.group] = sum(group) / len(group)
+        t.baseline_reward = baseline[t.group]
+
+
+def make_sample_fn(
+    config: RLTrainerConfig, generate_round: GenerateRoundFn, engine: TrainEngine
+) -> tuple[SampleFn, DynamicSampler | None]:
+    """The per-batch sampler: round 0 as it is, or dynamic sampling over rounds (returned too, for its stats).
+    ``reward_shaping`` (DAPO overlong penalty, scale, clip) applies after sampling: dynamic sampling
+    filters on the raw rewards. Collective with dynamic sampling on (its exchange's process group)."""
+    dynamic = None
+    sample_fn: SampleFn = lambda index: generate_round(index, 0)  # noqa: E731
+    if config.dynamic_sampling.enabled:
+        dp_rank, dp_size = engine.dp_rank, engine.dp_size
+        dynamic = DynamicSampler(
+            generate_round, group_size=config.group_size, target_groups=config.prompts_per_step // dp_size,
+            config=config.dynamic_sampling, dp_rank=dp_rank, dp_size=dp_size, exchange=keep_exchange(dp_rank, dp_size),
+        )  # fmt: skip
+        sample_fn = dynamic
+    if config.reward_shaping == RewardShapingConfig():
+        return sample_fn, dynamic
+    raw_fn = sample_fn
+
+    def shaped(index: int) -> tuple[list[Any], torch.Tensor]:
+        trajectories, rewards = raw_fn(index)
+        generated = torch.tensor([sum(1 for m in t.loss_mask if m) for t in trajectories], dtype=torch.float32)
+        return trajectories, shape_rewards(rewards, config.reward_shaping, response_lengths=generated)
+
+    return shaped, dynamic

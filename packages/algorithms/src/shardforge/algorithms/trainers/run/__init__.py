@@ -1,0 +1,1 @@
+"""What runs around every trainer's step loop: the hang watchdog, the stop signal, profiling, start-up GC and threads."""

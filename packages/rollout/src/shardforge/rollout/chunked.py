@@ -1,0 +1,97 @@
+"""Interruptible generation for partial rollouts: any engine, one chunk of new tokens at a time.
+
+`generate_in_chunks` runs a generation ``chunk_tokens`` new tokens at a time. After each chunk
+``between_chunks`` may load newer weights (the asynchronous generator's refresh); unfinished rows then
+continue from their prompt + generated ids under whatever weights the engine serves, and rows that
+finished leave the batch. Every token keeps the weight version and behaviour log-prob of the chunk
+that produced it (`Rollout.token_versions`), which the decoupled loss and rollout correction use token
+by token. The embedded HF engine and both vLLM engines (in-process: the engine's weights are swapped
+between two ``generate`` calls; server: each chunk is a completion request that a weight update can
+follow) share this loop; each supplies how to generate one chunk for the rows still active.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from shardforge.rollout.seeds import prompt_seeds, request_seed
+from shardforge.rollout.types import Rollout, SamplingParams
+
+__all__ = ["ChunkFn", "chunked_requests", "generate_in_chunks"]
+
+ChunkFn = Callable[[list[int], list[tuple[int, list[int]]], int, int], list[Rollout]]
+"""(active row indices, their (prompt index, prompt + generated ids), the chunk's token budget, tokens already
+generated per active row) -> one `Rollout` per active row: the chunk's new tokens, their log-probs, ``finished``
+(stopped on EOS) and the serving ``version``."""
+
+
+def generate_in_chunks(
+    rows: list[tuple[int, list[int]]],
+    max_new_tokens: int,
+    chunk_tokens: int,
+    chunk: ChunkFn,
+    between_chunks: Callable[[], None] | None,
+    decode: Callable[[list[int]], str],
+) -> list[Rollout]:
+    """``rows``: (prompt index, prompt ids), one per response. Returns one `Rollout` per row, in order."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+    ids: list[list[int]] = [[] for _ in rows]
+    logprobs: list[list[float]] = [[] for _ in rows]
+    versions: list[list[int]] = [[] for _ in rows]
+    finished = [False] * len(rows)
+    active, remaining = list(range(len(rows))), max_new_tokens
+    while active and remaining > 0:
+        budget = min(chunk_tokens, remaining)
+        done = max_new_tokens - remaining  # unfinished rows generated every token so far
+        parts = chunk(active, [(rows[i][0], rows[i][1] + ids[i]) for i in active], budget, done)
+        if len(parts) != len(active):
+            raise RuntimeError(f"a chunk returned {len(parts)} rollouts for {len(active)} active rows")
+        for i, part in zip(active, parts, strict=True):
+            ids[i] += part.response_ids
+            logprobs[i] += part.logprobs
+            versions[i] += [part.version] * len(part.response_ids)
+            finished[i] = part.finished
+        active, remaining = [i for i in active if not finished[i]], remaining - budget
+        if active and remaining > 0 and between_chunks is not None:
+            between_chunks()
+    return [
+        Rollout(
+            prompt_index=prompt_index,
+            prompt_ids=prompt,
+            response_ids=ids[i],
+            logprobs=logprobs[i],
+            finished=finished[i],
+            version=min(versions[i]) if versions[i] else 0,
+            text=decode(ids[i]),
+            token_versions=versions[i],
+        )
+        for i, (prompt_index, prompt) in enumerate(rows)
+    ]
+
+
+def chunked_requests(
+    generate: Callable[[list[list[int]], SamplingParams], list[Rollout]],
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    chunk_tokens: int,
+    between_chunks: Callable[[], None] | None,
+    decode: Callable[[list[int]], str],
+) -> list[Rollout]:
+    """`generate_in_chunks` for an engine that takes whole requests with per-prompt seeds (vLLM, in-process or
+    server): every response is a request of its own (n=1) for each chunk. The first chunk samples from the
+    response's seed (``seeds[i] + j``, as one uninterrupted request would); a continuation after ``done``
+    tokens samples from ``request_seed(that seed, done)``, since a re-sent request restarts its sampler."""
+    seeds = prompt_seeds(params, len(prompts))
+    rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+    row_seeds = None if seeds is None else [seeds[i] + j for i in range(len(prompts)) for j in range(params.n)]
+
+    def chunk(active: list[int], context: list[tuple[int, list[int]]], budget: int, done: int) -> list[Rollout]:
+        chunk_seeds = None
+        if row_seeds is not None:
+            chunk_seeds = tuple(row_seeds[i] if done == 0 else request_seed(row_seeds[i], done) for i in active)
+        one = dataclasses.replace(params, n=1, max_new_tokens=budget, seed=None, seeds=chunk_seeds)
+        return generate([ids for _, ids in context], one)
+
+    return generate_in_chunks(rows, params.max_new_tokens, chunk_tokens, chunk, between_chunks, decode)

@@ -1,0 +1,252 @@
+"""Disaggregated rollouts under Ray: the embedded HF engine in an actor of its own, and the trainer's client.
+
+- `RolloutActor` (started by `shardforge.algorithms.launch.ray`, one per ``num_rollout_actors``) wraps an
+  unmodified `HFRolloutEngine` and serves the `RolloutEngine` request/response interface as actor methods:
+  ``generate(prompts, params, sessions) -> list[Rollout]`` (the same rollouts, tagged with the serving
+  version, as the engine gives in process) and ``receive_weights``, which joins trainer rank 0's weight-sync
+  `CollectiveTransport` group as a `CollectiveReceiver` and applies one version (manifest-checked, crc32
+  verified, staged then switched at COMMIT; a refused version leaves the previous one serving).
+- `RayRolloutClient` is the trainer ranks' `RolloutEngine`: ``generate`` is a call to its actor;
+  ``publish`` is collective over the trainer ranks: rank 0 asks every actor to receive, gathers the weights
+  bucket by bucket through ``engine.publish_weights`` into the collective transport, waits until every actor
+  serves the version, then all ranks pass a barrier (no rank samples from the previous version) — the
+  vLLM server path's protocol (`rollout.vllm_server`), with the collective transport instead of disk.
+- A dead actor (``rollout_on_actor_failure``): a one-line error naming it (``error``), or the ranks drop it from
+  the pool at the end of the generation round, move its ranks to a live actor and regenerate their round there;
+  later publishes go to the live actors only (``drop``, `rollout.actor_pool`).
+
+Sampling is seeded per request (`rollout.seeds`), so the actor samples what the colocated engine would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from shardforge.core import hooks
+from shardforge.core.log import get_logger
+from shardforge.rollout.ray.actor_pool import ActorPool
+from shardforge.rollout.server.health import RolloutServerError, ray_get
+from shardforge.rollout.types import Rollout, SamplingParams
+from shardforge.weight_sync import DiskWeightSource
+
+__all__ = ["RayRolloutClient", "RolloutActor"]
+
+log = get_logger(__name__)
+
+
+class RolloutActor:
+    """One rollout engine as a Ray actor (the class is wrapped with ``ray.remote`` by the launcher)."""
+
+    def __init__(self, spec: Any, index: int) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        from shardforge.mesh import current_device
+        from shardforge.rollout.hf.engine import HFRolloutEngine
+        from shardforge.rollout.hf.kv_reuse import KVReuseCache
+
+        torch.set_num_threads(1)  # one bundle = one CPU; the ranks' generate ran single-threaded too
+        self.index = index
+        tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer)
+        self.engine = HFRolloutEngine(spec.model, tokenizer, dtype=spec.dtype, device=current_device())
+        self.engine.kv_reuse = spec.kv_reuse
+        self.engine.kv_cache = KVReuseCache(spec.kv_reuse_max_tokens)
+        self.receiver: Any = None
+        self.address: tuple[str, int, int, int] | None = None
+        self.received: list[int] = []
+        self.generate_calls = 0
+        self.rollouts_by_version: dict[int, int] = {}
+
+    def ready(self) -> int:
+        """The version served (0: the model directory's weights); returns once the engine is built."""
+        return int(self.engine.version)
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, sessions: list[Hashable | None] | None = None
+    ) -> list[Rollout]:
+        self.generate_calls += 1
+        hooks.fire("rollout_generate", index=self.index, call=self.generate_calls)  # tests kill the actor here
+        rollouts = self.engine.generate(prompts, params, sessions=sessions)
+        version = int(self.engine.version)
+        self.rollouts_by_version[version] = self.rollouts_by_version.get(version, 0) + len(rollouts)
+        return rollouts
+
+    def end_sessions(self, sessions: list[Hashable]) -> None:
+        self.engine.end_sessions(sessions)
+
+    def receive_weights(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> int:
+        """Receive one version from trainer rank 0's collective transport at ``host:port`` (joining its group
+        first, or again after the sender changed); return the version now served."""
+        from shardforge.weight_sync import CollectiveReceiver
+
+        address = (host, port, rank, world_size)
+        if self.receiver is None or self.address != address:
+            self.receiver = CollectiveReceiver(self.engine.receiver, host, port, rank, world_size, timeout_s=timeout_s)
+            self.address = address
+        version = int(self.receiver.receive_version())  # the engine drops stale KV caches itself (weights_key)
+        self.received.append(version)
+        return version
+
+    def stats(self) -> dict[str, Any]:
+        """What this actor did: versions received in order, generate calls, rollouts per serving version."""
+        return {
+            "index": self.index,
+            "version": int(self.engine.version),
+            "received": list(self.received),
+            "generate_calls": self.generate_calls,
+            "rollouts_by_version": dict(self.rollouts_by_version),
+        }
+
+
+class RayRolloutClient:
+    """The trainer rank's `RolloutEngine` for ``rollout_placement=disaggregated`` (see the module docstring).
+
+    Args:
+        names: the rollout actors' Ray names (`rollout.placement.rollout_actor_names_from_env`).
+        timeout_s: how long a weight transfer may wait for the other side (the collective transport's timeout).
+        on_actor_failure: ``rollout_on_actor_failure``: ``error`` (a dead actor ends the run) or ``drop`` (the
+            ranks drop it from the pool and regenerate the lost rounds on a live one; `rollout.actor_pool`).
+    """
+
+    source: DiskWeightSource | None = None  # no disk root: versions arrive over the collective transport
+    direct_publish = True  # the trainer calls `publish` (trainers/rl_publish.direct_publisher)
+    accepts_images = False
+
+    def __init__(self, names: Sequence[str], *, timeout_s: float = 300.0, on_actor_failure: str = "error") -> None:
+        import ray
+
+        if not ray.is_initialized():
+            raise ValueError("rollout_placement=disaggregated: this rank does not run inside a Ray actor")
+        if on_actor_failure not in ("error", "drop"):
+            raise ValueError(f"rollout_on_actor_failure={on_actor_failure!r} is not one of ['error', 'drop']")
+        self.ray = ray
+        self.names = list(names)
+        self.actors = [ray.get_actor(name) for name in self.names]
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.pool = ActorPool(self.names, rank=self.rank, world_size=world, drop=on_actor_failure == "drop")
+        self.shared_restarts: ActorPool | None = self.pool if self.pool.drop else None
+        """``drop``: the ranks' agreement once per generation round (`rollout.shared_restart.generation_round`)."""
+        self.timeout_s = timeout_s
+        self.transport: Any = None
+        self.transport_actors: list[int] = []
+        """The actors (indices) the collective transport's group was built for."""
+        self.host = ""
+        self._version = int(self._call(lambda actor: actor.ready.remote()))
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def actor_index(self) -> int:
+        """The actor this rank generates through (another one after its actor was dropped)."""
+        return self.pool.current
+
+    def _get(self, ref: Any, index: int) -> Any:
+        """``ray.get(ref)``; a dead actor or a failed call becomes a one-line error naming the actor."""
+        return ray_get(self.ray, ref, f"rollout actor {self.names[index]}", RuntimeError)
+
+    def _call(self, method: Callable[[Any], Any]) -> Any:
+        """``method(this rank's actor)`` (a ``.remote`` call) and its result; a dead actor goes to the pool
+        (`ActorPool.actor_died`: an error, or the end of this rank's round)."""
+        self.pool.raise_if_down()
+        index = self.pool.current
+        self.pool.calls += 1
+        try:
+            return self._get(method(self.actors[index]), index)
+        except RolloutServerError as exc:
+            self.pool.actor_died(index, exc)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        sessions: Sequence[Hashable | None] | None = None,
+    ) -> list[Rollout]:
+        """As `HFRolloutEngine.generate`, on this rank's actor; session keys are made unique per rank."""
+        keys = None if sessions is None else [None if s is None else (self.rank, s) for s in sessions]
+        batch = [list(p) for p in prompts]
+        rollouts: list[Rollout] = self._call(lambda actor: actor.generate.remote(batch, params, keys))
+        return rollouts
+
+    def end_sessions(self, sessions: Iterable[Hashable]) -> None:
+        keys = [(self.rank, s) for s in sessions]
+        if keys:
+            self._call(lambda actor: actor.end_sessions.remote(keys))
+
+    def update_weights(self, version: int | None = None) -> int:
+        """The actors serve what `publish` sent; switching to another version is not possible."""
+        if version is not None and version != self._version:
+            raise RuntimeError(
+                f"the rollout actors serve version {self._version}; version {version} was never published to them"
+            )
+        return self._version
+
+    def pop_stats(self) -> dict[str, float]:
+        """``rollout_actors/dropped|live|resent_requests`` since the last call (`ActorPool.pop_stats`)."""
+        return self.pool.pop_stats()
+
+    def publish(self, engine: Any, dtype: str, version: int | None) -> int:
+        """Send ``engine``'s weights to every live rollout actor as ``version`` (None: the one after the served one)
+        and return it once every one serves it. Collective over the trainer's ranks."""
+        version = self._version + 1 if version is None else version
+        refs: list[tuple[int, Any]] = []
+        if self.rank == 0:
+            self._drop_dead_actors()
+            refs = self._start_receiving(version)
+        engine.publish_weights(self.transport, version, dtype=dtype, src_rank=0, checksums="crc32")
+        if self.rank == 0:
+            served = [self._get(ref, index) for index, ref in refs]
+            if any(v != version for v in served):
+                raise RuntimeError(f"published version {version}, but the rollout actors serve {served}")
+        if dist.is_initialized():  # nobody samples before every actor serves the new version
+            if self.pool.drop:  # rank 0's pool, with the actors it found dead before this publish dropped
+                live = [self.pool.live]
+                dist.broadcast_object_list(live, src=0)
+                self.pool.set_live(live[0])
+            else:
+                dist.barrier()
+        self._version = version
+        return version
+
+    def _drop_dead_actors(self) -> None:
+        """Rank 0: ask every live actor whether it is alive (a dead one would keep the transport's group from
+        forming until its timeout); drop the dead ones, or raise the one-line error (``error``)."""
+        refs = [(index, self.actors[index].ready.remote()) for index in self.pool.live]
+        dead: list[int] = []
+        why = ""
+        for index, ref in refs:
+            try:
+                self._get(ref, index)
+            except RolloutServerError as exc:
+                if not self.pool.drop:
+                    self.pool.actor_died(index, exc)
+                dead.append(index)
+                why = why or f"{exc} (found by rank 0 before publishing a version)"
+        if dead:
+            self.pool.drop_actors(dead, why)
+
+    def _start_receiving(self, version: int) -> list[tuple[int, Any]]:
+        """Rank 0: the transport to the live actors (a new group when the pool changed) and their
+        ``receive_weights`` calls, as (actor index, ref)."""
+        from shardforge.weight_sync import CollectiveTransport
+
+        live = list(self.pool.live)
+        if self.transport is None or self.transport_actors != live:
+            if self.transport is not None:  # an actor was dropped: the group of rank 0 + the live actors only
+                self.transport.close()
+            else:  # the actors may be on other nodes: listen on this node's address
+                self.host = str(self.ray.util.get_node_ip_address())
+            self.transport = CollectiveTransport(self.host, 0, len(live), timeout_s=self.timeout_s)
+            self.transport_actors = live
+        world = 1 + len(live)
+        return [
+            (index, self.actors[index].receive_weights.remote(self.host, self.transport.port, rank + 1, world,
+                                                              self.timeout_s))
+            for rank, index in enumerate(live)
+        ]  # fmt: skip

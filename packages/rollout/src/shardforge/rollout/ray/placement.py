@@ -1,0 +1,212 @@
+"""Where an RL trainer's rollouts run: ``rollout_placement: colocated | disaggregated``.
+
+- ``colocated`` (default): the rollout engine lives in every trainer process (the embedded HF engine, or a
+  vLLM engine/server the trainer starts), as it always did.
+- ``disaggregated`` (``--launcher ray`` only), placed in the same placement group as the trainer ranks:
+  - ``rollout_engine: hf``: ``num_rollout_actors`` Ray actors of their own, each holding the embedded HF engine
+    (`shardforge.rollout.ray.hf_actor.RolloutActor`). Trainer rank ``r`` generates through actor
+    ``r % num_rollout_actors``; after each step trainer rank 0 sends the new weights to every actor over
+    weight-sync's collective transport (a gloo group of rank 0 + the actors, verified, version-tagged; no shared
+    filesystem).
+  - ``rollout_engine: vllm`` with ``vllm.mode: server``: one actor that runs ``vllm serve`` in its bundle
+    (`shardforge.rollout.ray.vllm_server.VLLMServerActor`); every rank is a `VLLMServerRolloutEngine`
+    on its URL, and trainer rank 0 sends the server every version over weight-sync's collective transport
+    (``vllm.weight_transport: auto``; ``disk``: the server loads the versions under ``output_dir/weights``, which
+    on several Ray nodes must be on storage the trainer's rank 0 and the server's node share).
+
+This module is the pure part (no Ray import): the refusals, the actors' spec the launcher needs, and how
+the launcher tells the ranks the actors' names (an environment variable, as it passes the rank variables).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from shardforge.rewards.ray_pool import actor_names_from_env
+
+__all__ = [
+    "ROLLOUT_ACTORS_ENV",
+    "RolloutActorSpec",
+    "RolloutOnActorFailure",
+    "RolloutPlacement",
+    "actor_for_rank",
+    "actor_names",
+    "actor_names_from_env",
+    "rollout_actor_names_from_env",
+    "rollout_actor_spec",
+]
+
+RolloutPlacement = Literal["colocated", "disaggregated"]
+"""The placements a trainer config can name (config_io checks the value against it)."""
+
+RolloutOnActorFailure = Literal["error", "drop"]
+"""What the ranks do when an HF rollout actor dies (``rollout_on_actor_failure``): end the run with a one-line
+error, or drop it from the pool and regenerate the lost rounds on a surviving actor (`rollout.actor_pool`)."""
+
+ROLLOUT_ACTORS_ENV = "SHARDFORGE_RAY_ROLLOUT_ACTORS"
+"""Set by the Ray launcher on every rank: the rollout actors' names, comma-separated."""
+
+_HOW = "docs/multinode.md, 'Disaggregated rollouts'"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutActorSpec:
+    """What the Ray launcher needs to start the rollout actors (read from the trainer config)."""
+
+    num_actors: int
+    """Rollout actors to start (each holds one embedded HF engine with the full model, or one vLLM server)."""
+    engine: str = "hf"
+    """``rollout_engine``: ``hf`` (`RolloutActor`) or ``vllm`` (`VLLMServerActor`, ``vllm.mode: server``)."""
+    model: str
+    """HF model directory of the initial weights (version 0)."""
+    tokenizer: str
+    """Tokenizer directory (the trainer's ``tokenizer``, else the model directory)."""
+    dtype: str
+    """The rollout model's dtype (``rollout_dtype``)."""
+    kv_reuse: bool
+    """``rollout_kv_reuse``: keep multi-turn sessions' KV caches between calls."""
+    kv_reuse_max_tokens: int
+    """``rollout_kv_reuse_max_tokens``."""
+    vllm: Any = None
+    """engine=vllm: the trainer's `VLLMOptions` (the server's flags and environment)."""
+    seed: int = 0
+    """engine=vllm: the server's global seed (requests carry their own)."""
+    output_dir: str = ""
+    """engine=vllm: the run's ``output_dir``, absolute (the server's log goes to ``output_dir/vllm_server.log``)."""
+
+    @property
+    def gpus_per_actor(self) -> int:
+        """GPUs one actor's bundle asks for when the cluster has GPUs (a vLLM server: its tensor-parallel size)."""
+        return int(self.vllm.tensor_parallel_size) if self.engine == "vllm" else 1
+
+
+def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None) -> RolloutActorSpec | None:
+    """The rollout actors ``config`` asks for (None: colocated); raise `ValueError` for a combination that is
+    not supported (``launcher``: the CLI's ``--launcher``, or ``"external"`` under an outside torchrun;
+    ``world_size``: the trainer's ranks, when known; no refusal depends on it at present)."""
+    placement = getattr(config, "rollout_placement", "colocated")
+    num_actors = int(getattr(config, "num_rollout_actors", 1))
+    if num_actors < 1:
+        raise ValueError(f"num_rollout_actors={num_actors} must be >= 1")
+    on_failure = str(getattr(config, "rollout_on_actor_failure", "error"))
+    if placement == "colocated":
+        if on_failure != "error":
+            raise ValueError(
+                f"rollout_on_actor_failure={on_failure} applies to the rollout actors of rollout_placement="
+                "disaggregated (--launcher ray); this run's rollouts are colocated: remove it, or set "
+                f"rollout_placement=disaggregated ({_HOW})"
+            )
+        return None
+    if placement != "disaggregated":
+        raise ValueError(f"rollout_placement={placement!r} is not one of ['colocated', 'disaggregated']")
+    engine = str(getattr(config, "rollout_engine", "hf"))
+    vllm = getattr(config, "vllm", None)
+    refusals = [
+        (
+            launcher != "ray",
+            f"runs the rollout engine in Ray actors, which only --launcher ray starts (this run's launcher: "
+            f"{launcher}): add --launcher ray, or set rollout_placement=colocated",
+        ),
+        (
+            engine not in ("hf", "vllm"),
+            f"holds the embedded HF engine or a vLLM server; rollout_engine={engine!r} is neither: use "
+            "rollout_engine=hf or rollout_engine=vllm with vllm.mode=server",
+        ),
+        *(_vllm_refusals(vllm, num_actors, on_failure) if engine == "vllm" else []),
+        (
+            on_failure == "drop" and engine == "hf" and num_actors < 2,
+            f"with rollout_on_actor_failure=drop moves the ranks of a dead rollout actor to a surviving one, which "
+            f"needs num_rollout_actors >= 2 (num_rollout_actors={num_actors}): raise it, or set "
+            "rollout_on_actor_failure=error",
+        ),
+        (
+            bool(getattr(config, "async_rollouts", False)),
+            "serves the newest weights only: asynchronous rollouts (which may need an older version) are not "
+            "supported yet; set async_rollouts=false",
+        ),
+        (
+            bool(getattr(config, "partial_rollouts", False)),
+            "does not interrupt generations: set partial_rollouts=false",
+        ),
+        (
+            bool(getattr(getattr(config, "engine", None), "router_replay", False)),
+            "does not return recorded MoE routing yet: set engine.router_replay=false",
+        ),
+        (
+            bool(
+                getattr(config, "rollout_sleep", False) or getattr(config, "offload_train_state_during_rollout", False)
+            ),
+            "gives the rollout engine devices of its own: rollout_sleep and offload_train_state_during_rollout hand "
+            "a colocated engine's devices to the trainer between phases; set them to false",
+        ),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"rollout_placement=disaggregated {why} ({_HOW})")
+    return RolloutActorSpec(
+        num_actors=num_actors,
+        engine=engine,
+        model=str(config.model),
+        tokenizer=str(getattr(config, "tokenizer", None) or config.model),
+        dtype=str(getattr(config, "rollout_dtype", "float32")),
+        kv_reuse=bool(getattr(config, "rollout_kv_reuse", True)),
+        kv_reuse_max_tokens=int(getattr(config, "rollout_kv_reuse_max_tokens", 65536)),
+        vllm=vllm if engine == "vllm" else None,
+        seed=int(getattr(config, "seed", 0)),
+        output_dir=str(Path(config.output_dir).resolve()) if getattr(config, "output_dir", "") else "",
+    )
+
+
+def _vllm_refusals(vllm: Any, num_actors: int, on_failure: str) -> list[tuple[bool, str]]:
+    """What ``rollout_engine=vllm`` with disaggregated placement (one `VLLMServerActor`) does not support yet."""
+    mode = getattr(vllm, "mode", "in_process")
+    return [
+        (
+            mode != "server",
+            f"runs vLLM as a server actor: set vllm.mode=server (vllm.mode={mode!r} runs vLLM inside the trainer, "
+            "rollout_placement=colocated)",
+        ),
+        (
+            getattr(vllm, "server_url", None) is not None,
+            "starts its own vLLM server in a Ray actor: remove vllm.server_url, or keep it with "
+            "rollout_placement=colocated",
+        ),
+        (
+            on_failure != "error",
+            f"with rollout_engine=vllm starts one vLLM server, which is restarted rather than dropped: set "
+            f"rollout_on_actor_failure=error (it is {on_failure}) and vllm.on_server_failure=restart",
+        ),
+        (
+            num_actors != 1,
+            f"with rollout_engine=vllm starts one vLLM server for every rank (num_rollout_actors={num_actors}): set "
+            "num_rollout_actors=1 (vllm.max_num_seqs and vllm.tensor_parallel_size size the server)",
+        ),
+    ]
+
+
+def actor_names(num_actors: int, prefix: str = "shardforge-rollout") -> list[str]:
+    """The Ray names of ``num_actors`` rollout actors."""
+    return [f"{prefix}-{index}" for index in range(num_actors)]
+
+
+def actor_for_rank(rank: int, num_actors: int) -> int:
+    """The rollout actor trainer rank ``rank`` generates through (round robin)."""
+    if num_actors < 1 or rank < 0:
+        raise ValueError(f"rank={rank} and num_actors={num_actors} must be >= 0 and >= 1")
+    return rank % num_actors
+
+
+def rollout_actor_names_from_env(num_actors: int, env: Mapping[str, str] | None = None) -> list[str]:
+    """The actors the Ray launcher started for this run (``ROLLOUT_ACTORS_ENV``); a `ValueError` when this
+    rank was not started by ``--launcher ray`` with ``rollout_placement=disaggregated``, or with another count."""
+    return actor_names_from_env(
+        ROLLOUT_ACTORS_ENV,
+        num_actors,
+        kind="rollout",
+        needs="rollout_placement=disaggregated",
+        instead=f"rollout_placement=colocated ({_HOW})",
+        env=env,
+    )

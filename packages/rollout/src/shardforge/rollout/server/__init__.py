@@ -1,0 +1,1 @@
+"""Rollout servers: health checks and counters, HTTP helpers, restarts agreed across ranks."""

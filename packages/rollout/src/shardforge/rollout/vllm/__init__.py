@@ -1,0 +1,1 @@
+"""vLLM rollout engines: in process (`engine.VLLMRolloutEngine`) and a managed ``vllm serve`` (`server.VLLMServerRolloutEngine`), with sleep mode and the collective weight transport. Import these modules only when vLLM is installed."""

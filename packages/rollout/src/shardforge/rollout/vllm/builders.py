@@ -1,0 +1,42 @@
+"""The ``"vllm"`` rollout-engine builder, registered lazily in `ROLLOUT_ENGINES` by import path.
+
+Importing this module imports ``vllm_engine.py`` (not vLLM itself: that happens in
+`import_vllm`, before any model is loaded).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from shardforge.rollout.factory import PublishedRolloutEngine
+from shardforge.rollout.vllm.engine import VLLMOptions, VLLMRolloutEngine, import_vllm
+
+__all__ = ["build_vllm_engine"]
+
+
+def build_vllm_engine(
+    model_dir: str | os.PathLike[str],
+    tokenizer: Any,
+    *,
+    weights_root: str | os.PathLike[str] | None,
+    dtype: str,
+    vllm: VLLMOptions | None,
+    seed: int,
+) -> PublishedRolloutEngine:
+    """vLLM, in process (vllm.mode=in_process) or a server (vllm.mode=server)"""
+    options = vllm or VLLMOptions()
+    if not isinstance(options, VLLMOptions):
+        raise TypeError(f"vllm= must be VLLMOptions, got {type(options).__name__}")
+    if options.mode == "server":
+        from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
+
+        if options.server_url is None and options.server_python is None:
+            import_vllm()  # the server would run from this interpreter
+        return VLLMServerRolloutEngine(
+            model_dir, tokenizer, weights_root=weights_root, dtype=dtype, options=options, seed=seed,
+            log_file=None if weights_root is None else Path(weights_root).parent / "vllm_server.log",
+        )  # fmt: skip
+    import_vllm()  # fail here, with the install command, before any model is loaded
+    return VLLMRolloutEngine(model_dir, tokenizer, weights_root=weights_root, dtype=dtype, options=options, seed=seed)

@@ -1,0 +1,184 @@
+"""The workflow protocol, its config and the WORKFLOWS registry.
+
+A workflow runs one episode of an agent against a rollout engine and returns its trajectories:
+
+    class MathAgent:
+        def __init__(self, config: WorkflowConfig, tokenizer, reward_fn): ...
+        async def run_episode(self, engine: EpisodeHandle, row: PromptRow) -> list[Trajectory]: ...
+
+Built-ins are registered by name (``workflow.name: multi_turn``); a user's class is named by import
+path (``workflow.name: my_pkg.agent:MathAgent``) and gets the same constructor arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from shardforge.core.registry import Registry
+from shardforge.rollout.episodes.request_queue import EpisodeHandle
+from shardforge.rollout.episodes.trajectory import Trajectory
+from shardforge.rollout.types import ImageInputs
+
+if TYPE_CHECKING:
+    from shardforge.rollout.types import PromptSet
+
+__all__ = [
+    "WORKFLOWS",
+    "PromptRow",
+    "Workflow",
+    "WorkflowConfig",
+    "WorkflowFactory",
+    "build_workflow",
+    "new_trajectory",
+    "score",
+    "score_in_batch",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkflowConfig:
+    """Which workflow turns data rows into trajectories, and its options (YAML ``workflow:``)."""
+
+    name: str = "rlvr"
+    """A registered workflow (rlvr, multi_turn, tool_use) or a user class ``package.module:Class``."""
+    max_turns: int = 1
+    """Most model turns per episode (multi_turn: answers; tool_use: tool calls + the final answer)."""
+    turn_discount: float = 1.0
+    """multi_turn: a correct answer at turn t (0-based) earns ``reward * turn_discount**t`` (AReaL's multi-turn)."""
+    max_total_tokens: int | None = None
+    """Stop an episode before its sequence exceeds this many tokens (None: the trainer's micro-batch budget)."""
+    chat_template: bool = False
+    """Wrap the prompt text in the tokenizer's chat template (multi_turn / tool_use need one to add turns)."""
+    system_prompt: str | None = None
+    """Optional system message (chat_template=true only)."""
+    feedback: str = "Wrong, try again."
+    """multi_turn: the user turn sent after a wrong answer."""
+    tools: tuple[str, ...] = ("calculator",)
+    """tool_use: registered tools (calculator, python) or ``package.module:function`` (schema from its signature)."""
+    tool_timeout_s: float = 5.0
+    """tool_use: per-call time limit; a call past it is killed and returned to the model as a timeout error."""
+    max_failed_fraction: float = 0.0
+    """Fail the step when more than this fraction of the step's episodes crashed (a crash drops its whole group)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Free-form options for a user workflow."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"workflow.max_turns={self.max_turns} must be >= 1")
+        if not 0.0 <= self.turn_discount <= 1.0:
+            raise ValueError(f"workflow.turn_discount={self.turn_discount} must be in [0, 1]")
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            raise ValueError(f"workflow.max_failed_fraction={self.max_failed_fraction} must be in [0, 1]")
+        if self.tool_timeout_s <= 0:
+            raise ValueError(f"workflow.tool_timeout_s={self.tool_timeout_s} must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PromptRow:
+    """One data row as a workflow sees it."""
+
+    index: int
+    """The row's index in this rank's batch (= the group of its trajectories)."""
+    prompt: str
+    """The prompt text."""
+    reference: str
+    """The reference answer the reward function checks."""
+    prompt_ids: list[int]
+    """The prompt tokenised without a chat template (what rlvr feeds the engine); an image prompt's ids are
+    its chat rendered with the generation prompt, image tokens expanded (`rlvr.load_image_prompts`)."""
+    images: ImageInputs | None = None
+    """The prompt's images (a vision-language model's image prompt; None: text only). Every generate call
+    of the row's episodes carries them, and so do its trajectories."""
+    seed: int | None = None
+    """Seed of this prompt's episodes (sample ``j``: ``seed + j``; see `rollout.seeds`), so they sample the same
+    whichever rank runs them; None: derived from the call's ``SamplingParams.seed`` and ``index``."""
+
+    @classmethod
+    def from_prompts(cls, prompts: PromptSet, i: int, index: int, seed: int | None = None) -> PromptRow:
+        """Prompt ``i`` of a loaded `rlvr.PromptSet` as the row at ``index`` of this rank's batch."""
+        return cls(
+            index=index,
+            prompt=prompts.texts[i],
+            reference=prompts.references[i],
+            prompt_ids=prompts.ids[i],
+            images=prompts.image(i),
+            seed=seed,
+        )
+
+
+class Workflow(Protocol):
+    """Runs one episode against a rollout engine; many run concurrently on one engine."""
+
+    async def run_episode(self, engine: EpisodeHandle, row: PromptRow) -> list[Trajectory]:
+        """The episode's trajectories (GRPO needs exactly one per episode)."""
+        ...
+
+
+class WorkflowFactory(Protocol):
+    def __call__(self, config: WorkflowConfig, tokenizer: Any, reward_fn: Any) -> Workflow: ...
+
+
+WORKFLOWS: Registry[WorkflowFactory] = Registry("workflow")
+WORKFLOWS.register_lazy(
+    "rlvr", "shardforge.rollout.workflows.rlvr:RLVRWorkflow", "One prompt -> one response -> verifier reward."
+)
+WORKFLOWS.register_lazy(
+    "multi_turn",
+    "shardforge.rollout.workflows.multi_turn:MultiTurnWorkflow",
+    "Answer; on a wrong answer the verifier's feedback comes back as a user turn, up to max_turns.",
+)
+WORKFLOWS.register_lazy(
+    "tool_use",
+    "shardforge.rollout.workflows.tool_use:ToolUseWorkflow",
+    "Qwen3-style <tool_call>{json}</tool_call> turns; tool results come back as tool messages.",
+)
+
+
+def build_workflow(config: WorkflowConfig, tokenizer: Any, reward_fn: Any) -> Workflow:
+    """The workflow ``config.name`` names (a registered name or ``package.module:Class``)."""
+    factory = WORKFLOWS.get(config.name)
+    return factory(config, tokenizer, reward_fn)
+
+
+def new_trajectory(row: PromptRow, prompt_ids: list[int]) -> Trajectory:
+    """A trajectory holding just the (masked) prompt of ``row`` (and its images)."""
+    trajectory = Trajectory(group=row.index, token_ids=[], loss_mask=[], logprobs=[], versions=[], images=row.images)
+    trajectory.append(list(prompt_ids))
+    return trajectory
+
+
+def score(reward_fn: Any, row: PromptRow, response: str) -> float:
+    """``reward_fn(prompt, response, reference)`` as a finite float; raises naming the prompt and response.
+    Called here and now, alone: an episode on the trainers' `EpisodeHandle` should ``await score_in_batch(...)``."""
+    try:
+        value = float(reward_fn(row.prompt, response, row.reference))
+    except Exception as exc:
+        raise RuntimeError(
+            f"the reward function raised on prompt {row.prompt!r}, response {response!r}: {exc!r}"
+        ) from exc
+    return _finite(value, row, response)
+
+
+async def score_in_batch(engine: EpisodeHandle, reward_fn: Any, row: PromptRow, response: str) -> float:
+    """`score`, but scored in one batch with the rewards every other live episode of the run asks for
+    (`EpisodeHandle.score`): the batch goes to ``reward_fn`` at once (a `GuardedReward` scores it on its threads,
+    ``reward.ray_workers`` over the Ray reward actors); a plain function is called item by item, in episode order.
+    The same value, the same errors as `score`."""
+    try:
+        value = float(await engine.score(reward_fn, row.prompt, response, row.reference))
+    except Exception as exc:
+        raise RuntimeError(
+            f"the reward function raised on prompt {row.prompt!r}, response {response!r}: {exc!r}"
+        ) from exc
+    return _finite(value, row, response)
+
+
+def _finite(value: float, row: PromptRow, response: str) -> float:
+    if not math.isfinite(value):
+        raise ValueError(
+            f"the reward function returned {value} for prompt {row.prompt!r}, response {response!r}; "
+            "rewards must be finite numbers"
+        )
+    return value
