@@ -76,7 +76,7 @@ def _run_recorded(name: str, assets: dict[str, str], out: str, async_rollouts: b
         "problems": recorder.problems(expected_device="cpu"),
         "origins": origins,
         "backends": sorted({c.backend for c in recorder.calls}),
-        "helper_callers": sorted({c.caller.rsplit("/", 1)[-1].split(":")[0] for c in recorder.calls if c.caller}),
+        "helper_callers": sorted({"/".join(c.caller.split(":")[0].split("/")[-2:]) for c in recorder.calls if c.caller}),
     }
 
 
@@ -91,12 +91,12 @@ def test_trainer_collectives_go_through_the_helper_on_the_engine_device(
         assert result["backends"] == ["gloo"]
         assert result["origins"].get("helper", 0) > 0, result  # the trainers' scalars went through the helper
         assert result["origins"].get("algorithms", 0) == 0 or name == "grpo", result  # only object collectives
-    expected = {"sft": set(), "rm": {"ppo_update.py"}, "ppo": {"rl_common.py", "ppo_update.py"}}
+    expected = {"sft": set(), "rm": {"rl/ppo_update.py"}, "ppo": {"rl/common.py", "rl/ppo_update.py"}}
     callers = set(results[0]["helper_callers"])
     if name in expected:
         assert expected[name] <= callers, callers
     else:
-        assert {"rl_common.py", "grpo.py"} <= callers, callers
+        assert {"rl/common.py", "trainers/grpo.py"} <= callers, callers
 
 
 def test_the_recorder_flags_a_cpu_tensor_for_an_accelerator_backend_and_a_missing_device(
@@ -107,7 +107,7 @@ def test_the_recorder_flags_a_cpu_tensor_for_an_accelerator_backend_and_a_missin
     import torch
     import torch.distributed as dist
 
-    from shardforge.engine.batching import collective_check
+    from shardforge.algorithms.testing import collective_check
     from shardforge.mesh.collectives import all_reduce_sum
 
     original = dist.all_reduce

@@ -367,7 +367,7 @@ def test_partial_rollout_settings_errors(
 def test_partial_rollouts_on_vllm_refuse_engines_shared_by_ranks(
     assets: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardforge.algorithms.trainers import rl_partial
+    from shardforge.algorithms.trainers.rl import partial as rl_partial
 
     check = rl_partial.check_partial_rollouts
     check(_config(assets, tmp_path, rollout_engine="vllm"))  # world 1: in-process or server, any placement

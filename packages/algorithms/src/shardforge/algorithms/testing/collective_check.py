@@ -9,10 +9,11 @@ devices of its tensors, the group's backend, the calling ``file:line``, and for 
 
 `CollectiveRecorder.problems` applies three rules:
 
-1. algorithms code outside ``batching/collectives.py`` and the engine issues no raw tensor
-   collective (object collectives, which pick their device themselves, are allowed);
+1. code above the engine (algorithms, rollout, rewards) and the engine's ``batching/`` issue no raw tensor
+   collective: only `shardforge.mesh.collectives` and the rest of the engine do (object collectives, which pick
+   their device themselves, are allowed);
 2. every tensor is on the device type the backend needs (NCCL: ``cuda``; gloo: ``cpu``);
-3. every helper call from algorithms code above the engine (trainers, rollout, ...) passed
+3. every helper call from code above the engine (trainers, rollout, ...) passed
    ``device=`` and, given ``expected_device``, the engine's device (``batching/`` itself and the
    engine may rely on the helper's default, the backend's device).
 
@@ -36,6 +37,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+import shardforge.algorithms
+import shardforge.engine
+import shardforge.rewards
+import shardforge.rollout
+from shardforge.mesh import collectives as mesh_collectives
 
 __all__ = ["OBJECT_OPS", "TENSOR_OPS", "CollectiveCall", "CollectiveRecorder"]
 
@@ -62,12 +69,15 @@ OBJECT_OPS = ("all_gather_object", "broadcast_object_list", "gather_object", "sc
 BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}
 """The device type each backend needs its tensors on."""
 
-_ALGORITHMS = Path(__file__).resolve().parents[1]
-_HELPER = _ALGORITHMS / "batching" / "collectives.py"
+_HELPER = Path(mesh_collectives.__file__).resolve()
+_ENGINE = Path(shardforge.engine.__file__).resolve().parent
+_ABOVE_ENGINE = tuple(
+    Path(module.__file__).resolve().parent
+    for module in (shardforge.algorithms, shardforge.rollout, shardforge.rewards)  # type: ignore[attr-defined]
+)
+"""Code above the engine: it must call the helper with the engine's device and never issue raw collectives."""
 _THIS = Path(__file__).resolve()
 _TORCH = Path(torch.__file__).resolve().parent
-_ENGINE = ("engine",)
-"""Paths under shardforge/algorithms that belong to the engine (allowed to issue raw collectives)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +91,9 @@ class CollectiveCall:
     site: str
     """``file:line`` that called ``torch.distributed.<op>`` (the first frame outside torch)."""
     origin: str
-    """"helper" (batching/collectives.py), "batching", "engine", "algorithms" (any other algorithms
-    file) or "other"."""
+    """"helper" (shardforge/mesh/collectives.py), "batching" (shardforge/engine/batching), "engine" (the rest of
+    shardforge.engine), "algorithms" (shardforge.algorithms, .rollout, .rewards: code above the engine) or
+    "other"."""
     caller: str = ""
     """For helper calls: the ``file:line`` that called the helper."""
     caller_origin: str = ""
@@ -94,13 +105,11 @@ class CollectiveCall:
 def _origin(path: Path) -> str:
     if path == _HELPER:
         return "helper"
-    try:
-        parts = path.relative_to(_ALGORITHMS).parts
-    except ValueError:
-        return "other"
-    if parts[0] == "batching":
-        return "batching"
-    return "engine" if parts[0] in _ENGINE else "algorithms"
+    if path.is_relative_to(_ENGINE):
+        return "batching" if path.relative_to(_ENGINE).parts[0] == "batching" else "engine"
+    if any(path.is_relative_to(root) for root in _ABOVE_ENGINE):
+        return "algorithms"
+    return "other"
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
