@@ -76,7 +76,9 @@ def _run_recorded(name: str, assets: dict[str, str], out: str, async_rollouts: b
         "problems": recorder.problems(expected_device="cpu"),
         "origins": origins,
         "backends": sorted({c.backend for c in recorder.calls}),
-        "helper_callers": sorted({"/".join(c.caller.split(":")[0].split("/")[-2:]) for c in recorder.calls if c.caller}),
+        "helper_callers": sorted(
+            {"/".join(c.caller.split(":")[0].split("/")[-2:]) for c in recorder.calls if c.caller}
+        ),
     }
 
 

@@ -1,35 +1,87 @@
-"""The algorithms package's structure rules (DESIGN.md section 5), checked on its source.
+"""The structure rules of DESIGN.md sections 2 and 5, checked on the installed sources of every package.
 
-- no import cycle between its modules, counting imports under ``TYPE_CHECKING`` and inside functions;
-- no module outside ``engine/`` reads a private member of an engine (``engine._x``);
-- no source file over 450 lines.
+- packages import only from lower tiers (no sideways import inside a tier), and inside ``shardforge.algorithms``
+  folders import only from lower layers; imports under ``TYPE_CHECKING`` and inside functions count;
+- no import cycle between modules (same counting);
+- no module outside ``shardforge.engine`` reads a private member of an engine (``engine._x``);
+- no ``head == "value"`` branch (a value head is a class, not a flag);
+- nothing outside ``shardforge.rollout`` sets, reads or probes a rollout engine's attribute by name
+  (``setattr``/``getattr``/``hasattr`` on a ``*rollout*`` object): options go through the constructor;
+- no source file over 450 lines; ``shardforge.algorithms`` holds at most 6 root modules and at most 45% of all
+  source lines.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
-import shardforge.algorithms as algorithms
+import pytest
 
-ROOT = Path(algorithms.__file__).parent
-PACKAGE = "shardforge.algorithms"
+FEATURES = (
+    "fsdp_wrap",
+    "tensor_parallel",
+    "ulysses_cp",
+    "moe_ep",
+    "pipeline",
+    "checkpoint_dcp",
+    "weight_sync",
+    "memory",
+)
+TIERS = {
+    "core": 0,
+    "mesh": 0,
+    **dict.fromkeys((*FEATURES, "lora"), 1),
+    "engine": 2,
+    "rewards": 2,
+    "rollout": 3,
+    "algorithms": 4,
+}
+"""DESIGN.md section 2: a package imports only packages of a lower tier."""
+
+LAYERS = {
+    "config_io": 0,
+    "data": 0,
+    "loggers": 0,
+    "plan": 1,
+    "trainers/run": 1,
+    "trainers/rl": 2,
+    "trainers": 3,
+    "launch": 4,
+    "serve": 4,
+    "testing": 4,
+    "demos": 5,
+    "cli": 6,
+}
+"""DESIGN.md section 5, inside shardforge.algorithms: ``data, loggers <- trainers/rl <- trainers <- {launch, serve}
+<- cli``; a folder imports only folders of a lower layer (``testing`` helps tests and demos; ``__init__`` is the
+package's)."""
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join((PACKAGE, *parts))
+def _roots() -> dict[str, Path]:
+    roots = {}
+    for name in TIERS:
+        module = importlib.import_module(f"shardforge.{name}")
+        roots[name] = Path(module.__file__).resolve().parent  # type: ignore[arg-type]
+    return roots
 
 
 def _sources() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+    """Every module of every package: dotted name -> file."""
+    out = {}
+    for name, root in _roots().items():
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(("shardforge", name, *parts))] = path
+    return out
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
-    """Every algorithms module ``path`` imports (anywhere in the file), as the most specific module name."""
+    """Every shardforge module ``path`` imports (anywhere in the file), as the most specific module name."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names: list[str] = []
@@ -40,14 +92,23 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
         for name in names:
             while name and name not in modules:
                 name = name.rpartition(".")[0]
-            if name.startswith(PACKAGE + ".") or name == PACKAGE:
+            if name.startswith("shardforge."):
                 found.add(name)
     return found
 
 
-def _package_of(module: str) -> str:
-    """A module's import of its own package's ``__init__`` is not a cycle we care about."""
-    return module.rpartition(".")[0]
+def import_graph() -> dict[str, set[str]]:
+    sources = _sources()
+    modules = set(sources)
+    graph: dict[str, set[str]] = {}
+    for name, path in sources.items():
+        # A package's __init__ re-exports its children; an edge child -> parent package would make every
+        # re-export look like a cycle.
+        deps = {d for d in _imports(path, modules) if d != name and not name.startswith(d + ".")}
+        if path.name == "__init__.py":
+            deps = {d for d in deps if not d.startswith(name + ".")}
+        graph[name] = deps
+    return graph
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -73,18 +134,56 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def import_graph() -> dict[str, set[str]]:
-    sources = _sources()
-    modules = set(sources)
-    graph: dict[str, set[str]] = {}
-    for name, path in sources.items():
-        # Package __init__ files only re-export their children; an edge child -> parent package
-        # would make every re-export look like a cycle.
-        deps = {d for d in _imports(path, modules) if d != name and not name.startswith(d + ".")}
-        if path.name == "__init__.py":
-            deps = {d for d in deps if not d.startswith(name + ".")}
-        graph[name] = deps
-    return graph
+def package_of(module: str) -> str:
+    return module.split(".")[1]
+
+
+def layer_of(module: str) -> str | None:
+    """The algorithms folder of ``module`` (``trainers/rl`` and ``trainers/run`` are their own), None for others."""
+    parts = module.split(".")
+    if parts[1] != "algorithms" or len(parts) < 3:
+        return None
+    if parts[2] == "trainers" and len(parts) > 3 and parts[3] in ("rl", "run"):
+        return f"trainers/{parts[3]}"
+    return parts[2]
+
+
+def tier_violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for module, deps in graph.items():
+        mine = package_of(module)
+        for dep in deps:
+            theirs = package_of(dep)
+            if theirs != mine and TIERS[theirs] >= TIERS[mine]:
+                out.append(f"{module} (tier {TIERS[mine]}) imports {dep} (tier {TIERS[theirs]})")
+    return sorted(out)
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for module, deps in graph.items():
+        mine = layer_of(module)
+        if mine is None:
+            continue
+        for dep in deps:
+            theirs = layer_of(dep)
+            if theirs is None or theirs == mine:
+                continue
+            if LAYERS[theirs] >= LAYERS[mine]:
+                out.append(f"{module} ({mine}, layer {LAYERS[mine]}) imports {dep} ({theirs}, layer {LAYERS[theirs]})")
+    return sorted(out)
+
+
+def _grep(pattern: re.Pattern[str], *, skip_package: str | None = None) -> list[str]:
+    offenders = []
+    for name, root in _roots().items():
+        if name == skip_package:
+            continue
+        for path in root.rglob("*.py"):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    offenders.append(f"shardforge/{name}/{path.relative_to(root)}:{number}: {line.strip()}")
+    return offenders
 
 
 def test_find_cycle_finds_a_planted_cycle() -> None:
@@ -92,24 +191,70 @@ def test_find_cycle_finds_a_planted_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_no_import_cycle_in_the_algorithms_package() -> None:
-    graph = import_graph()
-    assert len(graph) > 40  # the walk found the package
+def test_the_rules_catch_planted_back_edges() -> None:
+    graph = {
+        "shardforge.engine.x": {"shardforge.rollout.types"},  # tier 2 -> 3
+        "shardforge.engine.y": {"shardforge.rewards.functions"},  # sideways in tier 2
+        "shardforge.rollout.z": {"shardforge.rewards.functions", "shardforge.mesh"},  # allowed
+        "shardforge.algorithms.trainers.rl.a": {"shardforge.algorithms.trainers.base"},  # rl -> trainers
+        "shardforge.algorithms.trainers.b": {"shardforge.algorithms.trainers.rl.a"},  # allowed
+        "shardforge.algorithms.data.c": {"shardforge.algorithms.cli.main"},  # data -> cli
+    }
+    assert len(tier_violations(graph)) == 2
+    assert [v.split(" ")[0] for v in layer_violations(graph)] == [
+        "shardforge.algorithms.data.c",
+        "shardforge.algorithms.trainers.rl.a",
+    ]
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph()
+
+
+def test_no_import_cycle(graph: dict[str, set[str]]) -> None:
+    assert len(graph) > 200  # the walk found every package
     assert find_cycle(graph) is None, find_cycle(graph)
 
 
+def test_packages_import_only_lower_tiers(graph: dict[str, set[str]]) -> None:
+    assert tier_violations(graph) == []
+
+
+def test_algorithms_folders_import_only_lower_layers(graph: dict[str, set[str]]) -> None:
+    folders = {layer for module in graph if (layer := layer_of(module)) is not None}
+    assert folders <= set(LAYERS), f"folders without a layer: {sorted(folders - set(LAYERS))}"
+    assert layer_violations(graph) == []
+
+
 def test_no_private_engine_member_read_outside_engine() -> None:
-    pattern = re.compile(r"\bengine_?\w*\._[a-z]\w*")
-    offenders = []
-    for path in ROOT.rglob("*.py"):
-        if path.relative_to(ROOT).parts[0] == "engine":
-            continue
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if pattern.search(line):
-                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
-    assert not offenders, offenders
+    above = ("algorithms", "rollout", "rewards")  # the code that holds TrainEngines (weight-sync's engines are its own)
+    offenders = _grep(re.compile(r"\bengine_?\w*\._[a-z]\w*"), skip_package="engine")
+    assert [o for o in offenders if o.split("/")[1] in above] == []
+
+
+def test_no_value_head_flag_branch() -> None:
+    assert _grep(re.compile(r"""head\s*[!=]=\s*["']value["']""")) == []
+
+
+def test_no_rollout_engine_attribute_by_name_outside_rollout() -> None:
+    assert _grep(re.compile(r"\b(set|get|has)attr\(\s*(self\.)?\w*rollout\w*\s*,"), skip_package="rollout") == []
 
 
 def test_no_source_file_over_450_lines() -> None:
-    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
+    long = {
+        f"{name}/{p.relative_to(root)}": n
+        for name, root in _roots().items()
+        for p in root.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 450
+    }
     assert not long, long
+
+
+def test_algorithms_is_a_thin_top_layer() -> None:
+    roots = _roots()
+    root_modules = sorted(p.name for p in roots["algorithms"].glob("*.py"))
+    assert len(root_modules) <= 6, root_modules
+    lines = {name: sum(len(p.read_text().splitlines()) for p in root.rglob("*.py")) for name, root in roots.items()}
+    share = lines["algorithms"] / sum(lines.values())
+    assert share <= 0.45, f"shardforge.algorithms holds {share:.0%} of the source lines: {lines}"

@@ -28,8 +28,9 @@ def check_engine(dims: ParallelDims, hf_config: Any, config: EngineConfig) -> No
     check_features(dims, config)
     if is_vlm(hf_config):
         from shardforge.engine.vision import check_vlm  # the vision stack: only for a VLM
+        from shardforge.engine.vision_value import vlm_head_class
 
-        check_vlm(dims, hf_config, config.head)
+        check_vlm(dims, hf_config, vlm_head_class(config.head, getattr(hf_config, "model_type", "?")))
     check_layout(dims, hf_config)
     if dims.pp > 1:
         check_pipeline(dims, hf_config, config)

@@ -22,7 +22,7 @@ and CP x TP are refused (`check_vlm`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -41,11 +41,7 @@ from shardforge.ulysses_cp import gather_sequence, packed_model_kwargs, slice_fo
 __all__ = ["VISION_TOWERS", "VisionLMHead", "check_vlm", "is_vlm", "mrope_position_ids", "vision_tower"]
 
 
-VLM_HEADS = ("lm", "value")
-"""``EngineConfig.head`` values for image-text models: `VisionLMHead` and `engine.vision_value.VisionValueHead`."""
-
-
-def check_vlm(dims: Any, hf_config: Any, head: str) -> None:
+def check_vlm(dims: Any, hf_config: Any, head: type[VisionLMHead]) -> None:
     """Refuse what vision-language models do not support yet; raise `ValueError` before any collective."""
     if not is_vlm(hf_config):
         return
@@ -68,12 +64,10 @@ def check_vlm(dims: Any, hf_config: Any, head: str) -> None:
                 f"{kind!r}; use a data-parallel layout (e.g. d{dims.world_size})"
             )
         validate_tp(hf_config.text_config, dims.tp)  # the language model's heads / vocab / MLP split over tp
-    if head not in VLM_HEADS:
-        raise ValueError(f"vision-language models ({kind}) support engine.head {sorted(VLM_HEADS)}, got {head!r}")
-    if head == "value" and (dims.tp > 1 or dims.cp > 1):
+    if not head.supports_model_parallel and (dims.tp > 1 or dims.cp > 1):
         raise ValueError(
-            f"a value head on a vision-language model ({kind}: PPO's critic) supports data-parallel layouts (FSDP "
-            f"d, HSDP r x d, DDP r), not tp={dims.tp} cp={dims.cp}; use layout d{dims.world_size} for the critic"
+            f"a {head.name} head on a vision-language model ({kind}: PPO's critic) supports data-parallel layouts "
+            f"(FSDP d, HSDP r x d, DDP r), not tp={dims.tp} cp={dims.cp}; use layout d{dims.world_size} for the critic"
         )
 
 
@@ -140,6 +134,8 @@ class VisionLMHead(LMHead):
     supports_lora = True
     has_full_distribution = False  # `distribution_outputs` is LMHead's text-only forward: not for visual inputs
     supports_prefix_sharing = False  # image tokens and mRoPE positions: not shared
+    supports_model_parallel: ClassVar[bool] = True
+    """Whether tensor and context parallelism may split this head's model (`check_vlm`)."""
 
     def distribution_outputs(
         self, model: nn.Module, ctx: ParallelContext, mb: PackedBatch, *, entropy: bool

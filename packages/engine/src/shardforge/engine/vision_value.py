@@ -26,7 +26,7 @@ from shardforge.engine.batching import PackedBatch
 from shardforge.engine.context import ParallelContext
 from shardforge.engine.vision import VisionLMHead
 
-__all__ = ["VisionValueHead", "make_vlm_head"]
+__all__ = ["VLM_HEADS", "VisionValueHead", "make_vlm_head", "vlm_head_class"]
 
 
 def _swap_in_value_head(model: nn.Module, *, seed: int | None, dtype: torch.dtype) -> nn.Module:
@@ -62,6 +62,7 @@ class VisionValueHead(VisionLMHead):
     """A scalar head on an image-text model: per-position values with the images seen."""
 
     name = "value"
+    supports_model_parallel = False
     supports_lora = False
     has_token_distribution = False
     has_full_distribution = False
@@ -88,6 +89,17 @@ class VisionValueHead(VisionLMHead):
         return values[:real] + values[real:].sum() * 0.0, None
 
 
+VLM_HEADS: dict[str, type[VisionLMHead]] = {"lm": VisionLMHead, "value": VisionValueHead}
+"""``EngineConfig.head`` values for image-text models."""
+
+
+def vlm_head_class(name: str, kind: str = "vision-language") -> type[VisionLMHead]:
+    """The head class ``name`` of an image-text model; `ValueError` naming the valid ones."""
+    if name not in VLM_HEADS:
+        raise ValueError(f"vision-language models ({kind}) support engine.head {sorted(VLM_HEADS)}, got {name!r}")
+    return VLM_HEADS[name]
+
+
 def make_vlm_head(name: str) -> VisionLMHead:
-    """The head for an image-text model (`engine.vision.VLM_HEADS`); `check_vlm` names the valid ones."""
-    return VisionValueHead() if name == "value" else VisionLMHead()
+    """The head for an image-text model (see `VLM_HEADS`)."""
+    return vlm_head_class(name)()

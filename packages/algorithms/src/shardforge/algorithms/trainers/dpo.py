@@ -19,8 +19,14 @@ from shardforge.algorithms.data import IS_CHOSEN, PAIR_ROW_FIELDS, PAIR_WEIGHT
 from shardforge.algorithms.data.config import refuse_chat_template
 from shardforge.algorithms.data.preference import PreferencePair, load_pair_data, pack_pairs
 from shardforge.algorithms.trainers import TrainerSpec
-from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
-from shardforge.algorithms.trainers.common import SourceSetState, build_reference, check_max_positions, with_total_steps
+from shardforge.algorithms.trainers.base import Trainer
+from shardforge.algorithms.trainers.run.common import (
+    SourceSetState,
+    build_reference,
+    check_max_positions,
+    with_total_steps,
+)
+from shardforge.algorithms.trainers.run.config import TrainerConfig
 from shardforge.engine.batching import PackedBatch
 from shardforge.engine.objectives import summarize_stats
 from shardforge.engine.objectives.preference import (

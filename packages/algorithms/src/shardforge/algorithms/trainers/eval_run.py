@@ -22,9 +22,9 @@ import torch.distributed as dist
 from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS, load_prompts
 from shardforge.algorithms.trainers import TrainerSpec
-from shardforge.algorithms.trainers.base import load_tokenizer
 from shardforge.algorithms.trainers.rl.eval import EvalSamplingConfig
 from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
+from shardforge.algorithms.trainers.run.config import load_tokenizer
 from shardforge.algorithms.trainers.run.startup_gc import end_startup_gc
 from shardforge.engine.config import EngineConfig
 from shardforge.rewards import load_reward_fn

@@ -29,7 +29,6 @@ import torch
 from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
-from shardforge.algorithms.trainers.common import with_total_steps
 from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
 from shardforge.algorithms.trainers.rl.colocate import colocated_phases
 from shardforge.algorithms.trainers.rl.common import (
@@ -59,6 +58,7 @@ from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, make_s
 from shardforge.algorithms.trainers.rl.sources import AsyncRollouts, RolloutSource, SampledBatch, SampleFn, SyncRollouts
 from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
 from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes, workflow_stats
+from shardforge.algorithms.trainers.run.common import with_total_steps
 from shardforge.algorithms.trainers.run.profiling import phase
 from shardforge.engine.batching import PackedBatch
 from shardforge.engine.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats

@@ -27,7 +27,6 @@ import torch
 from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
-from shardforge.algorithms.trainers.common import with_total_steps
 from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
 from shardforge.algorithms.trainers.rl.colocate import colocated_phases
 from shardforge.algorithms.trainers.rl.common import (
@@ -57,6 +56,7 @@ from shardforge.algorithms.trainers.rl.publish import build_placed_rollout, dire
 from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
 from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
 from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes, workflow_stats
+from shardforge.algorithms.trainers.run.common import with_total_steps
 from shardforge.algorithms.trainers.run.profiling import phase
 from shardforge.engine.config import EngineConfig
 from shardforge.engine.objectives import KLEstimator, PPOActorLossFn, PPOCriticConfig

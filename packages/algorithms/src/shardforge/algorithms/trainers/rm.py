@@ -18,9 +18,10 @@ from shardforge.algorithms.data import IS_CHOSEN, PAIR_ROW_FIELDS, PAIR_WEIGHT, 
 from shardforge.algorithms.data.config import refuse_chat_template
 from shardforge.algorithms.data.preference import load_pair_data
 from shardforge.algorithms.trainers import TrainerSpec
-from shardforge.algorithms.trainers.base import Trainer, TrainerConfig
-from shardforge.algorithms.trainers.common import SourceSetState, with_total_steps
+from shardforge.algorithms.trainers.base import Trainer
 from shardforge.algorithms.trainers.rl.ppo_update import dp_reduce_stats
+from shardforge.algorithms.trainers.run.common import SourceSetState, with_total_steps
+from shardforge.algorithms.trainers.run.config import TrainerConfig
 from shardforge.engine.batching import PackedBatch
 from shardforge.engine.objectives import bradley_terry_loss, last_token_scores, summarize_stats
 from shardforge.engine.objectives.stats import merge_stats

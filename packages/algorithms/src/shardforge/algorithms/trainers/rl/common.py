@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from shardforge.algorithms.trainers.base import TrainerConfig
-from shardforge.algorithms.trainers.common import build_reference, check_max_positions
 from shardforge.algorithms.trainers.rl.colocate import check_colocation
 from shardforge.algorithms.trainers.rl.dynamic_sampling import DynamicSamplingConfig
 from shardforge.algorithms.trainers.rl.eval import EvalSamplingConfig
 from shardforge.algorithms.trainers.rl.model_rewards import RewardModelConfig, RewardModelScorer
+from shardforge.algorithms.trainers.run.common import build_reference, check_max_positions
+from shardforge.algorithms.trainers.run.config import TrainerConfig
 from shardforge.engine.objectives import PPOActorConfig
 from shardforge.engine.objectives.kl_control import KLControlConfig
 from shardforge.engine.objectives.rewards import RewardShapingConfig

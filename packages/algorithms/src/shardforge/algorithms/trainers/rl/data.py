@@ -16,9 +16,9 @@ from typing import Any
 
 from shardforge.algorithms.data.config import apply_chat_template_override, eval_source, train_sources
 from shardforge.algorithms.data.prompts import load_image_prompts, load_prompts
+from shardforge.algorithms.data.rows import ImageRows, image_rows
 from shardforge.algorithms.data.source_set import IndexSampler, batch_sampler, loader_arg
 from shardforge.algorithms.data.sources import SourceConfig
-from shardforge.algorithms.trainers.sft import ImageRows, image_rows
 from shardforge.rollout.types import PromptSet
 
 __all__ = ["PromptData", "load_prompt_data"]
