@@ -7,7 +7,7 @@ tokens decoded. Response lengths are heavy-tailed (Pareto, alpha 1.3, 8 tokens m
 
 - ``sync``: generate batch k after step k - 1 (the trainer idles while it generates);
 - ``async``: ``async_rollouts`` with ``max_staleness=1``, one ``generate`` call per batch;
-- ``partial``: the same plus ``partial_rollouts`` (chunks of ``CHUNK`` tokens; between chunks the
+- ``partial``: the same plus ``rollout.partial_rollouts`` (chunks of ``CHUNK`` tokens; between chunks the
   generator loads newer weights, and rows that finished leave the batch).
 
 Two cost models of a decode step, one results row each:
@@ -51,12 +51,10 @@ def lengths(index: int) -> list[int]:
 
 
 class SimulatedEngine:
-    """Rollout engine stand-in: sleeps for the decode work; chunked when ``interrupt_chunk_tokens`` is set."""
+    """Rollout engine stand-in: sleeps for the decode work; chunked when built with ``chunks`` (partial rollouts)."""
 
-    def __init__(self, cost: str) -> None:
-        self.version, self.cost = 0, cost
-        self.interrupt_chunk_tokens: int | None = None
-        self.between_chunks: Any = None
+    def __init__(self, cost: str, chunks: Any = None) -> None:
+        self.version, self.cost, self.chunks = 0, cost, chunks
         self.switches, self.generating = 0, False
 
     def update_weights(self, version: int | None = None) -> int:
@@ -72,26 +70,26 @@ class SimulatedEngine:
 
         todo = lengths(index)
         self.generating = True
-        if self.interrupt_chunk_tokens is None:
+        if self.chunks is None:
             self._decode(len(todo), max(todo))  # one generate call: every row runs to the longest
         else:
             done = 0
             while True:
                 active = [n for n in todo if n > done]
-                self._decode(len(active), min(self.interrupt_chunk_tokens, max(active) - done))
-                done += self.interrupt_chunk_tokens
+                self._decode(len(active), min(self.chunks.chunk_tokens, max(active) - done))
+                done += self.chunks.chunk_tokens
                 if not any(n > done for n in todo):
                     break
-                if self.between_chunks is not None:
-                    self.between_chunks()
+                self.chunks.between_chunks()
         self.generating = False
         return [], torch.zeros(len(todo))
 
 
 def run(mode: str, cost: str) -> dict[str, float]:
     from shardforge.algorithms.trainers.rl.sources import AsyncRollouts, SyncRollouts
+    from shardforge.rollout.chunked import ChunkedGeneration
 
-    engine = SimulatedEngine(cost)
+    engine = SimulatedEngine(cost, ChunkedGeneration(CHUNK) if mode == "partial" else None)
     published = [0]
 
     def publish(version: int | None) -> int:
@@ -101,11 +99,9 @@ def run(mode: str, cost: str) -> dict[str, float]:
     if mode == "sync":
         source: Any = SyncRollouts(engine, engine.sample, publish)  # type: ignore[arg-type]
     else:
-        if mode == "partial":
-            engine.interrupt_chunk_tokens = CHUNK
         source = AsyncRollouts(
             rollout=engine, sample_fn=engine.sample, publish_fn=publish, max_staleness=1,  # type: ignore[arg-type]
-            num_batches=STEPS, start=0, dp_rank=0, dp_size=1, partial_rollouts=mode == "partial",
+            num_batches=STEPS, start=0, dp_rank=0, dp_size=1, chunks=engine.chunks,
         )  # fmt: skip
     waited = 0.0
     started = time.perf_counter()

@@ -1,5 +1,5 @@
 """GRPO step overheads at world 1: old log-probs from the training forward (``reuse_training_logprobs``)
-and in-memory weight publishing to the embedded HF engine (``publish_in_memory``) vs the old path
+and in-memory weight publishing to the embedded HF engine (``rollout.publish_in_memory``) vs the old path
 (a recompute forward + a weight-sync version written to disk and read back).
 
 Same demo Qwen3 (3.2M weights), prompts, seeds and sampling in both modes; the two modes run
@@ -8,7 +8,7 @@ Reports the median per-step ``logprob_forward_s``, ``weight_sync_s`` and ``step_
 (first step of each run dropped) and the per-round ratios of step time.
 
 Run: ``python benchmarks/bench_rl_overheads.py [--layout d2]`` from the repo root (a few minutes).
-With ``--layout d2`` both modes run on two ranks of a rank pool and differ only in ``publish_in_memory``
+With ``--layout d2`` both modes run on two ranks of a rank pool and differ only in ``rollout.publish_in_memory``
 (the full weights gathered to each rank in memory vs one disk version read back by every rank).
 """
 
@@ -31,9 +31,9 @@ ROUNDS = 3
 STEPS = 4
 MODES = {
     "new": {},
-    "old": {"reuse_training_logprobs": "false", "publish_in_memory": "false"},
+    "old": {"reuse_training_logprobs": "false", "rollout.publish_in_memory": "false"},
 }
-MODES_MULTI_RANK = {"new": {}, "old": {"publish_in_memory": "false"}}
+MODES_MULTI_RANK = {"new": {}, "old": {"rollout.publish_in_memory": "false"}}
 
 
 def run_mode(assets: dict[str, Any], out: Path, overrides: dict[str, str], layout: str = "d1") -> list[dict[str, Any]]:
@@ -110,7 +110,7 @@ def main() -> int:
     _common.upsert_result_row(
         benchmark=name,
         metric=f"GRPO s/step, {layout} (median; logprob forward + weight sync)"
-        + ("" if world == 1 else ": publish_in_memory true vs false"),
+        + ("" if world == 1 else ": rollout.publish_in_memory true vs false"),
         ours=f"{new['step_s']:.3f} ({new['logprob_forward_s']:.3f} + {new['weight_sync_s']:.3f})",
         baseline=f"{old['step_s']:.3f} ({old['logprob_forward_s']:.3f} + {old['weight_sync_s']:.3f})",
         ratio=f"{statistics.median(ratios):.2f} (rounds {min(ratios):.2f}-{max(ratios):.2f})",

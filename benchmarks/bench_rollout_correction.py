@@ -42,11 +42,12 @@ def sevens(prompt: str, response: str, reference: str) -> float:
     return response.count("7") / 6.0
 
 
-def install_noisy_engine() -> None:
-    """Make the embedded HF engine serve the published weights plus fixed relative noise (this process only)."""
-    from shardforge.rollout.hf import engine as hf_engine
+def build_noisy_engine(model_dir: Any, tokenizer: Any, *, config: Any, weights_root: Any, **_: Any) -> Any:
+    """A user rollout engine, selected by ``rollout.engine: bench_rollout_correction:build_noisy_engine``: the
+    embedded HF engine serving the published weights plus fixed relative noise."""
+    from shardforge.rollout.hf.engine import HFRolloutEngine
 
-    class NoisyHFRolloutEngine(hf_engine.HFRolloutEngine):
+    class NoisyHFRolloutEngine(HFRolloutEngine):
         def update_weights(self, version: int | None = None) -> int:
             served = super().update_weights(version)
             gen = torch.Generator().manual_seed(1_000 + served)
@@ -57,7 +58,7 @@ def install_noisy_engine() -> None:
                         param.add_(noise.to(param.dtype))
             return served
 
-    hf_engine.HFRolloutEngine = NoisyHFRolloutEngine  # type: ignore[misc]
+    return NoisyHFRolloutEngine(model_dir, tokenizer, weights_root=weights_root, dtype=config.dtype)
 
 
 def run_mode(assets: dict[str, Any], out: Path, mode: str) -> list[dict[str, Any]]:
@@ -69,7 +70,8 @@ def run_mode(assets: dict[str, Any], out: Path, mode: str) -> list[dict[str, Any
         "layout": "d1", "steps": STEPS, "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 6,
         "temperature": 1.0, "progress": False, "save_every": 0, "resume": "never", "export_hf_at_end": False,
         "reward_fn": "bench_rollout_correction:sevens",
-        "publish_in_memory": False,  # the disk path calls update_weights, where the noise is added
+        "rollout": {"engine": "bench_rollout_correction:build_noisy_engine",
+                    "publish_in_memory": False},  # the disk path calls update_weights, where the noise is added
         "rollout_correction": {"mode": mode},
         "engine": {"max_tokens_per_microbatch": 2048, "optimizer": {"lr": 1e-3, "max_grad_norm": 1.0}},
     }  # fmt: skip
@@ -83,7 +85,6 @@ def main() -> int:
 
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    install_noisy_engine()
     started = time.perf_counter()
     info = _common.machine_info()
     runs: dict[str, list[dict[str, Any]]] = {}

@@ -16,13 +16,13 @@ CPU, ``OMP_NUM_THREADS=1``, global batch 4, ``engine.max_tokens_per_microbatch=6
     the automatic resume (agent restart, process start, imports, rendezvous, checkpoint load, one
     step). Lower is better; no target.
 (d) A rollout server (the stub in ``packages/rollout/src/shardforge/rollout/testing/stub_server.py``) dies with a
-    batch in flight, ``vllm.on_server_failure: restart``: seconds from the failed batch to its
+    batch in flight, ``rollout.vllm.on_server_failure: restart``: seconds from the failed batch to its
     resent batch served (health check, restart, weight-version restore, resend). A real vLLM
     server's restart adds its own start-up (model load, minutes on GPUs); this is our overhead.
 (b) GRPO at 2 trainer ranks, equal work (``prompts_per_step=4, group_size=4, max_new_tokens=8``,
     ``RAY_STEPS`` steps, length reward): median ``step_s`` (rollouts + update + publish) and its
     ``generate_s`` part under torchrun (colocated), ``--launcher ray`` colocated, and ``--launcher ray``
-    with ``rollout_placement: disaggregated`` (1 rollout actor), in the order torchrun, Ray colocated,
+    with ``rollout.placement: disaggregated`` (1 rollout actor), in the order torchrun, Ray colocated,
     disaggregated, Ray colocated, torchrun (the two compared placements: the mean of their two runs). Ray is installed in the ``nox -s ray``
     venv only: run ``.nox/ray/bin/python benchmarks/bench_scale_out.py --ray`` (this part only; without
     ``--ray`` it is skipped). Target: Ray colocated / torchrun <= 1.10. Disaggregated on one machine
@@ -188,7 +188,7 @@ def ray_grpo(work: Path, assets: dict[str, Any]) -> dict[str, dict[str, float]]:
     placements = {
         "torchrun": ((), {}),
         "ray_colocated": (("--launcher", "ray"), {}),
-        "ray_disaggregated": (("--launcher", "ray"), {"rollout_placement": "disaggregated"}),
+        "ray_disaggregated": (("--launcher", "ray"), {"rollout.placement": "disaggregated"}),
     }
     # palindromic order (torchrun, Ray colocated, disaggregated, Ray colocated, torchrun): a load that drifts
     # linearly during the runs hits torchrun and Ray colocated alike; each of those two is the mean of its runs

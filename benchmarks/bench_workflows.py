@@ -10,7 +10,7 @@ Measured, ``ROUNDS`` rounds alternating the order:
 * concurrent: ``EPISODES`` episodes through `run_episodes` (one asyncio task per episode; their
   generate calls batched by the request queue: one engine call per turn for all episodes; the engine
   keeps each episode's KV cache between turns, so a turn prefills only the tokens it adds);
-* concurrent, no KV reuse: the same with ``engine.kv_reuse = False`` (every turn re-encodes the
+* concurrent, no KV reuse: the same on an engine built with ``kv_reuse=False`` (every turn re-encodes the
   whole conversation); its tokens must equal the reuse run's (same seed), checked;
 * one at a time: the same episodes, each its own `run_episodes` call;
 * single-turn: one ``generate`` of ``TURNS * MAX_NEW_TOKENS`` new tokens for each of the same prompts
@@ -62,7 +62,8 @@ def _setup(root: Path) -> dict[str, Any]:
         for i in range(EPISODES)
     ]
     prompts = [workflow.codec.prompt_ids(row.prompt, row.prompt_ids) for row in rows]
-    return {"engine": HFRolloutEngine(assets["model"], tokenizer), "workflow": workflow, "rows": rows,
+    return {"engine": HFRolloutEngine(assets["model"], tokenizer),
+            "engine_no_reuse": HFRolloutEngine(assets["model"], tokenizer, kv_reuse=False), "workflow": workflow, "rows": rows,
             "prompts": prompts}  # fmt: skip
 
 
@@ -85,11 +86,7 @@ def run_concurrent(s: dict[str, Any], seed: int) -> dict[str, float]:
 
 
 def run_concurrent_no_reuse(s: dict[str, Any], seed: int) -> dict[str, float]:
-    s["engine"].kv_reuse = False
-    try:
-        return run_concurrent(s, seed)
-    finally:
-        s["engine"].kv_reuse = True
+    return run_concurrent(s | {"engine": s["engine_no_reuse"]}, seed)
 
 
 def run_one_at_a_time(s: dict[str, Any], seed: int) -> dict[str, float]:

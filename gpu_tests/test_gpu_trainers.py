@@ -54,7 +54,7 @@ def test_sft_trainer(assets, world1, tmp_path) -> None:
 
 @pytest.mark.parametrize(("dtype", "bound"), [("float32", 1e-3), ("bfloat16", 0.1)])
 def test_grpo_embedded_rollouts_logprob_gap(assets, world1, tmp_path, dtype: str, bound: float) -> None:
-    rows, problems = _run("grpo", assets, tmp_path / f"grpo_{dtype}", rollout_dtype=dtype,
+    rows, problems = _run("grpo", assets, tmp_path / f"grpo_{dtype}", **{"rollout.dtype": dtype},
                           engine={"param_dtype": dtype})  # fmt: skip
     assert problems == []
     gaps = [r["behaviour_kl"] for r in rows]

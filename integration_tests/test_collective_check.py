@@ -93,12 +93,52 @@ def test_trainer_collectives_go_through_the_helper_on_the_engine_device(
         assert result["backends"] == ["gloo"]
         assert result["origins"].get("helper", 0) > 0, result  # the trainers' scalars went through the helper
         assert result["origins"].get("algorithms", 0) == 0 or name == "grpo", result  # only object collectives
-    expected = {"sft": set(), "rm": {"rl/ppo_update.py"}, "ppo": {"rl/common.py", "rl/ppo_update.py"}}
+    expected = {"sft": set(), "rm": {"rl/ppo_update.py"}, "ppo": {"rl/metrics.py", "rl/ppo_update.py"}}
     callers = set(results[0]["helper_callers"])
     if name in expected:
         assert expected[name] <= callers, callers
     else:
-        assert {"rl/common.py", "trainers/grpo.py"} <= callers, callers
+        assert {"rl/metrics.py", "rl/workflow_stats.py"} <= callers, callers
+
+
+def _grpo_step_stat_collectives(assets: dict[str, str], out: str) -> list[str]:
+    """The scalar/stat collectives (helper calls from code above the engine) of GRPO's second step, outside
+    ``train_batch`` (whose statistics the engine reduces itself), as ``op caller`` lines."""
+    from shardforge.algorithms.config_io import build_config
+    from shardforge.algorithms.testing.collective_check import CollectiveRecorder
+    from shardforge.algorithms.trainers.grpo import GRPOConfig, run_grpo
+    from shardforge.core import hooks
+
+    sys.path.insert(0, assets["root"])
+    data = {
+        "model": assets["model"], "output_dir": out, "layout": "d2", "steps": 2, "progress": False,
+        "export_hf_at_end": False, "engine": {"max_tokens_per_microbatch": 64, "optimizer": {"lr": 1e-3}},
+        "train_file": assets["train"], "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3,
+        "reward_fn": "cc_rewards_mod:has_seven",
+    }  # fmt: skip
+    recorder, marks = CollectiveRecorder(), {}
+    hooks.register("step_start", lambda step: marks.__setitem__(("start", step), len(recorder.calls)))
+    hooks.register("step_end", lambda step: marks.__setitem__(("end", step), len(recorder.calls)))
+    try:
+        with recorder:
+            run_grpo(build_config(GRPOConfig, data))
+    finally:
+        hooks.clear()
+    step = recorder.calls[marks[("start", 2)] : marks[("end", 2)]]
+    # The run loop's stop-signal agreement (trainers/run/stop.py: SIGTERM on one rank stops all) is every
+    # trainer's, once per step, and carries no statistic: not the RL step's.
+    stats = [c for c in step if c.origin == "helper" and c.caller_origin == "algorithms" and "/run/" not in c.caller]
+    return [f"{c.op} {c.caller}" for c in stats]
+
+
+def test_a_grpo_step_reduces_its_statistics_in_at_most_two_collectives(assets: dict[str, str], tmp_path: Path) -> None:
+    """Issue 37: a GRPO step at world 2 makes at most 2 scalar/stat collectives outside ``train_batch`` (there were
+    about 12, one per stats helper): the failed-episodes agreement before the update and the step's `StepMetrics`
+    reduction at its end."""
+    results = get_rank_pool(2).run(_grpo_step_stat_collectives, assets, str(tmp_path / "grpo"), timeout_s=600)
+    for calls in results:
+        assert 1 <= len(calls) <= 2, calls
+        assert any("rl/metrics.py" in c for c in calls), calls
 
 
 def test_the_recorder_flags_a_cpu_tensor_for_an_accelerator_backend_and_a_missing_device(

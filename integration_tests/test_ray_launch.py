@@ -146,11 +146,11 @@ def _rollout_actor_stats(output: str) -> list[dict]:
 
 
 def test_disaggregated_rollout_actor_reproduces_the_colocated_run(tmp_path, assets, torchrun_run):
-    """rollout_placement=disaggregated: 2 trainer actors generate through 1 rollout actor (the embedded HF engine
+    """rollout.placement=disaggregated: 2 trainer actors generate through 1 rollout actor (the embedded HF engine
     in an actor of its own), which gets every new version over the collective transport. Sampling is seeded per
     request, so the run is the colocated run (torchrun; the Ray colocated run equals it, test above) step for step:
     the same rollouts, rewards, losses and final weights."""
-    config = _config(tmp_path, assets, "disagg", rollout_placement="disaggregated", num_rollout_actors=1)
+    config = _config(tmp_path, assets, "disagg", **{"rollout.placement": "disaggregated", "rollout.num_actors": 1})
     result = _train(config, "--launcher", "ray")
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     curve = assert_same_run(torchrun_run, tmp_path / "disagg")
@@ -166,12 +166,12 @@ def test_disaggregated_rollout_actor_reproduces_the_colocated_run(tmp_path, asse
 
 
 def test_a_dead_rollout_actor_is_dropped_and_the_run_is_the_healthy_run(tmp_path, assets, torchrun_run):
-    """rollout_on_actor_failure=drop, 2 HF rollout actors for the 2 ranks: actor 1 kills itself (SIGKILL) in its second
+    """rollout.on_actor_failure=drop, 2 HF rollout actors for the 2 ranks: actor 1 kills itself (SIGKILL) in its second
     generate call, rank 1's request of step 2 in flight (SHARDFORGE_FAULT_KILL_ROLLOUT). The ranks drop it at the end
     of the round, rank 1 generates its whole round again on actor 0 (same version, same seeds), and rank 0 publishes
     the later versions to actor 0 alone: the run finishes and is the healthy (torchrun) run step for step."""
-    config = _config(tmp_path, assets, "drop", rollout_placement="disaggregated", num_rollout_actors=2,
-                     rollout_on_actor_failure="drop")  # fmt: skip
+    config = _config(tmp_path, assets, "drop", **{"rollout.placement": "disaggregated", "rollout.num_actors": 2},
+                     **{"rollout.on_actor_failure": "drop"})  # fmt: skip
     env = _env(config) | fault_env(SHARDFORGE_FAULT_KILL_ROLLOUT="1:2") | {"RAY_agent_register_timeout_ms": "300000"}
     result = subprocess.run([*CLI, "train", "grpo", "--config", str(config), "--nproc-per-node", "2", "--launcher",
                              "ray"], env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
@@ -213,14 +213,14 @@ def test_reward_workers_under_ray_reproduce_the_in_process_rewards(tmp_path, ass
     ("entries", "launch", "fragment"),
     [
         ({}, (), "which only --launcher ray starts (this run's launcher: local)"),
-        ({"rollout_engine": "vllm"}, ("--launcher", "ray"), "set vllm.mode=server"),
-        ({"num_rollout_actors": 0}, ("--launcher", "ray"), "num_rollout_actors=0 must be >= 1"),
+        ({"rollout.engine": "vllm"}, ("--launcher", "ray"), "set rollout.vllm.mode=server"),
+        ({"rollout.num_actors": 0}, ("--launcher", "ray"), "rollout.num_actors=0 must be >= 1"),
     ],
 )
 def test_unsupported_disaggregated_setups_are_refused_before_any_actor_starts(
     tmp_path, assets, entries, launch, fragment
 ):
-    config = _config(tmp_path, assets, "refused", rollout_placement="disaggregated", **entries)
+    config = _config(tmp_path, assets, "refused", **{"rollout.placement": "disaggregated"}, **entries)
     result = _train(config, *launch)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and lines[-1].startswith("shardforge: error: "), result.stderr[-3000:]

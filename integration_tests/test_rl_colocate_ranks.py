@@ -35,7 +35,7 @@ def _run(assets: dict[str, Any], out: Path, colocated: bool) -> list[dict[str, A
         "progress": False, "save_every": 0, "resume": "never", "export_hf_at_end": False,
         "reward_fn": "shardforge.algorithms.testing:digit_reward", "engine": {"max_tokens_per_microbatch": 128, "optimizer": {"lr": 5e-2}},
     }  # fmt: skip
-    flags = ["rollout_sleep=true", "offload_train_state_during_rollout=true"] if colocated else []
+    flags = ["rollout.sleep=true", "offload_train_state_during_rollout=true"] if colocated else []
     run_grpo(build_config(GRPOConfig, apply_overrides(data, flags)))
     if dist.get_rank() != 0:
         return []

@@ -35,7 +35,7 @@ def _run(assets: dict[str, Any], out: Path, layout: str, in_memory: bool) -> lis
         "progress": False, "save_every": 0, "resume": "never", "export_hf_at_end": False,
         "reward_fn": "shardforge.algorithms.testing:digit_reward", "engine": {"max_tokens_per_microbatch": 128, "optimizer": {"lr": 5e-2}},
     }  # fmt: skip
-    run_grpo(build_config(GRPOConfig, apply_overrides(data, [f"publish_in_memory={str(in_memory).lower()}"])))
+    run_grpo(build_config(GRPOConfig, apply_overrides(data, [f"rollout.publish_in_memory={str(in_memory).lower()}"])))
     if dist.get_rank() != 0:
         return []
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""Colocated placement (trainers/rl_colocate.py): ``rollout_sleep`` frees the embedded HF engine's weights and KV
+"""Colocated placement (trainers/rl_colocate.py): ``rollout.sleep`` frees the embedded HF engine's weights and KV
 caches after every batch's generation and the next publish brings them back; ``offload_train_state_during_rollout``
 keeps the policy (PPO: and the critic) in host memory while generating. The runs must equal runs without them
 (samples, behaviour log-probs, losses), the phases must come in order (offload -> generate -> sleep -> onload ->
@@ -21,7 +21,7 @@ from shardforge.engine.features.offload import OffloadState
 from shardforge.rollout import HFRolloutEngine, SamplingParams
 from shardforge.weight_sync import DiskTransport, WeightPublisher, WeightReceiver
 
-COLOCATED = {"rollout_sleep": "true", "offload_train_state_during_rollout": "true"}
+COLOCATED = {"rollout.sleep": "true", "offload_train_state_during_rollout": "true"}
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,9 @@ def test_grpo_colocated_sleep_and_offload_equal_the_plain_run(
     assert colocated["events"] == ["sleep", "publish", "generate", *STEP * 3, "generate"]
     assert all(r["colocate/switch_s"] >= 0 for r in colocated["train"]) and "colocate/switch_s" not in plain["train"][0]
     # Through disk (update_weights loads each version) the sleeping engine serves the same weights.
-    disk = _run(assets, tmp_path / "disk", monkeypatch, publish_in_memory="false", rollout_sleep="true")
+    disk = _run(
+        assets, tmp_path / "disk", monkeypatch, **{"rollout.publish_in_memory": "false", "rollout.sleep": "true"}
+    )
     _same_runs(disk, plain, ("loss", "grad_norm", "reward_mean"))
     assert disk["events"] == ["sleep", "publish", "generate", *[e for e in STEP if "load" not in e] * 3, "generate"]
 
@@ -192,20 +194,22 @@ def test_colocation_refusals(assets: dict[str, Any], tmp_path: Path) -> None:
         return build_config(GRPOConfig, apply_overrides(data, [f"{k}={v}" for k, v in overrides.items()]))
 
     with pytest.raises(ValueError, match=r"async_rollouts=true generates the next batch while"):
-        check_colocation(config(rollout_sleep="true", async_rollouts="true"))
+        check_colocation(config(**{"rollout.sleep": "true"}, async_rollouts="true"))
     with pytest.raises(ValueError, match=r"engine.cpu_offload=true: the policy's weights and optimizer state are in"):
         check_colocation(config(offload_train_state_during_rollout="true", **{"engine.cpu_offload": "true"}))
     with pytest.raises(ValueError, match=r"engine.offload_when_idle=true"):
         check_colocation(config(offload_train_state_during_rollout="true", **{"engine.offload_when_idle": "true"}))
-    with pytest.raises(ValueError, match=r"rollout_placement=disaggregated gives the rollout engine devices of its"):
-        rollout_actor_spec(config(rollout_placement="disaggregated", rollout_sleep="true"), "ray", 1)
+    with pytest.raises(ValueError, match=r"rollout.placement=disaggregated gives the rollout engine devices of its"):
+        rollout_actor_spec(config(**{"rollout.placement": "disaggregated", "rollout.sleep": "true"}), "ray", 1)
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"rollout_sleep=true with rollout_engine=vllm needs CUDA"):
-            check_colocation(config(rollout_sleep="true", rollout_engine="vllm"))
+        with pytest.raises(ValueError, match=r"rollout.sleep=true with rollout.engine=vllm needs CUDA"):
+            check_colocation(config(**{"rollout.sleep": "true", "rollout.engine": "vllm"}))
     with pytest.raises(ValueError, match=r"object has no sleep"):
         ColocatedPhases(object(), [], sleep=True, offload=False)
-    check_colocation(config(rollout_sleep="true", offload_train_state_during_rollout="true"))  # the supported case
+    check_colocation(
+        config(**{"rollout.sleep": "true"}, offload_train_state_during_rollout="true")
+    )  # the supported case
     example = Path(__file__).parents[3] / "examples" / "grpo_colocated_tiny.yaml"
     parsed = build_config(GRPOConfig, load_yaml(example))
-    assert parsed.rollout_sleep and parsed.offload_train_state_during_rollout
+    assert parsed.rollout.sleep and parsed.offload_train_state_during_rollout
     check_colocation(parsed)

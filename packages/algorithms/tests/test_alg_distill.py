@@ -109,7 +109,7 @@ def test_off_policy_refuses_what_it_cannot_use_and_pins_the_loss(tmp_path: Path)
         ({"task_reward_coef": 0.5, "group_size": 2}, "task_reward_coef=0.5"),
         ({"actor": {"policy_loss": "cispo"}}, "actor.policy_loss='cispo'"),
         ({"rollout_correction": {"mode": "token_mis"}}, "rollout_correction.mode='token_mis'"),
-        ({"rollout_engine": "vllm"}, "rollout_engine='vllm'"),
+        ({"rollout.engine": "vllm"}, "rollout.engine='vllm'"),
     ]:
         with pytest.raises(ValueError, match=f"mode=off_policy does not take {match}"):
             build_config(DistillConfig, base | bad)
@@ -133,12 +133,12 @@ def test_off_policy_trains_the_student_by_nll_on_the_teachers_samples(tmp_path: 
     batches: list[tuple[list[list[int]], list[list[int]]]] = []
 
     class Recording(DistillTrainer):
-        def _supervised_hook(self, batch):  # type: ignore[no-untyped-def]
+        def _supervised_hook(self, batch, metrics):  # type: ignore[no-untyped-def]
             bounds = batch.cu_seqlens.tolist()
             ids = [batch.input_ids[a:b].tolist() for a, b in itertools.pairwise(bounds)]
             masks = [batch.loss_mask[a:b].tolist() for a, b in itertools.pairwise(bounds)]
             batches.append((ids, masks))
-            return super()._supervised_hook(batch)
+            return super()._supervised_hook(batch, metrics)
 
     num_prompts = len(Path(student["train"]).read_text().splitlines())
     config = _config(

@@ -57,7 +57,7 @@ def test_in_memory_publish_serves_what_the_disk_path_serves(
     assets: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     memory = _run(assets, tmp_path / "memory", monkeypatch)
-    disk = _run(assets, tmp_path / "disk", monkeypatch, publish_in_memory="false")
+    disk = _run(assets, tmp_path / "disk", monkeypatch, **{"rollout.publish_in_memory": "false"})
     # Every generate call (evaluation at start and end, one per step) on the same version, same samples.
     assert [v for v, _ in memory["samples"]] == [v for v, _ in disk["samples"]] == [1, 1, 2, 3, 4]
     assert memory["samples"] == disk["samples"]
@@ -72,7 +72,15 @@ def test_in_memory_publish_serves_what_the_disk_path_serves(
 
 def test_ppo_publishes_in_memory_too(assets: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     memory = _run(assets, tmp_path / "memory", monkeypatch, "ppo", group_size=2, update_epochs=2)
-    disk = _run(assets, tmp_path / "disk", monkeypatch, "ppo", group_size=2, update_epochs=2, publish_in_memory="false")
+    disk = _run(
+        assets,
+        tmp_path / "disk",
+        monkeypatch,
+        "ppo",
+        group_size=2,
+        update_epochs=2,
+        **{"rollout.publish_in_memory": "false"},
+    )
     assert [v for v, _ in memory["samples"]] == [v for v, _ in disk["samples"]]
     assert memory["samples"] == disk["samples"]
     assert len({str(s) for _, s in memory["samples"][1:4]}) == 3, "the weights change between steps"

@@ -83,7 +83,7 @@ def _compare(reuse: list[dict[str, Any]], recompute: list[dict[str, Any]], keys:
     [
         {},  # default: token_tis (cap 2) against the embedded engine's fp32 log-probs
         # bf16 rollouts: a real trainer/engine gap, and a cap low enough to truncate tokens.
-        {"rollout_dtype": "bfloat16", "rollout_correction.cap": "1.001"},
+        {"rollout.dtype": "bfloat16", "rollout_correction.cap": "1.001"},
     ],
     ids=["token_tis", "bf16_rollouts_truncated"],
 )

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.rollout import SamplingParams
+from shardforge.rollout import HFRolloutEngine, SamplingParams
+from shardforge.rollout.chunked import ChunkedGeneration
 from shardforge.rollout.hf.kv_reuse import KVReuseCache, KVSession
 from shardforge.rollout.workflows import PromptRow, WorkflowConfig, build_workflow, run_episodes
 
@@ -26,8 +27,6 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _engine(chat: dict[str, Any], **kwargs: Any) -> Any:
-    from shardforge.rollout import HFRolloutEngine
-
     return HFRolloutEngine(chat["model"], chat["tokenizer"], **kwargs)
 
 
@@ -199,7 +198,8 @@ def test_partial_rollout_chunks_reuse_the_cache_and_equal_reencoding(chat: dict[
     params = SamplingParams(n=2, max_new_tokens=9, temperature=0.9, seed=6)
     outs = []
     for kv_reuse in (True, False):
-        engine = _engine(chat, kv_reuse=kv_reuse)
+        chunks = ChunkedGeneration(3)
+        engine = _engine(chat, kv_reuse=kv_reuse, chunks=chunks)
         switches: list[int] = []
 
         def switch(engine: Any = engine, switches: list[int] = switches) -> None:
@@ -207,8 +207,8 @@ def test_partial_rollout_chunks_reuse_the_cache_and_equal_reencoding(chat: dict[
             if len(switches) == 2:  # new weights between chunks 2 and 3: the cached context is stale
                 _perturb(engine.model, 0.3)
 
-        engine.interrupt_chunk_tokens, engine.between_chunks = 3, switch
-        outs.append(engine.generate(prompts, params))
+        with chunks.refreshing(switch):
+            outs.append(engine.generate(prompts, params))
         if kv_reuse:
             assert engine.kv_cache.stats["hits"] > 0 and engine.kv_cache.stats["invalidated"] > 0
             assert len(engine.kv_cache) == 0, "a chunked call's own sessions end with it"
@@ -218,15 +218,15 @@ def test_partial_rollout_chunks_reuse_the_cache_and_equal_reencoding(chat: dict[
 def test_the_trainer_knobs_reach_the_embedded_engine(chat: dict[str, Any]) -> None:
     from shardforge.algorithms.config_io import apply_overrides, build_config
     from shardforge.algorithms.trainers.grpo import GRPOConfig
-    from shardforge.algorithms.trainers.rl.common import configure_kv_reuse
+    from shardforge.rollout.factory import build_rollout_engine
 
     data = {"model": chat["model"], "output_dir": "unused"}
-    assert build_config(GRPOConfig, data).rollout_kv_reuse, "on by default"
+    assert build_config(GRPOConfig, data).rollout.kv_reuse, "on by default"
     config = build_config(
-        GRPOConfig, apply_overrides(data, ["rollout_kv_reuse=false", "rollout_kv_reuse_max_tokens=100"])
+        GRPOConfig, apply_overrides(data, ["rollout.kv_reuse=false", "rollout.kv_reuse_max_tokens=100"])
     )
-    engine = _engine(chat)
-    configure_kv_reuse(config, engine)
+    engine = build_rollout_engine(config.rollout, chat["model"], chat["tokenizer"])
+    assert isinstance(engine, HFRolloutEngine)
     assert engine.kv_reuse is False and engine.kv_cache.max_tokens == 100
     tokenizer = chat["tokenizer"]
     prompt = tokenizer("hi", add_special_tokens=False)["input_ids"]

@@ -153,7 +153,8 @@ def test_a_dead_judge_scores_zero_under_the_reward_runner() -> None:
 
 # ------------------------------------------------------------------------------------------ composition
 def test_weighted_sum_and_per_term_means() -> None:
-    from shardforge.algorithms.trainers.rl.common import reward_call_stats
+    from shardforge.algorithms.trainers.rl.metrics import StepMetrics
+    from shardforge.algorithms.trainers.rl.step_stats import add_reward_call_stats
     from shardforge.rewards.compose import CompositeReward, RewardTermConfig
     from shardforge.rewards.guarded import GuardedReward, RewardConfig
 
@@ -164,7 +165,9 @@ def test_weighted_sum_and_per_term_means() -> None:
     items = [("p", "4", "4"), ("p", "\\boxed{4}", "4"), ("p", "5", "4"), ("p", "\\boxed{5}", "4")]
     # exact_match: 1, 0 (not a bare number), 0, 0; boxed: 0, 1, 0, 1
     assert guarded.score_many(items) == [1.0, -0.5, 0.0, -0.5]
-    stats = reward_call_stats(guarded, SimpleNamespace(dp_group=None, device=torch.device("cpu")))  # type: ignore[arg-type]
+    metrics = StepMetrics()
+    add_reward_call_stats(metrics, guarded)
+    stats = metrics.reduce(None)
     assert stats["reward/exact_match_mean"] == pytest.approx(0.25)
     assert stats["reward/boxed_format_mean"] == pytest.approx(0.5)
     assert stats["reward/calls"] == 4.0

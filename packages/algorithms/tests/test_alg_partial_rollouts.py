@@ -20,6 +20,7 @@ from shardforge.algorithms.data.prompts import load_prompts
 from shardforge.algorithms.trainers.rl.partial_stats import staleness_metrics, token_staleness_counts
 from shardforge.algorithms.trainers.rl.sources import AsyncRollouts
 from shardforge.rollout import Rollout, SamplingParams
+from shardforge.rollout.chunked import ChunkedGeneration
 from shardforge.rollout.episodes.trajectory import Trajectory
 
 REWARDS = textwrap.dedent(
@@ -71,13 +72,16 @@ def test_an_interrupted_generation_continues_under_the_new_weights(assets: dict[
     WeightPublisher(new, DiskTransport(tmp_path / "w"), bucket_bytes=1 << 16).publish(1)
     calls: list[int] = []
 
+    chunks = ChunkedGeneration(2)
+    engine = HFRolloutEngine(assets["model"], tokenizer, weights_root=tmp_path / "w", chunks=chunks)
+
     def publish_once() -> None:  # the deterministic stand-in for "the trainer published while generating"
         calls.append(engine.version)
         if len(calls) == 1:
             engine.update_weights(1)
 
-    engine.interrupt_chunk_tokens, engine.between_chunks = 2, publish_once
-    chunked = engine.generate(prompts, params)
+    with chunks.refreshing(publish_once):
+        chunked = engine.generate(prompts, params)
     assert calls and calls[0] == 0 and engine.version == 1
     assert [r.response_ids[:2] for r in chunked] == [r.response_ids[:2] for r in whole], "chunk 0: same seed, weights"
     with torch.no_grad():
@@ -102,8 +106,8 @@ class _ChunkedFake:
     """A rollout engine stand-in: 3 chunks of one token each, the token = the serving version."""
 
     def __init__(self) -> None:
-        self.version, self.interrupt_chunk_tokens = 0, 1
-        self.between_chunks: Any = None
+        self.version = 0
+        self.chunks = ChunkedGeneration(1)
         self.gate: dict[int, threading.Event] = {}
 
     def update_weights(self, version: int | None = None) -> int:
@@ -115,10 +119,10 @@ class _ChunkedFake:
     def sample(self, index: int) -> tuple[list[Any], torch.Tensor]:
         tokens: list[int] = []
         for chunk in range(3):
-            if chunk and self.between_chunks is not None:
+            if chunk and self.chunks.is_refreshing:
                 if chunk == 1 and index in self.gate:
                     assert self.gate[index].wait(30), "the main thread never published"
-                self.between_chunks()
+                self.chunks.between_chunks()
             tokens.append(self.version)
         r = Rollout(prompt_index=0, prompt_ids=[1], response_ids=tokens, logprobs=[-0.5 * t - 0.25 for t in tokens],
                     finished=False, version=min(tokens), token_versions=list(tokens))  # fmt: skip
@@ -132,7 +136,7 @@ def _source(fake: _ChunkedFake, versions: list[int], **kwargs: Any) -> AsyncRoll
 
     kwargs = {"max_staleness": 1} | kwargs
     return AsyncRollouts(rollout=fake, sample_fn=fake.sample, publish_fn=publish, num_batches=3,
-                         dp_rank=0, dp_size=1, partial_rollouts=True, **kwargs)  # fmt: skip
+                         dp_rank=0, dp_size=1, chunks=fake.chunks, **kwargs)  # fmt: skip
 
 
 def test_the_async_source_switches_weights_between_chunks_and_checkpoints_token_versions() -> None:
@@ -163,7 +167,7 @@ def test_the_async_source_switches_weights_between_chunks_and_checkpoints_token_
     state = source.checkpoint_state()  # the prefetched batch 2, which a resumed run cannot regenerate
     saved = state["ranks"][0][0]["rollouts"][0]
     source.close()
-    assert fake.between_chunks is None
+    assert not fake.chunks.is_refreshing
     # A resumed run gets the checkpoint's batch back exactly: tokens, per-token versions, log-probs, stats.
     resumed = _source(_ChunkedFake(), [], start=2, restored=json.loads(json.dumps(state)))
     again = resumed.batch(2)
@@ -196,7 +200,7 @@ def _config(assets: dict[str, Any], out: Path, **overrides: Any) -> Any:
         "model": assets["model"], "train_file": assets["train"], "output_dir": str(out), "layout": "d1",
         "steps": 4, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 5, "progress": False,
         "reward_fn": "partial_rewards_mod:has_seven", "save_every": 2, "export_hf_at_end": True,
-        "async_rollouts": True, "max_staleness": 2, "partial_rollouts": True, "interrupt_chunk_tokens": 2,
+        "async_rollouts": True, "max_staleness": 2, "rollout.partial_rollouts": True, "rollout.interrupt_chunk_tokens": 2,
         "engine": {"max_tokens_per_microbatch": 64, "optimizer": {"lr": 3e-3}},
     }  # fmt: skip
     return build_config(GRPOConfig, apply_overrides(data, [f"{k}={v}" for k, v in overrides.items()]))
@@ -323,11 +327,13 @@ def test_grpo_with_partial_rollouts_two_ranks_match_world1(
 def _stats_on_rank(rollouts: list[list[Any]]) -> dict[str, float]:
     import torch.distributed as dist
 
-    from shardforge.algorithms.trainers.rl.partial import partial_rollout_stats
+    from shardforge.algorithms.trainers.rl.metrics import StepMetrics
+    from shardforge.algorithms.trainers.rl.step_stats import add_partial_rollout_stats
 
-    engine = type("Engine", (), {"dp_group": dist.group.WORLD, "device": torch.device("cpu")})()
     counts = token_staleness_counts(rollouts[dist.get_rank()], 3, {10: 0, 11: 1, 12: 2, 13: 3})
-    return partial_rollout_stats(counts, engine)
+    metrics = StepMetrics()
+    add_partial_rollout_stats(metrics, counts)
+    return metrics.reduce(dist.group.WORLD, torch.device("cpu"))
 
 
 def test_partial_metrics_describe_every_ranks_share() -> None:
@@ -349,9 +355,9 @@ def test_partial_metrics_describe_every_ranks_share() -> None:
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"async_rollouts": False}, "partial_rollouts=true .* set async_rollouts=true"),
+        ({"async_rollouts": False}, "rollout.partial_rollouts=true .* set async_rollouts=true"),
         ({"max_staleness": 0}, "max_staleness=0 never overlaps"),
-        ({"interrupt_chunk_tokens": 0}, "interrupt_chunk_tokens=0 must be >= 1"),
+        ({"rollout.interrupt_chunk_tokens": 0}, "rollout.interrupt_chunk_tokens=0 must be >= 1"),
         ({"engine.router_replay": True}, "router_replay=true is not supported"),
     ],
 )
@@ -370,17 +376,22 @@ def test_partial_rollouts_on_vllm_refuse_engines_shared_by_ranks(
     from shardforge.algorithms.trainers.rl import partial as rl_partial
 
     check = rl_partial.check_partial_rollouts
-    check(_config(assets, tmp_path, rollout_engine="vllm"))  # world 1: in-process or server, any placement
-    check(_config(assets, tmp_path, rollout_engine="vllm", **{"vllm.mode": "server"}))
+    check(_config(assets, tmp_path, **{"rollout.engine": "vllm"}))  # world 1: in-process or server, any placement
+    check(_config(assets, tmp_path, **{"rollout.engine": "vllm"}, **{"rollout.vllm.mode": "server"}))
     monkeypatch.setattr(rl_partial.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(rl_partial.dist, "get_world_size", lambda group=None: 2)
     with pytest.raises(ValueError, match="placement=rank0 and 2 ranks is not supported"):
-        check(_config(assets, tmp_path, rollout_engine="vllm"))
+        check(_config(assets, tmp_path, **{"rollout.engine": "vllm"}))
     with pytest.raises(ValueError, match="vLLM server needs a trainer world size of 1"):
         check(
-            _config(assets, tmp_path, rollout_engine="vllm", **{"vllm.mode": "server", "vllm.placement": "each_rank"})
+            _config(
+                assets,
+                tmp_path,
+                **{"rollout.engine": "vllm"},
+                **{"rollout.vllm.mode": "server", "rollout.vllm.placement": "each_rank"},
+            )
         )
-    check(_config(assets, tmp_path, rollout_engine="vllm", **{"vllm.placement": "each_rank"}))
+    check(_config(assets, tmp_path, **{"rollout.engine": "vllm"}, **{"rollout.vllm.placement": "each_rank"}))
 
 
 class _RequestEngine:

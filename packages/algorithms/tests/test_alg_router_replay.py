@@ -73,8 +73,7 @@ def _sampled_batch(assets: dict[str, str], rollout_dir: str) -> Any:
 
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
     prompts = load_prompts(assets["train"], tokenizer)
-    engine = HFRolloutEngine(rollout_dir, tokenizer)
-    engine.record_routing()
+    engine = HFRolloutEngine(rollout_dir, tokenizer, record_routing=True)
     rows = [PromptRow(index=i, prompt=prompts.texts[i], reference=prompts.references[i], prompt_ids=prompts.ids[i])
             for i in range(6)]  # fmt: skip
     workflow = RLVRWorkflow(WorkflowConfig(), tokenizer, lambda p, r, ref: 0.0)
@@ -182,8 +181,8 @@ def test_grpo_runs_with_router_replay_and_refuses_what_it_cannot_replay(assets: 
     rows = [json.loads(x) for x in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["split"] == "train"]
     assert len(train) == 2 and all(0.0 <= r["router_replay/mismatch_frac"] <= 0.05 for r in train), train
-    with pytest.raises(ValueError, match="rollout_engine='vllm' does not record it"):
-        run_grpo(config(rollout_engine="vllm"))
+    with pytest.raises(ValueError, match=r"rollout\.engine='vllm' does not record it"):
+        run_grpo(config(**{"rollout.engine": "vllm"}))
     dense = tiny_assets(tmp_path / "dense", tokenizer_dir="model")
     with pytest.raises(ValueError, match="router_replay replays MoE routing"):
         run_grpo(config(model=dense["model"]))

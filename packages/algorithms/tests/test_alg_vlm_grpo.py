@@ -161,15 +161,15 @@ def test_unsupported_image_prompt_settings_are_refused(vlm: dict[str, Any], tmp_
         return build_config(GRPOConfig, apply_overrides(base, list(overrides)))
 
     check_rollout_batch(grpo(), prompts, 1, 1024, "budget")
-    with pytest.raises(ValueError, match="embedded HF engine only; rollout_engine='vllm'"):
-        check_rollout_batch(grpo("rollout_engine=vllm"), prompts, 1, 1024, "budget")
-    with pytest.raises(ValueError, match="partial_rollouts"):
-        check_rollout_batch(grpo("partial_rollouts=true"), prompts, 1, 1024, "budget")
+    with pytest.raises(ValueError, match=r"embedded HF engine only; rollout\.engine='vllm'"):
+        check_rollout_batch(grpo("rollout.engine=vllm"), prompts, 1, 1024, "budget")
+    with pytest.raises(ValueError, match=r"rollout\.partial_rollouts"):
+        check_rollout_batch(grpo("rollout.partial_rollouts=true"), prompts, 1, 1024, "budget")
     with pytest.raises(ValueError, match="system message in the rows"):
         check_rollout_batch(grpo("workflow.system_prompt=be brief"), prompts, 1, 1024, "budget")
     _validate(build_config(PPOConfig, base), prompts, 1)  # PPO takes image prompts (critic: engine.vision_value)
     with pytest.raises(ValueError, match="embedded HF engine only"):
-        _validate(build_config(PPOConfig, {**base, "rollout_engine": "vllm"}), prompts, 1)
+        _validate(build_config(PPOConfig, {**base, "rollout.engine": "vllm"}), prompts, 1)
 
     class TextOnly:  # a rollout engine without `accepts_images`
         def generate(self, prompts: Any, params: Any) -> list[Any]:

@@ -1,4 +1,4 @@
-"""``rollout_placement: disaggregated`` + ``rollout_engine: vllm`` (issue 21): the vLLM server actor and the ranks'
+"""``rollout.placement: disaggregated`` + ``rollout.engine: vllm`` (issue 21): the vLLM server actor and the ranks'
 engine on it, with a stub server process standing in for ``vllm serve`` (tests/rollout_server_stub.py) and an
 in-process stand-in for Ray's actor handle. No Ray or vLLM needed (the real run, a vLLM CPU server actor under a
 local Ray cluster, is packages/algorithms/tests_vllm/test_vllm_ray_actor.py in ``nox -s vllm``)."""
@@ -33,7 +33,7 @@ TOKENIZER = SimpleNamespace(eos_token_id=2, decode=lambda ids, skip_special_toke
 PARAMS = SamplingParams(n=3, max_new_tokens=4, seed=7)
 PROMPTS = [[5, 6, 7], [8, 9], [10]]
 FAST = {"health_timeout_s": 0.5, "request_timeout_s": 2.0, "server_startup_timeout_s": 30.0}
-SERVER = {"rollout_placement": "disaggregated", "rollout_engine": "vllm", "vllm": {"mode": "server"}}
+SERVER = {"rollout.placement": "disaggregated", "rollout.engine": "vllm", "rollout.vllm": {"mode": "server"}}
 
 
 @pytest.fixture(autouse=True)
@@ -48,13 +48,13 @@ def _config(**entries: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------ config
 def test_a_vllm_server_actor_is_accepted_under_ray() -> None:
-    config = _config(**SERVER, seed=4, rollout_dtype="bf16")
+    config = _config(**SERVER, seed=4, **{"rollout.dtype": "bf16"})
     spec = rollout_actor_spec(config, "ray", world_size=2)
     assert spec is not None and (spec.engine, spec.num_actors, spec.seed, spec.dtype) == ("vllm", 1, 4, "bf16")
-    assert spec.vllm == config.vllm and spec.output_dir == str(Path("o").resolve()) and spec.gpus_per_actor == 1
-    tp2 = rollout_actor_spec(_config(**SERVER | {"vllm": {"mode": "server", "tensor_parallel_size": 2}}), "ray")
+    assert spec.vllm == config.rollout.vllm and spec.output_dir == str(Path("o").resolve()) and spec.gpus_per_actor == 1
+    tp2 = rollout_actor_spec(_config(**SERVER | {"rollout.vllm": {"mode": "server", "tensor_parallel_size": 2}}), "ray")
     assert tp2 is not None and tp2.gpus_per_actor == 2
-    hf = rollout_actor_spec(_config(rollout_placement="disaggregated"), "ray")
+    hf = rollout_actor_spec(_config(**{"rollout.placement": "disaggregated"}), "ray")
     assert hf is not None and (hf.engine, hf.vllm, hf.gpus_per_actor) == ("hf", None, 1)
 
 
@@ -62,12 +62,17 @@ def test_a_vllm_server_actor_is_accepted_under_ray() -> None:
     ("entries", "launcher", "world", "fragment"),
     [
         ({}, "local", 2, "which only --launcher ray starts (this run's launcher: local)"),
-        ({"vllm": {"mode": "in_process"}}, "ray", 2, "runs vLLM as a server actor: set vllm.mode=server"),
-        ({"vllm": {"mode": "server", "server_url": "http://h:1"}}, "ray", 2, "remove vllm.server_url"),
-        ({"num_rollout_actors": 2}, "ray", 2, "set num_rollout_actors=1"),
-        ({"rollout_on_actor_failure": "drop"}, "ray", 2, "set rollout_on_actor_failure=error (it is drop)"),
+        (
+            {"rollout.vllm": {"mode": "in_process"}},
+            "ray",
+            2,
+            "runs vLLM as a server actor: set rollout.vllm.mode=server",
+        ),
+        ({"rollout.vllm": {"mode": "server", "server_url": "http://h:1"}}, "ray", 2, "remove rollout.vllm.server_url"),
+        ({"rollout.num_actors": 2}, "ray", 2, "set rollout.num_actors=1"),
+        ({"rollout.on_actor_failure": "drop"}, "ray", 2, "set rollout.on_actor_failure=error (it is drop)"),
         ({"async_rollouts": True}, "ray", 1, "set async_rollouts=false"),
-        ({"partial_rollouts": True}, "ray", 1, "set partial_rollouts=false"),
+        ({"rollout.partial_rollouts": True}, "ray", 1, "set rollout.partial_rollouts=false"),
     ],
 )
 def test_what_the_vllm_server_actor_does_not_support_is_refused_in_one_line(
@@ -76,26 +81,26 @@ def test_what_the_vllm_server_actor_does_not_support_is_refused_in_one_line(
     with pytest.raises(ValueError) as error:
         rollout_actor_spec(_config(**SERVER | entries), launcher, world_size=world)
     message = str(error.value)
-    assert message.startswith("rollout_placement=disaggregated ") and "\n" not in message, message
+    assert message.startswith("rollout.placement=disaggregated ") and "\n" not in message, message
     assert fragment in message, message
 
 
 @pytest.mark.parametrize("world", [1, 2, None])
 def test_restart_with_the_actor_is_accepted_at_any_world_size(world: int | None) -> None:
     """Several ranks agree on the actor's restarts (tests/test_ray_vllm_server_shared_restart.py)."""
-    config = _config(**SERVER | {"vllm": {"mode": "server", "on_server_failure": "restart"}})
+    config = _config(**SERVER | {"rollout.vllm": {"mode": "server", "on_server_failure": "restart"}})
     assert rollout_actor_spec(config, "ray", world_size=world) is not None
 
 
 def test_the_server_actors_bundle_holds_its_tensor_parallel_gpus_when_the_cluster_has_them() -> None:
     from shardforge.algorithms.launch.ray import _bundles
 
-    tp2 = rollout_actor_spec(_config(**SERVER | {"vllm": {"mode": "server", "tensor_parallel_size": 2}}), "ray")
+    tp2 = rollout_actor_spec(_config(**SERVER | {"rollout.vllm": {"mode": "server", "tensor_parallel_size": 2}}), "ray")
     cpu, gpu = {"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}
     assert _bundles(2, tp2, 1, gpus=0.0) == [cpu, cpu, cpu, cpu]  # 2 ranks, the server, a reward actor
     assert _bundles(2, tp2, 1, gpus=4.0) == [gpu, gpu, {"CPU": 1.0, "GPU": 2.0}, cpu]
     assert _bundles(2, tp2, 0, gpus=3.0) == [cpu, cpu, cpu]  # 2 + 2 GPUs needed: all on CPU, as for the ranks
-    hf = rollout_actor_spec(_config(rollout_placement="disaggregated", num_rollout_actors=2), "ray")
+    hf = rollout_actor_spec(_config(**{"rollout.placement": "disaggregated", "rollout.num_actors": 2}), "ray")
     assert _bundles(2, hf, 0, gpus=4.0) == [gpu] * 4 and _bundles(2, None, 0, gpus=2.0) == [gpu] * 2
 
 
@@ -132,7 +137,8 @@ def _spec(tmp_path: Path, **options: Any) -> Any:
     spec = rollout_actor_spec(_config(**SERVER, output_dir=str(tmp_path / "out"), seed=3), "ray", 1)
     assert spec is not None
     return pickle.loads(pickle.dumps(spec)).__class__(  # what Ray hands the actor: a pickled copy
-        **{f: getattr(spec, f) for f in spec.__dataclass_fields__} | {"vllm": VLLMOptions(mode="server", **options)}
+        **{f: getattr(spec, f) for f in spec.__dataclass_fields__}
+        | {"rollout.vllm": VLLMOptions(mode="server", **options)}
     )
 
 
@@ -284,7 +290,7 @@ def test_without_restart_a_dead_server_is_the_one_line_error(
         engine.generate(PROMPTS, PARAMS)
     message = str(info.value)
     assert message.startswith(f"rollout server {engine.url} is down: /health"), message
-    assert "or set vllm.on_server_failure: restart" in message and "\n" not in message
+    assert "or set rollout.vllm.on_server_failure: restart" in message and "\n" not in message
     assert actor.restarts == 0
 
 

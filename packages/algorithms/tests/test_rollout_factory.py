@@ -16,6 +16,7 @@ import pytest
 
 from shardforge.algorithms.config_io import apply_overrides, build_config
 from shardforge.rollout import HFRolloutEngine
+from shardforge.rollout.config import RolloutConfig
 from shardforge.rollout.factory import build_rollout_engine
 from shardforge.rollout.seeds import request_seed
 from shardforge.rollout.vllm.engine import VLLMOptions, _tokenizer_dir, require_main_thread
@@ -34,7 +35,7 @@ def test_factory_builds_the_hf_engine_and_rejects_unknown_kinds(tiny: tuple[str,
     model, tokenizer = tiny
     engine = build_rollout_engine("hf", model, tokenizer, weights_root=tmp_path / "weights")
     assert isinstance(engine, HFRolloutEngine) and engine.version == 0 and engine.source is not None
-    with pytest.raises(ValueError, match=r"rollout_engine='tgi' is not one of \['hf', 'vllm'\]"):
+    with pytest.raises(ValueError, match=r"rollout.engine='tgi' is not one of \['hf', 'vllm'\]"):
         build_rollout_engine("tgi", model, tokenizer)
 
 
@@ -65,7 +66,7 @@ def test_factory_says_how_to_install_vllm_when_it_is_missing(
     assert "nox -s vllm" in str(info.value) and "docs/packages/algorithms-grpo.md" in str(info.value)
     # A server started from this interpreter needs vLLM here too.
     with pytest.raises(ImportError, match="needs vLLM, which is not installed"):
-        build_rollout_engine("vllm", model, tokenizer, vllm=VLLMOptions(mode="server"))
+        build_rollout_engine(RolloutConfig(engine="vllm", vllm=VLLMOptions(mode="server")), model, tokenizer)
 
 
 def test_server_mode_reports_a_server_that_does_not_start(tiny: tuple[str, Any], tmp_path: Path) -> None:
@@ -78,20 +79,20 @@ def test_server_mode_reports_a_server_that_does_not_start(tiny: tuple[str, Any],
     if __import__("subprocess").run([sys.executable, "-c", code]).returncode != 0:
         pytest.skip("this interpreter has vLLM: the server would start")
     with pytest.raises(RuntimeError, match=r"the vLLM server exited with code 1; log tail:\n.*No module named 'vllm'"):
-        build_rollout_engine("vllm", model, tokenizer, weights_root=tmp_path / "w", vllm=options)
+        build_rollout_engine(RolloutConfig(engine="vllm", vllm=options), model, tokenizer, weights_root=tmp_path / "w")
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"placement": "rank1"}, r"vllm.placement='rank1' is not one of \['rank0', 'each_rank'\]"),
+        ({"placement": "rank1"}, r"rollout.vllm.placement='rank1' is not one of \['rank0', 'each_rank'\]"),
         ({"gpu_memory_utilization": 0.0}, r"gpu_memory_utilization=0.0 must be in \(0, 1\]"),
         ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization=1.5 must be in \(0, 1\]"),
         ({"kv_cache_space_gib": 0}, "kv_cache_space_gib=0 must be a whole number >= 1"),
         ({"max_model_len": 1}, "max_model_len=1 must be >= 2"),
         ({"max_num_seqs": 0}, "max_num_seqs=0 must be >= 1"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be >= 1"),
-        ({"mode": "remote"}, r"vllm.mode='remote' is not one of \['in_process', 'server'\]"),
+        ({"mode": "remote"}, r"rollout.vllm.mode='remote' is not one of \['in_process', 'server'\]"),
         ({"server_startup_timeout_s": 0.0}, "server_startup_timeout_s=0.0 must be > 0"),
     ],
 )
@@ -100,10 +101,9 @@ def test_vllm_options_are_validated(change: dict[str, Any], message: str) -> Non
         VLLMOptions(**change)
 
 
-def test_factory_checks_the_options_type(tiny: tuple[str, Any]) -> None:
-    model, tokenizer = tiny
-    with pytest.raises(TypeError, match="vllm= must be VLLMOptions, got dict"):
-        build_rollout_engine("vllm", model, tokenizer, vllm={"placement": "rank0"})  # type: ignore[arg-type]
+def test_factory_checks_the_options_type() -> None:
+    with pytest.raises(TypeError, match=r"rollout\.vllm must be VLLMOptions, got dict"):
+        RolloutConfig(engine="vllm", vllm={"placement": "rank0"})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("trainer", ["grpo", "ppo"])
@@ -114,19 +114,23 @@ def test_trainer_configs_select_the_engine(trainer: str) -> None:
         from shardforge.algorithms.trainers.ppo import PPOConfig as Config  # type: ignore[assignment]
     base = {"model": "m", "train_file": "t.jsonl", "output_dir": "o"}
     default = build_config(Config, base)
-    assert default.rollout_engine == "hf" and default.vllm == VLLMOptions()
-    data = apply_overrides(base, ["rollout_engine=vllm", "vllm.gpu_memory_utilization=0.3", "vllm.max_model_len=48"])
+    assert default.rollout.engine == "hf" and default.rollout.vllm == VLLMOptions()
+    data = apply_overrides(
+        base, ["rollout.engine=vllm", "rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.max_model_len=48"]
+    )
     config = build_config(Config, data)
-    assert config.rollout_engine == "vllm"
-    assert config.vllm == dataclasses.replace(VLLMOptions(), gpu_memory_utilization=0.3, max_model_len=48)
-    with pytest.raises(ValueError, match=r"rollout_engine: 'sglang' is not one of \['hf', 'vllm'\]"):
-        build_config(Config, base | {"rollout_engine": "sglang"})
-    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['gpu_mem'\] in vllm"):
-        build_config(Config, base | {"vllm": {"gpu_mem": 0.3}})
-    with pytest.raises(ValueError, match=r"vllm.placement: 'everywhere' is not one of \['rank0', 'each_rank'\]"):
-        build_config(Config, base | {"vllm": {"placement": "everywhere"}})
-    with pytest.raises(ValueError, match=r"vllm.gpu_memory_utilization=2.0 must be in \(0, 1\]"):
-        build_config(Config, base | {"vllm": {"gpu_memory_utilization": 2}})
+    assert config.rollout.engine == "vllm"
+    assert config.rollout.vllm == dataclasses.replace(VLLMOptions(), gpu_memory_utilization=0.3, max_model_len=48)
+    with pytest.raises(ValueError, match=r"rollout.engine: 'sglang' is not one of \['hf', 'vllm'\]"):
+        build_config(Config, base | {"rollout.engine": "sglang"})
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['gpu_mem'\] in rollout.vllm"):
+        build_config(Config, base | {"rollout.vllm": {"gpu_mem": 0.3}})
+    with pytest.raises(
+        ValueError, match=r"rollout.vllm.placement: 'everywhere' is not one of \['rank0', 'each_rank'\]"
+    ):
+        build_config(Config, base | {"rollout.vllm": {"placement": "everywhere"}})
+    with pytest.raises(ValueError, match=r"rollout.vllm.gpu_memory_utilization=2.0 must be in \(0, 1\]"):
+        build_config(Config, base | {"rollout.vllm": {"gpu_memory_utilization": 2}})
 
 
 def test_request_seeds_are_distinct_and_leave_room_for_the_sample_index() -> None:
@@ -157,7 +161,9 @@ def test_collective_vllm_modes_refuse_the_async_rollout_thread() -> None:
     require_main_thread("rank0 placement")  # the trainer's own thread: fine
     with ThreadPoolExecutor(max_workers=1) as pool:
         future = pool.submit(require_main_thread, "rank0 placement")
-        with pytest.raises(RuntimeError, match=r"cannot run on a background thread .* vllm.placement=each_rank"):
+        with pytest.raises(
+            RuntimeError, match=r"cannot run on a background thread .* rollout.vllm.placement=each_rank"
+        ):
             future.result()
 
 
@@ -167,7 +173,8 @@ def test_rank0_vllm_refuses_a_held_out_split_that_leaves_a_rank_without_prompts(
     from shardforge.algorithms.trainers.rl.common import check_eval_split
 
     def config(engine: str = "vllm", placement: str = "rank0", eval_size: int | None = None) -> Any:
-        return SimpleNamespace(rollout_engine=engine, vllm=VLLMOptions(placement=placement), eval_size=eval_size)
+        rollout = RolloutConfig(engine=engine, vllm=VLLMOptions(placement=placement))
+        return SimpleNamespace(rollout=rollout, eval_size=eval_size)
 
     with pytest.raises(ValueError, match="1 prompts for 2 data-parallel ranks"):
         check_eval_split(config(eval_size=1), 16, 2)
@@ -179,3 +186,76 @@ def test_rank0_vllm_refuses_a_held_out_split_that_leaves_a_rank_without_prompts(
     check_eval_split(config(eval_size=1), None, 2)
     check_eval_split(config(placement="each_rank", eval_size=1), 16, 2)
     check_eval_split(config(engine="hf", eval_size=1), 16, 2)
+
+
+def test_old_flat_rollout_keys_fail_in_one_line_naming_the_new_key() -> None:
+    """The RL configs' flat rollout keys moved into the ``rollout:`` section (issue 37): each old key is refused in one
+    line that names its new place, for every RL trainer and for ``shardforge eval``."""
+    from shardforge.algorithms.trainers.eval_run import EvalConfig
+    from shardforge.algorithms.trainers.grpo import GRPOConfig
+    from shardforge.algorithms.trainers.ppo import PPOConfig
+    from shardforge.algorithms.trainers.rl.common import ROLLOUT_KEYS
+
+    bases = {
+        GRPOConfig: {"model": "m", "train_file": "t.jsonl", "output_dir": "o"},
+        PPOConfig: {"model": "m", "train_file": "t.jsonl", "output_dir": "o"},
+        EvalConfig: {"model": "m", "eval_files": ["e.jsonl"], "output_dir": "o"},
+    }
+    assert set(ROLLOUT_KEYS) >= {"rollout_engine", "rollout_placement", "vllm", "partial_rollouts"}
+    for cls, base in bases.items():
+        for old, new in ROLLOUT_KEYS.items():
+            with pytest.raises(ValueError) as error:
+                build_config(cls, base | {old: {} if old == "vllm" else "x"})
+            message = str(error.value)
+            assert "\n" not in message and message.startswith(f"config key {old} is now {new}"), message
+    with pytest.raises(ValueError, match=r"also move \['rollout_sleep'\]"):
+        build_config(GRPOConfig, bases[GRPOConfig] | {"rollout_engine": "hf", "rollout_sleep": True})
+
+
+USER_ENGINE = '''
+from shardforge.rollout.hf.engine import HFRolloutEngine
+
+
+class TaggedEngine(HFRolloutEngine):
+    """A user's engine: the embedded one, remembering the section it was built from."""
+
+    def __init__(self, *args, built_with, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.built_with = built_with
+
+
+def build(model_dir, tokenizer, *, config, weights_root, seed, record_routing, chunks):
+    return TaggedEngine(model_dir, tokenizer, weights_root=weights_root, dtype=config.dtype, kv_reuse=config.kv_reuse,
+                        record_routing=record_routing, chunks=chunks, built_with=config)
+'''
+
+
+def test_a_users_engine_is_selected_from_yaml_by_import_path(
+    tiny: tuple[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rollout.engine: package.module:function`` builds a user's engine with every option of the section, and the
+    factory picks its publisher in one place (in memory for an engine in the trainer's processes, else disk)."""
+    import yaml
+
+    from shardforge.algorithms.trainers.grpo import GRPOConfig
+    from shardforge.rollout.factory import build_rollout
+    from shardforge.rollout.publish import DiskPublisher, InProcessPublisher
+
+    model, tokenizer = tiny
+    (tmp_path / "user_engines.py").write_text(USER_ENGINE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    text = f"model: {model}\noutput_dir: {tmp_path}/o\nrollout:\n  engine: user_engines:build\n  kv_reuse: false\n"
+    config = build_config(GRPOConfig, yaml.safe_load(text))
+    built = build_rollout(config.rollout, model, tokenizer, weights_root=tmp_path / "w")
+    engine: Any = built.engine
+    assert type(engine).__name__ == "TaggedEngine" and engine.built_with == config.rollout
+    assert engine.kv_reuse is False and engine.chunks is None and built.chunks is None
+    assert isinstance(built.publisher, InProcessPublisher)
+    asynchronous = build_rollout(config.rollout, model, tokenizer, weights_root=tmp_path / "w", asynchronous=True,
+                                 keep_versions=5)  # fmt: skip
+    assert isinstance(asynchronous.publisher, DiskPublisher) and asynchronous.publisher.keep_last == 5
+    partial = dataclasses.replace(config.rollout, partial_rollouts=True, interrupt_chunk_tokens=4)
+    chunked = build_rollout(partial, model, tokenizer, weights_root=tmp_path / "w", asynchronous=True)
+    assert chunked.chunks is not None and chunked.chunks.chunk_tokens == 4 and chunked.engine.chunks is chunked.chunks  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"cannot import module 'no_such_engines'"):
+        build_rollout(dataclasses.replace(config.rollout, engine="no_such_engines:build"), model, tokenizer)

@@ -1,4 +1,4 @@
-"""``rollout_placement: colocated | disaggregated`` (issue 21): the refusals, the rollout actors' spec, the rank ->
+"""``rollout.placement: colocated | disaggregated`` (issue 21): the refusals, the rollout actors' spec, the rank ->
 actor map and the launcher's environment contract. No Ray needed (the Ray run is integration_tests/test_ray_launch.py)."""
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ def _config(cls=GRPOConfig, **entries):
 
 def test_colocated_is_the_default_and_starts_no_actor():
     config = _config()
-    assert config.rollout_placement == "colocated" and config.num_rollout_actors == 1
+    assert config.rollout.placement == "colocated" and config.rollout.num_actors == 1
     for launcher in ("local", "ray"):
         assert rollout_actor_spec(config, launcher) is None
 
 
 @pytest.mark.parametrize("cls", [GRPOConfig, PPOConfig])
 def test_disaggregated_under_ray_gives_the_actors_spec(cls):
-    config = _config(cls, rollout_placement="disaggregated", num_rollout_actors=2, rollout_dtype="bf16")
+    config = _config(cls, **{"rollout.placement": "disaggregated", "rollout.num_actors": 2, "rollout.dtype": "bf16"})
     spec = rollout_actor_spec(config, "ray")
     assert spec is not None
     assert (spec.num_actors, spec.model, spec.tokenizer, spec.dtype) == (2, "m", "m", "bf16")
@@ -47,38 +47,39 @@ def test_disaggregated_under_ray_gives_the_actors_spec(cls):
     ("entries", "launcher", "fragment"),
     [
         ({}, "local", "only --launcher ray starts (this run's launcher: local)"),
-        ({}, "external", "add --launcher ray, or set rollout_placement=colocated"),
-        ({"rollout_engine": "vllm"}, "ray", "runs vLLM as a server actor: set vllm.mode=server"),
+        ({}, "external", "add --launcher ray, or set rollout.placement=colocated"),
+        ({"rollout.engine": "vllm"}, "ray", "runs vLLM as a server actor: set rollout.vllm.mode=server"),
         ({"async_rollouts": True}, "ray", "set async_rollouts=false"),
-        ({"partial_rollouts": True, "async_rollouts": False}, "ray", "set partial_rollouts=false"),
+        ({"rollout.partial_rollouts": True, "async_rollouts": False}, "ray", "set rollout.partial_rollouts=false"),
         ({"engine": {"router_replay": True}}, "ray", "set engine.router_replay=false"),
-        ({"num_rollout_actors": 0}, "ray", "num_rollout_actors=0 must be >= 1"),
-        ({"rollout_on_actor_failure": "drop"}, "ray", "needs num_rollout_actors >= 2 (num_rollout_actors=1)"),
+        ({"rollout.num_actors": 0}, "ray", "rollout.num_actors=0 must be >= 1"),
+        ({"rollout.on_actor_failure": "drop"}, "ray", "needs rollout.num_actors >= 2 (rollout.num_actors=1)"),
     ],
 )
 def test_unsupported_combinations_are_refused_with_the_fix(entries, launcher, fragment):
-    config = _config(**({"rollout_placement": "disaggregated"} | entries))
-    with pytest.raises(ValueError, match=r"disaggregated|num_rollout_actors") as error:
-        rollout_actor_spec(config, launcher)
+    with pytest.raises(ValueError, match=r"disaggregated|rollout\.num_actors") as error:
+        rollout_actor_spec(_config(**({"rollout.placement": "disaggregated"} | entries)), launcher)
     assert fragment in str(error.value), str(error.value)
 
 
 def test_dropping_dead_actors_needs_two_and_disaggregated_rollouts():
-    config = _config(rollout_placement="disaggregated", num_rollout_actors=2, rollout_on_actor_failure="drop")
-    assert rollout_actor_spec(config, "ray") is not None and config.rollout_on_actor_failure == "drop"
-    assert _config().rollout_on_actor_failure == "error"
+    config = _config(
+        **{"rollout.placement": "disaggregated", "rollout.num_actors": 2, "rollout.on_actor_failure": "drop"}
+    )
+    assert rollout_actor_spec(config, "ray") is not None and config.rollout.on_actor_failure == "drop"
+    assert _config().rollout.on_actor_failure == "error"
     with pytest.raises(ValueError) as error:
-        rollout_actor_spec(_config(rollout_on_actor_failure="drop"), "local")
+        rollout_actor_spec(_config(**{"rollout.on_actor_failure": "drop"}), "local")
     message = str(error.value)
-    assert "\n" not in message and message.startswith("rollout_on_actor_failure=drop applies to the rollout actors")
-    assert "set rollout_placement=disaggregated" in message, message
-    with pytest.raises(ValueError, match=r"rollout_on_actor_failure: 'restart' is not one of \['error', 'drop'\]"):
-        _config(rollout_on_actor_failure="restart")
+    assert "\n" not in message and message.startswith("rollout.on_actor_failure=drop applies to the rollout actors")
+    assert "set rollout.placement=disaggregated" in message, message
+    with pytest.raises(ValueError, match=r"rollout.on_actor_failure: 'restart' is not one of \['error', 'drop'\]"):
+        _config(**{"rollout.on_actor_failure": "restart"})
 
 
 def test_an_unknown_placement_lists_the_valid_ones():
     with pytest.raises(ValueError, match="colocated") as error:
-        _config(rollout_placement="remote")
+        _config(**{"rollout.placement": "remote"})
     assert "disaggregated" in str(error.value)
 
 
@@ -101,10 +102,10 @@ def test_a_rank_finds_the_launchers_actors_or_says_it_needs_ray():
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
-        ({"rollout_placement": "disaggregated"}, "rollout_placement=disaggregated runs the rollout engine in Ray"),
+        ({"rollout.placement": "disaggregated"}, "rollout.placement=disaggregated runs the rollout engine in Ray"),
         (
-            {"rollout_placement": "disaggregated", "rollout_engine": "vllm", "vllm": {"mode": "server"}},
-            "rollout_placement=disaggregated runs the rollout engine in Ray",
+            {"rollout.placement": "disaggregated", "rollout.engine": "vllm", "rollout.vllm": {"mode": "server"}},
+            "rollout.placement=disaggregated runs the rollout engine in Ray",
         ),
         ({"reward": {"ray_workers": 2}}, "reward.ray_workers=2 scores rewards in Ray actors"),
     ],

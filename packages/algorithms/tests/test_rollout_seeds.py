@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from shardforge.rollout import SamplingParams
+from shardforge.rollout.chunked import ChunkedGeneration
 from shardforge.rollout.seeds import prompt_seeds, request_seed
 
 
@@ -21,10 +22,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return tiny_assets(tmp_path_factory.mktemp("seeds"), seed=5, data=False)
 
 
-def _engine(tiny: dict[str, Any]) -> Any:
+def _engine(tiny: dict[str, Any], **kwargs: Any) -> Any:
     from shardforge.rollout import HFRolloutEngine
 
-    return HFRolloutEngine(tiny["model"], tiny["tokenizer"])
+    return HFRolloutEngine(tiny["model"], tiny["tokenizer"], **kwargs)
 
 
 def test_a_request_samples_the_same_in_any_call(tiny: dict[str, Any]) -> None:
@@ -34,10 +35,11 @@ def test_a_request_samples_the_same_in_any_call(tiny: dict[str, Any]) -> None:
     params = SamplingParams(n=2, max_new_tokens=6, temperature=0.9, seeds=seeds)
     together = engine.generate(ids, params)
     # The third prompt alone (no left padding: other logits by float rounding only), one row per generate call.
-    engine.batch_size = 1
-    alone = engine.generate(ids[2:], SamplingParams(n=2, max_new_tokens=6, temperature=0.9, seeds=seeds[2:]))
-    engine.batch_size, engine.interrupt_chunk_tokens = 256, 2  # reversed order, generated 2 tokens at a time
-    reordered = engine.generate(ids[::-1], SamplingParams(n=2, max_new_tokens=6, temperature=0.9, seeds=seeds[::-1]))
+    alone = _engine(tiny, batch_size=1).generate(
+        ids[2:], SamplingParams(n=2, max_new_tokens=6, temperature=0.9, seeds=seeds[2:])
+    )
+    chunked = _engine(tiny, chunks=ChunkedGeneration(2))  # reversed order, generated 2 tokens at a time
+    reordered = chunked.generate(ids[::-1], SamplingParams(n=2, max_new_tokens=6, temperature=0.9, seeds=seeds[::-1]))
     # Exact token ids: each row's uniforms are the same, and its logits differ by float rounding only, which moves
     # a token only if a uniform falls within ~1e-6 of a CDF boundary (odds ~1e-5 here, fixed per machine).
     for a, b in ((together[4:], alone), (together[4:], reordered[:2]), (together[:2], reordered[4:])):

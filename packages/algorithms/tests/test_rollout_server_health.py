@@ -96,7 +96,7 @@ def test_a_killed_server_fails_fast_in_one_line_naming_it(external_server, tmp_p
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"rollout server {url} is down: /health: connection refused")
-    assert "check that the server is running and reachable" in message and "vllm.server_url" in message
+    assert "check that the server is running and reachable" in message and "rollout.vllm.server_url" in message
     assert engine.pop_stats() == {"rollout_server/health_checks": 2.0, "rollout_server/failures": 1.0,
                                   "rollout_server/restarts": 0.0, "rollout_server/resent_requests": 0.0}  # fmt: skip
 
@@ -148,7 +148,7 @@ def test_a_server_dying_mid_request_is_restarted_at_the_current_version(
         with pytest.raises(RolloutServerError) as info:
             engine.generate(PROMPTS, PARAMS)
         assert f"check its log {tmp_path / 'log'}" in str(info.value)
-        assert "vllm.max_server_restarts is used up" in str(info.value)
+        assert "rollout.vllm.max_server_restarts is used up" in str(info.value)
     finally:
         engine.shutdown(grace_s=5.0)
 
@@ -199,7 +199,7 @@ def test_shutdown_also_stops_the_children_a_killed_server_left_running(tmp_path:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"health_timeout_s": 0.0}, "health_timeout_s=0.0 and vllm.request_timeout_s=600.0 must be > 0"),
+        ({"health_timeout_s": 0.0}, "health_timeout_s=0.0 and rollout.vllm.request_timeout_s=600.0 must be > 0"),
         ({"request_timeout_s": -1.0}, "request_timeout_s=-1.0 must be > 0"),
         ({"on_server_failure": "drop"}, r"on_server_failure='drop' is not one of \['error', 'restart'\]"),
         ({"max_server_restarts": -1}, "max_server_restarts=-1 must be >= 0"),
@@ -245,8 +245,8 @@ def _grpo(assets: dict[str, Any], out: Path, marker: Path, monkeypatch: pytest.M
     data = {
         "model": assets["model"], "train_file": str(assets["train"]), "output_dir": str(out), "layout": "d1",
         "steps": 3, "prompts_per_step": 4, "group_size": 2, "max_new_tokens": 4, "reward_fn": "zero",
-        "progress": False, "save_every": 0, "export_hf_at_end": False, "rollout_engine": "vllm",
-        "vllm": {"mode": "server", "server_python": sys.executable, **FAST, **vllm},
+        "progress": False, "save_every": 0, "export_hf_at_end": False, "rollout.engine": "vllm",
+        "rollout.vllm": {"mode": "server", "server_python": sys.executable, **FAST, **vllm},
         "engine": {"max_tokens_per_microbatch": 64},
     }  # fmt: skip
     return run_grpo(build_config(GRPOConfig, data))

@@ -158,7 +158,9 @@ def test_two_ranks_restart_their_shared_server_at_the_current_version(tmp_path: 
     assert "\n" not in errors[0]
     assert errors[0].startswith(f"rollout server {url} is down: /health: connection refused")
     assert f"(seen by rank(s) [{other}])" in errors[0]
-    assert f"check its log {tmp_path / 'log'}" in errors[0] and "vllm.max_server_restarts is used up" in errors[0]
+    assert (
+        f"check its log {tmp_path / 'log'}" in errors[0] and "rollout.vllm.max_server_restarts is used up" in errors[0]
+    )
 
 
 def _share_a_server_given_by_url(url: str, pid: int, tmp: Path) -> str | None:
@@ -249,8 +251,8 @@ def _grpo(assets: dict[str, Any], out: Path, layout: str, marker: Path | None) -
     data = {
         "model": assets["model"], "train_file": str(assets["train"]), "output_dir": str(out), "layout": layout,
         "steps": 3, "prompts_per_step": 4, "group_size": 2, "max_new_tokens": 4, "reward_fn": "zero",
-        "progress": False, "save_every": 0, "export_hf_at_end": False, "rollout_engine": "vllm",
-        "vllm": {"mode": "server", "server_python": sys.executable, "on_server_failure": "restart", **FAST},
+        "progress": False, "save_every": 0, "export_hf_at_end": False, "rollout.engine": "vllm",
+        "rollout.vllm": {"mode": "server", "server_python": sys.executable, "on_server_failure": "restart", **FAST},
         "engine": {"max_tokens_per_microbatch": 64},
     }  # fmt: skip
     original = VLLMServerRolloutEngine._server_command

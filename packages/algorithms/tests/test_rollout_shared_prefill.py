@@ -32,16 +32,15 @@ def _fed_rows(engine: Any) -> list[tuple[int, int]]:
 def test_groups_are_encoded_once_and_sample_as_if_each_copy_was(tiny: dict[str, Any]) -> None:
     from shardforge.rollout import HFRolloutEngine
 
-    engine = HFRolloutEngine(tiny["model"], tiny["tokenizer"])
-    shapes = _fed_rows(engine)
+    engine = HFRolloutEngine(tiny["model"], tiny["tokenizer"], share_prefill=True)
+    unshared = HFRolloutEngine(tiny["model"], tiny["tokenizer"], share_prefill=False)
+    shapes = _fed_rows(unshared)
     ids = [tiny["tokenizer"](t, add_special_tokens=False)["input_ids"] for t in ("1+2=", "13+29=", "7+7+7=")]
     width = max(len(p) for p in ids)
     params = SamplingParams(n=4, max_new_tokens=5, temperature=0.9, seed=11)
-    engine.share_prefill = False
-    plain = engine.generate(ids, params)
+    plain = unshared.generate(ids, params)
     assert shapes[0] == (12, width)  # generate encodes all 3 x 4 rows
-    shapes.clear()
-    engine.share_prefill = True
+    shapes = _fed_rows(engine)
     shared = engine.generate(ids, params)
     # 3 distinct prompts over the first width - 1 columns, then generate feeds the 12 rows their last column.
     assert shapes[:2] == [(3, width - 1), (12, 1)]
@@ -52,9 +51,7 @@ def test_groups_are_encoded_once_and_sample_as_if_each_copy_was(tiny: dict[str, 
     assert len({tuple(r.response_ids) for r in shared[:4]}) > 1, "the samples of one prompt still differ"
     # Greedy decoding too (no sampler): the same argmax path.
     greedy = SamplingParams(n=2, max_new_tokens=5, temperature=0.0)
-    engine.share_prefill = False
-    plain_greedy = engine.generate(ids, greedy)
-    engine.share_prefill = True
+    plain_greedy = unshared.generate(ids, greedy)
     assert [r.response_ids for r in engine.generate(ids, greedy)] == [r.response_ids for r in plain_greedy]
 
 

@@ -1,4 +1,4 @@
-"""``vllm.weight_transport: collective`` (issue 21): weights into a vLLM server over weight-sync's collective
+"""``rollout.vllm.weight_transport: collective`` (issue 21): weights into a vLLM server over weight-sync's collective
 transport, no disk versions (`shardforge.rollout.vllm.server_collective`).
 
 The server is the stub (tests/rollout_server_stub.py), which joins trainer rank 0's weight group on
@@ -86,13 +86,13 @@ def _state(url: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ options
 def test_the_weight_transport_option_is_checked_in_one_line() -> None:
     with pytest.raises(
-        ValueError, match=r"^vllm.weight_transport='nfs' is not one of \['auto', 'disk', 'collective'\]$"
+        ValueError, match=r"^rollout.vllm.weight_transport='nfs' is not one of \['auto', 'disk', 'collective'\]$"
     ):
         VLLMOptions(mode="server", weight_transport="nfs")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"sends weights to a vLLM server: set vllm\.mode=server") as error:
+    with pytest.raises(ValueError, match=r"sends weights to a vLLM server: set rollout\.vllm\.mode=server") as error:
         VLLMOptions(mode="in_process", weight_transport="collective")
     assert "\n" not in str(error.value)
-    with pytest.raises(ValueError, match=r"set vllm\.weight_transport=disk or rollout_sleep=false$"):
+    with pytest.raises(ValueError, match=r"set rollout\.vllm\.weight_transport=disk or rollout\.sleep=false$"):
         VLLMOptions(mode="server", weight_transport="collective", enable_sleep_mode=True)
     assert VLLMOptions().weight_transport == "auto"  # collective for the Ray server actor, disk elsewhere
 
@@ -104,22 +104,29 @@ def test_async_rollouts_with_the_collective_transport_are_refused() -> None:
 
     vllm = {"mode": "server", "weight_transport": "collective"}
     config = build_config(GRPOConfig, {"model": "m", "train_file": "t.jsonl", "output_dir": "o", "async_rollouts": True,
-                                       "rollout_engine": "vllm", "vllm": vllm})  # fmt: skip
+                                       "rollout.engine": "vllm", "rollout.vllm": vllm})  # fmt: skip
     prompts = SimpleNamespace(ids=[[1, 2]], images=None)
-    with pytest.raises(ValueError, match=r"set vllm\.weight_transport=disk$"):
+    with pytest.raises(ValueError, match=r"set rollout\.vllm\.weight_transport=disk$"):
         check_rollout_batch(config, prompts, 1, 4096, "budget")  # type: ignore[arg-type]
 
 
 def test_the_trainer_publishes_through_the_engine_when_it_says_so() -> None:
-    """`direct_publisher` hands the trainer's publish to an engine with ``direct_publish`` (then the trainers write
-    no disk version and create no output_dir/weights); an engine without it is published to through disk."""
-    from shardforge.algorithms.trainers.rl.publish import direct_publisher
+    """`choose_publisher` hands the trainer's publish to an engine that publishes directly (then the trainers write
+    no disk version and create no output_dir/weights); an engine that does not is published to through disk."""
+    from shardforge.rollout.publish import DiskPublisher, choose_publisher
 
-    calls: list[tuple[Any, ...]] = []
-    engine = SimpleNamespace(direct_publish=True, publish=lambda *args: calls.append(args) or 7)
-    publish = direct_publisher(SimpleNamespace(), engine, None, "bf16")  # type: ignore[arg-type]
-    assert publish is not None and publish(None) == 7 and calls[0][1:] == ("bf16", None)
-    assert direct_publisher(SimpleNamespace(), SimpleNamespace(direct_publish=False), None, "bf16") is None  # type: ignore[arg-type]
+    class Direct:
+        def __init__(self, on: bool) -> None:
+            self.publishes_directly, self.calls = on, []
+
+        def publish(self, *args: Any) -> int:
+            self.calls.append(args)
+            return 7
+
+    engine = Direct(True)
+    publisher = choose_publisher(engine, dtype="bf16", weights_root=None)
+    assert publisher.publish(SimpleNamespace(), None) == 7 and engine.calls[0][1:] == ("bf16", None)  # type: ignore[arg-type]
+    assert isinstance(choose_publisher(Direct(False), dtype="bf16", weights_root="w"), DiskPublisher)
 
 
 # ------------------------------------------------------------------------------------------ one rank
@@ -136,7 +143,7 @@ def test_versions_arrive_intact_and_a_server_that_fails_mid_transfer_is_restarte
                      on_server_failure="restart", max_server_restarts=1)  # fmt: skip
     trainer = TinyTrainer(_model())
     try:
-        assert engine.source is None and engine.direct_publish
+        assert engine.source is None and engine.publishes_directly
         assert engine.publish(trainer, "float32") == 1
         state = _state(engine.url)
         assert state["received"] == [1] and state["checksums"] == trainer.checksums()
@@ -178,7 +185,7 @@ def test_versions_arrive_intact_and_a_server_that_fails_mid_transfer_is_restarte
         engine.publish(trainer, "float32")
         with pytest.raises(RolloutServerError) as error:
             engine.generate(PROMPTS, PARAMS)
-        assert "vllm.max_server_restarts is used up" in str(error.value) and "\n" not in str(error.value)
+        assert "rollout.vllm.max_server_restarts is used up" in str(error.value) and "\n" not in str(error.value)
     finally:
         engine.shutdown(grace_s=5.0)
 
@@ -237,7 +244,7 @@ def test_two_ranks_send_their_shards_wait_for_the_server_and_restore_it_together
 def test_the_ray_server_actor_gets_its_weights_over_the_collective_transport_by_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``rollout_placement: disaggregated``: `RayVLLMServerEngine` with ``weight_transport: auto`` sends over the
+    """``rollout.placement: disaggregated``: `RayVLLMServerEngine` with ``weight_transport: auto`` sends over the
     collective transport from the node IP Ray reports to the actor's (stub) server, nothing under output_dir/weights
     (its restart through the actor is `VLLMServerRolloutEngine.restart_server`, tested above). With
     ``on_server_failure: error`` (the default) a server that dies mid-transfer is the one-line error of the publish,
@@ -270,7 +277,7 @@ def test_the_ray_server_actor_gets_its_weights_over_the_collective_transport_by_
         options = VLLMOptions(mode="server", **FAST)
         engine = RayVLLMServerEngine("shardforge-rollout-0", tmp_path, TOKENIZER, options=options,
                                      weights_root=out / "weights")  # fmt: skip
-        assert engine.direct_publish and engine.sender is not None and engine.sender.host == "localhost"
+        assert engine.publishes_directly and engine.sender is not None and engine.sender.host == "localhost"
         trainer = TinyTrainer(_model())
         assert engine.publish(trainer, "bf16") == 1  # cast to the rollout dtype on the way
         state = _state(engine.url)
@@ -287,7 +294,7 @@ def test_the_ray_server_actor_gets_its_weights_over_the_collective_transport_by_
         assert message.startswith(f"rollout server {engine.url} is down: weight version 2 over the collective "
                                   "transport: sending it failed:") and "\n" not in message, message  # fmt: skip
         assert f"check its log {out / 'vllm_server.log'}" in message
-        assert "or set vllm.on_server_failure: restart" in message
+        assert "or set rollout.vllm.on_server_failure: restart" in message
         assert not (out / "weights").exists()
     finally:
         actor.shutdown()

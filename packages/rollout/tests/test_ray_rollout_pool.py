@@ -1,4 +1,4 @@
-"""A pool of HF rollout actors that drops a dead one (``rollout_on_actor_failure: drop``, issue 21).
+"""A pool of HF rollout actors that drops a dead one (``rollout.on_actor_failure: drop``, issue 21).
 
 Two gloo ranks use `RayRolloutClient` on stand-in rollout actors behind a stand-in for Ray's actor handles (no Ray,
 no model): each rank process holds its own copy of the actor objects, whose state lives in files both ranks see
@@ -231,6 +231,6 @@ def test_with_on_actor_failure_error_a_dead_actor_is_a_one_line_error_that_names
         generation_round(client, lambda: client.generate([[1, 2]], SamplingParams(n=1, seed=3)))
     message = str(error.value)
     assert "\n" not in message and message.startswith("rollout actor rollout-0 died: The actor died"), message
-    assert message.endswith("set rollout_on_actor_failure: drop (num_rollout_actors >= 2) to go on without it")
-    with pytest.raises(ValueError, match=r"rollout_on_actor_failure='restart' is not one of \['error', 'drop'\]"):
+    assert message.endswith("set rollout.on_actor_failure: drop (rollout.num_actors >= 2) to go on without it")
+    with pytest.raises(ValueError, match=r"rollout.on_actor_failure='restart' is not one of \['error', 'drop'\]"):
         RayRolloutClient(NAMES[:2], on_actor_failure="restart")

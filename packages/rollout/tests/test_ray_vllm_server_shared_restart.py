@@ -1,5 +1,5 @@
-"""Restarts of the vLLM server actor's server when several trainer ranks share it (``rollout_placement:
-disaggregated`` + ``rollout_engine: vllm`` + ``vllm.on_server_failure: restart`` at world size 2).
+"""Restarts of the vLLM server actor's server when several trainer ranks share it (``rollout.placement:
+disaggregated`` + ``rollout.engine: vllm`` + ``rollout.vllm.on_server_failure: restart`` at world size 2).
 
 Two gloo ranks use `RayVLLMServerEngine` on one `VLLMServerActor` running the stub server
 (tests/rollout_server_stub.py), with stand-ins for Ray's actor handle: rank 0's calls the actor object, which it
@@ -211,4 +211,4 @@ def test_two_ranks_restart_the_actors_server_once_through_rank_0(tmp_path: Path,
     assert errors[0] is not None and errors[0] == errors[1] and "\n" not in errors[0], errors
     assert errors[0].startswith(f"rollout server {results[0]['url']} is down: /health: connection refused")
     assert f"(seen by rank(s) [{other}])" in errors[0]
-    assert f"check its log {log}" in errors[0] and "vllm.max_server_restarts is used up" in errors[0]
+    assert f"check its log {log}" in errors[0] and "rollout.vllm.max_server_restarts is used up" in errors[0]

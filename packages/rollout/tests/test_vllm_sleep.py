@@ -84,7 +84,7 @@ def test_server_without_sleep_mode_has_no_flag_and_refuses_sleep(tmp_path: Path)
     engine = StubEngine(tmp_path, TOKENIZER, weights_root=tmp_path / "w", options=VLLMOptions(mode="server", **FAST))
     try:
         assert engine.command is not None and "--enable-sleep-mode" not in engine.command
-        with pytest.raises(RuntimeError, match=r"started without sleep mode: set vllm.enable_sleep_mode=true"):
+        with pytest.raises(RuntimeError, match=r"started without sleep mode: set rollout.vllm.enable_sleep_mode=true"):
             engine.sleep()
         engine.update_weights(1)
         assert _calls(engine.url)[-4:] == WAKE[1:5]
@@ -163,7 +163,7 @@ def test_sleep_mode_without_cuda_is_refused_in_one_line(tmp_path: Path) -> None:
         ),
     ):
         with pytest.raises(
-            ValueError, match=r"^vllm.enable_sleep_mode needs CUDA: vLLM's sleep mode frees GPU memory"
+            ValueError, match=r"^rollout.vllm.enable_sleep_mode needs CUDA: vLLM's sleep mode frees GPU memory"
         ) as info:
             build()
         assert "\n" not in str(info.value)

@@ -31,8 +31,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``["engine.optimizer.lr=1e-3", "steps=10"]`` to a nested dict (values parsed as YAML)."""
-    result = _deep_copy(data)
+    """Apply ``["engine.optimizer.lr=1e-3", "steps=10"]`` to a nested dict (values parsed as YAML); an override
+    replaces the value of the same key given dotted in ``data`` (``rollout.engine: vllm``) too."""
+    result = _deep_copy(_expand_dotted(data, "the config"))
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key=value (e.g. engine.optimizer.lr=1e-3)")
@@ -52,13 +53,25 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def build_config(cls: type[T], data: dict[str, Any], *, where: str = "") -> T:
     """Instantiate dataclass ``cls`` from ``data``, recursing into nested dataclasses.
 
-    Unknown keys raise `ValueError` listing the valid ones; values are coerced to the
-    annotated scalar types (int, float, bool, str, tuples).
+    A dotted key is a nested one (``{"rollout.engine": "vllm"}`` = ``{"rollout": {"engine": "vllm"}}``, as in
+    overrides). Unknown keys raise `ValueError` listing the valid ones, and a key the class renamed (its
+    ``RENAMED_KEYS``, old -> new) names the new one; values are coerced to the annotated scalar types (int, float,
+    bool, str, tuples).
     """
     if not isinstance(data, dict):
         raise ValueError(f"config section {where or cls.__name__!r} must be a mapping, got {data!r}")
+    data = _expand_dotted(data, where or cls.__name__)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    renamed: dict[str, str] = getattr(cls, "RENAMED_KEYS", {})
+    moved = sorted(k for k in data if k not in fields and k in renamed)
+    if moved:
+        key = moved[0]
+        prefix = f"{where}." if where else ""
+        raise ValueError(
+            f"config key {prefix}{key} is now {prefix}{renamed[key]}: write it under that section"
+            + (f" (also move {[prefix + k for k in moved[1:]]})" if len(moved) > 1 else "")
+        )
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ValueError(f"unknown config key(s) {unknown} in {where or cls.__name__}; valid keys: {sorted(fields)}")
@@ -73,6 +86,32 @@ def build_config(cls: type[T], data: dict[str, Any], *, where: str = "") -> T:
     if missing:
         raise ValueError(f"missing required config key(s) {missing} in {where or cls.__name__}")
     return cls(**kwargs)
+
+
+def _expand_dotted(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """``{"a.b": 1, "a": {"c": 2}}`` -> ``{"a": {"b": 1, "c": 2}}``; a key given twice is a `ValueError`."""
+    if not any(isinstance(k, str) and "." in k for k in data):
+        return data
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        parts = key.split(".") if isinstance(key, str) else [key]
+        node = out
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"config key {key!r} in {where}: {part!r} is a value, not a section")
+            node = child
+        last = parts[-1]
+        if isinstance(value, dict) and isinstance(node.get(last), dict):
+            more = _expand_dotted(value, f"{where}.{key}")
+            if twice := sorted(set(node[last]) & set(more)):
+                raise ValueError(f"config key(s) {twice} of {key!r} are given twice in {where}")
+            node[last] = {**node[last], **more}
+            continue
+        if last in node:
+            raise ValueError(f"config key {key!r} is given twice in {where}")
+        node[last] = dict(_expand_dotted(value, f"{where}.{key}")) if isinstance(value, dict) else value
+    return out
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:

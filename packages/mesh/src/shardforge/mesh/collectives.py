@@ -22,6 +22,7 @@ __all__ = [
     "all_reduce_sum",
     "backend_device",
     "broadcast_floats",
+    "reduce_stats_once",
     "stat_kind",
 ]
 
@@ -113,4 +114,33 @@ def all_reduce_stats(
         packed = torch.stack([local[k] for k in keys]).to(target)
         dist.all_reduce(packed, op=op, group=group)
         out.update(zip(keys, packed.cpu().unbind(0), strict=True))
+    return out
+
+
+def reduce_stats_once(
+    stats: Mapping[str, torch.Tensor | float | int],
+    group: dist.ProcessGroup | None,
+    device: torch.device | None = None,
+) -> dict[str, float]:
+    """Reduce named scalars over ``group`` by name (`stat_kind`: sums, ``*_max``, ``*_min``) in ONE collective.
+
+    Every rank must pass the same keys. With sums only it is one all-reduce; with extremes too, one all-gather of
+    the packed values, reduced on every rank in rank order (the same floats on every rank). Returns plain floats;
+    identity without a group."""
+    names = sorted(stats)
+    local = [float(stats[n]) for n in names]
+    if group is None or not dist.is_initialized() or not names:
+        return dict(zip(names, local, strict=True))
+    kinds = [stat_kind(n) for n in names]
+    if all(k == "sum" for k in kinds):
+        return dict(zip(names, _reduce(local, dist.ReduceOp.SUM, group, device), strict=True))
+    packed = _pack(local, device, group)
+    parts = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, packed, group=group)
+    table = torch.stack(parts).cpu()  # [ranks, names], float64
+    out = {}
+    for column, (name, kind) in enumerate(zip(names, kinds, strict=True)):
+        values = table[:, column]
+        reduced = values.max() if kind == "max" else values.min() if kind == "min" else values.sum()
+        out[name] = float(reduced)
     return out

@@ -13,12 +13,61 @@ follow) share this loop; each supplies how to generate one chunk for the rows st
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from shardforge.rollout.seeds import prompt_seeds, request_seed
 from shardforge.rollout.types import Rollout, SamplingParams
 
-__all__ = ["ChunkFn", "chunked_requests", "generate_in_chunks"]
+__all__ = ["ChunkFn", "ChunkedGeneration", "chunked_requests", "generate_in_chunks"]
+
+
+class ChunkedGeneration:
+    """Partial rollouts' side of an engine: built with one, an engine generates ``chunk_tokens`` new tokens at a
+    time and calls `between_chunks` after each chunk. What happens there belongs to whoever drives the generation
+    (the asynchronous batch source switches to newer weights): it says so for the length of a batch with
+    `refreshing`. The same object is handed to the engine's constructor and to the batch source, so nothing sets
+    an attribute of the engine from outside.
+
+    Args:
+        chunk_tokens: new tokens generated between two calls of `between_chunks` (>= 1).
+    """
+
+    def __init__(self, chunk_tokens: int) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(
+                f"rollout.interrupt_chunk_tokens={chunk_tokens} must be >= 1 (tokens generated between two checks for newer "
+                "weights)"
+            )
+        self.chunk_tokens = chunk_tokens
+        self._lock = threading.Lock()
+        self._refresh: Callable[[], None] | None = None
+
+    @contextmanager
+    def refreshing(self, fn: Callable[[], None]) -> Iterator[None]:
+        """While active, `between_chunks` calls ``fn`` (e.g. load the newest weights this batch may use)."""
+        with self._lock:
+            self._refresh = fn
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._refresh = None
+
+    @property
+    def is_refreshing(self) -> bool:
+        """Whether a `refreshing` block is active (something runs between chunks)."""
+        with self._lock:
+            return self._refresh is not None
+
+    def between_chunks(self) -> None:
+        """Called by the engine after each chunk that left unfinished rows."""
+        with self._lock:
+            fn = self._refresh
+        if fn is not None:
+            fn()
+
 
 ChunkFn = Callable[[list[int], list[tuple[int, list[int]]], int, int], list[Rollout]]
 """(active row indices, their (prompt index, prompt + generated ids), the chunk's token budget, tokens already

@@ -1,105 +1,194 @@
-"""Pick a rollout engine by name from `ROLLOUT_ENGINES`: ``"hf"`` (embedded ``generate``, default)
-or ``"vllm"`` (in-process, or a server when ``vllm.mode="server"``).
+"""ONE way to build a rollout engine: a `RolloutConfig` (the ``rollout:`` section) -> `build_rollout` -> a
+`BuiltRollout`: the engine, built whole (every option through its constructor), and its `WeightPublisher`.
 
-The trainers call `build_rollout_engine` with their ``rollout_engine`` and ``vllm`` config
-fields. Every engine follows the same weight-sync disk root, so `publish_to_rollout` drives
-any of them. The vLLM builders are registered lazily (by import path), so importing this
-module never imports ``vllm_engine.py`` / ``vllm_server.py``. A user's engine is one function
-with `RolloutEngineBuilder`'s signature, registered with ``@ROLLOUT_ENGINES.register("name")``.
+The engine comes from `ROLLOUT_ENGINES` by ``config.engine`` (``hf``, ``vllm``, or a user's builder by import path,
+with `RolloutEngineBuilder`'s signature) for ``placement=colocated``, or is a client of the Ray launcher's rollout
+actors for ``placement=disaggregated``. How weights reach it is chosen once, in `publish.choose_publisher`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from shardforge.core.registry import Registry
+from shardforge.rollout.chunked import ChunkedGeneration
+from shardforge.rollout.config import RolloutConfig
+from shardforge.rollout.engines import ROLLOUT_ENGINES
+from shardforge.rollout.publish import WeightPublisher, choose_publisher
 from shardforge.rollout.types import RolloutEngine
 from shardforge.weight_sync import DiskWeightSource
 
-if TYPE_CHECKING:
-    from shardforge.rollout.vllm.engine import VLLMOptions
-
 __all__ = [
     "ROLLOUT_ENGINES",
+    "BuiltRollout",
     "PublishedRolloutEngine",
     "RolloutEngineBuilder",
-    "RolloutEngineKind",
+    "build_hf_engine",
+    "build_rollout",
     "build_rollout_engine",
 ]
 
-RolloutEngineKind = Literal["hf", "vllm"]
-"""The built-in engines a trainer config can name (config_io checks the value against it)."""
-
 
 class PublishedRolloutEngine(RolloutEngine, Protocol):
-    """A `RolloutEngine` that reads the versions a trainer publishes under a disk root."""
+    """A `RolloutEngine` that follows the versions a trainer publishes (``source``: their disk root, when any)."""
 
     source: DiskWeightSource | None
 
 
 class RolloutEngineBuilder(Protocol):
-    """``fn(model_dir, tokenizer, *, weights_root, dtype, vllm, seed) -> PublishedRolloutEngine``."""
+    """``fn(model_dir, tokenizer, *, config, weights_root, seed, record_routing, chunks) -> PublishedRolloutEngine``:
+    a rollout engine for ``model_dir`` built whole from ``config`` (a `RolloutConfig`)."""
 
     def __call__(
         self,
         model_dir: str | os.PathLike[str],
         tokenizer: Any,
         *,
+        config: RolloutConfig,
         weights_root: str | os.PathLike[str] | None,
-        dtype: str,
-        vllm: VLLMOptions | None,
         seed: int,
+        record_routing: bool,
+        chunks: ChunkedGeneration | None,
     ) -> PublishedRolloutEngine: ...
 
 
-ROLLOUT_ENGINES: Registry[RolloutEngineBuilder] = Registry("rollout engine")
-
-
-@ROLLOUT_ENGINES.register("hf")
 def build_hf_engine(
     model_dir: str | os.PathLike[str],
     tokenizer: Any,
     *,
+    config: RolloutConfig,
     weights_root: str | os.PathLike[str] | None,
-    dtype: str,
-    vllm: VLLMOptions | None,
     seed: int,
+    record_routing: bool,
+    chunks: ChunkedGeneration | None,
 ) -> PublishedRolloutEngine:
     """embedded HF `generate` on the trainer's ranks (default)"""
     from shardforge.mesh import current_device
     from shardforge.rollout.hf.engine import HFRolloutEngine
 
-    # On this rank's accelerator when there is one (HFRolloutEngine alone defaults to the CPU).
-    device = current_device()
-    return HFRolloutEngine(model_dir, tokenizer, weights_root=weights_root, dtype=dtype, device=device)
+    return HFRolloutEngine(
+        model_dir, tokenizer, weights_root=weights_root, dtype=config.dtype,
+        device=current_device(),  # this rank's accelerator when there is one (the class alone defaults to the CPU)
+        batch_size=config.batch_size, kv_reuse=config.kv_reuse, kv_reuse_max_tokens=config.kv_reuse_max_tokens,
+        share_prefill=config.share_prefill, record_routing=record_routing, chunks=chunks,
+    )  # fmt: skip
 
 
-ROLLOUT_ENGINES.register_lazy(
-    "vllm",
-    "shardforge.rollout.vllm.builders:build_vllm_engine",
-    "vLLM, in process (vllm.mode=in_process) or a server (vllm.mode=server)",
-)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BuiltRollout:
+    """A built rollout engine and how weights reach it."""
+
+    engine: PublishedRolloutEngine
+    """The engine (generate, update_weights, version)."""
+    publisher: WeightPublisher
+    """Publishes the trainer's weights as the versions the engine serves."""
+    chunks: ChunkedGeneration | None = None
+    """Partial rollouts (``rollout.partial_rollouts``): the engine generates in chunks; the batch source says what
+    happens between them (`ChunkedGeneration.refreshing`)."""
 
 
-def build_rollout_engine(
-    kind: str,
+def build_rollout(
+    config: RolloutConfig,
     model_dir: str | os.PathLike[str],
     tokenizer: Any,
     *,
     weights_root: str | os.PathLike[str] | None = None,
-    dtype: str = "float32",
-    vllm: VLLMOptions | None = None,
     seed: int = 0,
-) -> PublishedRolloutEngine:
-    """The rollout engine ``kind`` (a name in `ROLLOUT_ENGINES`) for ``model_dir``, following ``weights_root``.
+    record_routing: bool = False,
+    asynchronous: bool = False,
+    keep_versions: int = 2,
+    in_memory_allowed: bool = True,
+    actor_timeout_s: float = 300.0,
+) -> BuiltRollout:
+    """The rollout engine ``config`` describes for ``model_dir``, following the versions a trainer publishes under
+    ``weights_root``, and its publisher.
 
-    ``vllm`` options apply to ``kind="vllm"`` only (``vllm.mode`` picks `VLLMRolloutEngine` or
-    `VLLMServerRolloutEngine`); ``seed`` is vLLM's global seed (requests
-    that carry their own seed do not use it). Raises ValueError for an unknown kind and
-    ImportError (with the install command) when vLLM is asked for but not installed.
+    Args:
+        config: the ``rollout:`` section.
+        model_dir, tokenizer: the initial weights (version 0) and the tokenizer.
+        weights_root: where disk versions go (None: an engine that is never refreshed from disk).
+        seed: the engine's global seed (requests that carry their own seed do not use it).
+        record_routing: record each token's MoE routing (router replay; the embedded HF engine only).
+        asynchronous: the engine is driven from another thread (asynchronous rollouts): weights go through disk
+            versions, of which ``keep_versions`` are kept.
+        in_memory_allowed: the caller's layout allows in-memory publishing (a pipeline-parallel trainer does not).
+        actor_timeout_s: placement=disaggregated: how long a weight transfer to the rollout actors may wait.
+
+    Raises `ValueError` for an unknown engine or an option the chosen engine does not take, and `ImportError` (with
+    the install command) when vLLM is asked for but not installed.
     """
-    if kind not in ROLLOUT_ENGINES and ":" not in kind:
-        raise ValueError(f"rollout_engine={kind!r} is not one of {ROLLOUT_ENGINES.names()}")
-    builder = ROLLOUT_ENGINES.get(kind)
-    return builder(model_dir, tokenizer, weights_root=weights_root, dtype=dtype, vllm=vllm, seed=seed)
+    chunks = ChunkedGeneration(config.interrupt_chunk_tokens) if config.partial_rollouts else None
+    if config.placement == "disaggregated":
+        engine = _ray_client(
+            config, model_dir, tokenizer, weights_root=weights_root, seed=seed, timeout_s=actor_timeout_s
+        )
+    else:
+        if config.sleep and config.engine == "vllm":  # vLLM allocates differently with sleep mode on
+            config = dataclasses.replace(config, vllm=dataclasses.replace(config.vllm, enable_sleep_mode=True))
+        engine = build_rollout_engine(
+            config, model_dir, tokenizer, weights_root=weights_root, seed=seed, record_routing=record_routing,
+            chunks=chunks,
+        )  # fmt: skip
+    from shardforge.rollout.hf.engine import HFRolloutEngine
+
+    in_memory = config.publish_in_memory and in_memory_allowed and not asynchronous
+    receiver = engine.receiver if in_memory and isinstance(engine, HFRolloutEngine) else None
+    publisher = choose_publisher(
+        engine, dtype=config.dtype, weights_root=weights_root, in_process=receiver, keep_last=keep_versions
+    )
+    return BuiltRollout(engine=engine, publisher=publisher, chunks=chunks)
+
+
+def build_rollout_engine(
+    config: RolloutConfig | str,
+    model_dir: str | os.PathLike[str],
+    tokenizer: Any,
+    *,
+    weights_root: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    record_routing: bool = False,
+    chunks: ChunkedGeneration | None = None,
+) -> PublishedRolloutEngine:
+    """Only the engine of ``config.engine`` (no publisher, no placement): see `build_rollout`. ``config`` may be an
+    engine's name alone (its default options)."""
+    if isinstance(config, str):
+        if ":" not in config and config not in ROLLOUT_ENGINES:
+            raise ValueError(f"rollout.engine={config!r} is not one of {ROLLOUT_ENGINES.names()}")
+        config = RolloutConfig(engine=config)
+    if record_routing and config.engine != "hf":
+        raise ValueError(
+            f"router replay replays the routing the embedded HF engine records; rollout.engine={config.engine!r} "
+            "does not record it yet: use rollout.engine=hf or engine.router_replay=false"
+        )
+    builder: RolloutEngineBuilder = ROLLOUT_ENGINES.get(config.engine)
+    return builder(
+        model_dir, tokenizer, config=config, weights_root=weights_root, seed=seed, record_routing=record_routing,
+        chunks=chunks,
+    )  # fmt: skip
+
+
+def _ray_client(
+    config: RolloutConfig,
+    model_dir: str | os.PathLike[str],
+    tokenizer: Any,
+    *,
+    weights_root: str | os.PathLike[str] | None,
+    seed: int,
+    timeout_s: float,
+) -> PublishedRolloutEngine:
+    """placement=disaggregated: this rank's client of the rollout actors the Ray launcher started."""
+    from shardforge.rollout.ray.placement import rollout_actor_names_from_env
+
+    names = rollout_actor_names_from_env(config.num_actors)  # refuses a rank not started by --launcher ray
+    if config.engine == "vllm":
+        from shardforge.rollout.ray.vllm_server import RayVLLMServerEngine
+
+        return RayVLLMServerEngine(
+            names[0], model_dir, tokenizer, options=config.vllm, weights_root=weights_root, dtype=config.dtype,
+            seed=seed,
+        )  # fmt: skip
+    from shardforge.rollout.ray.hf_actor import RayRolloutClient
+
+    return RayRolloutClient(names, timeout_s=timeout_s, on_actor_failure=config.on_actor_failure)

@@ -11,10 +11,12 @@ import torch
 __all__ = [
     "ImageInputs",
     "PromptSet",
+    "ReportsStats",
     "Rollout",
     "RolloutEngine",
     "SamplingParams",
     "SessionRolloutEngine",
+    "Sleeps",
     "generate_rollouts",
 ]
 
@@ -163,7 +165,7 @@ def generate_rollouts(
     if not getattr(engine, "accepts_images", False):
         raise ValueError(
             f"{type(engine).__name__} cannot generate from image prompts; the embedded HF engine can "
-            "(rollout_engine=hf; docs/packages/algorithms-vlm.md)"
+            "(rollout.engine=hf; docs/packages/algorithms-vlm.md)"
         )
     if len(images) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(images)} image entries (one per prompt, None: no images)")
@@ -190,4 +192,24 @@ class SessionRolloutEngine(RolloutEngine, Protocol):
 
     def end_sessions(self, sessions: Iterable[Hashable]) -> None:
         """Forget the state of ``sessions``."""
+        ...
+
+
+@runtime_checkable
+class ReportsStats(Protocol):
+    """A rollout engine that counts what happened since the last call (a server's health checks, failures,
+    restarts; a Ray pool's dropped actors): the trainer sums them over its ranks into the step's metrics."""
+
+    def pop_stats(self) -> dict[str, float]:
+        """Counts since the last call (same keys on every rank), then zero."""
+        ...
+
+
+@runtime_checkable
+class Sleeps(Protocol):
+    """A rollout engine that can free its weights and KV caches between generation phases (``rollout.sleep``);
+    the next published version it receives brings them back."""
+
+    def sleep(self) -> None:
+        """Free the weights and KV caches until the next weight version arrives."""
         ...

@@ -213,7 +213,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
         rollout_actors = rollout_actor_spec(
             config, spec.launcher, spec.world_size
-        )  # rollout_placement=disaggregated: Ray only
+        )  # rollout.placement=disaggregated: Ray only
         reward_workers = reward_workers_for_launcher(config, spec.launcher)  # reward.ray_workers: Ray only
         if args.dry_run:
             from shardforge.algorithms.cli.dryrun import dry_run_report

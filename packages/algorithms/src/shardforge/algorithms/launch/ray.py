@@ -12,9 +12,9 @@ directory of its own: Ray nodes share no filesystem). When the first rank fails 
 killed (they would only wait for the collective timeout) and the earliest error line is printed,
 as under torchrun. Ctrl-C kills every actor.
 
-``rollout_placement: disaggregated`` (`shardforge.rollout.ray.placement`): ``num_rollout_actors`` more
-bundles in the same group hold `RolloutActor`s (the embedded HF engine each), or, with ``rollout_engine: vllm``,
-one `VLLMServerActor` (``vllm serve`` in its bundle, with ``vllm.tensor_parallel_size`` GPUs when the cluster
+``rollout.placement: disaggregated`` (`shardforge.rollout.ray.placement`): ``rollout.num_actors`` more
+bundles in the same group hold `RolloutActor`s (the embedded HF engine each), or, with ``rollout.engine: vllm``,
+one `VLLMServerActor` (``vllm serve`` in its bundle, with ``rollout.vllm.tensor_parallel_size`` GPUs when the cluster
 has GPUs; `rollout.ray_vllm_server`); every rank learns their names from ``SHARDFORGE_RAY_ROLLOUT_ACTORS`` and
 generates through them. At the end the driver logs what each served (the weight versions it received, its
 generate calls or restarts) and stops a vLLM server before it kills its actor. ``reward.ray_workers: N``
@@ -45,7 +45,7 @@ __all__ = ["launch_ray"]
 
 log = get_logger(__name__)
 
-# The rollout actor class of each ``rollout_engine`` (imported when the launcher starts one).
+# The rollout actor class of each ``rollout.engine`` (imported when the launcher starts one).
 _ROLLOUT_ACTORS = {
     "hf": "shardforge.rollout.ray.hf_actor:RolloutActor",
     "vllm": "shardforge.rollout.ray.vllm_server:VLLMServerActor",
@@ -125,7 +125,7 @@ def launch_ray(
 
     ``entry`` is ``"module:function"`` (the CLI passes its ``main``; this module does not import the CLI,
     and a function of ``__main__`` would not reach the actors by name). ``rollout``: the rollout actors to start
-    next to the ranks (``rollout_placement=disaggregated``; None: rollouts stay in the ranks). ``reward_workers``:
+    next to the ranks (``rollout.placement=disaggregated``; None: rollouts stay in the ranks). ``reward_workers``:
     the `RewardActor`s to start (``reward.ray_workers``; 0: rewards in the ranks)."""
     try:
         import ray
@@ -191,7 +191,7 @@ def launch_ray(
 def _start_rollout_actors(
     ray: Any, spec: RolloutActorSpec, group: Any, first_bundle: int, bundle: dict[str, float]
 ) -> list[Any]:
-    """``spec.num_actors`` rollout actors (`RolloutActor`, or `VLLMServerActor` for ``rollout_engine: vllm``) on the
+    """``spec.num_actors`` rollout actors (`RolloutActor`, or `VLLMServerActor` for ``rollout.engine: vllm``) on the
     group's bundles from ``first_bundle`` on (they load the model or start the server while the ranks start; the
     ranks' clients wait for them)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -5,7 +5,7 @@ step STEP (after that step's checkpoint, if one is due), unless the file MARKER 
 MARKER first, so the restarted ranks run on. ``SHARDFORGE_FAULT_SLEEP=RANK:STEP:SECONDS`` makes
 global rank RANK sleep SECONDS at the start of step STEP (a stuck rank: its peers' collective times
 out, trainers/watchdog.py). ``SHARDFORGE_FAULT_KILL_ROLLOUT=INDEX:CALL`` makes HF rollout actor INDEX
-(``rollout_placement: disaggregated``) send itself SIGKILL in its CALL-th generate call (1-based), with that
+(``rollout.placement: disaggregated``) send itself SIGKILL in its CALL-th generate call (1-based), with that
 request in flight; a Ray actor is not restarted, so it dies once (the variable reaches actors on the driver's
 node, which inherit its environment). Unset (always, outside tests) they do nothing.
 

@@ -317,7 +317,6 @@ def vlm_grpo_steps(model_dir: str, train: str, layout: str, steps: int = 2, grou
 
     from shardforge.algorithms.data.prompts import load_image_prompts
     from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
-    from shardforge.algorithms.trainers.rl.publish import publish_in_process
     from shardforge.engine import EngineConfig, TrainEngine
     from shardforge.engine.config import OptimizerConfig
     from shardforge.engine.objectives import PPOActorLossFn
@@ -326,6 +325,7 @@ def vlm_grpo_steps(model_dir: str, train: str, layout: str, steps: int = 2, grou
     from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
     from shardforge.rollout import SamplingParams
     from shardforge.rollout.hf.engine import HFRolloutEngine
+    from shardforge.rollout.publish import InProcessPublisher
     from shardforge.rollout.workflows import PromptRow, WorkflowConfig, run_episodes
     from shardforge.rollout.workflows.rlvr import RLVRWorkflow
 
@@ -351,7 +351,7 @@ def vlm_grpo_steps(model_dir: str, train: str, layout: str, steps: int = 2, grou
         gaps.append(float((batch.extras[OLD_LOGPROBS] - batch.extras[BEHAVIOUR_LOGPROBS])[mask].abs().max()))
         losses.append(engine.train_batch(batch, actor, actor.loss_weight)["loss"])
         rewards.append(float(reward.mean()))
-        publish_in_process(engine, rollout.receiver, "float32", None)
+        InProcessPublisher(rollout.receiver, "float32").publish(engine, None)
     return {"losses": losses, "gaps": gaps, "rewards": rewards, "weights": engine.full_state_dict()}
 
 

@@ -26,7 +26,6 @@ def vlm_ppo_steps(
     from shardforge.algorithms.testing.vlm import colour_overlap_reward
     from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
     from shardforge.algorithms.trainers.rl.ppo_update import ShiftedCriticLossFn, ppo_update, prepare_ppo_batch
-    from shardforge.algorithms.trainers.rl.publish import publish_in_process
     from shardforge.engine import EngineConfig, TrainEngine
     from shardforge.engine.batching.visual import VLM_PIXELS
     from shardforge.engine.config import OptimizerConfig
@@ -34,6 +33,7 @@ def vlm_ppo_steps(
     from shardforge.engine.objectives.loss_fns import OLD_VALUES
     from shardforge.rollout import SamplingParams
     from shardforge.rollout.hf.engine import HFRolloutEngine
+    from shardforge.rollout.publish import InProcessPublisher
     from shardforge.rollout.workflows import PromptRow, WorkflowConfig, run_episodes
     from shardforge.rollout.workflows.rlvr import RLVRWorkflow
 
@@ -70,7 +70,7 @@ def vlm_ppo_steps(
         out["old_values"].append(batch.extras[OLD_VALUES])
         out["cu_seqlens"].append(batch.cu_seqlens)
         out["rewards"].append([t.reward for t in trajectories])
-        publish_in_process(actor, rollout.receiver, "float32", None)
+        InProcessPublisher(rollout.receiver, "float32").publish(actor, None)
     everything = trajectories_to_batch(trajectories, torch.zeros(len(trajectories)))
     out["values"] = critic.forward(everything)
     everything.extras[VLM_PIXELS].zero_()

@@ -41,6 +41,7 @@ import torch
 from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.grpo import GRPOConfig, GRPOTrainer
+from shardforge.algorithms.trainers.rl.metrics import StepMetrics, means_of
 from shardforge.engine.batching import PackedBatch
 from shardforge.engine.loading import load_hf_config
 from shardforge.engine.objectives.advantages import AdvantageEstimator
@@ -56,7 +57,7 @@ from shardforge.engine.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
 from shardforge.engine.objectives.on_policy import OnPolicyActorLossFn
 from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS, RolloutCorrectionConfig
 from shardforge.mesh.collectives import all_reduce_sum
-from shardforge.rollout.factory import PublishedRolloutEngine, RolloutEngineKind, build_rollout_engine
+from shardforge.rollout.factory import PublishedRolloutEngine, build_rollout_engine
 
 if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
     from shardforge.engine import TrainEngine
@@ -72,7 +73,7 @@ class DistillConfig(GRPOConfig):
     """Frozen teacher HF model directory (same tokenizer / vocabulary as the student)."""
     mode: Literal["on_policy", "off_policy"] = "on_policy"
     """on_policy: the student samples, the teacher scores (reverse KL). off_policy: the teacher samples,
-    the student learns its tokens by NLL (sequence-level KD; needs rollout_engine=hf)."""
+    the student learns its tokens by NLL (sequence-level KD; needs rollout.engine=hf)."""
     group_size: int = 1
     """Samples per prompt (1 is enough for pure distillation; >= 2 to mix a task reward with grpo)."""
     advantage: AdvantageEstimator = "dr_grpo"
@@ -95,9 +96,9 @@ class DistillConfig(GRPOConfig):
     baseline: the gradient's expectation is unchanged, its variance smaller); none = the raw estimate."""
     offload_teacher: bool = False
     """Keep the teacher's weights in host memory except during its forward (an accelerator memory saver)."""
-    teacher_engine: RolloutEngineKind = "hf"
+    teacher_engine: str = "hf"
     """off_policy: the engine the teacher samples on, "hf" (embedded) or "vllm" (configured by the ``vllm:``
-    section; the student's own engine, ``rollout_engine``, stays "hf" and only serves evaluation)."""
+    section; the student's own engine, ``rollout.engine``, stays "hf" and only serves evaluation)."""
 
     def __post_init__(self) -> None:
         GRPOConfig.__post_init__(self)
@@ -150,9 +151,9 @@ def _check_off_policy(config: DistillConfig) -> None:
         problems.append(f"task_reward_coef={config.task_reward_coef} (the samples are the teacher's: no task reward)")
     if config.async_rollouts:
         problems.append("async_rollouts=true (the teacher's samples never go stale)")
-    if config.rollout_engine != "hf":
+    if config.rollout.engine != "hf":
         problems.append(
-            f"rollout_engine={config.rollout_engine!r} (the student's engine only evaluates; to sample the teacher "
+            f"rollout.engine={config.rollout.engine!r} (the student's engine only evaluates; to sample the teacher "
             "on vLLM set teacher_engine=vllm)"
         )
     if config.rollout_correction.mode not in ("token_tis", "none"):  # token_tis: the RL default, not a user choice
@@ -240,9 +241,9 @@ class DistillTrainer(GRPOTrainer):
         if config.mode == "on_policy":
             return rollout
         # the teacher's engine follows no weights_root: it never receives the student's weights
+        teacher = dataclasses.replace(config.rollout, engine=config.teacher_engine)
         self.teacher_rollout = build_rollout_engine(
-            config.teacher_engine, config.teacher_model, self.tokenizer, dtype=config.rollout_dtype,
-            vllm=config.vllm, seed=config.seed,
+            teacher, config.teacher_model, self.tokenizer, seed=config.seed,
         )  # fmt: skip
         return self.teacher_rollout
 
@@ -252,17 +253,15 @@ class DistillTrainer(GRPOTrainer):
         if teacher is not None and hasattr(teacher, "shutdown"):
             teacher.shutdown()
 
-    def _supervised_hook(self, batch: PackedBatch) -> dict[str, float]:
+    def _supervised_hook(self, batch: PackedBatch, metrics: StepMetrics) -> None:
         """Off-policy: advantage 1 on every teacher token (GPG's -A log pi = the student's NLL)."""
         mask = batch.loss_mask != 0
         batch.extras[ADVANTAGES] = mask.to(torch.float32)
         teacher = batch.extras[BEHAVIOUR_LOGPROBS].double()
-        teacher_sum, count = all_reduce_sum(
-            teacher[mask].sum(), mask.sum(), group=self.engine.dp_group, device=self.engine.device
-        )
-        return {"distill/teacher_logprob": teacher_sum / max(count, 1.0)}
+        metrics.add("distill", {"teacher_logprob": teacher[mask].sum(), "num_tokens": mask.sum()},
+                    means_of("num_tokens", prefix="distill/"))  # fmt: skip
 
-    def _distill_hook(self, batch: PackedBatch) -> dict[str, float]:
+    def _distill_hook(self, batch: PackedBatch, metrics: StepMetrics) -> None:
         config = self.config
         assert isinstance(config, DistillConfig)
         full = config.distill_loss != "token_reverse_kl"
@@ -271,18 +270,16 @@ class DistillTrainer(GRPOTrainer):
             batch, teacher, distill_coef=0.0 if full else config.distill_coef, task_reward_coef=config.task_reward_coef
         )  # full-distribution losses: the divergence is in the loss, the advantage carries the task reward only
         mask = batch.loss_mask != 0
-        kl_sum, teacher_sum, count = all_reduce_sum(
-            reverse_kl.double().sum(), teacher.double()[mask].sum(), mask.sum(),
-            group=self.engine.dp_group, device=self.engine.device,
-        )  # fmt: skip
+        local = {"reverse_kl": reverse_kl.double().sum(), "teacher_logprob": teacher.double()[mask].sum(),
+                 "num_tokens": mask.sum()}  # fmt: skip
         if config.kl_baseline == "mean":  # A_t + coef * mean_KL: only the deviation from the batch's mean pushes
+            engine = self.engine  # the batch's global mean, before the update: a collective of its own
+            kl_sum, count = all_reduce_sum(local["reverse_kl"], local["num_tokens"], group=engine.dp_group,
+                                           device=engine.device)  # fmt: skip
             shift = config.distill_coef * kl_sum / max(count, 1.0)
             advantages = torch.where(mask, advantages + shift, advantages)
         batch.extras[ADVANTAGES] = advantages
-        return {
-            "distill/reverse_kl": kl_sum / max(count, 1.0),
-            "distill/teacher_logprob": teacher_sum / max(count, 1.0),
-        }
+        metrics.add("distill", local, means_of("num_tokens", prefix="distill/"))
 
     def _teacher_rows(self, batch: PackedBatch) -> torch.Tensor:
         """Put the teacher's per-position rows into ``batch.extras``; return its [T] log-prob of each sampled

@@ -15,13 +15,14 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
 
 from shardforge.algorithms.config_io import config_to_dict
 from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS, load_prompts
 from shardforge.algorithms.trainers import TrainerSpec
+from shardforge.algorithms.trainers.rl.common import ROLLOUT_KEYS
 from shardforge.algorithms.trainers.rl.eval import EvalSamplingConfig
 from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
 from shardforge.algorithms.trainers.run.config import load_tokenizer
@@ -29,8 +30,8 @@ from shardforge.algorithms.trainers.run.startup_gc import end_startup_gc
 from shardforge.engine.config import EngineConfig
 from shardforge.rewards import load_reward_fn
 from shardforge.rewards.guarded import GuardedReward, RewardConfig
-from shardforge.rollout.factory import RolloutEngineKind, build_rollout_engine
-from shardforge.rollout.vllm.engine import VLLMOptions
+from shardforge.rollout.config import RolloutConfig
+from shardforge.rollout.factory import build_rollout_engine
 from shardforge.rollout.workflows import WorkflowConfig, build_workflow
 
 if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
@@ -44,6 +45,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EvalConfig:
     """Everything ``shardforge eval`` needs; the sampling keys are those of an RL trainer's config."""
+
+    RENAMED_KEYS: ClassVar[dict[str, str]] = ROLLOUT_KEYS
 
     model: str
     """HF model directory to evaluate."""
@@ -67,12 +70,9 @@ class EvalConfig:
     """Evaluate on the first N prompts of each file (None = all)."""
     eval_sampling: EvalSamplingConfig = field(default_factory=lambda: EvalSamplingConfig(samples=4, pass_k=(1, 4)))
     """Samples per prompt, temperature, pass_k, correctness threshold, seed."""
-    rollout_engine: RolloutEngineKind = "hf"
-    """'hf' (embedded generate) or 'vllm'."""
-    rollout_dtype: str = "float32"
-    """Dtype of the generating model."""
-    vllm: VLLMOptions = field(default_factory=VLLMOptions)
-    """vLLM options (rollout_engine=vllm only)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The rollout engine that generates (engine: hf | vllm | a user's, dtype, vllm options, ...; the ``rollout:``
+    section, `shardforge.rollout.RolloutConfig`)."""
     seed: int = 0
     """Seed of the rollout engine."""
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -104,10 +104,7 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
     from shardforge.engine import TrainEngine
 
     engine = TrainEngine(config.model, config.layout, config.engine)
-    rollout = build_rollout_engine(
-        config.rollout_engine, config.model, tokenizer, weights_root=None, dtype=config.rollout_dtype,
-        vllm=config.vllm, seed=config.seed,
-    )  # fmt: skip
+    rollout = build_rollout_engine(config.rollout, config.model, tokenizer, seed=config.seed)
     budget = config.workflow.max_total_tokens or config.engine.max_tokens_per_microbatch
     workflow = build_workflow(replace(config.workflow, max_total_tokens=budget), tokenizer, reward_fn)
     end_startup_gc()  # built: collect again while evaluating (startup_gc.py)

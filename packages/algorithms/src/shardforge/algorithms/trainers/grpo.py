@@ -39,29 +39,30 @@ from shardforge.algorithms.trainers.rl.common import (
     check_eval_split,
     check_prompt_positions,
     check_rollout_batch,
-    configure_kv_reuse,
-    dynamic_sampling_stats,
-    global_reward_stats,
-    publish_version,
-    record_routing,
-    reward_call_stats,
-    rollout_server_stats,
 )
 from shardforge.algorithms.trainers.rl.data import load_prompt_data
-from shardforge.algorithms.trainers.rl.partial import (
-    check_partial_rollouts,
-    enable_partial_rollouts,
-    partial_rollout_stats,
-)
-from shardforge.algorithms.trainers.rl.publish import build_placed_rollout, direct_publisher, in_process_receiver
+from shardforge.algorithms.trainers.rl.metrics import StepMetrics
+from shardforge.algorithms.trainers.rl.partial import check_partial_rollouts
+from shardforge.algorithms.trainers.rl.publish import build_trainer_rollout
 from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
 from shardforge.algorithms.trainers.rl.sources import AsyncRollouts, RolloutSource, SampledBatch, SampleFn, SyncRollouts
+from shardforge.algorithms.trainers.rl.step_stats import (
+    add_actor_stats,
+    add_behaviour_gap,
+    add_correction_stats,
+    add_dynamic_sampling_stats,
+    add_partial_rollout_stats,
+    add_reward_call_stats,
+    add_reward_stats,
+    add_rollout_server_stats,
+    add_workflow_stats,
+)
 from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
-from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes, workflow_stats
+from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes
 from shardforge.algorithms.trainers.run.common import with_total_steps
 from shardforge.algorithms.trainers.run.profiling import phase
 from shardforge.engine.batching import PackedBatch
-from shardforge.engine.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn, summarize_stats
+from shardforge.engine.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn
 from shardforge.engine.objectives.advantages import AdvantageEstimator, group_advantages
 from shardforge.engine.objectives.kl_control import KLController, build_kl_controller
 from shardforge.engine.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS
@@ -69,14 +70,11 @@ from shardforge.engine.objectives.on_policy import OnPolicyActorLossFn, correcti
 from shardforge.engine.objectives.rollout_correction import (
     BEHAVIOUR_LOGPROBS,
     ROLLOUT_CORRECTIONS,
-    apply_rollout_correction,
-    behaviour_kl,
-    summarize_correction_stats,
+    behaviour_gap,
+    correct_batch,
 )
-from shardforge.mesh.collectives import all_reduce_stats, all_reduce_sum
 from shardforge.rollout.factory import PublishedRolloutEngine
 from shardforge.rollout.types import PromptSet
-from shardforge.weight_sync import DiskTransport
 
 if TYPE_CHECKING:  # imported in build_engines: the launcher reads GRPOConfig without the engine
     from shardforge.engine import TrainEngine
@@ -98,11 +96,6 @@ class GRPOConfig(RLTrainerConfig):
     """Generate the next batch in a background thread while the current step trains (decoupled PPO loss)."""
     max_staleness: int = 1
     """Async mode: batch k is generated with the weights after step max(k - max_staleness, 0); 0 = on-policy."""
-    partial_rollouts: bool = False
-    """Async mode: interrupt in-flight generations when new weights are published and continue them under the
-    new weights (every token records its version and behaviour log-prob); embedded HF engine only."""
-    interrupt_chunk_tokens: int = 16
-    """partial_rollouts: tokens generated between two checks for newer weights (smaller: fresher, more recompute)."""
     reuse_training_logprobs: bool = True
     """Skip the old-log-prob recompute when it is redundant (synchronous rollouts: one update per batch, on-policy;
     no dropout; rollout_correction none/bypass/*_tis without batch_normalize) and take them from the training
@@ -149,11 +142,11 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
             "async_rollouts needs recompute_logprobs=true and a rollout_correction.mode other than bypass: "
             "stale batches need the trainer's log-probs as the proximal policy (the rollout's are the behaviour policy)"
         )
-    ds_rank0 = config.rollout_engine == "vllm" and config.vllm.placement == "rank0" and dp_size > 1
+    ds_rank0 = config.rollout.engine == "vllm" and config.rollout.vllm.placement == "rank0" and dp_size > 1
     if config.dynamic_sampling.enabled and ds_rank0:
         raise ValueError(
-            "dynamic_sampling with vllm.placement=rank0 and several data-parallel ranks is not supported yet (never "
-            "run: rank 0's vLLM serving every rank's backfill rounds); use vllm.placement=each_rank or rollout_engine=hf"
+            "dynamic_sampling with rollout.vllm.placement=rank0 and several data-parallel ranks is not supported yet (never "
+            "run: rank 0's vLLM serving every rank's backfill rounds); use rollout.vllm.placement=each_rank or rollout.engine=hf"
         )
     if config.actor.behav_weight_cap is not None:
         raise ValueError(
@@ -168,8 +161,8 @@ class GRPOTrainer(Trainer[GRPOConfig]):
 
     name = "grpo"
     eval_at_start = True
-    advantage_hook: Callable[[PackedBatch], dict[str, float]] | None = None
-    """Rewrites a packed batch's advantages before the update (on-policy distillation); returns stats."""
+    advantage_hook: Callable[[PackedBatch, StepMetrics], None] | None = None
+    """Rewrites a packed batch's advantages before the update (on-policy distillation); adds its statistics."""
 
     def load_data(self) -> None:
         config = self.config
@@ -199,25 +192,15 @@ class GRPOTrainer(Trainer[GRPOConfig]):
 
     def setup(self, start: int, restored: dict[str, Any]) -> None:
         config, engine = self.config, self.engine
-        weights_root = self.out / "weights"
-        self.rollout = rollout = build_placed_rollout(config, self.tokenizer, weights_root)
-
-        record_routing(config, rollout)
-        configure_kv_reuse(config, rollout)
-        enable_partial_rollouts(config, rollout)
-        receiver = in_process_receiver(
-            rollout, enabled=config.publish_in_memory and engine.dims.pp == 1, asynchronous=config.async_rollouts
+        # Async: the generator may need max_staleness-old disk versions.
+        keep = max(2, config.max_staleness + 2) if config.async_rollouts else 2
+        built = build_trainer_rollout(
+            config, self.tokenizer, self.out / "weights", engine, asynchronous=config.async_rollouts, keep_versions=keep
         )
-
-        direct = direct_publisher(engine, rollout, receiver, config.rollout_dtype)  # in memory, or to Ray actors
-        # Disk versions only where nothing publishes directly; async: the generator may need max_staleness-old ones.
-        keep_weights = max(2, config.max_staleness + 2) if config.async_rollouts else 2
-        transport = DiskTransport(weights_root, keep_last=keep_weights) if engine.is_main and direct is None else None
+        self.rollout = rollout = built.engine
 
         def publish(version: int | None) -> int:
-            if direct is not None:
-                return direct(version)
-            return publish_version(engine, transport, rollout, config.rollout_dtype, version)
+            return built.publisher.publish(engine, version)
 
         prompt_sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
         sampler = self.sampling_rollout(rollout)
@@ -240,7 +223,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
                 dp_size=engine.dp_size,
                 restored=restored.get("async_rollouts"),
                 device=engine.device,
-                partial_rollouts=config.partial_rollouts,
+                chunks=built.chunks,
             )
         else:
             self.source = SyncRollouts(rollout, sample_fn, publish)
@@ -260,32 +243,38 @@ class GRPOTrainer(Trainer[GRPOConfig]):
 
     def train_step(self, step: int) -> dict[str, float]:
         assert self.source is not None
+        config, engine = self.config, self.engine
         step_started = time.perf_counter()
-        with phase("rollout_wait") if self.config.async_rollouts else contextlib.nullcontext():
+        with phase("rollout_wait") if config.async_rollouts else contextlib.nullcontext():
             sampled = self.source.batch(step)
-        rm_stats: dict[str, float] = {}
+        metrics = StepMetrics()
         if self.reward_model is not None:  # collective: here on every rank, not on the sampling thread
             with phase("reward_model"):
                 rewards, rm_stats = self.reward_model.add_scores(sampled.rewards, sampled.rollouts)
             sampled = dataclasses.replace(sampled, rewards=rewards)
+            metrics.put(rm_stats)
         if self.reference is not None:  # the coefficient this step uses (the controller's, when adaptive)
             self.actor.config = dataclasses.replace(self.actor.config, kl_coef=self.kl_ctrl.value)
-        stats = _train_step(
-            sampled, self.config, self.engine, self.actor, step_started, self.advantage_hook, self.reference
-        )
-        if self.reference is not None:
-            stats["kl_coef"] = self.kl_ctrl.value
-            self.kl_ctrl.update(stats["actor/kl_ref"], self.config.prompts_per_step * self.config.group_size)
-        stats |= rm_stats
+            metrics.put({"kl_coef": self.kl_ctrl.value})
+        train = _train_step(sampled, config, engine, self.actor, metrics, self.advantage_hook, self.reference)
         if self.dynamic is not None:
-            stats |= dynamic_sampling_stats(self.dynamic.pop_stats(sampled.index), self.engine)
-        stats |= reward_call_stats(self.reward_fn, self.engine) | rollout_server_stats(self.rollout, self.engine)
+            add_dynamic_sampling_stats(metrics, self.dynamic.pop_stats(sampled.index))
+        add_reward_call_stats(metrics, self.reward_fn)
+        add_rollout_server_stats(metrics, self.rollout)
         if self.phases is not None:
-            stats |= self.phases.pop_stats()
+            metrics.put(self.phases.pop_stats())
+        stats = train | metrics.reduce(engine.dp_group, engine.device)  # the step's one metrics collective
+        if not isinstance(self.actor, OnPolicyActorLossFn) and "rollout_corr/kl_k1" not in stats:
+            # Bypass: the loss's ratio pi/behav before the step is the mismatch itself (k1 of behav -> pi).
+            stats["rollout_corr/kl_k1"] = stats["actor/approx_kl"]
+        if self.reference is not None:
+            self.kl_ctrl.update(stats["actor/kl_ref"], config.prompts_per_step * config.group_size)
         began = time.perf_counter()
         with phase("weight_sync"):
             self.source.publish(step + 1)
         stats["weight_sync_s"] = time.perf_counter() - began
+        stats["tokens_per_s"] = stats["tokens"] / max(stats["train_done_s"] - step_started, 1e-9)
+        del stats["train_done_s"]
         stats["step_s"] = time.perf_counter() - step_started  # rollouts (or the wait) + update + publish
         return stats
 
@@ -359,16 +348,18 @@ def _train_step(
     config: GRPOConfig,
     engine: TrainEngine,
     actor: PPOActorLossFn,
-    step_started: float,
-    advantage_hook: Callable[[PackedBatch], dict[str, float]] | None = None,
+    metrics: StepMetrics,
+    advantage_hook: Callable[[PackedBatch, StepMetrics], None] | None = None,
     reference: TrainEngine | None = None,
 ) -> dict[str, float]:
-    """One PPO update on a sampled batch. The trainer's recomputed log-probs anchor the PPO ratio
-    (the proximal policy); the rollout correction weights every token by trainer/engine (the
-    behaviour policy), for fresh batches (kernel/precision mismatch) and stale ones (async mode,
-    decoupled PPO) alike. Bypass mode anchors the ratio on the engine's log-probs instead."""
+    """One PPO update on a sampled batch; its statistics go to ``metrics`` (reduced once at the step's end), the
+    returned dict holds the engine's own (already global) results. The trainer's recomputed log-probs anchor the
+    PPO ratio (the proximal policy); the rollout correction weights every token by trainer/engine (the behaviour
+    policy), for fresh batches (kernel/precision mismatch) and stale ones (async mode, decoupled PPO) alike. Bypass
+    mode anchors the ratio on the engine's log-probs instead."""
     started = time.perf_counter()
-    episode_stats = check_failed_episodes(sampled.rollouts, config.workflow.max_failed_fraction, engine)
+    # The one agreement before training: every rank must know whether the step may go on.
+    metrics.put(check_failed_episodes(sampled.rollouts, config.workflow.max_failed_fraction, engine))
     lengths = torch.tensor([t.num_generated for t in sampled.rollouts], dtype=torch.float64)
     baselines = None
     if config.advantage == "remax":  # one greedy episode's reward per prompt (rl_sampling.set_greedy_baselines)
@@ -381,63 +372,59 @@ def _train_step(
         with phase("ref_logprobs"):
             batch.extras[REF_LOGPROBS] = reference.forward(batch)
     staleness = sampled.index - sampled.policy_step
-    correction: dict[str, float] = {}
     recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
     if config.recompute_logprobs and recompute and not isinstance(actor, OnPolicyActorLossFn):
         with phase("old_logprobs"):
             batch.extras[OLD_LOGPROBS] = engine.forward(batch)
-        correction["behaviour_kl"] = behaviour_kl(
-            batch.extras[OLD_LOGPROBS], batch.extras[BEHAVIOUR_LOGPROBS], batch.loss_mask,
-            group=engine.dp_group, device=engine.device,
-        )  # fmt: skip
-        correction |= apply_rollout_correction(
+        add_behaviour_gap(metrics, behaviour_gap(batch.extras[OLD_LOGPROBS], batch.extras[BEHAVIOUR_LOGPROBS],
+                                                 batch.loss_mask))  # fmt: skip
+        correction = correct_batch(
             batch, config.rollout_correction, old_key=OLD_LOGPROBS, group=engine.dp_group, device=engine.device
         )
-    hooked = advantage_hook(batch) if advantage_hook is not None else {}
+        add_correction_stats(metrics, correction)
+    if advantage_hook is not None:
+        advantage_hook(batch, metrics)
     mask = batch.loss_mask != 0
-    signal, targets = all_reduce_sum(
-        (mask & (batch.extras[ADVANTAGES] != 0)).sum(), mask.sum(), group=engine.dp_group, device=engine.device
-    )  # the share of trained tokens with a learning signal (dynamic sampling drives it to 1)
+    # the share of trained tokens with a learning signal (dynamic sampling drives it to 1)
+    signal = {"signal": (mask & (batch.extras[ADVANTAGES] != 0)).sum(), "targets": mask.sum()}
+    metrics.add("advantage", signal, _signal_view)
     forwarded = time.perf_counter()
     with phase("train"):
         stats = engine.train_batch(batch, actor, actor.loss_weight)
-    stats |= hooked | {"advantage_nonzero_frac": signal / max(targets, 1.0)}
-    actor_stats = all_reduce_stats(actor.pop_stats(), engine.dp_group, engine.device)
+    stats["train_done_s"] = time.perf_counter()
+    add_actor_stats(metrics, actor.pop_stats())
     if isinstance(actor, OnPolicyActorLossFn):  # the correction ran inside the loss, per micro-batch
         local = actor.pop_correction_stats()
-        # global over dp ranks, as the recompute path's `behaviour_kl` (one collective of two scalars)
-        gap, count = all_reduce_sum(
-            local.pop("behaviour_gap"), float(local["num_tokens"]), group=engine.dp_group, device=engine.device
-        )
-        correction["behaviour_kl"] = gap / count if count else 0.0
-        correction |= summarize_correction_stats(all_reduce_stats(local, engine.dp_group, engine.device))
-    stats |= {f"actor/{k}": v for k, v in summarize_stats(actor_stats).items()}
-    # Bypass: the loss's ratio pi/behav before the step is the mismatch itself (k1 of behav -> pi).
-    stats |= correction or {"rollout_corr/kl_k1": stats["actor/approx_kl"]}
-    stats |= global_reward_stats(sampled.rewards.double(), lengths, engine)
+        add_behaviour_gap(metrics, {"behaviour_gap": local.pop("behaviour_gap"), "num_tokens": local["num_tokens"]})
+        add_correction_stats(metrics, local)
+    add_reward_stats(metrics, sampled.rewards.double(), lengths)
     if baselines is not None:
-        total, count = all_reduce_sum(
-            float(baselines.double().sum()), float(baselines.numel()), group=engine.dp_group, device=engine.device
-        )
-        stats["remax/baseline_mean"] = total / max(count, 1.0)
-    stats |= episode_stats | workflow_stats(sampled.rollouts, engine)
-    stats |= {
+        metrics.add("remax", {"sum": baselines.double().sum(), "count": baselines.numel()}, _baseline_view)
+    add_workflow_stats(metrics, sampled.rollouts)
+    metrics.put({
         "rollout_version": float(sampled.rollouts[0].version),
         "generate_s": sampled.generate_s,
         "logprob_forward_s": forwarded - started,
         "train_s": stats["step_time_s"],
-        "tokens_per_s": stats["tokens"] / max(time.perf_counter() - step_started, 1e-9),
-    }
+    })  # fmt: skip
     if config.async_rollouts:
-        stats |= {
+        metrics.put({
             "staleness": float(staleness),
             "rollout_policy_step": float(sampled.policy_step),
             "rollout_wait_s": sampled.wait_s,
             "generate_overlap_s": max(sampled.generate_s - sampled.wait_s, 0.0),
-        }
-    if config.partial_rollouts:  # every rank's counts, summed: the whole batch's staleness
-        stats |= partial_rollout_stats(sampled.stats, engine)
+        })  # fmt: skip
+    if config.rollout.partial_rollouts:  # every rank's counts, summed: the whole batch's staleness
+        add_partial_rollout_stats(metrics, sampled.stats)
     return stats
+
+
+def _signal_view(raw: dict[str, float]) -> dict[str, float]:
+    return {"advantage_nonzero_frac": raw["signal"] / max(raw["targets"], 1.0)}
+
+
+def _baseline_view(raw: dict[str, float]) -> dict[str, float]:
+    return {"remax/baseline_mean": raw["sum"] / max(raw["count"], 1.0)}
 
 
 TRAINER = TrainerSpec(config_cls=GRPOConfig, run=run_grpo, row_fields=PROMPT_ROW_FIELDS)

@@ -37,25 +37,26 @@ from shardforge.algorithms.trainers.rl.common import (
     check_eval_split,
     check_prompt_positions,
     check_rollout_batch,
-    configure_kv_reuse,
-    dynamic_sampling_stats,
-    global_reward_stats,
-    publish_to_rollout,
-    record_routing,
-    reward_call_stats,
-    rollout_server_stats,
 )
 from shardforge.algorithms.trainers.rl.data import load_prompt_data
+from shardforge.algorithms.trainers.rl.metrics import StepMetrics
 from shardforge.algorithms.trainers.rl.ppo_update import (
     ShiftedCriticLossFn,
     correct_actor_batch,
     ppo_update,
     prepare_ppo_batch,
 )
-from shardforge.algorithms.trainers.rl.publish import build_placed_rollout, direct_publisher, in_process_receiver
+from shardforge.algorithms.trainers.rl.publish import build_trainer_rollout, publish_and_serve
 from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
+from shardforge.algorithms.trainers.rl.step_stats import (
+    add_dynamic_sampling_stats,
+    add_reward_call_stats,
+    add_reward_stats,
+    add_rollout_server_stats,
+    add_workflow_stats,
+)
 from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
-from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes, workflow_stats
+from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes
 from shardforge.algorithms.trainers.run.common import with_total_steps
 from shardforge.algorithms.trainers.run.profiling import phase
 from shardforge.engine.config import EngineConfig
@@ -63,7 +64,6 @@ from shardforge.engine.objectives import KLEstimator, PPOActorLossFn, PPOCriticC
 from shardforge.engine.objectives.kl_control import KLController, build_kl_controller
 from shardforge.engine.objectives.rollout_correction import ROLLOUT_CORRECTIONS
 from shardforge.rollout.types import PromptSet
-from shardforge.weight_sync import DiskTransport
 
 if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
     from shardforge.engine import TrainEngine
@@ -121,11 +121,11 @@ def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
             f"dynamic_sampling drops groups whose rewards are all equal, so it needs group_size >= 2 (got "
             f"{config.group_size}): raise group_size or set dynamic_sampling.enabled=false"
         )
-    if config.dynamic_sampling.enabled and config.rollout_engine == "vllm" and config.vllm.placement == "rank0":
+    if config.dynamic_sampling.enabled and config.rollout.engine == "vllm" and config.rollout.vllm.placement == "rank0":
         if dp_size > 1:
             raise ValueError(
-                "dynamic_sampling with vllm.placement=rank0 and several data-parallel ranks is not supported yet "
-                "(never run); use vllm.placement=each_rank or rollout_engine=hf"
+                "dynamic_sampling with rollout.vllm.placement=rank0 and several data-parallel ranks is not supported yet "
+                "(never run); use rollout.vllm.placement=each_rank or rollout.engine=hf"
             )
     if config.actor.behav_weight_cap is not None:
         raise ValueError(
@@ -182,18 +182,10 @@ class PPOTrainer(Trainer[PPOConfig]):
 
     def setup(self, start: int, restored: dict[str, Any]) -> None:
         config, actor = self.config, self.engine
-        weights_root = self.out / "weights"
-        self.rollout = build_placed_rollout(config, self.tokenizer, weights_root)
-        record_routing(config, self.rollout)
-        configure_kv_reuse(config, self.rollout)
-        receiver = in_process_receiver(
-            self.rollout, enabled=config.publish_in_memory and actor.dims.pp == 1, asynchronous=False
-        )
-        self.direct = direct_publisher(actor, self.rollout, receiver, config.rollout_dtype)  # in memory / Ray actors
-        # Disk versions only where nothing publishes directly (output_dir/weights is then never created).
-        self.transport = DiskTransport(weights_root, keep_last=2) if actor.is_main and self.direct is None else None
+        self.built = build_trainer_rollout(config, self.tokenizer, self.out / "weights", actor)
+        self.rollout = self.built.engine
         self.phases = colocated_phases(config, self.rollout, [actor, self.critic])  # may sleep: a publish follows
-        self.version = self._publish(None)
+        self.version = publish_and_serve(self.built, actor, None)
         self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
         self.kl_ctrl: KLController = build_kl_controller(dataclasses.replace(config.kl_ctrl, kl_coef=config.kl_coef))
         if "kl_coef" in restored:  # an adaptive coefficient continues where the checkpoint left it
@@ -204,56 +196,57 @@ class PPOTrainer(Trainer[PPOConfig]):
         if self.phases is not None:
             self.sample = self.phases.wrap(self.sample)
 
-    def _publish(self, version: int | None) -> int:
-        """Publish the actor as ``version`` (None: the first) and serve it; return the next version number.
-        In memory with the embedded HF engine (``publish_in_memory``), to the Ray rollout actors
-        (``rollout_placement=disaggregated``), else through disk."""
-        config = self.config
-        if self.direct is not None:
-            return self.direct(version) + 1
-        return publish_to_rollout(self.engine, self.transport, self.rollout, config.rollout_dtype, version)
-
     def train_step(self, step: int) -> dict[str, float]:
         config, actor, rollout = self.config, self.engine, self.rollout
         started = time.perf_counter()
         with phase("generate"):
             trajectories, rewards = self.sample(step)
         generated, served = time.perf_counter(), float(rollout.version)  # the version that sampled
-        stats = check_failed_episodes(trajectories, config.workflow.max_failed_fraction, actor)
+        metrics = StepMetrics()
+        metrics.put(check_failed_episodes(trajectories, config.workflow.max_failed_fraction, actor))
         if self.reward_model is not None:
             with phase("reward_model"):
                 rewards, rm_stats = self.reward_model.add_scores(rewards, trajectories)
-            stats |= rm_stats
+            metrics.put(rm_stats)
         batch = trajectories_to_batch(trajectories, torch.zeros(len(trajectories)))  # advantages come from GAE
         lengths = torch.tensor([t.num_generated for t in trajectories], dtype=torch.float64)
         # Bypass (or recompute_logprobs=false): the engine's log-probs are the old ones, no correction.
         recompute = config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
-        stats |= prepare_ppo_batch(
-            batch, rewards, actor, self.critic, self.reference, gamma=config.gamma, lam=config.lam,
-            kl_coef=self.kl_ctrl.value, kl_estimator=config.kl_estimator,
-            whiten_advantages=config.whiten_advantages, recompute_logprobs=recompute,
-        )  # fmt: skip
+        prepared = prepare_ppo_batch(
+            batch,
+            rewards,
+            actor,
+            self.critic,
+            self.reference,
+            gamma=config.gamma,
+            lam=config.lam,
+            kl_coef=self.kl_ctrl.value,
+            kl_estimator=config.kl_estimator,
+            whiten_advantages=config.whiten_advantages,
+            recompute_logprobs=recompute,
+        )  # fmt: skip (GAE's whitening needs the global batch's moments: its own collective, before the update)
+        metrics.put(prepared)
         if self.reference is not None:  # the coefficient this step used, then the controller's move
-            stats["kl_coef"] = self.kl_ctrl.value
-            self.kl_ctrl.update(stats["kl_ref"], config.prompts_per_step * config.group_size)
-        actor_batch = None
-        if recompute:
-            actor_batch, correction = correct_actor_batch(batch, config.rollout_correction, actor)
-            stats |= correction
+            metrics.put({"kl_coef": self.kl_ctrl.value})
+            self.kl_ctrl.update(prepared["kl_ref"], config.prompts_per_step * config.group_size)
+        actor_batch = correct_actor_batch(batch, config.rollout_correction, actor, metrics) if recompute else None
         forwarded = time.perf_counter()
         with phase("train"):
-            stats |= ppo_update(
+            stats = ppo_update(
                 batch, actor, self.critic, self.actor_fn, self.critic_fn, epochs=config.update_epochs,
-                actor_batch=actor_batch,
+                actor_batch=actor_batch, metrics=metrics,
             )  # fmt: skip
         began = time.perf_counter()
         with phase("weight_sync"):
-            self.version = self._publish(self.version)
-        stats |= global_reward_stats(rewards.double(), lengths, actor) | workflow_stats(trajectories, actor)
+            self.version = publish_and_serve(self.built, actor, self.version)
+        add_reward_stats(metrics, rewards.double(), lengths)
+        add_workflow_stats(metrics, trajectories)
         if self.dynamic is not None:
-            stats |= dynamic_sampling_stats(self.dynamic.pop_stats(step), actor)
-        stats |= reward_call_stats(self.reward_fn, actor) | rollout_server_stats(self.rollout, actor)
-        stats |= self.phases.pop_stats() if self.phases is not None else {}
+            add_dynamic_sampling_stats(metrics, self.dynamic.pop_stats(step))
+        add_reward_call_stats(metrics, self.reward_fn)
+        add_rollout_server_stats(metrics, self.rollout)
+        metrics.put(self.phases.pop_stats() if self.phases is not None else {})
+        stats |= metrics.reduce(actor.dp_group, actor.device)  # the step's one metrics collective
         stats |= {
             "weight_sync_s": time.perf_counter() - began,
             "rollout_version": served,

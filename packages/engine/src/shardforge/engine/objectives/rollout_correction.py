@@ -54,7 +54,9 @@ __all__ = [
     "RolloutCorrectionConfig",
     "RolloutCorrectionOutput",
     "apply_rollout_correction",
+    "behaviour_gap",
     "behaviour_kl",
+    "correct_batch",
     "rollout_correction",
     "summarize_correction_stats",
 ]
@@ -339,17 +341,18 @@ def summarize_correction_stats(stats: dict[str, torch.Tensor], prefix: str = "ro
     return {f"{prefix}{k}": v for k, v in out.items() if k != "num_kept"}
 
 
-def apply_rollout_correction(
+def correct_batch(
     batch: PackedBatch,
     config: RolloutCorrectionConfig,
     *,
     old_key: str,
     group: dist.ProcessGroup | None = None,
     device: torch.device | None = None,
-) -> dict[str, float]:
+) -> dict[str, torch.Tensor]:
     """Correct ``batch`` in place: add ``ROLLOUT_IS_WEIGHTS`` from ``extras[old_key]`` vs
-    ``extras[BEHAVIOUR_LOGPROBS]``, drop rejected tokens from ``loss_mask``; return the global
-    (all-reduced over ``group``) statistics, summarised. Collective when ``group`` is given."""
+    ``extras[BEHAVIOUR_LOGPROBS]``, drop rejected tokens from ``loss_mask``; return this rank's raw statistics
+    (sums and extremes: reduce them with the step's other statistics, then `summarize_correction_stats`).
+    Collective over ``group`` only with ``batch_normalize``."""
     for key in (old_key, BEHAVIOUR_LOGPROBS):
         if key not in batch.extras:
             raise KeyError(f"rollout correction needs batch.extras[{key!r}]; the batch has {sorted(batch.extras)}")
@@ -359,7 +362,31 @@ def apply_rollout_correction(
     )  # fmt: skip
     batch.extras[ROLLOUT_IS_WEIGHTS] = out.weights
     batch.loss_mask = out.loss_mask
-    return summarize_correction_stats(all_reduce_stats(out.stats, group, device))
+    return out.stats
+
+
+def apply_rollout_correction(
+    batch: PackedBatch,
+    config: RolloutCorrectionConfig,
+    *,
+    old_key: str,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> dict[str, float]:
+    """`correct_batch`, and the global (all-reduced over ``group``) statistics, summarised. Collective when
+    ``group`` is given."""
+    stats = correct_batch(batch, config, old_key=old_key, group=group, device=device)
+    return summarize_correction_stats(all_reduce_stats(stats, group, device))
+
+
+def behaviour_gap(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, loss_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """This rank's ``{"behaviour_gap": sum |old - behav|, "num_tokens": target tokens}`` (float64 0-dim): summed over
+    the data-parallel ranks, their ratio is `behaviour_kl`."""
+    mask = loss_mask != 0
+    gap = (old_logprobs.double() - behaviour_logprobs.double())[mask]
+    return {"behaviour_gap": gap.abs().sum(), "num_tokens": torch.tensor(float(gap.numel()), dtype=torch.float64)}
 
 
 def behaviour_kl(
@@ -372,7 +399,6 @@ def behaviour_kl(
 ) -> float:
     """Mean ``|old - behav|`` per target token over the global batch (all-reduced over ``group``, so
     it does not depend on how the batch is split; 0.0 without target tokens). Collective with a group."""
-    mask = loss_mask != 0
-    gap = (old_logprobs.double() - behaviour_logprobs.double())[mask]
-    total, count = all_reduce_sum(gap.abs().sum(), gap.numel(), group=group, device=device)
+    local = behaviour_gap(old_logprobs, behaviour_logprobs, loss_mask)
+    total, count = all_reduce_sum(local["behaviour_gap"], local["num_tokens"], group=group, device=device)
     return total / count if count > 0 else 0.0

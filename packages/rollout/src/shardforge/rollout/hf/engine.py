@@ -12,7 +12,7 @@ images=[ImageInputs | None per prompt])``; the prompt ids hold the expanded imag
 Multi-turn episodes (``generate(..., sessions=...)``, which the workflows' request queue passes) and
 partial-rollout chunks keep their KV cache between calls and prefill only the new tokens
 (`rollout.kv_reuse`; ``kv_reuse=False`` re-encodes the whole context every call).
-Colocated with a trainer (``rollout_sleep``), `sleep` frees the weights and KV caches between generation
+Colocated with a trainer (``rollout.sleep``), `sleep` frees the weights and KV caches between generation
 phases; the next version the engine receives brings them back (`WeightReceiver.release`).
 """
 
@@ -23,7 +23,7 @@ import dataclasses
 import itertools
 import logging
 import os
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from shardforge.mesh import parse_dtype
-from shardforge.rollout.chunked import generate_in_chunks
+from shardforge.rollout.chunked import ChunkedGeneration, generate_in_chunks
 from shardforge.rollout.hf.extras import routed_per_row, visual_kwargs
 from shardforge.rollout.hf.kv_reuse import (
     KVReuseCache,
@@ -66,6 +66,11 @@ class HFRolloutEngine:
         kv_reuse: keep each session's KV cache between calls and prefill only the tokens its next prompt adds
             (equal to re-encoding up to float reduction order; dropped on any weight change). False: re-encode.
         kv_reuse_max_tokens: cap on the tokens cached over all sessions (the oldest sessions are evicted).
+        share_prefill: encode each distinct prompt of a call once, not once per sample (`hf.shared_prefill`).
+        record_routing: record each token's top-k experts per MoE layer into `Rollout.routed_experts` (router
+            replay; MoE models).
+        chunks: partial rollouts: generate ``chunks.chunk_tokens`` new tokens at a time and call
+            ``chunks.between_chunks()`` after each (`chunked.ChunkedGeneration`); None: one ``generate`` per batch.
     """
 
     def __init__(
@@ -79,6 +84,9 @@ class HFRolloutEngine:
         batch_size: int = 256,
         kv_reuse: bool = True,
         kv_reuse_max_tokens: int = 65536,
+        share_prefill: bool = True,
+        record_routing: bool = False,
+        chunks: ChunkedGeneration | None = None,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -101,22 +109,24 @@ class HFRolloutEngine:
         self.suppress_tokens = [t for t in placeholders if isinstance(t, int)] if vision else []
         self.receiver = WeightReceiver(self.model)
         self.replay: Any = None
-        """A `shardforge.moe_ep.RouterReplay` when routing is recorded (`record_routing`)."""
+        """A `shardforge.moe_ep.RouterReplay` when routing is recorded (``record_routing``)."""
+        if record_routing:
+            from shardforge.moe_ep import RouterReplay
+
+            self.replay = RouterReplay(self.model)
         self.source = DiskWeightSource(weights_root) if weights_root is not None else None
         self.batch_size = batch_size
-        self.interrupt_chunk_tokens: int | None = None
-        """Partial rollouts: generate in chunks of this many tokens, calling `between_chunks` after each
-        (None: one ``generate`` call per batch)."""
-        self.between_chunks: Callable[[], None] | None = None
-        """Called between two chunks; it may switch the weights (`update_weights`), and the rest of every
-        unfinished response is then generated, and its log-probs taken, under the new ones."""
+        self.chunks = chunks
+        """Partial rollouts: generate in chunks, calling ``chunks.between_chunks()`` after each (None: one
+        ``generate`` call per batch). It may switch the weights (`update_weights`); the rest of every unfinished
+        response is then generated, and its log-probs taken, under the new ones."""
         self.kv_reuse = kv_reuse
         """Reuse sessions' KV caches across calls (multi-turn episodes, partial-rollout chunks)."""
         self.kv_cache = KVReuseCache(kv_reuse_max_tokens)
         """The sessions' KV caches (``kv_cache.stats``: hits, misses, reused tokens, evictions, invalidations)."""
         self._kv_unsupported = False
-        self.share_prefill = True
-        """Encode each distinct prompt of a call once, not once per sample (`rollout.shared_prefill`)."""
+        self.share_prefill = share_prefill
+        """Encode each distinct prompt of a call once, not once per sample (`hf.shared_prefill`)."""
         self._chunk_calls = itertools.count()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
@@ -124,12 +134,6 @@ class HFRolloutEngine:
             raise ValueError("the tokenizer has neither a pad nor an EOS token; generation needs one to pad prompts")
 
     accepts_images = True
-
-    def record_routing(self) -> None:
-        """Record each token's top-k experts per MoE layer into `Rollout.routed_experts` (router replay)."""
-        from shardforge.moe_ep import RouterReplay
-
-        self.replay = RouterReplay(self.model)
 
     @property
     def version(self) -> int:
@@ -193,7 +197,7 @@ class HFRolloutEngine:
             raise ValueError("generate() needs at least one prompt")
         if self.asleep:
             raise RuntimeError(
-                f"the rollout engine sleeps (rollout_sleep): its weights were freed after generating with version "
+                f"the rollout engine sleeps (rollout.sleep): its weights were freed after generating with version "
                 f"{self.version} and come back with the next published version; publish before generating"
             )
         for i, prompt in enumerate(prompts):
@@ -217,7 +221,7 @@ class HFRolloutEngine:
         for start in range(0, len(rows), self.batch_size):
             batch, batch_keys = rows[start : start + self.batch_size], keys[start : start + self.batch_size]
             draws = None if uniforms is None else uniforms[start : start + self.batch_size]
-            if self.interrupt_chunk_tokens is not None:
+            if self.chunks is not None:
                 out += self._generate_interruptible(batch, params, batch_keys, draws)
             else:
                 visual = row_images[start : start + self.batch_size] if row_images is not None else None
@@ -227,7 +231,7 @@ class HFRolloutEngine:
     def _check_images(self, prompts: Sequence[Sequence[int]], images: Sequence[ImageInputs | None]) -> None:
         if self.image_token_id is None:
             raise ValueError("image prompts need a vision-language model (its config has a vision_config)")
-        if self.interrupt_chunk_tokens is not None:
+        if self.chunks is not None:
             raise ValueError("partial rollouts (interrupted generation) do not take image prompts yet")
         if len(images) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(images)} image entries (one per prompt)")
@@ -245,13 +249,13 @@ class HFRolloutEngine:
         keys: list[Hashable | None],
         uniforms: torch.Tensor | None,
     ) -> list[Rollout]:
-        """Partial rollouts: ``interrupt_chunk_tokens`` new tokens at a time; between chunks `between_chunks`
+        """Partial rollouts: ``chunks.chunk_tokens`` new tokens at a time; between chunks ``chunks.between_chunks``
         may load newer weights, and unfinished rows continue from their prompt + generated ids (the
         context is recomputed under the new weights, as AReaL's interruptible generation does). Rows that
         finished leave the batch. Every token keeps the version and behaviour log-prob that produced it. Rows
         without a session key get one for this call: a chunk prefills only the new tokens unless the weights
         changed."""
-        assert self.interrupt_chunk_tokens is not None and self.replay is None
+        assert self.chunks is not None and self.replay is None
         call = next(self._chunk_calls)
         own = [("chunks", call, i) for i, key in enumerate(keys) if key is None]
         keys = [("chunks", call, i) if key is None else key for i, key in enumerate(keys)]
@@ -265,7 +269,7 @@ class HFRolloutEngine:
         decode = partial(self.tokenizer.decode, skip_special_tokens=True)
         try:
             return generate_in_chunks(
-                rows, params.max_new_tokens, self.interrupt_chunk_tokens, chunk, self.between_chunks, decode
+                rows, params.max_new_tokens, self.chunks.chunk_tokens, chunk, self.chunks.between_chunks, decode
             )
         finally:
             self.end_sessions(own)

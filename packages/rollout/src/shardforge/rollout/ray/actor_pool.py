@@ -1,12 +1,12 @@
-"""A pool of HF rollout actors that drops a dead one (``rollout_on_actor_failure: drop``, issue 21).
+"""A pool of HF rollout actors that drops a dead one (``rollout.on_actor_failure: drop``, issue 21).
 
-With ``rollout_placement: disaggregated`` and ``rollout_engine: hf``, trainer rank ``r`` generates through rollout
-actor ``r % num_rollout_actors`` (`rollout.placement.actor_for_rank`), and every actor serves the same weight
+With ``rollout.placement: disaggregated`` and ``rollout.engine: hf``, trainer rank ``r`` generates through rollout
+actor ``r % rollout.num_actors`` (`rollout.placement.actor_for_rank`), and every actor serves the same weight
 version (trainer rank 0 publishes each version to all of them, `rollout.ray_rollout`). When an actor dies (its
-process is killed, runs out of memory, its node goes away), ``rollout_on_actor_failure`` says what the ranks do:
+process is killed, runs out of memory, its node goes away), ``rollout.on_actor_failure`` says what the ranks do:
 
 - ``error`` (the default): the rank that called it raises a one-line error naming the actor, and the run ends.
-- ``drop`` (``num_rollout_actors >= 2``): the ranks agree on the dead actors once per generation round, with the
+- ``drop`` (``rollout.num_actors >= 2``): the ranks agree on the dead actors once per generation round, with the
   round agreement of a shared rollout server (`rollout.shared_restart.RoundAgreement`): a rank whose call finds
   its actor dead abandons its round (every later call of the round fails at once); at the round's end one
   all-reduce tells every rank whether some rank failed, and when one did the ranks all-gather which actors they
@@ -44,7 +44,7 @@ class ActorPool(RoundAgreement):
     """The live rollout actors (by index into ``names``), the one this rank generates through, and the ranks'
     agreement on dropping dead ones (``drop=False``: a dead actor is an error; see the module docstring)."""
 
-    thread_refusal = "use rollout_on_actor_failure: error"
+    thread_refusal = "use rollout.on_actor_failure: error"
 
     def __init__(self, names: Sequence[str], *, rank: int, world_size: int, drop: bool) -> None:
         super().__init__(rank=rank, world_size=world_size)
@@ -66,7 +66,7 @@ class ActorPool(RoundAgreement):
         this rank's round (`ServerDownOnThisRank`); otherwise raise the one-line error."""
         if not self.drop:
             raise RolloutServerError(
-                f"{str(error).rstrip('.')}; set rollout_on_actor_failure: drop (num_rollout_actors >= 2) to go on "
+                f"{str(error).rstrip('.')}; set rollout.on_actor_failure: drop (rollout.num_actors >= 2) to go on "
                 "without it"
             ) from error
         self._found_dead.add(index)
@@ -115,7 +115,7 @@ class ActorPool(RoundAgreement):
             raise RolloutServerError(
                 f"{why}; no rollout actor is left (all {len(self.names)} died, the last: {self._named(gone)}): check "
                 "the actors' logs in the Ray session's logs directory (out of memory? killed?) and rerun, with more "
-                "num_rollout_actors or memory"
+                "rollout.num_actors or memory"
             )
         if self.rank == 0:
             log.warning(

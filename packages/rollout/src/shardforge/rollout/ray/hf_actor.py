@@ -1,6 +1,6 @@
 """Disaggregated rollouts under Ray: the embedded HF engine in an actor of its own, and the trainer's client.
 
-- `RolloutActor` (started by `shardforge.algorithms.launch.ray`, one per ``num_rollout_actors``) wraps an
+- `RolloutActor` (started by `shardforge.algorithms.launch.ray`, one per ``rollout.num_actors``) wraps an
   unmodified `HFRolloutEngine` and serves the `RolloutEngine` request/response interface as actor methods:
   ``generate(prompts, params, sessions) -> list[Rollout]`` (the same rollouts, tagged with the serving
   version, as the engine gives in process) and ``receive_weights``, which joins trainer rank 0's weight-sync
@@ -11,7 +11,7 @@
   bucket by bucket through ``engine.publish_weights`` into the collective transport, waits until every actor
   serves the version, then all ranks pass a barrier (no rank samples from the previous version) — the
   vLLM server path's protocol (`rollout.vllm_server`), with the collective transport instead of disk.
-- A dead actor (``rollout_on_actor_failure``): a one-line error naming it (``error``), or the ranks drop it from
+- A dead actor (``rollout.on_actor_failure``): a one-line error naming it (``error``), or the ranks drop it from
   the pool at the end of the generation round, move its ranks to a live actor and regenerate their round there;
   later publishes go to the live actors only (``drop``, `rollout.actor_pool`).
 
@@ -46,14 +46,14 @@ class RolloutActor:
 
         from shardforge.mesh import current_device
         from shardforge.rollout.hf.engine import HFRolloutEngine
-        from shardforge.rollout.hf.kv_reuse import KVReuseCache
 
         torch.set_num_threads(1)  # one bundle = one CPU; the ranks' generate ran single-threaded too
         self.index = index
         tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer)
-        self.engine = HFRolloutEngine(spec.model, tokenizer, dtype=spec.dtype, device=current_device())
-        self.engine.kv_reuse = spec.kv_reuse
-        self.engine.kv_cache = KVReuseCache(spec.kv_reuse_max_tokens)
+        self.engine = HFRolloutEngine(
+            spec.model, tokenizer, dtype=spec.dtype, device=current_device(), kv_reuse=spec.kv_reuse,
+            kv_reuse_max_tokens=spec.kv_reuse_max_tokens,
+        )  # fmt: skip
         self.receiver: Any = None
         self.address: tuple[str, int, int, int] | None = None
         self.received: list[int] = []
@@ -102,26 +102,26 @@ class RolloutActor:
 
 
 class RayRolloutClient:
-    """The trainer rank's `RolloutEngine` for ``rollout_placement=disaggregated`` (see the module docstring).
+    """The trainer rank's `RolloutEngine` for ``rollout.placement=disaggregated`` (see the module docstring).
 
     Args:
         names: the rollout actors' Ray names (`rollout.placement.rollout_actor_names_from_env`).
         timeout_s: how long a weight transfer may wait for the other side (the collective transport's timeout).
-        on_actor_failure: ``rollout_on_actor_failure``: ``error`` (a dead actor ends the run) or ``drop`` (the
+        on_actor_failure: ``rollout.on_actor_failure``: ``error`` (a dead actor ends the run) or ``drop`` (the
             ranks drop it from the pool and regenerate the lost rounds on a live one; `rollout.actor_pool`).
     """
 
     source: DiskWeightSource | None = None  # no disk root: versions arrive over the collective transport
-    direct_publish = True  # the trainer calls `publish` (trainers/rl_publish.direct_publisher)
+    publishes_directly = True  # the trainer calls `publish` (`rollout.publish.DirectPublisher`)
     accepts_images = False
 
     def __init__(self, names: Sequence[str], *, timeout_s: float = 300.0, on_actor_failure: str = "error") -> None:
         import ray
 
         if not ray.is_initialized():
-            raise ValueError("rollout_placement=disaggregated: this rank does not run inside a Ray actor")
+            raise ValueError("rollout.placement=disaggregated: this rank does not run inside a Ray actor")
         if on_actor_failure not in ("error", "drop"):
-            raise ValueError(f"rollout_on_actor_failure={on_actor_failure!r} is not one of ['error', 'drop']")
+            raise ValueError(f"rollout.on_actor_failure={on_actor_failure!r} is not one of ['error', 'drop']")
         self.ray = ray
         self.names = list(names)
         self.actors = [ray.get_actor(name) for name in self.names]

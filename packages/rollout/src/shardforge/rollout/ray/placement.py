@@ -1,17 +1,17 @@
-"""Where an RL trainer's rollouts run: ``rollout_placement: colocated | disaggregated``.
+"""Where an RL trainer's rollouts run: ``rollout.placement: colocated | disaggregated``.
 
 - ``colocated`` (default): the rollout engine lives in every trainer process (the embedded HF engine, or a
   vLLM engine/server the trainer starts), as it always did.
 - ``disaggregated`` (``--launcher ray`` only), placed in the same placement group as the trainer ranks:
-  - ``rollout_engine: hf``: ``num_rollout_actors`` Ray actors of their own, each holding the embedded HF engine
+  - ``rollout.engine: hf``: ``rollout.num_actors`` Ray actors of their own, each holding the embedded HF engine
     (`shardforge.rollout.ray.hf_actor.RolloutActor`). Trainer rank ``r`` generates through actor
-    ``r % num_rollout_actors``; after each step trainer rank 0 sends the new weights to every actor over
+    ``r % rollout.num_actors``; after each step trainer rank 0 sends the new weights to every actor over
     weight-sync's collective transport (a gloo group of rank 0 + the actors, verified, version-tagged; no shared
     filesystem).
-  - ``rollout_engine: vllm`` with ``vllm.mode: server``: one actor that runs ``vllm serve`` in its bundle
+  - ``rollout.engine: vllm`` with ``rollout.vllm.mode: server``: one actor that runs ``vllm serve`` in its bundle
     (`shardforge.rollout.ray.vllm_server.VLLMServerActor`); every rank is a `VLLMServerRolloutEngine`
     on its URL, and trainer rank 0 sends the server every version over weight-sync's collective transport
-    (``vllm.weight_transport: auto``; ``disk``: the server loads the versions under ``output_dir/weights``, which
+    (``rollout.vllm.weight_transport: auto``; ``disk``: the server loads the versions under ``output_dir/weights``, which
     on several Ray nodes must be on storage the trainer's rank 0 and the server's node share).
 
 This module is the pure part (no Ray import): the refusals, the actors' spec the launcher needs, and how
@@ -23,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from shardforge.rewards.ray_pool import actor_names_from_env
+from shardforge.rollout.config import RolloutConfig, RolloutOnActorFailure, RolloutPlacement
 
 __all__ = [
     "ROLLOUT_ACTORS_ENV",
@@ -38,13 +39,6 @@ __all__ = [
     "rollout_actor_names_from_env",
     "rollout_actor_spec",
 ]
-
-RolloutPlacement = Literal["colocated", "disaggregated"]
-"""The placements a trainer config can name (config_io checks the value against it)."""
-
-RolloutOnActorFailure = Literal["error", "drop"]
-"""What the ranks do when an HF rollout actor dies (``rollout_on_actor_failure``): end the run with a one-line
-error, or drop it from the pool and regenerate the lost rounds on a surviving actor (`rollout.actor_pool`)."""
 
 ROLLOUT_ACTORS_ENV = "SHARDFORGE_RAY_ROLLOUT_ACTORS"
 """Set by the Ray launcher on every rank: the rollout actors' names, comma-separated."""
@@ -59,17 +53,17 @@ class RolloutActorSpec:
     num_actors: int
     """Rollout actors to start (each holds one embedded HF engine with the full model, or one vLLM server)."""
     engine: str = "hf"
-    """``rollout_engine``: ``hf`` (`RolloutActor`) or ``vllm`` (`VLLMServerActor`, ``vllm.mode: server``)."""
+    """``rollout.engine``: ``hf`` (`RolloutActor`) or ``vllm`` (`VLLMServerActor`, ``rollout.vllm.mode: server``)."""
     model: str
     """HF model directory of the initial weights (version 0)."""
     tokenizer: str
     """Tokenizer directory (the trainer's ``tokenizer``, else the model directory)."""
     dtype: str
-    """The rollout model's dtype (``rollout_dtype``)."""
+    """The rollout model's dtype (``rollout.dtype``)."""
     kv_reuse: bool
-    """``rollout_kv_reuse``: keep multi-turn sessions' KV caches between calls."""
+    """``rollout.kv_reuse``: keep multi-turn sessions' KV caches between calls."""
     kv_reuse_max_tokens: int
-    """``rollout_kv_reuse_max_tokens``."""
+    """``rollout.kv_reuse_max_tokens``."""
     vllm: Any = None
     """engine=vllm: the trainer's `VLLMOptions` (the server's flags and environment)."""
     seed: int = 0
@@ -87,40 +81,36 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
     """The rollout actors ``config`` asks for (None: colocated); raise `ValueError` for a combination that is
     not supported (``launcher``: the CLI's ``--launcher``, or ``"external"`` under an outside torchrun;
     ``world_size``: the trainer's ranks, when known; no refusal depends on it at present)."""
-    placement = getattr(config, "rollout_placement", "colocated")
-    num_actors = int(getattr(config, "num_rollout_actors", 1))
-    if num_actors < 1:
-        raise ValueError(f"num_rollout_actors={num_actors} must be >= 1")
-    on_failure = str(getattr(config, "rollout_on_actor_failure", "error"))
+    rollout: RolloutConfig = getattr(config, "rollout", None) or RolloutConfig()
+    placement, num_actors, on_failure = rollout.placement, rollout.num_actors, rollout.on_actor_failure
     if placement == "colocated":
         if on_failure != "error":
             raise ValueError(
-                f"rollout_on_actor_failure={on_failure} applies to the rollout actors of rollout_placement="
+                f"rollout.on_actor_failure={on_failure} applies to the rollout actors of rollout.placement="
                 "disaggregated (--launcher ray); this run's rollouts are colocated: remove it, or set "
-                f"rollout_placement=disaggregated ({_HOW})"
+                f"rollout.placement=disaggregated ({_HOW})"
             )
         return None
     if placement != "disaggregated":
-        raise ValueError(f"rollout_placement={placement!r} is not one of ['colocated', 'disaggregated']")
-    engine = str(getattr(config, "rollout_engine", "hf"))
-    vllm = getattr(config, "vllm", None)
+        raise ValueError(f"rollout.placement={placement!r} is not one of ['colocated', 'disaggregated']")
+    engine, vllm = rollout.engine, rollout.vllm
     refusals = [
         (
             launcher != "ray",
             f"runs the rollout engine in Ray actors, which only --launcher ray starts (this run's launcher: "
-            f"{launcher}): add --launcher ray, or set rollout_placement=colocated",
+            f"{launcher}): add --launcher ray, or set rollout.placement=colocated",
         ),
         (
             engine not in ("hf", "vllm"),
-            f"holds the embedded HF engine or a vLLM server; rollout_engine={engine!r} is neither: use "
-            "rollout_engine=hf or rollout_engine=vllm with vllm.mode=server",
+            f"holds the embedded HF engine or a vLLM server; rollout.engine={engine!r} is neither: use "
+            "rollout.engine=hf or rollout.engine=vllm with rollout.vllm.mode=server",
         ),
         *(_vllm_refusals(vllm, num_actors, on_failure) if engine == "vllm" else []),
         (
             on_failure == "drop" and engine == "hf" and num_actors < 2,
-            f"with rollout_on_actor_failure=drop moves the ranks of a dead rollout actor to a surviving one, which "
-            f"needs num_rollout_actors >= 2 (num_rollout_actors={num_actors}): raise it, or set "
-            "rollout_on_actor_failure=error",
+            f"with rollout.on_actor_failure=drop moves the ranks of a dead rollout actor to a surviving one, which "
+            f"needs rollout.num_actors >= 2 (rollout.num_actors={num_actors}): raise it, or set "
+            "rollout.on_actor_failure=error",
         ),
         (
             bool(getattr(config, "async_rollouts", False)),
@@ -128,32 +118,30 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
             "supported yet; set async_rollouts=false",
         ),
         (
-            bool(getattr(config, "partial_rollouts", False)),
-            "does not interrupt generations: set partial_rollouts=false",
+            rollout.partial_rollouts,
+            "does not interrupt generations: set rollout.partial_rollouts=false",
         ),
         (
             bool(getattr(getattr(config, "engine", None), "router_replay", False)),
             "does not return recorded MoE routing yet: set engine.router_replay=false",
         ),
         (
-            bool(
-                getattr(config, "rollout_sleep", False) or getattr(config, "offload_train_state_during_rollout", False)
-            ),
-            "gives the rollout engine devices of its own: rollout_sleep and offload_train_state_during_rollout hand "
+            rollout.sleep or bool(getattr(config, "offload_train_state_during_rollout", False)),
+            "gives the rollout engine devices of its own: rollout.sleep and offload_train_state_during_rollout hand "
             "a colocated engine's devices to the trainer between phases; set them to false",
         ),
     ]
     for refused, why in refusals:
         if refused:
-            raise ValueError(f"rollout_placement=disaggregated {why} ({_HOW})")
+            raise ValueError(f"rollout.placement=disaggregated {why} ({_HOW})")
     return RolloutActorSpec(
         num_actors=num_actors,
         engine=engine,
         model=str(config.model),
         tokenizer=str(getattr(config, "tokenizer", None) or config.model),
-        dtype=str(getattr(config, "rollout_dtype", "float32")),
-        kv_reuse=bool(getattr(config, "rollout_kv_reuse", True)),
-        kv_reuse_max_tokens=int(getattr(config, "rollout_kv_reuse_max_tokens", 65536)),
+        dtype=rollout.dtype,
+        kv_reuse=rollout.kv_reuse,
+        kv_reuse_max_tokens=rollout.kv_reuse_max_tokens,
         vllm=vllm if engine == "vllm" else None,
         seed=int(getattr(config, "seed", 0)),
         output_dir=str(Path(config.output_dir).resolve()) if getattr(config, "output_dir", "") else "",
@@ -161,28 +149,28 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
 
 
 def _vllm_refusals(vllm: Any, num_actors: int, on_failure: str) -> list[tuple[bool, str]]:
-    """What ``rollout_engine=vllm`` with disaggregated placement (one `VLLMServerActor`) does not support yet."""
+    """What ``rollout.engine=vllm`` with disaggregated placement (one `VLLMServerActor`) does not support yet."""
     mode = getattr(vllm, "mode", "in_process")
     return [
         (
             mode != "server",
-            f"runs vLLM as a server actor: set vllm.mode=server (vllm.mode={mode!r} runs vLLM inside the trainer, "
-            "rollout_placement=colocated)",
+            f"runs vLLM as a server actor: set rollout.vllm.mode=server (rollout.vllm.mode={mode!r} runs vLLM inside the trainer, "
+            "rollout.placement=colocated)",
         ),
         (
             getattr(vllm, "server_url", None) is not None,
-            "starts its own vLLM server in a Ray actor: remove vllm.server_url, or keep it with "
-            "rollout_placement=colocated",
+            "starts its own vLLM server in a Ray actor: remove rollout.vllm.server_url, or keep it with "
+            "rollout.placement=colocated",
         ),
         (
             on_failure != "error",
-            f"with rollout_engine=vllm starts one vLLM server, which is restarted rather than dropped: set "
-            f"rollout_on_actor_failure=error (it is {on_failure}) and vllm.on_server_failure=restart",
+            f"with rollout.engine=vllm starts one vLLM server, which is restarted rather than dropped: set "
+            f"rollout.on_actor_failure=error (it is {on_failure}) and rollout.vllm.on_server_failure=restart",
         ),
         (
             num_actors != 1,
-            f"with rollout_engine=vllm starts one vLLM server for every rank (num_rollout_actors={num_actors}): set "
-            "num_rollout_actors=1 (vllm.max_num_seqs and vllm.tensor_parallel_size size the server)",
+            f"with rollout.engine=vllm starts one vLLM server for every rank (rollout.num_actors={num_actors}): set "
+            "rollout.num_actors=1 (rollout.vllm.max_num_seqs and rollout.vllm.tensor_parallel_size size the server)",
         ),
     ]
 
@@ -201,12 +189,12 @@ def actor_for_rank(rank: int, num_actors: int) -> int:
 
 def rollout_actor_names_from_env(num_actors: int, env: Mapping[str, str] | None = None) -> list[str]:
     """The actors the Ray launcher started for this run (``ROLLOUT_ACTORS_ENV``); a `ValueError` when this
-    rank was not started by ``--launcher ray`` with ``rollout_placement=disaggregated``, or with another count."""
+    rank was not started by ``--launcher ray`` with ``rollout.placement=disaggregated``, or with another count."""
     return actor_names_from_env(
         ROLLOUT_ACTORS_ENV,
         num_actors,
         kind="rollout",
-        needs="rollout_placement=disaggregated",
-        instead=f"rollout_placement=colocated ({_HOW})",
+        needs="rollout.placement=disaggregated",
+        instead=f"rollout.placement=colocated ({_HOW})",
         env=env,
     )

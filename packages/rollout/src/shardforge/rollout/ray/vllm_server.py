@@ -1,4 +1,4 @@
-"""A vLLM server as the rollout actor under Ray: ``rollout_placement: disaggregated`` + ``rollout_engine: vllm``.
+"""A vLLM server as the rollout actor under Ray: ``rollout.placement: disaggregated`` + ``rollout.engine: vllm``.
 
 - `VLLMServerActor` (started by `shardforge.algorithms.launch.ray` in a placement-group bundle of its own, which
   holds its GPUs when the cluster has them) runs ``vllm serve`` as a child process: the command, environment,
@@ -6,12 +6,12 @@
   the actor's node IP so ranks on other nodes reach it. It answers its URL once the server is healthy, restarts
   the server on request (stop, start again on the same port, wait for health) and stops it when the run ends.
 - `RayVLLMServerEngine` is the trainer ranks' `RolloutEngine`: a `VLLMServerRolloutEngine` on the actor's URL
-  (as with ``vllm.server_url``), so requests, health checks, timeouts and weight versions are the server path's.
-  Weights (``vllm.weight_transport``): ``auto`` (default) and ``collective`` send each version from the trainer's
+  (as with ``rollout.vllm.server_url``), so requests, health checks, timeouts and weight versions are the server path's.
+  Weights (``rollout.vllm.weight_transport``): ``auto`` (default) and ``collective`` send each version from the trainer's
   shards over weight-sync's collective transport, rank 0's TCP store on its node IP, to the server's workers
   (`shardforge.rollout.vllm.server_collective`; no shared filesystem); ``disk``: weight-sync disk
   versions under ``output_dir/weights`` that rank 0 tells the server to load (on several Ray nodes ``output_dir``
-  must be on storage that rank 0's and the server's nodes share). ``vllm.on_server_failure: restart``: the actor
+  must be on storage that rank 0's and the server's nodes share). ``rollout.vllm.on_server_failure: restart``: the actor
   restarts the server when trainer rank 0 asks it (``restart_server`` -> `RayVLLMServerEngine._launch`), then the
   current version is restored, as for a server rank 0 started (collective: gathered and sent again). At world size
   1 the rank resends its batch; with several ranks they agree on the restart once per generation round
@@ -90,7 +90,7 @@ spec.model, SimpleNamespace(name_or_path=spec.tokenizer), spec.dtype,
 
     def url(self) -> str:
         """The server's URL, once ``/health`` answers (`RuntimeError` with the log's tail when the server exited,
-        `TimeoutError` after ``vllm.server_startup_timeout_s``)."""
+        `TimeoutError` after ``rollout.vllm.server_startup_timeout_s``)."""
         if not self.ready:
             self.server._wait_ready(self._url)
             self.ready = True
@@ -156,7 +156,7 @@ def _weight_version(url: str) -> str | None:
 
 class RayVLLMServerEngine(VLLMServerRolloutEngine):
     """A trainer rank's `VLLMServerRolloutEngine` on the `VLLMServerActor` named ``actor_name``; the other
-    arguments are the engine's. Restarts (``vllm.on_server_failure: restart``) go through the actor."""
+    arguments are the engine's. Restarts (``rollout.vllm.on_server_failure: restart``) go through the actor."""
 
     def __init__(self, actor_name: str, model_dir: Any, tokenizer: Any, *, options: VLLMOptions, **kwargs: Any) -> None:
         import ray

@@ -2,15 +2,15 @@
 
 A dead or hung rollout server must not hang the trainer (a hang is the failure users report
 most, and the hardest to read). `VLLMServerRolloutEngine` therefore gives every request a
-timeout (``vllm.request_timeout_s``), asks the server's ``/health`` (within
-``vllm.health_timeout_s``) before each `generate` and after any failed request, and when the
+timeout (``rollout.vllm.request_timeout_s``), asks the server's ``/health`` (within
+``rollout.vllm.health_timeout_s``) before each `generate` and after any failed request, and when the
 server does not answer, either
 
 - raises `RolloutServerError`: one line naming the server, what failed, its log (when this
-  trainer started it) and what to check (``vllm.on_server_failure: error``, the default), or
+  trainer started it) and what to check (``rollout.vllm.on_server_failure: error``, the default), or
 - restarts a server this trainer started, brings it to the current weight version and resends
   the whole batch of requests (``on_server_failure: restart``, at most
-  ``vllm.max_server_restarts`` times per run). Each request is one prompt's ``n`` samples with
+  ``rollout.vllm.max_server_restarts`` times per run). Each request is one prompt's ``n`` samples with
   its own seed, so a resent batch regenerates whole groups (none mixes samples of the dead server
   with new ones) and equals what a healthy server would have returned.
 
@@ -70,12 +70,12 @@ def down_message(url: str, reason: str, *, launched: bool, log_path: Path | None
     if launched:
         check = f"check its log {log_path} (out of memory? killed?)"
         if restarts_left == 0:
-            check += "; vllm.max_server_restarts is used up"
+            check += "; rollout.vllm.max_server_restarts is used up"
         else:
-            check += " or set vllm.on_server_failure: restart"
+            check += " or set rollout.vllm.on_server_failure: restart"
     else:
         check = (
-            "check that the server is running and reachable from this host (vllm.server_url); "
+            "check that the server is running and reachable from this host (rollout.vllm.server_url); "
             "only a server this trainer started can be restarted"
         )
     return f"rollout server {url} is down: {reason}; {check}"
@@ -91,7 +91,7 @@ class HealthCounters:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(self.NAMES, 0)
         self.total_restarts = 0
-        """Restarts over the run (for ``vllm.max_server_restarts``; `pop` does not reset it)."""
+        """Restarts over the run (for ``rollout.vllm.max_server_restarts``; `pop` does not reset it)."""
 
     def add(self, name: str, count: int = 1) -> None:
         with self._lock:
@@ -100,7 +100,7 @@ class HealthCounters:
                 self.total_restarts += count
 
     def add_restart(self, *, in_metrics: bool = True) -> None:
-        """One restart of the run. ``in_metrics=False``: it counts towards ``vllm.max_server_restarts`` only (a
+        """One restart of the run. ``in_metrics=False``: it counts towards ``rollout.vllm.max_server_restarts`` only (a
         restart of a server shared by several ranks is reported by rank 0 alone, so the sum over ranks is the
         number of restarts, and every rank's run total is the same)."""
         with self._lock:

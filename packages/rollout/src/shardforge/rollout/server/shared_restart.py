@@ -1,4 +1,4 @@
-"""Restarting a rollout server that several trainer ranks share (``vllm.on_server_failure: restart``).
+"""Restarting a rollout server that several trainer ranks share (``rollout.vllm.on_server_failure: restart``).
 
 Global rank 0 starts one server and every rank sends its own requests to it, so any rank's request
 may be the one that finds the server dead, while rank 0 (the only rank that can restart it) may be
@@ -15,11 +15,11 @@ never inside per-request code (a multi-turn rank makes a different number of req
    so no rank has a request in flight when rank 0 restarts the server.
 3. if some rank failed, the failing ranks' reasons are gathered; rank 0 restarts the server, gives it
    the weight-transfer root and switches it to the current weight version (the version every rank's
-   round used), or, when ``vllm.max_server_restarts`` is used up or the restart fails, writes the
+   round used), or, when ``rollout.vllm.max_server_restarts`` is used up or the restart fails, writes the
    one-line error. It broadcasts the outcome: every rank raises the same one-line error (no rank is
    left waiting), or counts the restart (so every rank's count, which ``max_server_restarts`` limits,
    is the same; only rank 0 reports it in ``rollout_server/restarts``, the sum over ranks is then the
-   number of restarts). With ``vllm.weight_transport: collective`` the current version exists only in
+   number of restarts). With ``rollout.vllm.weight_transport: collective`` the current version exists only in
    the trainer's shards: every rank then joins its gathers and rank 0 sends it to the restarted server
    (``restore_weights``); a server that fails that too is stopped, and the next round restarts it again.
 4. the failing ranks run their round again from the start, with the same seeds at the same weight
@@ -31,12 +31,12 @@ A rank also notices a failure that its workflow swallowed (an evaluation scores 
 ``workflow.max_failed_fraction`` drops a crashed group): the engine records every failure of the round.
 With a trainer world size of 1 the engine restarts the server itself, inside the request
 (`VLLMServerRolloutEngine`). A server given by URL is never restarted: the ranks still agree, and every
-rank raises the one-line error that says so. The vLLM server actor's server (``rollout_placement:
+rank raises the one-line error that says so. The vLLM server actor's server (``rollout.placement:
 disaggregated``, `shardforge.rollout.ray.vllm_server`) is restarted the same way: rank 0's
 ``restart_server`` asks the actor, once per agreed restart; no other rank asks it.
 
 Steps 1, 2 and 4 are `RoundAgreement`'s; step 3 is the subclass's: `SharedServerRestarts` restarts the server,
-`rollout.actor_pool.ActorPool` (HF rollout actors, ``rollout_on_actor_failure: drop``) drops the dead actors
+`rollout.actor_pool.ActorPool` (HF rollout actors, ``rollout.on_actor_failure: drop``) drops the dead actors
 and moves their ranks to live ones.
 """
 
@@ -91,7 +91,7 @@ class RestartableServer(Protocol):
 def generation_round(rollout: object, fn: Callable[[], T]) -> T:
     """``fn()``: one generation round of this rank (its requests, episodes, rewards; no collectives inside).
     When ``rollout`` has a `RoundAgreement` (``rollout.shared_restarts``: a server shared by several ranks with
-    ``on_server_failure: restart``, or a pool of rollout actors with ``rollout_on_actor_failure: drop``,
+    ``on_server_failure: restart``, or a pool of rollout actors with ``rollout.on_actor_failure: drop``,
     `rollout.actor_pool`), this is collective over all ranks: see the module docstring. Otherwise it is ``fn()``."""
     agreement: RoundAgreement | None = getattr(rollout, "shared_restarts", None)
     return fn() if agreement is None else agreement.run(fn)
@@ -102,7 +102,7 @@ class RoundAgreement(abc.ABC):
     round, all-reduce whether it failed, recover (`_agree`, step 3: the subclass's) and run the failing ranks'
     rounds again, until every rank's round succeeded."""
 
-    thread_refusal = "use vllm.on_server_failure: error"
+    thread_refusal = "use rollout.vllm.on_server_failure: error"
     """How to avoid the agreement when a round runs on a background thread (the end of that one-line error)."""
 
     def __init__(self, *, rank: int, world_size: int) -> None:

@@ -12,7 +12,7 @@ With ``--enable-sleep-mode`` it emulates vLLM's sleep mode: ``/sleep`` puts weig
 one line ``stub server PID listening on port P`` (the engine appends it to the server's log: the tests count restarts
 there).
 
-``vllm.weight_transport: collective``: ``/init_weight_transfer_engine`` with ``transport="collective"`` joins the
+``rollout.vllm.weight_transport: collective``: ``/init_weight_transfer_engine`` with ``transport="collective"`` joins the
 trainer's weight group as vLLM's workers do (weight-sync's `CollectiveReceiver`, torch imported then), and each
 ``/update_weights`` receives one version, checks it against its manifest (every tensor, shapes, dtypes, crc32: what
 weight-sync's vLLM backend checks) and keeps it: ``checksums`` are the received tensors' crc32, ``received`` the

@@ -10,8 +10,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from shardforge.rollout.chunked import ChunkedGeneration
+from shardforge.rollout.config import RolloutConfig
 from shardforge.rollout.factory import PublishedRolloutEngine
-from shardforge.rollout.vllm.engine import VLLMOptions, VLLMRolloutEngine, import_vllm
+from shardforge.rollout.vllm.engine import VLLMRolloutEngine, import_vllm
 
 __all__ = ["build_vllm_engine"]
 
@@ -20,23 +22,24 @@ def build_vllm_engine(
     model_dir: str | os.PathLike[str],
     tokenizer: Any,
     *,
+    config: RolloutConfig,
     weights_root: str | os.PathLike[str] | None,
-    dtype: str,
-    vllm: VLLMOptions | None,
     seed: int,
+    record_routing: bool,
+    chunks: ChunkedGeneration | None,
 ) -> PublishedRolloutEngine:
-    """vLLM, in process (vllm.mode=in_process) or a server (vllm.mode=server)"""
-    options = vllm or VLLMOptions()
-    if not isinstance(options, VLLMOptions):
-        raise TypeError(f"vllm= must be VLLMOptions, got {type(options).__name__}")
+    """vLLM, in process (rollout.vllm.mode=in_process) or a server (rollout.vllm.mode=server)"""
+    options = config.vllm
     if options.mode == "server":
         from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
         if options.server_url is None and options.server_python is None:
             import_vllm()  # the server would run from this interpreter
         return VLLMServerRolloutEngine(
-            model_dir, tokenizer, weights_root=weights_root, dtype=dtype, options=options, seed=seed,
-            log_file=None if weights_root is None else Path(weights_root).parent / "vllm_server.log",
+            model_dir, tokenizer, weights_root=weights_root, dtype=config.dtype, options=options, seed=seed,
+            log_file=None if weights_root is None else Path(weights_root).parent / "vllm_server.log", chunks=chunks,
         )  # fmt: skip
     import_vllm()  # fail here, with the install command, before any model is loaded
-    return VLLMRolloutEngine(model_dir, tokenizer, weights_root=weights_root, dtype=dtype, options=options, seed=seed)
+    return VLLMRolloutEngine(
+        model_dir, tokenizer, weights_root=weights_root, dtype=config.dtype, options=options, seed=seed, chunks=chunks
+    )

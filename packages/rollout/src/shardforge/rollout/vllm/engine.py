@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from shardforge.mesh import parse_dtype
-from shardforge.rollout.chunked import chunked_requests
+from shardforge.rollout.chunked import ChunkedGeneration, chunked_requests
 from shardforge.rollout.seeds import prompt_seeds
 from shardforge.rollout.types import Rollout, SamplingParams
 from shardforge.rollout.vllm.sleep import VLLMSleep, require_sleep_mode
@@ -115,51 +115,53 @@ class VLLMOptions:
     """Share prompt KV blocks between the n samples of a prompt (reset after every weight update)."""
     enable_sleep_mode: bool = False
     """CUDA only: start vLLM with its sleep mode, so `sleep` can discard weights and KV cache between generation
-    phases (`rollout.vllm_sleep`); the RL trainers set it with ``rollout_sleep=true``."""
+    phases (`rollout.vllm_sleep`); the RL trainers set it with ``rollout.sleep=true``."""
     weight_transport: Literal["auto", "disk", "collective"] = "auto"
     """server: how each weight version reaches the server. disk: weight-sync versions under output_dir/weights that
     the server loads (it must see that directory); collective: trainer rank 0 sends them to the server's workers
     over weight-sync's collective transport (no shared filesystem; `rollout.vllm_server_collective`); auto:
-    collective for the Ray server actor (rollout_placement=disaggregated), disk otherwise."""
+    collective for the Ray server actor (rollout.placement=disaggregated), disk otherwise."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"vllm.mode={self.mode!r} is not one of {list(MODES)}")
+            raise ValueError(f"rollout.vllm.mode={self.mode!r} is not one of {list(MODES)}")
         if self.server_startup_timeout_s <= 0:
-            raise ValueError(f"vllm.server_startup_timeout_s={self.server_startup_timeout_s} must be > 0")
+            raise ValueError(f"rollout.vllm.server_startup_timeout_s={self.server_startup_timeout_s} must be > 0")
         if self.health_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError(
-                f"vllm.health_timeout_s={self.health_timeout_s} and vllm.request_timeout_s={self.request_timeout_s} must be > 0"
+                f"rollout.vllm.health_timeout_s={self.health_timeout_s} and rollout.vllm.request_timeout_s={self.request_timeout_s} must be > 0"
             )
         if self.on_server_failure not in ON_SERVER_FAILURE:
             raise ValueError(
-                f"vllm.on_server_failure={self.on_server_failure!r} is not one of {list(ON_SERVER_FAILURE)}"
+                f"rollout.vllm.on_server_failure={self.on_server_failure!r} is not one of {list(ON_SERVER_FAILURE)}"
             )
         if self.max_server_restarts < 0:
-            raise ValueError(f"vllm.max_server_restarts={self.max_server_restarts} must be >= 0")
+            raise ValueError(f"rollout.vllm.max_server_restarts={self.max_server_restarts} must be >= 0")
         if self.placement not in PLACEMENTS:
-            raise ValueError(f"vllm.placement={self.placement!r} is not one of {list(PLACEMENTS)}")
+            raise ValueError(f"rollout.vllm.placement={self.placement!r} is not one of {list(PLACEMENTS)}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"vllm.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+            raise ValueError(f"rollout.vllm.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.kv_cache_space_gib < 1:
-            raise ValueError(f"vllm.kv_cache_space_gib={self.kv_cache_space_gib} must be a whole number >= 1")
+            raise ValueError(f"rollout.vllm.kv_cache_space_gib={self.kv_cache_space_gib} must be a whole number >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"vllm.max_model_len={self.max_model_len} must be >= 2 (or None = the model's)")
+            raise ValueError(f"rollout.vllm.max_model_len={self.max_model_len} must be >= 2 (or None = the model's)")
         if self.max_num_seqs < 1:
-            raise ValueError(f"vllm.max_num_seqs={self.max_num_seqs} must be >= 1")
+            raise ValueError(f"rollout.vllm.max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.tensor_parallel_size < 1:
-            raise ValueError(f"vllm.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+            raise ValueError(f"rollout.vllm.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.weight_transport not in WEIGHT_TRANSPORTS:
-            raise ValueError(f"vllm.weight_transport={self.weight_transport!r} is not one of {list(WEIGHT_TRANSPORTS)}")
+            raise ValueError(
+                f"rollout.vllm.weight_transport={self.weight_transport!r} is not one of {list(WEIGHT_TRANSPORTS)}"
+            )
         if self.weight_transport == "collective" and self.enable_sleep_mode:
             raise ValueError(
-                "vllm.enable_sleep_mode (rollout_sleep) is woken by the disk weight switch; with "
-                "vllm.weight_transport=collective it is not built yet: set vllm.weight_transport=disk or rollout_sleep=false"
+                "rollout.vllm.enable_sleep_mode (rollout.sleep) is woken by the disk weight switch; with "
+                "rollout.vllm.weight_transport=collective it is not built yet: set rollout.vllm.weight_transport=disk or rollout.sleep=false"
             )
         if self.weight_transport == "collective" and self.mode != "server":
             raise ValueError(
-                "vllm.weight_transport=collective sends weights to a vLLM server: set vllm.mode=server, or use "
-                "vllm.weight_transport=disk (the in-process engine loads disk versions)"
+                "rollout.vllm.weight_transport=collective sends weights to a vLLM server: set rollout.vllm.mode=server, or use "
+                "rollout.vllm.weight_transport=disk (the in-process engine loads disk versions)"
             )
 
 
@@ -183,6 +185,7 @@ class VLLMRolloutEngine:
         dtype: serving dtype; publish in the same dtype so vLLM loads exactly those weights.
         options: `VLLMOptions`.
         seed: vLLM's global seed (used by requests that carry no seed).
+        chunks: partial rollouts (`chunked.ChunkedGeneration`): generate in chunks; None: whole requests.
         llm_kwargs: further ``vllm.LLM`` arguments.
     """
 
@@ -195,6 +198,7 @@ class VLLMRolloutEngine:
         dtype: str = "float32",
         options: VLLMOptions | None = None,
         seed: int = 0,
+        chunks: ChunkedGeneration | None = None,
         **llm_kwargs: Any,
     ) -> None:
         if not Path(model_dir).is_dir():
@@ -210,10 +214,9 @@ class VLLMRolloutEngine:
         self.owns_llm = self.options.placement == "each_rank" or self.rank == 0
         self.llm: Any = None
         self.max_model_len = 0
-        self.interrupt_chunk_tokens: int | None = None
-        """Partial rollouts: generate this many new tokens at a time (`rollout.chunked`); None: whole requests."""
-        self.between_chunks: Callable[[], None] | None = None
-        """Called between two chunks (the asynchronous generator loads newer weights there)."""
+        self.chunks = chunks
+        """Partial rollouts: ``chunks.chunk_tokens`` new tokens at a time, ``chunks.between_chunks()`` after each
+        (`rollout.chunked`); None: whole requests."""
         if self.options.enable_sleep_mode:
             require_sleep_mode()
         if self.owns_llm:
@@ -248,12 +251,14 @@ class VLLMRolloutEngine:
                 info = ShardforgeInitInfo(transport="disk", root=str(weights_root))
                 self.client.init_weight_transfer_engine(dataclasses.asdict(info))
         self.sleeper = VLLMSleep(self.llm) if self.options.enable_sleep_mode else None
-        """Sleep mode (``rollout_sleep``); tracks the state on ranks without an instance (placement=rank0)."""
+        """Sleep mode (``rollout.sleep``); tracks the state on ranks without an instance (placement=rank0)."""
 
     def sleep(self) -> None:
         """Discard the weights and KV cache (level-2 sleep) until `update_weights` loads a newer version."""
         if self.sleeper is None:
-            raise RuntimeError("this vLLM engine was started without sleep mode: set vllm.enable_sleep_mode=true")
+            raise RuntimeError(
+                "this vLLM engine was started without sleep mode: set rollout.vllm.enable_sleep_mode=true"
+            )
         self.sleeper.sleep()
 
     @property
@@ -281,23 +286,23 @@ class VLLMRolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
         """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together). Partial
-        rollouts (``interrupt_chunk_tokens`` set): in chunks, `between_chunks` after each (`rollout.chunked`)."""
-        if self.interrupt_chunk_tokens is not None:
+        rollouts (``chunks`` given): in chunks, `between_chunks` after each (`rollout.chunked`)."""
+        if self.chunks is not None:
             if self.collective:
                 raise ValueError(
-                    "partial rollouts with vllm.placement=rank0 and several ranks are not supported (ranks would "
-                    "need the same number of chunks): use vllm.placement=each_rank"
+                    "partial rollouts with rollout.vllm.placement=rank0 and several ranks are not supported (ranks would "
+                    "need the same number of chunks): use rollout.vllm.placement=each_rank"
                 )
             decode = partial(self.tokenizer.decode, skip_special_tokens=True)
-            chunk = self.interrupt_chunk_tokens
-            return chunked_requests(self._generate, prompts, params, chunk, self.between_chunks, decode)
+            chunks = self.chunks
+            return chunked_requests(self._generate, prompts, params, chunks.chunk_tokens, chunks.between_chunks, decode)
         return self._generate(prompts, params)
 
     def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
         request = ([list(p) for p in prompts], params)
         if not self.collective:
             return self._run([request])[0]
-        require_main_thread("vllm.placement=rank0 gathers every rank's prompts with collectives")
+        require_main_thread("rollout.vllm.placement=rank0 gathers every rank's prompts with collectives")
         gathered: list[Any] = [None] * self.world if self.rank == 0 else []
         dist.gather_object(request, gathered if self.rank == 0 else None, dst=0)
         replies: list[Any] = [None] * self.world
@@ -341,7 +346,7 @@ class VLLMRolloutEngine:
                 if len(prompt) + params.max_new_tokens > self.max_model_len:
                     raise ValueError(
                         f"prompt {i} has {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} > "
-                        f"vLLM's max_model_len={self.max_model_len}; shorten prompts or raise vllm.max_model_len"
+                        f"vLLM's max_model_len={self.max_model_len}; shorten prompts or raise rollout.vllm.max_model_len"
                     )
                 inputs.append({"prompt_token_ids": prompt})
                 sampling.append(
@@ -399,7 +404,7 @@ def require_main_thread(what: str) -> None:
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError(
             f"{what}, which cannot run on a background thread (async_rollouts with several ranks); "
-            "use rollout_engine=vllm with vllm.mode=in_process and vllm.placement=each_rank, or rollout_engine=hf"
+            "use rollout.engine=vllm with rollout.vllm.mode=in_process and rollout.vllm.placement=each_rank, or rollout.engine=hf"
         )
 
 

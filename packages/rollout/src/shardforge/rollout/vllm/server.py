@@ -10,15 +10,15 @@ run from another interpreter or venv (``VLLMOptions.server_python``), or already
   log-probs are those of ``softmax(logits / T)``, as in the in-process engine, and requests
   get the same per-prompt seeds (same seed and weights -> the same samples in both modes).
 - Weights: the server runs with ``VLLM_SERVER_DEV_MODE=1`` (vLLM's RL routes) and
-  ``--weight-transfer-config '{"backend": "shardforge"}'``. ``vllm.weight_transport: disk``:
+  ``--weight-transfer-config '{"backend": "shardforge"}'``. ``rollout.vllm.weight_transport: disk``:
   `update_weights` calls ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``
   (disk versions of weight-sync, verified before loading) and ``/reset_prefix_cache``; with
-  ``vllm.enable_sleep_mode`` (``rollout_sleep``) `sleep` posts ``/sleep`` and the switch wakes it
+  ``rollout.vllm.enable_sleep_mode`` (``rollout.sleep``) `sleep` posts ``/sleep`` and the switch wakes it
   (`rollout.vllm_sleep`). ``collective``: the trainer calls `publish`, which sends each version from
   the trainer's shards to the server's workers over weight-sync's collective transport
   (`shardforge.rollout.vllm.server_collective`; no disk).
 - Health: requests time out, ``/health`` is checked before every `generate` and after a failed
-  request; a server that is down raises a one-line error or (``vllm.on_server_failure: restart``,
+  request; a server that is down raises a one-line error or (``rollout.vllm.on_server_failure: restart``,
   a server this trainer started) is restarted at the current weight version and the batch is
   resent (`shardforge.rollout.server.health`; ``rollout_server/*`` metrics). With several
   ranks the ranks agree on the restart at the end of each generation round and the failing ranks
@@ -36,7 +36,7 @@ import contextlib
 import os
 import subprocess
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from shardforge.core.log import get_logger
 from shardforge.mesh import free_port as _free_port
-from shardforge.rollout.chunked import chunked_requests
+from shardforge.rollout.chunked import ChunkedGeneration, chunked_requests
 from shardforge.rollout.seeds import prompt_seeds
 from shardforge.rollout.server.health import (
     REQUEST_FAILURES,
@@ -81,7 +81,7 @@ log = get_logger(__name__)
 
 class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
     """`RolloutEngine` on an OpenAI-compatible vLLM server; weights follow a weight-sync disk root, or arrive
-    through `publish` (``vllm.weight_transport: collective``; ``weights_root`` is then not used).
+    through `publish` (``rollout.vllm.weight_transport: collective``; ``weights_root`` is then not used).
 
     Arguments as for `VLLMRolloutEngine`; ``options.server_url`` connects to a running server
     (started with the flags above), else rank 0 starts one with ``options.server_python``
@@ -98,20 +98,21 @@ class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
         options: VLLMOptions | None = None,
         seed: int = 0,
         log_file: str | os.PathLike[str] | None = None,
+        chunks: ChunkedGeneration | None = None,
     ) -> None:
         if not Path(model_dir).is_dir():
             raise FileNotFoundError(f"rollout model directory {str(model_dir)!r} does not exist")
         self.options = options or VLLMOptions(mode="server")
         self.tokenizer = tokenizer
         self.eos_id = tokenizer.eos_token_id
-        self.direct_publish = self.options.weight_transport == "collective"
-        """The trainer sends each version with `publish` (trainers/rl_publish.direct_publisher), not through disk."""
-        self.weights_root = None if self.direct_publish else weights_root
+        self.publishes_directly = self.options.weight_transport == "collective"
+        """The trainer sends each version with `publish` (`rollout.publish.DirectPublisher`), not through disk."""
+        self.weights_root = None if self.publishes_directly else weights_root
         self.source = DiskWeightSource(self.weights_root) if self.weights_root is not None else None
         self._version = 0
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.sender: CollectiveSender | None = None
-        """Rank 0, vllm.weight_transport=collective: its end of the collective transport into the server."""
+        """Rank 0, rollout.vllm.weight_transport=collective: its end of the collective transport into the server."""
         self.trainer: tuple[WeightPublishingEngine, str] | None = None
         """The trainer's engine and dtype of the last `publish` (a restarted server gets the version again)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -127,10 +128,9 @@ class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
         """The command that started the server when this engine started it (None: given by URL)."""
         self.log_path: Path | None = None
         self.health = HealthCounters()
-        self.interrupt_chunk_tokens: int | None = None
-        """Partial rollouts: this many new tokens per request (`rollout.chunked`); None: whole requests."""
-        self.between_chunks: Callable[[], None] | None = None
-        """Called between two chunks (the asynchronous generator loads newer weights there)."""
+        self.chunks = chunks
+        """Partial rollouts: ``chunks.chunk_tokens`` new tokens per request, ``chunks.between_chunks()`` after
+        each (`rollout.chunked`); None: whole requests."""
         if self.options.enable_sleep_mode:
             require_sleep_mode()
         self.url: str  # set below, once the server answers (the sleep calls read it later)
@@ -162,7 +162,7 @@ class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
         return local_address_towards(url)
 
     def _init_weight_transfer(self, url: str) -> None:
-        if self.direct_publish:  # a (re)started server's workers join a new group at the next send
+        if self.publishes_directly:  # a (re)started server's workers join a new group at the next send
             if self.sender is not None:
                 self.sender.reset()
             options = self.options
@@ -206,7 +206,7 @@ class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
         self._init_weight_transfer(self.url)
         if self._version == 0:  # the model directory's weights: nothing to restore
             return
-        if not self.direct_publish:
+        if not self.publishes_directly:
             self._switch(self._version)  # serve the current policy, not the initial model
         elif self.shared_restarts is None:  # this rank alone gathers the weights (several: `restore_weights`)
             self.restore_weights()
@@ -231,10 +231,10 @@ class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
 
     def update_weights(self, version: int | None = None) -> int:
         """Switch the server to ``version`` (None = newest committed); collective over all ranks."""
-        if self.direct_publish:  # versions arrive through `publish` only
+        if self.publishes_directly:  # versions arrive through `publish` only
             if version is not None and version != self._version:
                 raise RuntimeError(f"the vLLM server serves version {self._version}; version {version} was never "
-                                   "published to it (vllm.weight_transport=collective)")  # fmt: skip
+                                   "published to it (rollout.vllm.weight_transport=collective)")  # fmt: skip
             return self._version
         if self.source is None:
             raise RuntimeError("this rollout engine has no weights_root to update from")
@@ -281,27 +281,29 @@ class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
         """Discard the server's weights and KV cache (level-2 sleep) until `update_weights` switches to a newer
         version; collective over all ranks, as `update_weights` (rank 0 posts)."""
         if self.sleeper is None:
-            raise RuntimeError("this vLLM server was started without sleep mode: set vllm.enable_sleep_mode=true")
+            raise RuntimeError(
+                "this vLLM server was started without sleep mode: set rollout.vllm.enable_sleep_mode=true"
+            )
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # the other ranks' requests of the round are answered before the server drops its state
         self.sleeper.sleep()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
         """``len(prompts) * params.n`` rollouts, prompt by prompt (each prompt's samples together). Partial
-        rollouts (``interrupt_chunk_tokens`` set): each chunk is a completion request that continues from the
+        rollouts (``chunks`` given): each chunk is a completion request that continues from the
         returned token ids, `between_chunks` after each (`rollout.chunked`)."""
         if self.sleeper is not None:
             self.sleeper.check_awake(self._version)
-        if self.interrupt_chunk_tokens is not None:
+        if self.chunks is not None:
             if dist.is_initialized() and dist.get_world_size() > 1:
                 raise ValueError(
                     "partial rollouts on a shared vLLM server need a trainer world size of 1 (one rank's weight "
                     "switch between its chunks would change the weights under the other ranks' requests); use "
-                    "vllm.mode=in_process with vllm.placement=each_rank"
+                    "rollout.vllm.mode=in_process with rollout.vllm.placement=each_rank"
                 )
             decode = partial(self.tokenizer.decode, skip_special_tokens=True)
-            chunk = self.interrupt_chunk_tokens
-            return chunked_requests(self._generate, prompts, params, chunk, self.between_chunks, decode)
+            chunks = self.chunks
+            return chunked_requests(self._generate, prompts, params, chunks.chunk_tokens, chunks.between_chunks, decode)
         return self._generate(prompts, params)
 
     def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
@@ -315,7 +317,7 @@ class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
             if len(prompt) + params.max_new_tokens > self.max_model_len:
                 raise ValueError(
                     f"prompt {i} has {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} > "
-                    f"vLLM's max_model_len={self.max_model_len}; shorten prompts or raise vllm.max_model_len"
+                    f"vLLM's max_model_len={self.max_model_len}; shorten prompts or raise rollout.vllm.max_model_len"
                 )
             bodies.append(
                 {

@@ -1,10 +1,10 @@
-"""Weights into a vLLM server over weight-sync's collective transport (``vllm.weight_transport: collective``).
+"""Weights into a vLLM server over weight-sync's collective transport (``rollout.vllm.weight_transport: collective``).
 
 No version is written to disk, so the server needs no filesystem in common with the trainer (the point of the Ray
 server actor on another node). Trainer rank 0 owns a `CollectiveTransport` (a TCP store on ``host``, port picked
 by the OS) and the server's workers join it through vLLM's ``/init_weight_transfer_engine`` with
 ``transport="collective"`` (weight-sync's ``shardforge`` backend, `shardforge.weight_sync.vllm_engine`): one gloo
-group of rank 0 + ``vllm.tensor_parallel_size`` workers, built at the first send and again after every restart or
+group of rank 0 + ``rollout.vllm.tensor_parallel_size`` workers, built at the first send and again after every restart or
 failed send. Each version (`CollectiveSender.send`, rank 0's part of `VLLMServerRolloutEngine.publish`):
 
 1. ``/start_weight_update``, then ``/update_weights`` on a thread of its own: it returns only once the workers have
@@ -15,7 +15,7 @@ failed send. Each version (`CollectiveSender.send`, rank 0's part of `VLLMServer
 
 Two calls block until the other side arrives (the workers' group join and rank 0's; the workers' receive and rank
 0's send), so one side of each runs on a thread. Nothing waits without a bound: the store, the group and every
-broadcast time out after ``vllm.request_timeout_s`` (a dead server breaks the broadcast at once, a hung one after
+broadcast time out after ``rollout.vllm.request_timeout_s`` (a dead server breaks the broadcast at once, a hung one after
 the timeout), and rank 0 waits at most that long for each HTTP answer once its side is done. When rank 0 could not
 prepare the transfer it still joins the gathers (into a transport that drops every bucket): the other ranks are
 already in them.
@@ -127,7 +127,7 @@ class _Background:
     def result(self, timeout_s: float) -> None:
         self.thread.join(timeout_s)
         if self.thread.is_alive():
-            raise TimeoutError(f"{self.what} did not end within {timeout_s:g} s (vllm.request_timeout_s)")
+            raise TimeoutError(f"{self.what} did not end within {timeout_s:g} s (rollout.vllm.request_timeout_s)")
         if self.error is not None:
             raise self.error
 
@@ -138,8 +138,8 @@ class CollectiveSender:
     Args:
         host: the address the server's workers reach rank 0 at (loopback for a server this rank started; the
             node's IP under Ray, where the server may run on another node).
-        num_workers: the server's vLLM workers (``vllm.tensor_parallel_size``).
-        timeout_s: the bound on every wait (``vllm.request_timeout_s``).
+        num_workers: the server's vLLM workers (``rollout.vllm.tensor_parallel_size``).
+        timeout_s: the bound on every wait (``rollout.vllm.request_timeout_s``).
     """
 
     def __init__(self, host: str, num_workers: int, timeout_s: float) -> None:
@@ -242,7 +242,7 @@ def publish_collectively(
 
 
 class CollectivePublishing:
-    """`VLLMServerRolloutEngine`'s part for ``vllm.weight_transport: collective``: `publish` (each version, and
+    """`VLLMServerRolloutEngine`'s part for ``rollout.vllm.weight_transport: collective``: `publish` (each version, and
     again after a restart) and `restore_weights`. Restart: the restarted server serves the model directory
     (version 0) and its new workers join a new group; the current version, which exists nowhere but in the
     trainer's shards, is gathered and sent again before anyone samples. Alone, rank 0 does it inside
@@ -250,7 +250,7 @@ class CollectivePublishing:
     all of them call `restore_weights`. The trainer's weights are still that version's: nothing updates them
     between a publish and the next round's end (asynchronous rollouts, which would, keep disk versions)."""
 
-    direct_publish: bool
+    publishes_directly: bool
     sender: CollectiveSender | None
     trainer: tuple[WeightPublishingEngine, str] | None
     url: str
@@ -265,14 +265,16 @@ class CollectivePublishing:
     def restore_weights(self) -> None:
         """Every rank, after a restart the ranks agreed on (`shared_restart`): resend the current version over the
         collective transport (the gathers need every rank). A no-op with disk versions (`restart_server` switched)."""
-        if self.direct_publish and self._version != 0:
+        if self.publishes_directly and self._version != 0:
             self._send(self._version)
 
     def publish(self, engine: WeightPublishingEngine, dtype: str, version: int | None = None) -> int:
         """Send ``engine``'s weights (cast to ``dtype``) to the server as ``version`` (None: the one after the served
-        one) and return it once the server serves it; collective over all ranks (vllm.weight_transport=collective)."""
-        if not self.direct_publish:
-            raise RuntimeError("vllm.weight_transport=disk: publish versions to the weights root and update_weights")
+        one) and return it once the server serves it; collective over all ranks (rollout.vllm.weight_transport=collective)."""
+        if not self.publishes_directly:
+            raise RuntimeError(
+                "rollout.vllm.weight_transport=disk: publish versions to the weights root and update_weights"
+            )
         version = self._version + 1 if version is None else version
         self.trainer = (engine, dtype)
         self._send(version)

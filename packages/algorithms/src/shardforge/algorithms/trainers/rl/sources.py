@@ -29,6 +29,7 @@ cannot change what a batch samples, whatever the thread timing.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from shardforge.algorithms.trainers.rl.partial_stats import token_staleness_counts
 from shardforge.mesh.collectives import all_reduce_max
 from shardforge.rollout import Rollout, RolloutEngine
+from shardforge.rollout.chunked import ChunkedGeneration
 from shardforge.rollout.episodes.trajectory import Trajectory
 
 __all__ = [
@@ -153,8 +155,8 @@ class AsyncRollouts:
         dp_rank, dp_size: this rank's data-parallel coordinates (checkpoint state is per dp rank).
         restored: `checkpoint_state` of the run that saved the checkpoint (None: none).
         device: the device the world group's collectives need (the trainer engine's device).
-        partial_rollouts: between two chunks of a generation (the engine's ``interrupt_chunk_tokens``), switch
-            to the newest published weights the batch may use (policy step <= its index) and continue the
+        chunks: partial rollouts: the `ChunkedGeneration` the engine was built with; between two chunks of a
+            generation, switch to the newest published weights the batch may use (policy step <= its index) and continue the
             unfinished responses under them. The oldest token still comes from policy step
             ``max(k - s, start)``, so the staleness limit holds per token; which later chunk sees which newer
             weights depends on thread timing (every token records its version; checkpoints store them).
@@ -173,14 +175,8 @@ class AsyncRollouts:
         dp_size: int,
         restored: dict[str, Any] | None = None,
         device: torch.device | None = None,
-        partial_rollouts: bool = False,
+        chunks: ChunkedGeneration | None = None,
     ) -> None:
-        if partial_rollouts and getattr(rollout, "interrupt_chunk_tokens", None) is None:
-            raise ValueError(
-                f"partial_rollouts needs a rollout engine that generates in interruptible chunks (the embedded "
-                f"HF engine with interrupt_chunk_tokens set); {type(rollout).__name__} does not: use "
-                "rollout_engine=hf or partial_rollouts=false"
-            )
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0 (0 = on-policy, no overlap)")
         self.rollout = rollout
@@ -191,7 +187,7 @@ class AsyncRollouts:
         self.start = start
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.device = device
-        self.partial_rollouts = partial_rollouts
+        self.chunks = chunks
         self._lock = threading.Lock()  # _versions: written by the main thread, read between chunks
         self._versions = {start: publish_fn(None)}  # policy step -> weight-sync version
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-generator")
@@ -279,16 +275,12 @@ class AsyncRollouts:
 
     def _generate(self, index: int, policy_step: int) -> SampledBatch:  # generator thread
         started = time.perf_counter()
-        if self.partial_rollouts:
+        if self.chunks is not None:
             policy_step = self._start_step(policy_step)
         self.rollout.update_weights(self._versions[policy_step])
-        if self.partial_rollouts:
-            setattr(self.rollout, "between_chunks", lambda: self._refresh(index))  # noqa: B010
-        try:
+        refreshing = self.chunks.refreshing(lambda: self._refresh(index)) if self.chunks else contextlib.nullcontext()
+        with refreshing:
             rollouts, rewards = self.sample_fn(index)
-        finally:
-            if self.partial_rollouts:
-                setattr(self.rollout, "between_chunks", None)  # noqa: B010
         with self._lock:
             steps = {version: step for step, version in self._versions.items()}
         return SampledBatch(
@@ -297,7 +289,7 @@ class AsyncRollouts:
             rollouts=rollouts,
             rewards=rewards,
             generate_s=time.perf_counter() - started,
-            stats=token_staleness_counts(rollouts, index, steps) if self.partial_rollouts else {},
+            stats=token_staleness_counts(rollouts, index, steps) if self.chunks is not None else {},
         )
 
     def _start_step(self, policy_step: int) -> int:  # generator thread

@@ -1,5 +1,5 @@
-"""Workflow metrics of the RL trainers: failed episodes (agreed across ranks) and per-episode
-turns, tool calls, tool errors by kind and stop reasons."""
+"""The RL step's one agreement before training: failed episodes, counted over the data-parallel ranks (the
+per-episode metrics are a `StepMetrics` stage: `step_stats.add_workflow_stats`)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ from typing import TYPE_CHECKING
 
 from shardforge.mesh.collectives import all_reduce_sum
 from shardforge.rollout.episodes.trajectory import Trajectory
-from shardforge.rollout.workflows.runner import episode_counts
 
 if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
     from shardforge.engine import TrainEngine
 
-__all__ = ["check_failed_episodes", "workflow_stats"]
+__all__ = ["check_failed_episodes"]
 
 
 def check_failed_episodes(
@@ -37,12 +36,3 @@ def check_failed_episodes(
             "to drop crashed episodes' groups and go on"
         )
     return {"episodes_failed": failed, "episodes_dropped": dropped}
-
-
-def workflow_stats(trajectories: Sequence[Trajectory], engine: TrainEngine) -> dict[str, float]:
-    """Per-episode means over the data-parallel group: turns, tool calls, tool errors by kind, stop reasons."""
-    counts = episode_counts(trajectories)
-    keys = list(counts)
-    totals = dict(zip(keys, all_reduce_sum(*counts.values(), group=engine.dp_group, device=engine.device)))
-    episodes = max(totals.pop("episodes"), 1.0)
-    return {f"episode/{k}": v / episodes if not k.startswith("tool_errors/") else v for k, v in totals.items()}
