@@ -229,10 +229,10 @@ def measure_throughput(engine: Any, model_dir: Path, prompts: list[list[int]], w
             hf.append(hf_run(engine, prompts, cfg, seed=rep))
             if side is not None and rep % 2 == 0:
                 vl.append(side.run(index))
-        runs.append({"hf": hf, "rollout.vllm": vl})
+        runs.append({"hf": hf, "vllm": vl})
     if side is not None:
         vllm["omp_binding"] = side.close()
-    return {"rollout.vllm": vllm, "runs": runs}
+    return {"vllm": vllm, "runs": runs}
 
 
 def rate(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -320,7 +320,7 @@ def main() -> int:
         row: dict[str, Any] = {
             **cfg,
             "hf": rate(runs["hf"]),
-            "rollout.vllm": rate(runs["vllm"]) if runs["vllm"] else None,
+            "vllm": rate(runs["vllm"]) if runs["vllm"] else None,
         }
         row["ratio"] = row["hf"]["tokens_per_s"] / row["vllm"]["tokens_per_s"] if row["vllm"] else None
         row["per_call_ratio"] = [
@@ -340,7 +340,7 @@ def main() -> int:
         "hf_threads": HF_THREADS,
         "calls": {"warmup": GEN_WARMUP, "timed_per_engine": GEN_REPEATS, "order": "ABBA (HF first on even calls)"},
         "greedy_tokens_equal_fraction": greedy_match,
-        "rollout.vllm": {k: v for k, v in vllm.items() if k != "greedy"},
+        "vllm": {k: v for k, v in vllm.items() if k != "greedy"},
         "load_average": loads,
         "machine": info,
         "date": _common.today(),

@@ -11,7 +11,7 @@ from typing import Any
 import datasets
 import pytest
 
-import shardforge.algorithms.trainers.sft as sft_module
+import shardforge.algorithms.data.rows as sft_module
 from shardforge.algorithms.cli.main import main
 from shardforge.algorithms.config_io import build_config
 from shardforge.algorithms.data.mixture import MixtureSampler

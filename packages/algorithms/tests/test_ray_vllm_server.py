@@ -138,7 +138,7 @@ def _spec(tmp_path: Path, **options: Any) -> Any:
     assert spec is not None
     return pickle.loads(pickle.dumps(spec)).__class__(  # what Ray hands the actor: a pickled copy
         **{f: getattr(spec, f) for f in spec.__dataclass_fields__}
-        | {"rollout.vllm": VLLMOptions(mode="server", **options)}
+        | {"vllm": VLLMOptions(mode="server", **options)}
     )
 
 
