@@ -127,25 +127,31 @@ def test_off_policy_trains_the_student_by_nll_on_the_teachers_samples(tmp_path: 
 
     from shardforge.algorithms.testing import tiny_assets
     from shardforge.algorithms.trainers.distill import DistillTrainer
+    from shardforge.algorithms.trainers.rl.advantages import SupervisedAdvantages
 
     student = tiny_assets(tmp_path / "s", seed=1, tokenizer_dir="model", max_operand=6)
     teacher_dir = tiny_assets(tmp_path / "t", seed=9, tokenizer_dir="model", data=False)["model"]
     batches: list[tuple[list[list[int]], list[list[int]]]] = []
 
-    class Recording(DistillTrainer):
-        def _supervised_hook(self, batch, metrics):  # type: ignore[no-untyped-def]
+    class Recording(SupervisedAdvantages):  # the off-policy stage, recording the batches it sees
+        def token_advantages(self, batch, metrics):  # type: ignore[no-untyped-def]
             bounds = batch.cu_seqlens.tolist()
             ids = [batch.input_ids[a:b].tolist() for a, b in itertools.pairwise(bounds)]
             masks = [batch.loss_mask[a:b].tolist() for a, b in itertools.pairwise(bounds)]
             batches.append((ids, masks))
-            return super()._supervised_hook(batch, metrics)
+            return super().token_advantages(batch, metrics)
+
+    class RecordingTrainer(DistillTrainer):
+        def build_advantage_stage(self) -> SupervisedAdvantages:
+            assert self.advantage_stage_name() == "teacher_nll"
+            return Recording()
 
     num_prompts = len(Path(student["train"]).read_text().splitlines())
     config = _config(
         student, teacher_dir, tmp_path / "out", mode="off_policy", steps=8, temperature=0.0,
         prompts_per_step=num_prompts, max_new_tokens=3,
     )  # fmt: skip
-    Recording(config).run()
+    RecordingTrainer(config).run()
     records = _train_records(tmp_path / "out")
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float64).eval()
     first = AutoModelForCausalLM.from_pretrained(student["model"], dtype=torch.float64).eval()

@@ -47,6 +47,7 @@ def test_remax_baseline_is_the_reward_of_each_prompts_greedy_response(assets: di
     from transformers import AutoTokenizer
 
     from shardforge.algorithms.data.prompts import load_prompts
+    from shardforge.algorithms.trainers.rl.advantages import greedy_baseline
     from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, workflow_round_fn
     from shardforge.engine.objectives.rewards import shape_rewards
     from shardforge.rollout import HFRolloutEngine, SamplingParams
@@ -57,7 +58,9 @@ def test_remax_baseline_is_the_reward_of_each_prompts_greedy_response(assets: di
     rollout = HFRolloutEngine(config.model, tokenizer, weights_root=tmp_path / "w")
     workflow = build_rl_workflow(config, tokenizer, _length_reward, 256)
     engine = SimpleNamespace(dp_rank=0, dp_size=1)
-    trajectories, _ = workflow_round_fn(config, rollout, prompts, workflow, engine)(1, 0)  # type: ignore[arg-type]
+    baseline = greedy_baseline(config.advantage, config.reward_shaping)  # the remax estimator's
+    round_fn = workflow_round_fn(config, rollout, prompts, workflow, engine, baseline=baseline)  # type: ignore[arg-type]
+    trajectories, _ = round_fn(1, 0)
     assert len(trajectories) == 4 * 3
     for first in trajectories[::3]:
         prompt_ids = first.token_ids[: first.loss_mask.index(1)]

@@ -20,12 +20,12 @@ import pytest
 
 from shardforge.algorithms.config_io import build_config
 from shardforge.algorithms.trainers.grpo import GRPOConfig
+from shardforge.rollout.config import VLLMOptions
 from shardforge.rollout.ray.placement import rollout_actor_spec
 from shardforge.rollout.ray.vllm_server import RayVLLMServerEngine, VLLMServerActor
 from shardforge.rollout.server.health import RolloutServerError
 from shardforge.rollout.testing import STUB_SERVER
 from shardforge.rollout.types import SamplingParams
-from shardforge.rollout.vllm.engine import VLLMOptions
 from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
 STUB = STUB_SERVER

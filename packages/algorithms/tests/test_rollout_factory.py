@@ -16,10 +16,10 @@ import pytest
 
 from shardforge.algorithms.config_io import apply_overrides, build_config
 from shardforge.rollout import HFRolloutEngine
-from shardforge.rollout.config import RolloutConfig
+from shardforge.rollout.config import RolloutConfig, VLLMOptions
 from shardforge.rollout.factory import build_rollout_engine
 from shardforge.rollout.seeds import request_seed
-from shardforge.rollout.vllm.engine import VLLMOptions, _tokenizer_dir, require_main_thread
+from shardforge.rollout.vllm.engine import _tokenizer_dir, require_main_thread
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
+from shardforge.rollout.config import VLLMOptions
 from shardforge.rollout.server.health import RolloutServerError
 from shardforge.rollout.testing import STUB_SERVER
 from shardforge.rollout.types import SamplingParams
-from shardforge.rollout.vllm.engine import VLLMOptions
 from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
 STUB = STUB_SERVER

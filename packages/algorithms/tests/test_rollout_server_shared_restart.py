@@ -42,10 +42,10 @@ def _two_ranks_share_a_server(tmp: Path, dying_rank: int) -> dict[str, Any]:
     up, a round in which only the other rank sends requests to a killed server."""
     import torch.distributed as dist
 
+    from shardforge.rollout.config import VLLMOptions
     from shardforge.rollout.server.health import RolloutServerError
     from shardforge.rollout.server.shared_restart import generation_round
     from shardforge.rollout.types import SamplingParams
-    from shardforge.rollout.vllm.engine import VLLMOptions
     from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
     marker = tmp / "die"
@@ -171,10 +171,10 @@ def _share_a_server_given_by_url(url: str, pid: int, tmp: Path) -> str | None:
 
     import torch.distributed as dist
 
+    from shardforge.rollout.config import VLLMOptions
     from shardforge.rollout.server.health import RolloutServerError
     from shardforge.rollout.server.shared_restart import generation_round
     from shardforge.rollout.types import SamplingParams
-    from shardforge.rollout.vllm.engine import VLLMOptions
     from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
     tokenizer = SimpleNamespace(eos_token_id=2, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))

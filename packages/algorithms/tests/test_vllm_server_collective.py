@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from shardforge.engine.config import parse_dtype
+from shardforge.rollout.config import VLLMOptions
 from shardforge.rollout.server.health import RolloutServerError, probe_health
 from shardforge.rollout.testing import STUB_SERVER
 from shardforge.rollout.types import SamplingParams
-from shardforge.rollout.vllm.engine import VLLMOptions
 from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 from shardforge.weight_sync import WeightPublisher, tensor_checksum
 

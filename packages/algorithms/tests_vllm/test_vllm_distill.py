@@ -42,13 +42,14 @@ def test_off_policy_distillation_samples_the_teacher_on_vllm(tmp_path: Path) -> 
     from shardforge.algorithms.config_io import build_config
     from shardforge.algorithms.testing import tiny_assets
     from shardforge.algorithms.trainers.distill import DistillConfig, DistillTrainer
+    from shardforge.algorithms.trainers.rl.advantages import SupervisedAdvantages
 
     student = tiny_assets(tmp_path / "s", seed=1, hidden=128, tokenizer_dir="model", max_operand=6)
     teacher = tiny_assets(tmp_path / "t", seed=9, hidden=128, tokenizer_dir="model", data=False)["model"]
     batches: list[tuple[list[list[int]], list[list[float]], list[list[float]]]] = []
 
-    class Recording(DistillTrainer):
-        def _supervised_hook(self, batch):  # type: ignore[no-untyped-def]
+    class Recording(SupervisedAdvantages):  # the off-policy stage, recording the batches it sees
+        def token_advantages(self, batch, metrics):  # type: ignore[no-untyped-def]
             bounds = list(itertools.pairwise(batch.cu_seqlens.tolist()))
             behaviour = batch.extras[BEHAVIOUR_LOGPROBS]
             batches.append((
@@ -56,7 +57,11 @@ def test_off_policy_distillation_samples_the_teacher_on_vllm(tmp_path: Path) -> 
                 [batch.loss_mask[a:b].tolist() for a, b in bounds],
                 [behaviour[a:b].tolist() for a, b in bounds],
             ))  # fmt: skip
-            return super()._supervised_hook(batch)
+            return super().token_advantages(batch, metrics)
+
+    class RecordingTrainer(DistillTrainer):
+        def build_advantage_stage(self) -> SupervisedAdvantages:
+            return Recording()
 
     out = tmp_path / "out"
     config = build_config(DistillConfig, {
@@ -66,7 +71,7 @@ def test_off_policy_distillation_samples_the_teacher_on_vllm(tmp_path: Path) -> 
         "mode": "off_policy", "teacher_engine": "vllm", "rollout.vllm": {"max_num_seqs": 16},
         "engine": {"max_tokens_per_microbatch": 256, "optimizer": {"lr": 1e-2}},
     })  # fmt: skip
-    Recording(config).run()
+    RecordingTrainer(config).run()
 
     ids, masks, behaviour = batches[0]
     teacher_gap = student_gap = 0.0

@@ -69,11 +69,11 @@ def _two_ranks_share_the_actors_server(tmp: Path, dying_rank: int) -> dict[str, 
     then, with the two restarts used up, a round in which only the other rank sends requests to a killed server."""
     import torch.distributed as dist
 
+    from shardforge.rollout.config import VLLMOptions
     from shardforge.rollout.ray.vllm_server import RayVLLMServerEngine, VLLMServerActor
     from shardforge.rollout.server.health import RolloutServerError
     from shardforge.rollout.server.shared_restart import generation_round
     from shardforge.rollout.types import SamplingParams
-    from shardforge.rollout.vllm.engine import VLLMOptions
     from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
     rank = dist.get_rank()

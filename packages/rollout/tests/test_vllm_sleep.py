@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import torch
 
+from shardforge.rollout.config import VLLMOptions
 from shardforge.rollout.testing import STUB_SERVER
 from shardforge.rollout.types import SamplingParams
 from shardforge.rollout.vllm import sleep as vllm_sleep
-from shardforge.rollout.vllm.engine import VLLMOptions, VLLMRolloutEngine
+from shardforge.rollout.vllm.engine import VLLMRolloutEngine
 from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
 STUB = STUB_SERVER

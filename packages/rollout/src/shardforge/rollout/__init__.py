@@ -15,9 +15,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from shardforge.rollout.config import RolloutConfig, VLLMOptions
 from shardforge.rollout.factory import (
     ROLLOUT_ENGINES,
+    BuiltRollout,
     PublishedRolloutEngine,
+    build_rollout,
     build_rollout_engine,
 )
 from shardforge.rollout.types import (
@@ -30,31 +33,34 @@ from shardforge.rollout.types import (
 )
 
 if TYPE_CHECKING:
+    from shardforge.rollout.config import VLLMOptions
     from shardforge.rollout.hf.engine import HFRolloutEngine
-    from shardforge.rollout.vllm.engine import VLLMOptions, VLLMRolloutEngine
+    from shardforge.rollout.vllm.engine import VLLMRolloutEngine
     from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ROLLOUT_ENGINES",
+    "BuiltRollout",
     "HFRolloutEngine",
     "ImageInputs",
     "PromptSet",
     "PublishedRolloutEngine",
     "Rollout",
+    "RolloutConfig",
     "RolloutEngine",
     "SamplingParams",
     "SessionRolloutEngine",
     "VLLMOptions",
     "VLLMRolloutEngine",
     "VLLMServerRolloutEngine",
+    "build_rollout",
     "build_rollout_engine",
 ]
 
 _LAZY = {
     "HFRolloutEngine": "shardforge.rollout.hf.engine",
-    "VLLMOptions": "shardforge.rollout.vllm.engine",
     "VLLMRolloutEngine": "shardforge.rollout.vllm.engine",
     "VLLMServerRolloutEngine": "shardforge.rollout.vllm.server",
 }

@@ -13,15 +13,112 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shardforge.rollout.engines import ROLLOUT_ENGINES
-from shardforge.rollout.vllm.engine import VLLMOptions
 
-__all__ = ["RolloutConfig", "RolloutOnActorFailure", "RolloutPlacement"]
+__all__ = ["RolloutConfig", "RolloutOnActorFailure", "RolloutPlacement", "VLLMOptions"]
 
+PLACEMENTS = ("rank0", "each_rank")
+MODES = ("in_process", "server")
+ON_SERVER_FAILURE = ("error", "restart")
+WEIGHT_TRANSPORTS = ("auto", "disk", "collective")
 RolloutPlacement = Literal["colocated", "disaggregated"]
 """Where the rollout engine runs: in every trainer process, or in Ray actors of its own."""
 RolloutOnActorFailure = Literal["error", "drop"]
 """What the ranks do when an HF rollout actor dies: end the run with a one-line error, or drop it from the pool
 and regenerate the lost rounds on a surviving actor (`shardforge.rollout.ray.actor_pool`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VLLMOptions:
+    """Settings of the vLLM rollout engine (the ``vllm:`` section of the GRPO/PPO configs)."""
+
+    mode: Literal["in_process", "server"] = "in_process"
+    """in_process: ``vllm.LLM`` inside the trainer process; server: an OpenAI-compatible vLLM server
+    over HTTP (`VLLMServerRolloutEngine`)."""
+    placement: Literal["rank0", "each_rank"] = "rank0"
+    """in_process: which trainer ranks own a vLLM instance (see the module docstring). A server
+    is always started by rank 0 and shared."""
+    server_url: str | None = None
+    """server: URL of a running server (started with the flags in `shardforge.rollout.vllm.server`);
+    None = rank 0 starts one."""
+    server_python: str | None = None
+    """server: interpreter that starts the server (e.g. another venv's python with vLLM); None = this one."""
+    server_startup_timeout_s: float = 900.0
+    """server: how long to wait for a started server to answer /health."""
+    health_timeout_s: float = 10.0
+    """server: /health must answer within this long (checked before every `generate` and after a failed
+    request), else the server counts as down (see `shardforge.rollout.server.health`)."""
+    request_timeout_s: float = 600.0
+    """server: longest wait for one completion request; a request past it counts as a failure."""
+    on_server_failure: Literal["error", "restart"] = "error"
+    """server: error = stop with a one-line error naming the server; restart = restart a server this
+    trainer started, restore the current weight version and resend the batch's requests."""
+    max_server_restarts: int = 3
+    """server, on_server_failure=restart: restarts allowed over the run before the error is raised."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: fraction of GPU memory vLLM may take (the trainer shares the GPU)."""
+    kv_cache_space_gib: int = 1
+    """CPU only: KV-cache size in whole GiB (``VLLM_CPU_KVCACHE_SPACE``, unless already set; vLLM's
+    default is far larger)."""
+    max_model_len: int | None = None
+    """Longest prompt + response in tokens (None = the model's max_position_embeddings)."""
+    max_num_seqs: int = 256
+    """Sequences vLLM decodes at once."""
+    enforce_eager: bool = True
+    """Skip CUDA graphs / torch.compile (faster start-up; slower decoding on GPUs)."""
+    tensor_parallel_size: int = 1
+    """vLLM workers per instance (tensor parallel)."""
+    enable_prefix_caching: bool = True
+    """Share prompt KV blocks between the n samples of a prompt (reset after every weight update)."""
+    enable_sleep_mode: bool = False
+    """CUDA only: start vLLM with its sleep mode, so `sleep` can discard weights and KV cache between generation
+    phases (`rollout.vllm_sleep`); the RL trainers set it with ``rollout.sleep=true``."""
+    weight_transport: Literal["auto", "disk", "collective"] = "auto"
+    """server: how each weight version reaches the server. disk: weight-sync versions under output_dir/weights that
+    the server loads (it must see that directory); collective: trainer rank 0 sends them to the server's workers
+    over weight-sync's collective transport (no shared filesystem; `rollout.vllm_server_collective`); auto:
+    collective for the Ray server actor (rollout.placement=disaggregated), disk otherwise."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"rollout.vllm.mode={self.mode!r} is not one of {list(MODES)}")
+        if self.server_startup_timeout_s <= 0:
+            raise ValueError(f"rollout.vllm.server_startup_timeout_s={self.server_startup_timeout_s} must be > 0")
+        if self.health_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError(
+                f"rollout.vllm.health_timeout_s={self.health_timeout_s} and rollout.vllm.request_timeout_s={self.request_timeout_s} must be > 0"
+            )
+        if self.on_server_failure not in ON_SERVER_FAILURE:
+            raise ValueError(
+                f"rollout.vllm.on_server_failure={self.on_server_failure!r} is not one of {list(ON_SERVER_FAILURE)}"
+            )
+        if self.max_server_restarts < 0:
+            raise ValueError(f"rollout.vllm.max_server_restarts={self.max_server_restarts} must be >= 0")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"rollout.vllm.placement={self.placement!r} is not one of {list(PLACEMENTS)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"rollout.vllm.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.kv_cache_space_gib < 1:
+            raise ValueError(f"rollout.vllm.kv_cache_space_gib={self.kv_cache_space_gib} must be a whole number >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"rollout.vllm.max_model_len={self.max_model_len} must be >= 2 (or None = the model's)")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"rollout.vllm.max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"rollout.vllm.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(
+                f"rollout.vllm.weight_transport={self.weight_transport!r} is not one of {list(WEIGHT_TRANSPORTS)}"
+            )
+        if self.weight_transport == "collective" and self.enable_sleep_mode:
+            raise ValueError(
+                "rollout.vllm.enable_sleep_mode (rollout.sleep) is woken by the disk weight switch; with "
+                "rollout.vllm.weight_transport=collective it is not built yet: set rollout.vllm.weight_transport=disk or rollout.sleep=false"
+            )
+        if self.weight_transport == "collective" and self.mode != "server":
+            raise ValueError(
+                "rollout.vllm.weight_transport=collective sends weights to a vLLM server: set rollout.vllm.mode=server, or use "
+                "rollout.vllm.weight_transport=disk (the in-process engine loads disk versions)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -41,6 +41,7 @@ import torch
 from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.grpo import GRPOConfig, GRPOTrainer
+from shardforge.algorithms.trainers.rl.advantages import ADVANTAGE_STAGES, GroupAdvantages, greedy_baseline
 from shardforge.algorithms.trainers.rl.metrics import StepMetrics, means_of
 from shardforge.engine.batching import PackedBatch
 from shardforge.engine.loading import load_hf_config
@@ -55,7 +56,7 @@ from shardforge.engine.objectives.distillation import (
 )
 from shardforge.engine.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
 from shardforge.engine.objectives.on_policy import OnPolicyActorLossFn
-from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS, RolloutCorrectionConfig
+from shardforge.engine.objectives.rollout_correction import RolloutCorrectionConfig
 from shardforge.mesh.collectives import all_reduce_sum
 from shardforge.rollout.factory import PublishedRolloutEngine, build_rollout_engine
 
@@ -195,7 +196,6 @@ class DistillTrainer(GRPOTrainer):
         if config.mode == "off_policy":
             vocab = load_hf_config(config.teacher_model).vocab_size
             _check_vocab(vocab, engine.hf_config.vocab_size)
-            self.advantage_hook = self._supervised_hook
             return engine
         teacher_config = config.engine
         if config.offload_teacher:
@@ -211,8 +211,12 @@ class DistillTrainer(GRPOTrainer):
                 f"teacher_top_k={config.teacher_top_k} keeps the whole vocabulary ({engine.hf_config.vocab_size}); "
                 "set teacher_top_k=0 (exact) or a smaller k"
             )
-        self.advantage_hook = self._distill_hook
         return engine
+
+    def advantage_stage_name(self) -> str:
+        config = self.config
+        assert isinstance(config, DistillConfig)
+        return "teacher_kl" if config.mode == "on_policy" else "teacher_nll"
 
     def setup(self, start: int, restored: dict[str, Any]) -> None:
         super().setup(start, restored)
@@ -253,17 +257,31 @@ class DistillTrainer(GRPOTrainer):
         if teacher is not None and hasattr(teacher, "shutdown"):
             teacher.shutdown()
 
-    def _supervised_hook(self, batch: PackedBatch, metrics: StepMetrics) -> None:
-        """Off-policy: advantage 1 on every teacher token (GPG's -A log pi = the student's NLL)."""
-        mask = batch.loss_mask != 0
-        batch.extras[ADVANTAGES] = mask.to(torch.float32)
-        teacher = batch.extras[BEHAVIOUR_LOGPROBS].double()
-        metrics.add("distill", {"teacher_logprob": teacher[mask].sum(), "num_tokens": mask.sum()},
-                    means_of("num_tokens", prefix="distill/"))  # fmt: skip
 
-    def _distill_hook(self, batch: PackedBatch, metrics: StepMetrics) -> None:
+def _check_vocab(teacher: int, student: int) -> None:
+    if teacher != student:
+        raise ValueError(
+            f"teacher_model vocabulary ({teacher}) differs from the student's ({student}); distillation compares "
+            "the two models' probabilities of the same tokens, so both must share one tokenizer"
+        )
+
+
+@ADVANTAGE_STAGES.register("teacher_kl")
+class TeacherKLAdvantages(GroupAdvantages):
+    """On-policy distillation's stage: the task-reward advantage of GRPO's estimator per trajectory, then per token
+    ``distill_coef * (log pi_teacher - log pi_student) + task_reward_coef * A_task`` (or, for full-distribution
+    losses, the teacher's rows in the batch and the task term alone); ``distill/*`` metrics."""
+
+    def __init__(self, config: DistillConfig, teacher: TrainEngine, policy: TrainEngine) -> None:
+        super().__init__(config.advantage, config.group_size, greedy_baseline(config.advantage, config.reward_shaping))
+        self.config, self.teacher, self.policy = config, teacher, policy
+
+    @classmethod
+    def from_trainer(cls, trainer: Any) -> TeacherKLAdvantages:
+        return cls(trainer.config, trainer.teacher, trainer.engine)
+
+    def token_advantages(self, batch: PackedBatch, metrics: StepMetrics) -> None:
         config = self.config
-        assert isinstance(config, DistillConfig)
         full = config.distill_loss != "token_reverse_kl"
         teacher = self._teacher_rows(batch) if full else self.teacher.forward(batch)
         advantages, reverse_kl = distill_advantages(
@@ -273,9 +291,9 @@ class DistillTrainer(GRPOTrainer):
         local = {"reverse_kl": reverse_kl.double().sum(), "teacher_logprob": teacher.double()[mask].sum(),
                  "num_tokens": mask.sum()}  # fmt: skip
         if config.kl_baseline == "mean":  # A_t + coef * mean_KL: only the deviation from the batch's mean pushes
-            engine = self.engine  # the batch's global mean, before the update: a collective of its own
-            kl_sum, count = all_reduce_sum(local["reverse_kl"], local["num_tokens"], group=engine.dp_group,
-                                           device=engine.device)  # fmt: skip
+            policy = self.policy  # the batch's global mean, before the update: a collective of its own
+            kl_sum, count = all_reduce_sum(local["reverse_kl"], local["num_tokens"], group=policy.dp_group,
+                                           device=policy.device)  # fmt: skip
             shift = config.distill_coef * kl_sum / max(count, 1.0)
             advantages = torch.where(mask, advantages + shift, advantages)
         batch.extras[ADVANTAGES] = advantages
@@ -284,9 +302,7 @@ class DistillTrainer(GRPOTrainer):
     def _teacher_rows(self, batch: PackedBatch) -> torch.Tensor:
         """Put the teacher's per-position rows into ``batch.extras``; return its [T] log-prob of each sampled
         token (top-k: the token's bucket, i.e. the tail's log-mass when the token is outside the top k)."""
-        config = self.config
-        assert isinstance(config, DistillConfig)
-        rows, ids = self.teacher.forward_distribution(batch, top_k=config.teacher_top_k)
+        rows, ids = self.teacher.forward_distribution(batch, top_k=self.config.teacher_top_k)
         batch.extras[TEACHER_LOGPROBS] = rows
         tokens = batch.input_ids[:, None]
         if ids is None:
@@ -295,14 +311,6 @@ class DistillTrainer(GRPOTrainer):
         tail = torch.log(torch.clamp(1.0 - rows.exp().sum(-1), min=torch.finfo(torch.float32).tiny))
         hit = ids == tokens
         return torch.where(hit.any(-1), (rows * hit).sum(-1), tail)
-
-
-def _check_vocab(teacher: int, student: int) -> None:
-    if teacher != student:
-        raise ValueError(
-            f"teacher_model vocabulary ({teacher}) differs from the student's ({student}); distillation compares "
-            "the two models' probabilities of the same tokens, so both must share one tokenizer"
-        )
 
 
 def run_distill(config: DistillConfig) -> dict[str, Any]:

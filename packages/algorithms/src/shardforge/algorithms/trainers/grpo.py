@@ -19,16 +19,16 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
+from shardforge.algorithms.trainers.rl.advantages import ADVANTAGE_STAGES, AdvantageStage, greedy_baseline
 from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
 from shardforge.algorithms.trainers.rl.colocate import colocated_phases
 from shardforge.algorithms.trainers.rl.common import (
@@ -61,9 +61,8 @@ from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
 from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes
 from shardforge.algorithms.trainers.run.common import with_total_steps
 from shardforge.algorithms.trainers.run.profiling import phase
-from shardforge.engine.batching import PackedBatch
 from shardforge.engine.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn
-from shardforge.engine.objectives.advantages import AdvantageEstimator, group_advantages
+from shardforge.engine.objectives.advantages import AdvantageEstimator
 from shardforge.engine.objectives.kl_control import KLController, build_kl_controller
 from shardforge.engine.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS
 from shardforge.engine.objectives.on_policy import OnPolicyActorLossFn, correction_fits_in_loss, has_dropout
@@ -117,9 +116,9 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
     check_rollout_batch(config, prompts, dp_size, budget, f"engine.max_tokens_per_microbatch={budget}")
     if config.advantage != "dr_grpo" and config.group_size < 2:
         raise ValueError(f"advantage={config.advantage!r} needs group_size >= 2 (it compares samples of a prompt)")
-    if config.advantage == "remax" and config.reward_model.path is not None:
+    if greedy_baseline(config.advantage, config.reward_shaping) is not None and config.reward_model.path is not None:
         raise ValueError(
-            "advantage=remax with reward_model is not supported yet: the greedy baseline episodes are scored by the "
+            f"advantage={config.advantage} with reward_model is not supported yet: the greedy baseline episodes are scored by the "
             "reward functions only; use another estimator (grpo, rloo) or drop reward_model"
         )
     kl_coef = config.actor.kl_coef
@@ -161,8 +160,17 @@ class GRPOTrainer(Trainer[GRPOConfig]):
 
     name = "grpo"
     eval_at_start = True
-    advantage_hook: Callable[[PackedBatch, StepMetrics], None] | None = None
-    """Rewrites a packed batch's advantages before the update (on-policy distillation); adds its statistics."""
+    advantage_stage: ClassVar[str] = "group"
+    """The name in `ADVANTAGE_STAGES` of how this trainer's batches get their advantages (`advantage_stage_name`)."""
+
+    def advantage_stage_name(self) -> str:
+        """The advantage stage of this run (a subclass may choose by its config: distill's mode)."""
+        return self.advantage_stage
+
+    def build_advantage_stage(self) -> AdvantageStage:
+        """The run's `AdvantageStage`: ``advantage_stage_name()`` from `ADVANTAGE_STAGES`, built for this trainer."""
+        stage: AdvantageStage = ADVANTAGE_STAGES.get(self.advantage_stage_name()).from_trainer(self)
+        return stage
 
     def load_data(self) -> None:
         config = self.config
@@ -202,9 +210,12 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         def publish(version: int | None) -> int:
             return built.publisher.publish(engine, version)
 
+        self.advantages = self.build_advantage_stage()
         prompt_sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
         sampler = self.sampling_rollout(rollout)
-        generate_round = workflow_round_fn(config, sampler, self.prompts, self.workflow, engine, prompt_sampler)
+        generate_round = workflow_round_fn(
+            config, sampler, self.prompts, self.workflow, engine, prompt_sampler, self.advantages.baseline
+        )
         sample_fn, self.dynamic = make_sample_fn(config, generate_round, engine)
         self.phases = colocated_phases(config, rollout, [engine])  # before the first publish: it may sleep now
         if self.phases is not None:
@@ -256,7 +267,7 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         if self.reference is not None:  # the coefficient this step uses (the controller's, when adaptive)
             self.actor.config = dataclasses.replace(self.actor.config, kl_coef=self.kl_ctrl.value)
             metrics.put({"kl_coef": self.kl_ctrl.value})
-        train = _train_step(sampled, config, engine, self.actor, metrics, self.advantage_hook, self.reference)
+        train = _train_step(sampled, config, engine, self.actor, metrics, self.advantages, self.reference)
         if self.dynamic is not None:
             add_dynamic_sampling_stats(metrics, self.dynamic.pop_stats(sampled.index))
         add_reward_call_stats(metrics, self.reward_fn)
@@ -349,7 +360,7 @@ def _train_step(
     engine: TrainEngine,
     actor: PPOActorLossFn,
     metrics: StepMetrics,
-    advantage_hook: Callable[[PackedBatch, StepMetrics], None] | None = None,
+    stage: AdvantageStage,
     reference: TrainEngine | None = None,
 ) -> dict[str, float]:
     """One PPO update on a sampled batch; its statistics go to ``metrics`` (reduced once at the step's end), the
@@ -361,13 +372,7 @@ def _train_step(
     # The one agreement before training: every rank must know whether the step may go on.
     metrics.put(check_failed_episodes(sampled.rollouts, config.workflow.max_failed_fraction, engine))
     lengths = torch.tensor([t.num_generated for t in sampled.rollouts], dtype=torch.float64)
-    baselines = None
-    if config.advantage == "remax":  # one greedy episode's reward per prompt (rl_sampling.set_greedy_baselines)
-        baselines = torch.tensor([t.baseline_reward for t in sampled.rollouts[:: config.group_size]])
-    advantages = group_advantages(
-        sampled.rewards, config.group_size, config.advantage, response_lengths=lengths, baseline_rewards=baselines
-    )
-    batch = trajectories_to_batch(sampled.rollouts, advantages)
+    batch = trajectories_to_batch(sampled.rollouts, stage.sequence_advantages(sampled, metrics))
     if reference is not None:  # actor.kl_coef > 0: the KL term of the loss against the frozen reference
         with phase("ref_logprobs"):
             batch.extras[REF_LOGPROBS] = reference.forward(batch)
@@ -382,8 +387,7 @@ def _train_step(
             batch, config.rollout_correction, old_key=OLD_LOGPROBS, group=engine.dp_group, device=engine.device
         )
         add_correction_stats(metrics, correction)
-    if advantage_hook is not None:
-        advantage_hook(batch, metrics)
+    stage.token_advantages(batch, metrics)
     mask = batch.loss_mask != 0
     # the share of trained tokens with a learning signal (dynamic sampling drives it to 1)
     signal = {"signal": (mask & (batch.extras[ADVANTAGES] != 0)).sum(), "targets": mask.sum()}
@@ -398,8 +402,6 @@ def _train_step(
         add_behaviour_gap(metrics, {"behaviour_gap": local.pop("behaviour_gap"), "num_tokens": local["num_tokens"]})
         add_correction_stats(metrics, local)
     add_reward_stats(metrics, sampled.rewards.double(), lengths)
-    if baselines is not None:
-        metrics.add("remax", {"sum": baselines.double().sum(), "count": baselines.numel()}, _baseline_view)
     add_workflow_stats(metrics, sampled.rollouts)
     metrics.put({
         "rollout_version": float(sampled.rollouts[0].version),
@@ -421,10 +423,6 @@ def _train_step(
 
 def _signal_view(raw: dict[str, float]) -> dict[str, float]:
     return {"advantage_nonzero_frac": raw["signal"] / max(raw["targets"], 1.0)}
-
-
-def _baseline_view(raw: dict[str, float]) -> dict[str, float]:
-    return {"remax/baseline_mean": raw["sum"] / max(raw["count"], 1.0)}
 
 
 TRAINER = TrainerSpec(config_cls=GRPOConfig, run=run_grpo, row_fields=PROMPT_ROW_FIELDS)

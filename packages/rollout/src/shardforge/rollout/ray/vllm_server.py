@@ -33,8 +33,8 @@ from typing import Any, ClassVar
 
 from shardforge.core.log import get_logger
 from shardforge.mesh import free_port
+from shardforge.rollout.config import VLLMOptions
 from shardforge.rollout.server.health import RolloutServerError, ray_get
-from shardforge.rollout.vllm.engine import VLLMOptions
 from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
 __all__ = ["RayVLLMServerEngine", "VLLMServerActor", "server_process"]

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from shardforge.core.log import get_logger
 from shardforge.mesh import free_port as _free_port
 from shardforge.rollout.chunked import ChunkedGeneration, chunked_requests
+from shardforge.rollout.config import VLLMOptions
 from shardforge.rollout.seeds import prompt_seeds
 from shardforge.rollout.server.health import (
     REQUEST_FAILURES,
@@ -61,10 +62,7 @@ from shardforge.rollout.server.http import local_address_towards
 from shardforge.rollout.server.http import post_json as _post
 from shardforge.rollout.server.shared_restart import SharedServerRestarts
 from shardforge.rollout.types import Rollout, SamplingParams
-from shardforge.rollout.vllm.engine import (
-    VLLMOptions,
-    require_main_thread,
-)
+from shardforge.rollout.vllm.engine import require_main_thread
 from shardforge.rollout.vllm.server_collective import (
     CollectivePublishing,
     CollectiveSender,

@@ -33,9 +33,10 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from shardforge.core.log import get_logger
+from shardforge.rollout.config import VLLMOptions
 from shardforge.rollout.server.health import RolloutServerError, down_message
 from shardforge.rollout.server.http import ServerErrorReply, post_json
-from shardforge.rollout.vllm.engine import VLLMOptions, require_main_thread
+from shardforge.rollout.vllm.engine import require_main_thread
 from shardforge.weight_sync import CollectiveTransport
 
 __all__ = [

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from shardforge.mesh import parse_dtype
-from shardforge.rollout.vllm.engine import VLLMOptions, _tokenizer_dir, _vllm_process_env
+from shardforge.rollout.config import VLLMOptions
+from shardforge.rollout.vllm.engine import _tokenizer_dir, _vllm_process_env
 
 __all__ = ["SERVED_NAME", "VLLMServerProcess"]
 

@@ -20,6 +20,7 @@ import torch
 
 from shardforge.algorithms.data import GlobalBatchSampler
 from shardforge.algorithms.data.source_set import IndexSampler
+from shardforge.algorithms.trainers.rl.advantages import GreedyBaseline
 from shardforge.algorithms.trainers.rl.common import RLTrainerConfig
 from shardforge.algorithms.trainers.rl.dynamic_sampling import DynamicSampler, GenerateRoundFn, keep_exchange
 from shardforge.algorithms.trainers.rl.sources import SampleFn
@@ -51,10 +52,11 @@ def workflow_round_fn(
     workflow: Workflow,
     engine: TrainEngine,
     make_sampler: Callable[[int], IndexSampler] | None = None,
+    baseline: GreedyBaseline | None = None,
 ) -> GenerateRoundFn:
     """(batch index, round) -> this rank's trajectories (``group_size`` consecutive per prompt) and raw rewards.
     ``make_sampler``: seed -> the prompt sampler (`trainers.rl_data.PromptData.sampler`, e.g. a mixture);
-    default: uniform over ``prompts``."""
+    default: uniform over ``prompts``. ``baseline``: collected with each round's episodes (ReMax's greedy ones)."""
     samplers: dict[int, IndexSampler] = {}
     dp_rank, dp_size = engine.dp_rank, engine.dp_size
 
@@ -80,8 +82,8 @@ def workflow_round_fn(
             # max_failed_fraction=0: a crash raises as it is (no group is dropped).
             drop = config.workflow.max_failed_fraction > 0
             trajectories = run_episodes(workflow, rollout, rows, config.group_size, params, drop_failed=drop)
-            if getattr(config, "advantage", None) == "remax":
-                set_greedy_baselines(config, workflow, rollout, rows, params, trajectories)
+            if baseline is not None:  # ReMax: the prompts' greedy episodes, scored as the samples are
+                baseline.collect(workflow, rollout, rows, params, trajectories)
             return trajectories
 
         # A rollout server shared by the ranks that dies in the round: the ranks agree at its end, rank 0
@@ -90,30 +92,6 @@ def workflow_round_fn(
         return trajectories, torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
 
     return sample
-
-
-def set_greedy_baselines(
-    config: RLTrainerConfig,
-    workflow: Workflow,
-    rollout: RolloutEngine,
-    rows: list[PromptRow],
-    params: SamplingParams,
-    trajectories: list[Any],
-) -> None:
-    """ReMax (Li et al. 2024): one greedy episode per prompt; its reward (shaped as the samples' are)
-    becomes ``baseline_reward`` of the prompt's samples. A prompt whose greedy episode crashed (and was
-    dropped) falls back to its samples' mean reward."""
-    greedy = run_episodes(workflow, rollout, rows, 1, replace(params, temperature=0.0), drop_failed=True)
-    rewards = torch.tensor([t.reward for t in greedy], dtype=torch.float32)
-    if config.reward_shaping != RewardShapingConfig():
-        lengths = torch.tensor([sum(1 for m in t.loss_mask if m) for t in greedy], dtype=torch.float32)
-        rewards = shape_rewards(rewards, config.reward_shaping, response_lengths=lengths)
-    baseline = {t.group: float(r) for t, r in zip(greedy, rewards, strict=True)}
-    for t in trajectories:
-        if t.group not in baseline:
-            group = [s.reward for s in trajectories if s.group == t.group]
-            baseline[t.group] = sum(group) / len(group)
-        t.baseline_reward = baseline[t.group]
 
 
 def make_sample_fn(
