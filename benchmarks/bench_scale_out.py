@@ -135,8 +135,8 @@ def restart_latency(work: Path, assets: dict[str, Any]) -> dict[str, float]:
 
 
 def rollout_server_restart(work: Path) -> dict[str, float]:
-    from shardforge.rollout.types import SamplingParams
     from shardforge.rollout.config import VLLMOptions
+    from shardforge.rollout.types import SamplingParams
     from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
 
     stub, marker = STUB_SERVER, work / "die"

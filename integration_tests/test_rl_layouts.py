@@ -263,12 +263,12 @@ def test_grpo_multi_turn_steps_match_across_layouts(model_dir: str, world: int, 
 def _grpo_step_on_rank(model_dir: str, layout: str, reuse: bool) -> dict[str, float]:
     """One `grpo._train_step` on this rank's share of fixed rollouts whose behaviour log-probs are noise
     (a large trainer/engine gap): old log-probs from the training forward (reuse) or a recompute pass."""
-    import time
-
     import torch.distributed as dist
 
     from shardforge.algorithms.config_io import build_config
     from shardforge.algorithms.trainers.grpo import GRPOConfig, _train_step
+    from shardforge.algorithms.trainers.rl.advantages import GroupAdvantages
+    from shardforge.algorithms.trainers.rl.metrics import StepMetrics
     from shardforge.algorithms.trainers.rl.sources import SampledBatch
     from shardforge.engine import EngineConfig, OptimizerConfig, TrainEngine
     from shardforge.engine.objectives import PPOActorLossFn
@@ -296,7 +296,9 @@ def _grpo_step_on_rank(model_dir: str, layout: str, reuse: bool) -> dict[str, fl
     keep = [g * GROUP_SIZE + k for g in groups for k in range(GROUP_SIZE)]
     sampled = SampledBatch(index=0, policy_step=0, rollouts=[trajectories[i] for i in keep], rewards=rewards[keep])
     actor = OnPolicyActorLossFn(config.actor, config.rollout_correction) if reuse else PPOActorLossFn(config.actor)
-    stats = _train_step(sampled, config, engine, actor, time.perf_counter())
+    metrics = StepMetrics()
+    stats = _train_step(sampled, config, engine, actor, metrics, GroupAdvantages(config.advantage, GROUP_SIZE))
+    stats |= metrics.reduce(engine.dp_group, engine.device)
     keys = ("behaviour_kl", "loss", "grad_norm", "rollout_corr/kl_k3", "rollout_corr/truncated_frac")
     return {k: stats[k] for k in keys} if not dist.is_initialized() or dist.get_rank() == 0 else {}
 

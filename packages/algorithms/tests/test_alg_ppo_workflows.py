@@ -187,6 +187,7 @@ def test_rollout_correction_weights_the_ppo_actor_loss_as_the_reference(chat: di
     -sum(A_t w_t) / kept tokens (at ratio 1, no clipping), w from the formula written here; the
     critic's batch keeps every generated token; the metrics are reported."""
     from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
+    from shardforge.algorithms.trainers.rl.metrics import StepMetrics
     from shardforge.algorithms.trainers.rl.ppo_update import correct_actor_batch, prepare_ppo_batch
     from shardforge.engine import EngineConfig, TrainEngine
     from shardforge.engine.objectives import PPOActorConfig, PPOActorLossFn, RolloutCorrectionConfig
@@ -211,7 +212,9 @@ def test_rollout_correction_weights_the_ppo_actor_loss_as_the_reference(chat: di
     noise = torch.randn(batch.num_tokens, generator=gen, dtype=torch.float64) * 0.8
     batch.extras[BEHAVIOUR_LOGPROBS] = ((old - noise) * mask).float()
     config = RolloutCorrectionConfig(mode=mode, cap=1.5, low=0.5, high=1.5)
-    actor_batch, stats = correct_actor_batch(batch, config, actor)
+    metrics = StepMetrics()
+    actor_batch = correct_actor_batch(batch, config, actor, metrics)
+    stats = metrics.reduce(actor.dp_group, actor.device)
     # Reference weights from the formulas (docs/packages/algorithms-rollout-correction.md).
     log_rho = (old - batch.extras[BEHAVIOUR_LOGPROBS].double()) * mask
     if mode == "none":

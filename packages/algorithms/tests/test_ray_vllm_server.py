@@ -137,8 +137,7 @@ def _spec(tmp_path: Path, **options: Any) -> Any:
     spec = rollout_actor_spec(_config(**SERVER, output_dir=str(tmp_path / "out"), seed=3), "ray", 1)
     assert spec is not None
     return pickle.loads(pickle.dumps(spec)).__class__(  # what Ray hands the actor: a pickled copy
-        **{f: getattr(spec, f) for f in spec.__dataclass_fields__}
-        | {"vllm": VLLMOptions(mode="server", **options)}
+        **{f: getattr(spec, f) for f in spec.__dataclass_fields__} | {"vllm": VLLMOptions(mode="server", **options)}
     )
 
 
