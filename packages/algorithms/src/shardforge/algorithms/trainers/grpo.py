@@ -20,32 +20,25 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
 from shardforge.algorithms.trainers import TrainerSpec
-from shardforge.algorithms.trainers.base import Trainer
 from shardforge.algorithms.trainers.rl.advantages import ADVANTAGE_STAGES, AdvantageStage, greedy_baseline
 from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
-from shardforge.algorithms.trainers.rl.colocate import colocated_phases
 from shardforge.algorithms.trainers.rl.common import (
     RLTrainerConfig,
     build_reference,
-    build_reward_fn,
     build_reward_model,
     check_eval_split,
     check_prompt_positions,
     check_rollout_batch,
 )
-from shardforge.algorithms.trainers.rl.data import load_prompt_data
 from shardforge.algorithms.trainers.rl.metrics import StepMetrics
 from shardforge.algorithms.trainers.rl.partial import check_partial_rollouts
-from shardforge.algorithms.trainers.rl.publish import build_trainer_rollout
-from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
-from shardforge.algorithms.trainers.rl.sources import AsyncRollouts, RolloutSource, SampledBatch, SampleFn, SyncRollouts
+from shardforge.algorithms.trainers.rl.sources import SampledBatch
 from shardforge.algorithms.trainers.rl.step_stats import (
     add_actor_stats,
     add_behaviour_gap,
@@ -57,13 +50,12 @@ from shardforge.algorithms.trainers.rl.step_stats import (
     add_rollout_server_stats,
     add_workflow_stats,
 )
-from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
 from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes
+from shardforge.algorithms.trainers.rl_trainer import RLTrainer
 from shardforge.algorithms.trainers.run.common import with_total_steps
 from shardforge.algorithms.trainers.run.profiling import phase
 from shardforge.engine.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn
 from shardforge.engine.objectives.advantages import AdvantageEstimator
-from shardforge.engine.objectives.kl_control import KLController, build_kl_controller
 from shardforge.engine.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS
 from shardforge.engine.objectives.on_policy import OnPolicyActorLossFn, correction_fits_in_loss, has_dropout
 from shardforge.engine.objectives.rollout_correction import (
@@ -72,7 +64,6 @@ from shardforge.engine.objectives.rollout_correction import (
     behaviour_gap,
     correct_batch,
 )
-from shardforge.rollout.factory import PublishedRolloutEngine
 from shardforge.rollout.types import PromptSet
 
 if TYPE_CHECKING:  # imported in build_engines: the launcher reads GRPOConfig without the engine
@@ -155,11 +146,10 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
         )
 
 
-class GRPOTrainer(Trainer[GRPOConfig]):
+class GRPOTrainer(RLTrainer[GRPOConfig]):
     """One PPO-clip update per rollout batch; batches come from a `RolloutSource` (sync or async)."""
 
     name = "grpo"
-    eval_at_start = True
     advantage_stage: ClassVar[str] = "group"
     """The name in `ADVANTAGE_STAGES` of how this trainer's batches get their advantages (`advantage_stage_name`)."""
 
@@ -171,14 +161,6 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         """The run's `AdvantageStage`: ``advantage_stage_name()`` from `ADVANTAGE_STAGES`, built for this trainer."""
         stage: AdvantageStage = ADVANTAGE_STAGES.get(self.advantage_stage_name()).from_trainer(self)
         return stage
-
-    def load_data(self) -> None:
-        config = self.config
-        self.prompt_data = load_prompt_data(config, self.tokenizer)
-        self.prompts, self.held_out = self.prompt_data.prompts, self.prompt_data.held_out
-        self.reward_fn = build_reward_fn(config)
-        budget = config.engine.max_tokens_per_microbatch
-        self.workflow = build_rl_workflow(config, self.tokenizer, self.reward_fn, budget)
 
     def build_engines(self) -> TrainEngine:
         from shardforge.engine import TrainEngine
@@ -194,63 +176,20 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         self.reference = build_reference(config, config.actor.kl_coef > 0)  # the KL term of the actor loss
         return engine
 
-    def data_state(self) -> dict[str, Any]:
-        config = self.config
-        return {"seed": config.seed, "prompts_per_step": config.prompts_per_step} | self.prompt_data.data_state()
+    def kl_coefficient(self) -> float:
+        return self.config.actor.kl_coef
 
     def setup(self, start: int, restored: dict[str, Any]) -> None:
         config, engine = self.config, self.engine
-        # Async: the generator may need max_staleness-old disk versions.
-        keep = max(2, config.max_staleness + 2) if config.async_rollouts else 2
-        built = build_trainer_rollout(
-            config, self.tokenizer, self.out / "weights", engine, asynchronous=config.async_rollouts, keep_versions=keep
-        )
-        self.rollout = rollout = built.engine
-
-        def publish(version: int | None) -> int:
-            return built.publisher.publish(engine, version)
-
         self.advantages = self.build_advantage_stage()
-        prompt_sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
-        sampler = self.sampling_rollout(rollout)
-        generate_round = workflow_round_fn(
-            config, sampler, self.prompts, self.workflow, engine, prompt_sampler, self.advantages.baseline
-        )
-        sample_fn, self.dynamic = make_sample_fn(config, generate_round, engine)
-        self.phases = colocated_phases(config, rollout, [engine])  # before the first publish: it may sleep now
-        if self.phases is not None:
-            sample_fn = self.phases.wrap(sample_fn)
-        sample_fn = _traced(sample_fn)  # the generate range, on whichever thread samples
-        self.source: RolloutSource | None = None
-        if config.async_rollouts:
-            self.source = AsyncRollouts(
-                rollout=rollout,
-                sample_fn=sample_fn,
-                publish_fn=publish,
-                max_staleness=config.max_staleness,
-                num_batches=config.steps,
-                start=start,
-                dp_rank=engine.dp_rank,
-                dp_size=engine.dp_size,
-                restored=restored.get("async_rollouts"),
-                device=engine.device,
-                chunks=built.chunks,
-            )
-        else:
-            self.source = SyncRollouts(rollout, sample_fn, publish)
-        self.kl_ctrl: KLController = build_kl_controller(
-            dataclasses.replace(config.kl_ctrl, kl_coef=config.actor.kl_coef)
-        )
-        if "kl_coef" in restored:  # an adaptive coefficient continues where the checkpoint left it
-            self.kl_ctrl.value = float(restored["kl_coef"])
+        self.build_source(
+            start, restored, [engine], asynchronous=config.async_rollouts, max_staleness=config.max_staleness,
+            baseline=self.advantages.baseline,
+        )  # fmt: skip
         self.actor = PPOActorLossFn(config.actor)
         if _reuse_training_logprobs(config, engine):
             self.actor = OnPolicyActorLossFn(config.actor, config.rollout_correction)
             log.info("old log-probs: from the training forward (one update per on-policy batch; no recompute pass)")
-
-    def sampling_rollout(self, rollout: PublishedRolloutEngine) -> PublishedRolloutEngine:
-        """The engine the training samples come from: the policy's own (off-policy distillation: the teacher's)."""
-        return rollout
 
     def train_step(self, step: int) -> dict[str, float]:
         assert self.source is not None
@@ -289,54 +228,14 @@ class GRPOTrainer(Trainer[GRPOConfig]):
         stats["step_s"] = time.perf_counter() - step_started  # rollouts (or the wait) + update + publish
         return stats
 
-    def step_summary(self, stats: dict[str, float]) -> dict[str, Any]:
-        return {"reward_mean": stats["reward_mean"]}
-
     def postfix(self, stats: dict[str, float]) -> dict[str, str]:
         return {"reward": f"{stats['reward_mean']:.3f}", "len": f"{stats['response_len_mean']:.1f}"}
 
-    def extra_state(self) -> dict[str, Any]:
-        state = self.source.checkpoint_state() if self.source is not None else {}
-        extra: dict[str, Any] = {"async_rollouts": state} if state else {}
-        if self.config.kl_ctrl.type != "fixed":
-            extra["kl_coef"] = self.kl_ctrl.value
-        return extra
-
-    def evaluate(self) -> dict[str, float]:
-        assert self.held_out is not None and self.source is not None
-        config = self.config
-        return evaluate_held_out(
-            self.rollout, self.held_out, self.engine, self.reward_fn, config.workflow, self.workflow,
-            config.eval_sampling, config.max_new_tokens, config.eval_size, runner=self.source.evaluate,
-        )  # fmt: skip
-
-    def eval_summary(self, result: dict[str, float], at_start: bool) -> dict[str, Any]:
-        return {"accuracy_start" if at_start else "accuracy_end": result["accuracy"]}
-
-    def export_extra(self, summary: dict[str, Any]) -> None:
-        processor = self.prompt_data.image_processor  # a VLM: AutoImageProcessor.from_pretrained(hf_dir)
-        if processor is not None and self.engine.is_main and "hf_dir" in summary:
-            processor.save_pretrained(summary["hf_dir"])
-
-    def close(self) -> None:
-        source: RolloutSource | None = getattr(self, "source", None)
-        if source is not None:
-            source.close()
-        if hasattr(self, "reward_fn"):
-            self.reward_fn.close()
 
 
 def run_grpo(config: GRPOConfig) -> dict[str, Any]:
     """Train; return a summary (accuracy before/after, final reward). Call on every rank."""
     return GRPOTrainer(config).run()
-
-
-def _traced(sample_fn: SampleFn) -> SampleFn:
-    def sample(index: int) -> tuple[list[Any], torch.Tensor]:
-        with phase("generate"):
-            return sample_fn(index)
-
-    return sample
 
 
 def _reuse_training_logprobs(config: GRPOConfig, engine: TrainEngine) -> bool:

@@ -19,26 +19,21 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
 from shardforge.algorithms.trainers import TrainerSpec
-from shardforge.algorithms.trainers.base import Trainer
 from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
-from shardforge.algorithms.trainers.rl.colocate import colocated_phases
 from shardforge.algorithms.trainers.rl.common import (
     RLTrainerConfig,
     build_reference,
-    build_reward_fn,
     build_reward_model,
     check_eval_split,
     check_prompt_positions,
     check_rollout_batch,
 )
-from shardforge.algorithms.trainers.rl.data import load_prompt_data
 from shardforge.algorithms.trainers.rl.metrics import StepMetrics
 from shardforge.algorithms.trainers.rl.ppo_update import (
     ShiftedCriticLossFn,
@@ -46,8 +41,6 @@ from shardforge.algorithms.trainers.rl.ppo_update import (
     ppo_update,
     prepare_ppo_batch,
 )
-from shardforge.algorithms.trainers.rl.publish import build_trainer_rollout, publish_and_serve
-from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
 from shardforge.algorithms.trainers.rl.step_stats import (
     add_dynamic_sampling_stats,
     add_reward_call_stats,
@@ -55,13 +48,12 @@ from shardforge.algorithms.trainers.rl.step_stats import (
     add_rollout_server_stats,
     add_workflow_stats,
 )
-from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
 from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes
+from shardforge.algorithms.trainers.rl_trainer import RLTrainer
 from shardforge.algorithms.trainers.run.common import with_total_steps
 from shardforge.algorithms.trainers.run.profiling import phase
 from shardforge.engine.config import EngineConfig
 from shardforge.engine.objectives import KLEstimator, PPOActorLossFn, PPOCriticConfig
-from shardforge.engine.objectives.kl_control import KLController, build_kl_controller
 from shardforge.engine.objectives.rollout_correction import ROLLOUT_CORRECTIONS
 from shardforge.rollout.types import PromptSet
 
@@ -134,19 +126,17 @@ def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
         )
 
 
-class PPOTrainer(Trainer[PPOConfig]):
+class PPOTrainer(RLTrainer[PPOConfig]):
     """Actor (``engine``), critic and an optional frozen reference; checkpoints hold actor and critic."""
 
     name = "ppo"
-    eval_at_start = True
 
-    def load_data(self) -> None:
+    def token_budget(self) -> int:
         config = self.config
-        self.prompt_data = load_prompt_data(config, self.tokenizer)
-        self.prompts, self.held_out = self.prompt_data.prompts, self.prompt_data.held_out
-        self.reward_fn = build_reward_fn(config)
-        budget = min(config.engine.max_tokens_per_microbatch, config.critic_engine.max_tokens_per_microbatch)
-        self.workflow = build_rl_workflow(config, self.tokenizer, self.reward_fn, budget)
+        return min(config.engine.max_tokens_per_microbatch, config.critic_engine.max_tokens_per_microbatch)
+
+    def kl_coefficient(self) -> float:
+        return self.config.kl_coef
 
     def build_engines(self) -> TrainEngine:
         from shardforge.engine import TrainEngine
@@ -167,12 +157,8 @@ class PPOTrainer(Trainer[PPOConfig]):
         return actor
 
     def data_state(self) -> dict[str, Any]:
-        config = self.config
-        return {
-            "seed": config.seed,
-            "prompts_per_step": config.prompts_per_step,
-            "update_epochs": config.update_epochs,  # engine steps per iteration: the resume point depends on it
-        } | self.prompt_data.data_state()
+        # engine steps per iteration: the resume point depends on it
+        return super().data_state() | {"update_epochs": self.config.update_epochs}
 
     def checkpoint_engines(self) -> dict[str, TrainEngine]:
         return {"checkpoints": self.engine, "critic_checkpoints": self.critic}
@@ -181,27 +167,17 @@ class PPOTrainer(Trainer[PPOConfig]):
         return self.engine.step // self.config.update_epochs
 
     def setup(self, start: int, restored: dict[str, Any]) -> None:
-        config, actor = self.config, self.engine
-        self.built = build_trainer_rollout(config, self.tokenizer, self.out / "weights", actor)
-        self.rollout = self.built.engine
-        self.phases = colocated_phases(config, self.rollout, [actor, self.critic])  # may sleep: a publish follows
-        self.version = publish_and_serve(self.built, actor, None)
+        config = self.config
+        self.build_source(start, restored, [self.engine, self.critic])
         self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
-        self.kl_ctrl: KLController = build_kl_controller(dataclasses.replace(config.kl_ctrl, kl_coef=config.kl_coef))
-        if "kl_coef" in restored:  # an adaptive coefficient continues where the checkpoint left it
-            self.kl_ctrl.value = float(restored["kl_coef"])
-        sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
-        generate_round = workflow_round_fn(config, self.rollout, self.prompts, self.workflow, actor, sampler)
-        self.sample, self.dynamic = make_sample_fn(config, generate_round, actor)
-        if self.phases is not None:
-            self.sample = self.phases.wrap(self.sample)
 
     def train_step(self, step: int) -> dict[str, float]:
-        config, actor, rollout = self.config, self.engine, self.rollout
+        assert self.source is not None
+        config, actor = self.config, self.engine
         started = time.perf_counter()
-        with phase("generate"):
-            trajectories, rewards = self.sample(step)
-        generated, served = time.perf_counter(), float(rollout.version)  # the version that sampled
+        sampled = self.source.batch(step)
+        trajectories, rewards = sampled.rollouts, sampled.rewards
+        generated, served = time.perf_counter(), float(self.rollout.version)  # the version that sampled
         metrics = StepMetrics()
         metrics.put(check_failed_episodes(trajectories, config.workflow.max_failed_fraction, actor))
         if self.reward_model is not None:
@@ -238,7 +214,7 @@ class PPOTrainer(Trainer[PPOConfig]):
             )  # fmt: skip
         began = time.perf_counter()
         with phase("weight_sync"):
-            self.version = publish_and_serve(self.built, actor, self.version)
+            self.source.publish(step + 1)
         add_reward_stats(metrics, rewards.double(), lengths)
         add_workflow_stats(metrics, trajectories)
         if self.dynamic is not None:
@@ -260,36 +236,8 @@ class PPOTrainer(Trainer[PPOConfig]):
             )
         return stats
 
-    def step_summary(self, stats: dict[str, float]) -> dict[str, Any]:
-        return {"reward_mean": stats["reward_mean"]}
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"kl_coef": self.kl_ctrl.value} if self.config.kl_ctrl.type != "fixed" else {}
-
     def postfix(self, stats: dict[str, float]) -> dict[str, str]:
         return {"reward": f"{stats['reward_mean']:.3f}", "vloss": f"{stats['critic/loss']:.3f}"}
-
-    def evaluate(self) -> dict[str, float]:
-        assert self.held_out is not None
-        config = self.config
-        return evaluate_held_out(
-            self.rollout,
-            self.held_out,
-            self.engine,
-            self.reward_fn,
-            config.workflow,
-            self.workflow,
-            config.eval_sampling,
-            config.max_new_tokens,
-            config.eval_size,
-        )
-
-    def eval_summary(self, result: dict[str, float], at_start: bool) -> dict[str, Any]:
-        return {"accuracy_start" if at_start else "accuracy_end": result["accuracy"]}
-
-    def close(self) -> None:
-        if hasattr(self, "reward_fn"):
-            self.reward_fn.close()
 
     def export_extra(self, summary: dict[str, Any]) -> None:
         processor = self.prompt_data.image_processor  # a VLM: the actor's export gets the image processor

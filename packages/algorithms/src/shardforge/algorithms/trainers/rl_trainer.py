@@ -1,0 +1,159 @@
+"""What every RL trainer (GRPO, PPO, distill) shares around its update: ONE place for the prompts and reward
+functions, the rollout engine and its publisher, the batch source (synchronous, or asynchronous with partial
+rollouts), the sampling pipeline, held-out evaluation, the KL controller's state, export and shutdown.
+
+A trainer adds its engines (`build_engines`), the update it runs on a sampled batch (`train_step`) and the
+advantage stage that fits it (GRPO: `trainers.rl.advantages`; PPO: GAE with its critic). The sampling pipeline of
+a batch, in order (each piece in one module)::
+
+    workflow round (rl/sampling.workflow_round_fn: prompts -> episodes -> trajectories, ReMax's greedy baseline)
+    -> dynamic sampling over rounds (rl/dynamic_sampling)    -> reward shaping (rl/sampling.make_sample_fn)
+    -> the colocated phases (rl/colocate: offload / sleep)   -> the ``generate`` profiling range
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from shardforge.algorithms.trainers.base import Trainer
+from shardforge.algorithms.trainers.rl.colocate import colocated_phases
+from shardforge.algorithms.trainers.rl.common import RLTrainerConfig, build_reward_fn
+from shardforge.algorithms.trainers.rl.data import load_prompt_data
+from shardforge.algorithms.trainers.rl.publish import build_trainer_rollout
+from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
+from shardforge.algorithms.trainers.rl.sources import AsyncRollouts, RolloutSource, SampleFn, SyncRollouts
+from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
+from shardforge.algorithms.trainers.run.profiling import phase
+from shardforge.engine.objectives.kl_control import KLController, build_kl_controller
+from shardforge.rollout.factory import PublishedRolloutEngine
+
+if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
+    from shardforge.algorithms.trainers.rl.advantages import GreedyBaseline
+    from shardforge.engine import TrainEngine
+
+__all__ = ["RLTrainer"]
+
+C = TypeVar("C", bound=RLTrainerConfig)
+
+
+class RLTrainer(Trainer[C]):
+    """The shared part of the RL trainers (see the module docstring)."""
+
+    eval_at_start = True
+
+    def token_budget(self) -> int:
+        """The most tokens one trajectory may have (the trainer's micro-batch budget)."""
+        return self.config.engine.max_tokens_per_microbatch
+
+    def kl_coefficient(self) -> float:
+        """The KL coefficient the KL controller starts from (GRPO: in the loss; PPO: in the reward)."""
+        raise NotImplementedError
+
+    def load_data(self) -> None:
+        config = self.config
+        self.prompt_data = load_prompt_data(config, self.tokenizer)
+        self.prompts, self.held_out = self.prompt_data.prompts, self.prompt_data.held_out
+        self.reward_fn = build_reward_fn(config)
+        self.workflow = build_rl_workflow(config, self.tokenizer, self.reward_fn, self.token_budget())
+
+    def data_state(self) -> dict[str, Any]:
+        config = self.config
+        return {"seed": config.seed, "prompts_per_step": config.prompts_per_step} | self.prompt_data.data_state()
+
+    def sampling_rollout(self, rollout: PublishedRolloutEngine) -> PublishedRolloutEngine:
+        """The engine the training samples come from: the policy's own (off-policy distillation: the teacher's)."""
+        return rollout
+
+    def build_source(
+        self,
+        start: int,
+        restored: dict[str, Any],
+        idle: list[TrainEngine],
+        *,
+        asynchronous: bool = False,
+        max_staleness: int = 0,
+        baseline: GreedyBaseline | None = None,
+    ) -> RolloutSource:
+        """The rollout engine (``self.rollout``) and the batch source the steps draw from: the sampling pipeline
+        of the module docstring, run synchronously (on-policy) or ``asynchronous`` (at most ``max_staleness`` steps
+        stale; partial rollouts with ``rollout.partial_rollouts``). ``idle``: engines the colocated phases offload
+        while generating. Also sets ``self.dynamic``, ``self.phases`` and ``self.kl_ctrl``."""
+        config, engine = self.config, self.engine
+        keep = max(2, max_staleness + 2) if asynchronous else 2  # the generator may need max_staleness-old versions
+        built = build_trainer_rollout(
+            config, self.tokenizer, self.out / "weights", engine, asynchronous=asynchronous, keep_versions=keep
+        )
+        self.rollout = built.engine
+        sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
+        generate_round = workflow_round_fn(
+            config, self.sampling_rollout(self.rollout), self.prompts, self.workflow, engine, sampler, baseline
+        )
+        sample_fn, self.dynamic = make_sample_fn(config, generate_round, engine)
+        self.phases = colocated_phases(config, self.rollout, idle)  # before the first publish: it may sleep now
+        if self.phases is not None:
+            sample_fn = self.phases.wrap(sample_fn)
+        sample_fn = _traced(sample_fn)  # the generate range, on whichever thread samples
+
+        def publish(version: int | None) -> int:
+            return built.publisher.publish(engine, version)
+
+        self.kl_ctrl: KLController = build_kl_controller(
+            dataclasses.replace(config.kl_ctrl, kl_coef=self.kl_coefficient())
+        )
+        if "kl_coef" in restored:  # an adaptive coefficient continues where the checkpoint left it
+            self.kl_ctrl.value = float(restored["kl_coef"])
+        if not asynchronous:
+            self.source = SyncRollouts(self.rollout, sample_fn, publish)
+            return self.source
+        self.source = AsyncRollouts(
+            rollout=self.rollout, sample_fn=sample_fn, publish_fn=publish, max_staleness=max_staleness,
+            num_batches=config.steps, start=start, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
+            restored=restored.get("async_rollouts"), device=engine.device, chunks=built.chunks,
+        )  # fmt: skip
+        return self.source
+
+    def step_summary(self, stats: dict[str, float]) -> dict[str, Any]:
+        return {"reward_mean": stats["reward_mean"]}
+
+    def extra_state(self) -> dict[str, Any]:
+        source: RolloutSource | None = getattr(self, "source", None)
+        state = source.checkpoint_state() if source is not None else {}
+        extra: dict[str, Any] = {"async_rollouts": state} if state else {}
+        if self.config.kl_ctrl.type != "fixed":
+            extra["kl_coef"] = self.kl_ctrl.value
+        return extra
+
+    def evaluate(self) -> dict[str, float]:
+        assert self.held_out is not None and self.source is not None
+        config = self.config
+        return evaluate_held_out(
+            self.rollout, self.held_out, self.engine, self.reward_fn, config.workflow, self.workflow,
+            config.eval_sampling, config.max_new_tokens, config.eval_size, runner=self.source.evaluate,
+        )  # fmt: skip
+
+    def eval_summary(self, result: dict[str, float], at_start: bool) -> dict[str, Any]:
+        return {"accuracy_start" if at_start else "accuracy_end": result["accuracy"]}
+
+    def export_extra(self, summary: dict[str, Any]) -> None:
+        processor = self.prompt_data.image_processor  # a VLM: AutoImageProcessor.from_pretrained(hf_dir)
+        if processor is not None and self.engine.is_main and "hf_dir" in summary:
+            processor.save_pretrained(summary["hf_dir"])
+
+    def close(self) -> None:
+        source: RolloutSource | None = getattr(self, "source", None)
+        if source is not None:
+            source.close()
+        if hasattr(self, "reward_fn"):
+            self.reward_fn.close()
+
+
+def _traced(sample_fn: SampleFn) -> SampleFn:
+    def sample(index: int) -> tuple[list[Any], torch.Tensor]:
+        with phase("generate"):
+            return sample_fn(index)
+
+    return sample
