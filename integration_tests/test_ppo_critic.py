@@ -34,6 +34,11 @@ WEIGHT_TOL = 2e-5
 # threshold); the continuous statistics under them (losses, values, ratios, approx KL) are
 # compared with LOSS_TOL and the weights with WEIGHT_TOL. See docs/testing.md.
 BOUNDARY_TOKENS = 2
+# The perturbed runs (rewards changed at the 1e-7 level) end further apart than two layouts of one run do: the
+# critic's Adam (lr 2e-2, eps 1e-6) amplifies the perturbation in gradient entries near eps-scale. Measured
+# 2.3e-5 on an Intel Xeon (the same before the package split, so a property of the CPU, not of the code) and under
+# 2e-5 on AMD EPYC machines: the perturbed comparison allows about twice the worst measurement.
+PERTURBED_WEIGHT_TOL = 5e-5
 CONTINUOUS = ("loss", "critic/loss", "grad_norm", "critic/grad_norm", "explained_variance", "kl_ref", "advantage_std",
               "actor/approx_kl", "actor/ratio", "actor/pg_loss", "critic/value_loss", "critic/values")  # fmt: skip
 COUNTED = ("actor/clip_frac", "actor/clip_low_frac", "actor/clip_high_frac", "critic/value_clip_frac")
@@ -161,7 +166,7 @@ def test_ppo_statistics_survive_rounding_level_perturbations(model_dir: str) -> 
             _assert_stats_match(a, b, ("perturbed", seed, step))
         for name in ("actor", "critic"):
             worst, diff = _max_diff(single[name], perturbed[name])
-            assert diff <= WEIGHT_TOL, ("perturbed", seed, name, worst, diff)
+            assert diff <= PERTURBED_WEIGHT_TOL, ("perturbed", seed, name, worst, diff)
 
 
 def _initial(model_dir: str) -> dict[str, torch.Tensor]:
