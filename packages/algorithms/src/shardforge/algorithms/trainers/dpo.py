@@ -20,6 +20,7 @@ from shardforge.algorithms.data.config import refuse_chat_template
 from shardforge.algorithms.data.preference import PreferencePair, load_pair_data, pack_pairs
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
+from shardforge.algorithms.trainers.pair_eval import pair_eval_loss
 from shardforge.algorithms.trainers.run.common import (
     SourceSetState,
     build_reference,
@@ -212,18 +213,13 @@ class DPOTrainer(SourceSetState, Trainer[DPOConfig]):
 
     def evaluate(self) -> dict[str, float]:
         assert self.held_out is not None
-        engine, pairs, size = self.engine, self.held_out, self.config.eval_batch_size
+        engine, pairs = self.engine, self.held_out
         loss_fn = DPOLossFn(self.config.loss_config)
-        loss_sum = weight_sum = 0.0
-        for begin in range(0, len(pairs), size):
-            chunk = list(range(begin, min(begin + size, len(pairs))))
-            mine = chunk[engine.dp_rank :: engine.dp_size]
-            # A rank without a share still runs (collectives must match) on a zero-weight pair.
-            batch = self._batch(pairs, mine or chunk[:1], weight=1.0 if mine else 0.0)
-            stats = engine.eval_batch(batch, loss_fn, loss_fn.loss_weight)
-            loss_sum += stats["loss"] * stats["loss_weight"]
-            weight_sum += stats["loss_weight"]
-        return {"loss": loss_sum / max(weight_sum, 1e-12), **loss_fn.pop_stats(engine)}
+        loss = pair_eval_loss(
+            engine, len(pairs), self.config.eval_batch_size, loss_fn,
+            lambda indices, weight: self._batch(pairs, indices, weight=weight),
+        )  # fmt: skip
+        return {"loss": loss, **loss_fn.pop_stats(engine)}
 
 
 def run_dpo(config: DPOConfig) -> dict[str, Any]:

@@ -232,7 +232,6 @@ class GRPOTrainer(RLTrainer[GRPOConfig]):
         return {"reward": f"{stats['reward_mean']:.3f}", "len": f"{stats['response_len_mean']:.1f}"}
 
 
-
 def run_grpo(config: GRPOConfig) -> dict[str, Any]:
     """Train; return a summary (accuracy before/after, final reward). Call on every rank."""
     return GRPOTrainer(config).run()

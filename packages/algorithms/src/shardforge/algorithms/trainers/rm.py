@@ -19,6 +19,7 @@ from shardforge.algorithms.data.config import refuse_chat_template
 from shardforge.algorithms.data.preference import load_pair_data
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.base import Trainer
+from shardforge.algorithms.trainers.pair_eval import pair_eval_loss
 from shardforge.algorithms.trainers.rl.ppo_update import dp_reduce_stats
 from shardforge.algorithms.trainers.run.common import SourceSetState, with_total_steps
 from shardforge.algorithms.trainers.run.config import TrainerConfig
@@ -162,17 +163,10 @@ def evaluate_pairs(
 ) -> dict[str, float]:
     """Global Bradley-Terry loss and accuracy on ``pairs`` (split across data-parallel ranks)."""
     loss_fn = BradleyTerryLossFn(margin)
-    loss_sum = weight_sum = 0.0
-    for begin in range(0, len(pairs), batch_size):
-        chunk = list(range(begin, min(begin + batch_size, len(pairs))))
-        mine = chunk[engine.dp_rank :: engine.dp_size]
-        # A rank without a share still runs (collectives must match) on a zero-weight pair.
-        batch = pack_pairs(pairs, mine or chunk[:1], weight=1.0 if mine else 0.0)
-        stats = engine.eval_batch(batch, loss_fn, loss_fn.loss_weight)
-        loss_sum += stats["loss"] * stats["loss_weight"]
-        weight_sum += stats["loss_weight"]
-    result = _pair_stats(loss_fn, engine)
-    return {"loss": loss_sum / max(weight_sum, 1e-12), **result}
+    loss = pair_eval_loss(
+        engine, len(pairs), batch_size, loss_fn, lambda indices, weight: pack_pairs(pairs, indices, weight=weight)
+    )
+    return {"loss": loss, **_pair_stats(loss_fn, engine)}
 
 
 TRAINER = TrainerSpec(config_cls=RMConfig, run=run_rm, row_fields=PAIR_ROW_FIELDS)

@@ -23,7 +23,10 @@ from shardforge.rollout.types import PromptSet, generate_rollouts
 if TYPE_CHECKING:  # the launching process imports this module for the config; only ranks build engines
     from shardforge.engine import TrainEngine
 
-__all__ = ["EvalSamplingConfig", "evaluate_prompts"]
+__all__ = ["EvalSamplingConfig", "evaluate_prompts", "held_out_totals", "sampled_metrics", "sampled_sums"]
+
+LocalEval = Callable[[RolloutEngine], dict[str, float]]
+"""This rank's share of a held-out evaluation: rollout engine -> sums (the same keys on every rank)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,6 +65,41 @@ def _score(
     items = [(prompts.texts[mine[o.prompt_index]], o.text, prompts.references[mine[o.prompt_index]]) for o in outs]
     score_many = getattr(reward_fn, "score_many", None)
     return list(score_many(items)) if score_many is not None else [float(reward_fn(*item)) for item in items]
+
+
+def held_out_totals(
+    rollout: RolloutEngine,
+    engine: TrainEngine,
+    local: LocalEval,
+    runner: Callable[[Callable[[RolloutEngine], Any]], Any] | None = None,
+) -> dict[str, float]:
+    """THE held-out evaluation skeleton: run ``local`` (this rank's share) as one generation round (a rollout server
+    the ranks share and that dies in it is restarted, and the round run again: `generation_round`), on ``runner``'s
+    thread when given (the thread that owns the rollout engine, e.g. `AsyncRollouts.evaluate`), then sum its sums
+    over ``engine``'s data-parallel ranks in one collective, on the calling thread."""
+
+    def round_(rollout_: RolloutEngine) -> dict[str, float]:
+        return generation_round(rollout_, lambda: local(rollout_))
+
+    local_sums = round_(rollout) if runner is None else runner(round_)
+    names = sorted(local_sums)
+    reduced = all_reduce_sum(*(local_sums[k] for k in names), group=engine.dp_group, device=engine.device)
+    return dict(zip(names, reduced, strict=True))
+
+
+def sampled_sums(rewards: list[list[float]], sampling: EvalSamplingConfig) -> dict[str, float]:
+    """``avg@n`` and ``pass@k`` sums of the sampled rewards of this rank's prompts (one row per prompt)."""
+    correct = [[r >= sampling.correct_threshold for r in row] for row in rewards]
+    return {k: v for k, v in sampled_eval_sums(rewards, correct, sampling.pass_k).items() if k != "num_prompts"}
+
+
+def sampled_metrics(totals: dict[str, float], count: int, sampling: EvalSamplingConfig) -> dict[str, float]:
+    """``avg@n``, ``pass@k`` and ``sampled_response_len_mean`` from the reduced sums (empty without samples)."""
+    n = sampling.samples
+    if not n:
+        return {}
+    result = {k: v / count for k, v in totals.items() if k.startswith(("avg@", "pass@"))}
+    return result | {"sampled_response_len_mean": totals["sampled_len"] / (count * n)}
 
 
 def evaluate_prompts(
@@ -105,21 +143,9 @@ def evaluate_prompts(
             for out, reward in zip(sampled, _score(reward_fn, prompts, mine, sampled), strict=True):
                 rewards[out.prompt_index].append(reward)
                 sums["sampled_len"] += len(out.response_ids)
-            correct = [[r >= sampling.correct_threshold for r in row] for row in rewards]
-            for key, value in sampled_eval_sums(rewards, correct, ks).items():
-                if key != "num_prompts":
-                    sums[key] += value
+            sums |= sampled_sums(rewards, sampling)
         return sums
 
-    def round_(rollout_: RolloutEngine) -> dict[str, float]:  # a shared server's restarts: `generation_round`
-        return generation_round(rollout_, lambda: local(rollout_))
-
-    local_sums = round_(rollout) if runner is None else runner(round_)
-    names = sorted(local_sums)
-    totals = dict(zip(names, all_reduce_sum(*(local_sums[k] for k in names), group=engine.dp_group,
-                                            device=engine.device), strict=True))  # fmt: skip
+    totals = held_out_totals(rollout, engine, local, runner)
     result = {"accuracy": totals["correct"] / count, "response_len_mean": totals["greedy_len"] / count}
-    if n:
-        result |= {k: totals[k] / count for k in names if k.startswith(("avg@", "pass@"))}
-        result["sampled_response_len_mean"] = totals["sampled_len"] / (count * n)
-    return result
+    return result | sampled_metrics(totals, count, sampling)

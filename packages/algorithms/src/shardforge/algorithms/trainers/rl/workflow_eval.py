@@ -24,14 +24,17 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from shardforge.algorithms.trainers.rl.eval import EvalSamplingConfig, evaluate_prompts
-from shardforge.engine.objectives.passk import sampled_eval_sums
-from shardforge.mesh.collectives import all_reduce_sum
+from shardforge.algorithms.trainers.rl.eval import (
+    EvalSamplingConfig,
+    evaluate_prompts,
+    held_out_totals,
+    sampled_metrics,
+    sampled_sums,
+)
 from shardforge.rollout import RolloutEngine, SamplingParams
 from shardforge.rollout.episodes.request_queue import EpisodeHandle
 from shardforge.rollout.episodes.trajectory import Trajectory
 from shardforge.rollout.seeds import request_seed
-from shardforge.rollout.server.shared_restart import generation_round
 from shardforge.rollout.types import PromptSet
 from shardforge.rollout.workflows import PromptRow, Workflow, WorkflowConfig, episode_counts, run_episodes
 
@@ -114,23 +117,14 @@ def evaluate_workflow(
             )  # fmt: skip
             sampled = run_episodes(guarded, rollout_, rows, n, params)
             rewards = [[t.reward for t in sampled[g * n : (g + 1) * n]] for g in range(len(rows))]
-            correct = [[r >= sampling.correct_threshold for r in row] for row in rewards]
-            for key, value in sampled_eval_sums(rewards, correct, ks).items():
-                if key != "num_prompts":
-                    sums[key] += value
+            sums |= sampled_sums(rewards, sampling)
             sums["sampled_len"] = float(sum(t.num_generated for t in sampled))
             sums["sampled_failed"] = float(sum(t.stop_reason == FAILED for t in sampled))
         if guarded.first_error:
             logger.warning("evaluation: episodes raised (scored 0); first error: %s", guarded.first_error)
         return sums
 
-    def round_(rollout_: RolloutEngine) -> dict[str, float]:  # a shared server's restarts: `generation_round`
-        return generation_round(rollout_, lambda: local(rollout_))
-
-    local_sums = round_(rollout) if runner is None else runner(round_)
-    names = sorted(local_sums)
-    reduced = all_reduce_sum(*(local_sums[k] for k in names), group=engine.dp_group, device=engine.device)
-    totals = dict(zip(names, reduced, strict=True))
+    totals = held_out_totals(rollout, engine, local, runner)
     success = totals["correct"] / count
     result = {
         "accuracy": success,
@@ -147,10 +141,7 @@ def evaluate_workflow(
         result["tool_call_valid_rate"] = 1.0 - totals["tool_errors"] / totals["tool_calls"]
     result |= {k: v for k, v in totals.items() if k.startswith("tool_errors/")}
     result |= {k: v / count for k, v in totals.items() if k.startswith("stop/")}
-    if n:
-        result |= {k: totals[k] / count for k in names if k.startswith(("avg@", "pass@"))}
-        result["sampled_response_len_mean"] = totals["sampled_len"] / (count * n)
-    return result
+    return result | sampled_metrics(totals, count, sampling)
 
 
 def evaluate_held_out(
