@@ -134,12 +134,12 @@ def test_off_policy_trains_the_student_by_nll_on_the_teachers_samples(tmp_path: 
     batches: list[tuple[list[list[int]], list[list[int]]]] = []
 
     class Recording(SupervisedAdvantages):  # the off-policy stage, recording the batches it sees
-        def token_advantages(self, batch, metrics):  # type: ignore[no-untyped-def]
+        def token_advantages(self, batch, sampled, metrics):  # type: ignore[no-untyped-def]
             bounds = batch.cu_seqlens.tolist()
             ids = [batch.input_ids[a:b].tolist() for a, b in itertools.pairwise(bounds)]
             masks = [batch.loss_mask[a:b].tolist() for a, b in itertools.pairwise(bounds)]
             batches.append((ids, masks))
-            return super().token_advantages(batch, metrics)
+            return super().token_advantages(batch, sampled, metrics)
 
     class RecordingTrainer(DistillTrainer):
         def build_advantage_stage(self) -> SupervisedAdvantages:

@@ -49,7 +49,7 @@ def test_off_policy_distillation_samples_the_teacher_on_vllm(tmp_path: Path) -> 
     batches: list[tuple[list[list[int]], list[list[float]], list[list[float]]]] = []
 
     class Recording(SupervisedAdvantages):  # the off-policy stage, recording the batches it sees
-        def token_advantages(self, batch, metrics):  # type: ignore[no-untyped-def]
+        def token_advantages(self, batch, sampled, metrics):  # type: ignore[no-untyped-def]
             bounds = list(itertools.pairwise(batch.cu_seqlens.tolist()))
             behaviour = batch.extras[BEHAVIOUR_LOGPROBS]
             batches.append((
@@ -57,7 +57,7 @@ def test_off_policy_distillation_samples_the_teacher_on_vllm(tmp_path: Path) -> 
                 [batch.loss_mask[a:b].tolist() for a, b in bounds],
                 [behaviour[a:b].tolist() for a, b in bounds],
             ))  # fmt: skip
-            return super().token_advantages(batch, metrics)
+            return super().token_advantages(batch, sampled, metrics)
 
     class RecordingTrainer(DistillTrainer):
         def build_advantage_stage(self) -> SupervisedAdvantages:

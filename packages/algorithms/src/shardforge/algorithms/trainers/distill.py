@@ -43,6 +43,7 @@ from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.grpo import GRPOConfig, GRPOTrainer
 from shardforge.algorithms.trainers.rl.advantages import ADVANTAGE_STAGES, GroupAdvantages, greedy_baseline
 from shardforge.algorithms.trainers.rl.metrics import StepMetrics, means_of
+from shardforge.algorithms.trainers.rl.sources import SampledBatch
 from shardforge.engine.batching import PackedBatch
 from shardforge.engine.loading import load_hf_config
 from shardforge.engine.objectives.advantages import AdvantageEstimator
@@ -280,7 +281,7 @@ class TeacherKLAdvantages(GroupAdvantages):
     def from_trainer(cls, trainer: Any) -> TeacherKLAdvantages:
         return cls(trainer.config, trainer.teacher, trainer.engine)
 
-    def token_advantages(self, batch: PackedBatch, metrics: StepMetrics) -> None:
+    def token_advantages(self, batch: PackedBatch, sampled: SampledBatch, metrics: StepMetrics) -> None:
         config = self.config
         full = config.distill_loss != "token_reverse_kl"
         teacher = self._teacher_rows(batch) if full else self.teacher.forward(batch)

@@ -20,13 +20,13 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
 from shardforge.algorithms.trainers import TrainerSpec
-from shardforge.algorithms.trainers.rl.advantages import ADVANTAGE_STAGES, AdvantageStage, greedy_baseline
+from shardforge.algorithms.trainers.rl.advantages import AdvantageStage, greedy_baseline
 from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
 from shardforge.algorithms.trainers.rl.common import (
     RLTrainerConfig,
@@ -150,17 +150,7 @@ class GRPOTrainer(RLTrainer[GRPOConfig]):
     """One PPO-clip update per rollout batch; batches come from a `RolloutSource` (sync or async)."""
 
     name = "grpo"
-    advantage_stage: ClassVar[str] = "group"
-    """The name in `ADVANTAGE_STAGES` of how this trainer's batches get their advantages (`advantage_stage_name`)."""
-
-    def advantage_stage_name(self) -> str:
-        """The advantage stage of this run (a subclass may choose by its config: distill's mode)."""
-        return self.advantage_stage
-
-    def build_advantage_stage(self) -> AdvantageStage:
-        """The run's `AdvantageStage`: ``advantage_stage_name()`` from `ADVANTAGE_STAGES`, built for this trainer."""
-        stage: AdvantageStage = ADVANTAGE_STAGES.get(self.advantage_stage_name()).from_trainer(self)
-        return stage
+    advantage_stage = "group"
 
     def build_engines(self) -> TrainEngine:
         from shardforge.engine import TrainEngine
@@ -285,7 +275,7 @@ def _train_step(
             batch, config.rollout_correction, old_key=OLD_LOGPROBS, group=engine.dp_group, device=engine.device
         )
         add_correction_stats(metrics, correction)
-    stage.token_advantages(batch, metrics)
+    stage.token_advantages(batch, sampled, metrics)
     mask = batch.loss_mask != 0
     # the share of trained tokens with a learning signal (dynamic sampling drives it to 1)
     signal = {"signal": (mask & (batch.extras[ADVANTAGES] != 0)).sum(), "targets": mask.sum()}

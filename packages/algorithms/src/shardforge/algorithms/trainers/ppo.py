@@ -39,7 +39,6 @@ from shardforge.algorithms.trainers.rl.ppo_update import (
     ShiftedCriticLossFn,
     correct_actor_batch,
     ppo_update,
-    prepare_ppo_batch,
 )
 from shardforge.algorithms.trainers.rl.step_stats import (
     add_dynamic_sampling_stats,
@@ -130,6 +129,7 @@ class PPOTrainer(RLTrainer[PPOConfig]):
     """Actor (``engine``), critic and an optional frozen reference; checkpoints hold actor and critic."""
 
     name = "ppo"
+    advantage_stage = "gae"
 
     def token_budget(self) -> int:
         config = self.config
@@ -169,6 +169,7 @@ class PPOTrainer(RLTrainer[PPOConfig]):
     def setup(self, start: int, restored: dict[str, Any]) -> None:
         config = self.config
         self.build_source(start, restored, [self.engine, self.critic])
+        self.advantages = self.build_advantage_stage()  # after the source: it holds the KL controller
         self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -183,28 +184,12 @@ class PPOTrainer(RLTrainer[PPOConfig]):
         if self.reward_model is not None:
             with phase("reward_model"):
                 rewards, rm_stats = self.reward_model.add_scores(rewards, trajectories)
+            sampled = dataclasses.replace(sampled, rewards=rewards)
             metrics.put(rm_stats)
-        batch = trajectories_to_batch(trajectories, torch.zeros(len(trajectories)))  # advantages come from GAE
+        batch = trajectories_to_batch(trajectories, self.advantages.sequence_advantages(sampled, metrics))
         lengths = torch.tensor([t.num_generated for t in trajectories], dtype=torch.float64)
-        # Bypass (or recompute_logprobs=false): the engine's log-probs are the old ones, no correction.
+        self.advantages.token_advantages(batch, sampled, metrics)  # GAE with the critic (and its targets)
         recompute = config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
-        prepared = prepare_ppo_batch(
-            batch,
-            rewards,
-            actor,
-            self.critic,
-            self.reference,
-            gamma=config.gamma,
-            lam=config.lam,
-            kl_coef=self.kl_ctrl.value,
-            kl_estimator=config.kl_estimator,
-            whiten_advantages=config.whiten_advantages,
-            recompute_logprobs=recompute,
-        )  # fmt: skip (GAE's whitening needs the global batch's moments: its own collective, before the update)
-        metrics.put(prepared)
-        if self.reference is not None:  # the coefficient this step used, then the controller's move
-            metrics.put({"kl_coef": self.kl_ctrl.value})
-            self.kl_ctrl.update(prepared["kl_ref"], config.prompts_per_step * config.group_size)
         actor_batch = correct_actor_batch(batch, config.rollout_correction, actor, metrics) if recompute else None
         forwarded = time.perf_counter()
         with phase("train"):

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
 from shardforge.algorithms.trainers.base import Trainer
+from shardforge.algorithms.trainers.rl.advantages import ADVANTAGE_STAGES, AdvantageStage
 from shardforge.algorithms.trainers.rl.colocate import colocated_phases
 from shardforge.algorithms.trainers.rl.common import RLTrainerConfig, build_reward_fn
 from shardforge.algorithms.trainers.rl.data import load_prompt_data
@@ -44,6 +45,17 @@ class RLTrainer(Trainer[C]):
     """The shared part of the RL trainers (see the module docstring)."""
 
     eval_at_start = True
+    advantage_stage: ClassVar[str]
+    """The name in `ADVANTAGE_STAGES` of how this trainer's batches get their advantages (`advantage_stage_name`)."""
+
+    def advantage_stage_name(self) -> str:
+        """The advantage stage of this run (a subclass may choose by its config: distill's mode)."""
+        return self.advantage_stage
+
+    def build_advantage_stage(self) -> AdvantageStage:
+        """The run's `AdvantageStage`: ``advantage_stage_name()`` from `ADVANTAGE_STAGES`, built for this trainer."""
+        stage: AdvantageStage = ADVANTAGE_STAGES.get(self.advantage_stage_name()).from_trainer(self)
+        return stage
 
     def token_budget(self) -> int:
         """The most tokens one trajectory may have (the trainer's micro-batch budget)."""

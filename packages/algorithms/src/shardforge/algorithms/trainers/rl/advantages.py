@@ -4,8 +4,8 @@ A stage gives a step's batch its advantages in two places: per trajectory before
 (`sequence_advantages`: GRPO's outcome estimators over each prompt's group) and per token once the trainer's old
 log-probs exist (`token_advantages`: a teacher's per-token reverse KL for on-policy distillation, 1 on every
 teacher token for off-policy distillation). Each adds its statistics to the step's `StepMetrics`. A trainer picks its
-stage by name (`GRPOTrainer.advantage_stage`; distill by ``mode``); PPO's GAE lives with its critic
-(`trainers.rl.ppo_update.prepare_ppo_batch`).
+stage by name (`RLTrainer.advantage_stage`; distill by ``mode``; PPO: ``gae``, which also prepares its critic's
+value targets).
 
 Estimators that compare against a greedy baseline (ReMax: they take ``baseline_rewards``) get a `GreedyBaseline`:
 the variant is an object the sampling round and the stage share, not a name checked in several places.
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ADVANTAGE_STAGES",
     "AdvantageStage",
+    "GAEAdvantages",
     "GreedyBaseline",
     "GroupAdvantages",
     "SupervisedAdvantages",
@@ -59,7 +60,7 @@ class AdvantageStage:
         """[N] float32: each trajectory's advantage, spread over its trained tokens when the batch is packed."""
         return torch.zeros(len(sampled.rollouts))
 
-    def token_advantages(self, batch: PackedBatch, metrics: StepMetrics) -> None:
+    def token_advantages(self, batch: PackedBatch, sampled: SampledBatch, metrics: StepMetrics) -> None:
         """Rewrite ``batch.extras[ADVANTAGES]`` once the old log-probs are in the batch (default: keep them)."""
 
 
@@ -137,9 +138,42 @@ class SupervisedAdvantages(AdvantageStage):
     """Off-policy distillation: advantage 1 on every teacher token (GPG's ``-A log pi`` = the student's NLL of the
     teacher's samples); ``distill/teacher_logprob`` is the teacher's sampling log-prob of its tokens."""
 
-    def token_advantages(self, batch: PackedBatch, metrics: StepMetrics) -> None:
+    def token_advantages(self, batch: PackedBatch, sampled: SampledBatch, metrics: StepMetrics) -> None:
         mask = batch.loss_mask != 0
         batch.extras[ADVANTAGES] = mask.to(torch.float32)
         teacher = batch.extras[BEHAVIOUR_LOGPROBS].double()
         metrics.add("distill", {"teacher_logprob": teacher[mask].sum(), "num_tokens": mask.sum()},
                     means_of("num_tokens", prefix="distill/"))  # fmt: skip
+
+
+@ADVANTAGE_STAGES.register("gae")
+class GAEAdvantages(AdvantageStage):
+    """PPO's: token rewards (the sequence reward on its last token, minus ``kl_coef`` x the per-token KL to the
+    reference when one is built) -> GAE(gamma, lambda) over the critic's values, whitened over the global batch;
+    also the old log-probs, old values and returns the critic's update needs (`ppo_update.prepare_ppo_batch`, whose
+    moments are one collective of their own, before the update). The KL controller moves here, after the step's
+    coefficient was used."""
+
+    def __init__(self, config: Any, actor: Any, critic: Any, reference: Any, kl_ctrl: Any) -> None:
+        self.config, self.actor, self.critic, self.reference, self.kl_ctrl = config, actor, critic, reference, kl_ctrl
+
+    @classmethod
+    def from_trainer(cls, trainer: Any) -> AdvantageStage:
+        return cls(trainer.config, trainer.engine, trainer.critic, trainer.reference, trainer.kl_ctrl)
+
+    def token_advantages(self, batch: PackedBatch, sampled: SampledBatch, metrics: StepMetrics) -> None:
+        from shardforge.algorithms.trainers.rl.ppo_update import prepare_ppo_batch
+        from shardforge.engine.objectives.rollout_correction import ROLLOUT_CORRECTIONS
+
+        config = self.config
+        # Bypass (or recompute_logprobs=false): the engine's log-probs are the old ones.
+        recompute = config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
+        prepared = prepare_ppo_batch(
+            batch, sampled.rewards, self.actor, self.critic, self.reference, gamma=config.gamma, lam=config.lam,
+            kl_coef=self.kl_ctrl.value, kl_estimator=config.kl_estimator,
+            whiten_advantages=config.whiten_advantages, recompute_logprobs=recompute,
+        )  # fmt: skip
+        metrics.put(prepared)
+        if self.reference is not None:  # the coefficient this step used, then the controller's move
+            metrics.put({"kl_coef": self.kl_ctrl.value})
+            self.kl_ctrl.update(prepared["kl_ref"], config.prompts_per_step * config.group_size)
