@@ -5,6 +5,7 @@
     shardforge train grpo --config c.yaml --nproc-per-node 2 --launcher ray [--ray-address auto]
     shardforge train sft --help   (every config key with its type, default and description)
     shardforge list        (every registry: trainers, losses, estimators, rewards, rollout engines, ...)
+    shardforge config-reference [--out docs/configuration.md] [--check]   (every config key, as markdown)
     shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600] [--prepare-only]
     shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 450] [--grpo-steps N]
     shardforge demo-agent [--out outputs/demo_agent] [--nproc-per-node 2] [--sft-steps N | --sft-stop KEY=VALUE]
@@ -29,6 +30,7 @@ import importlib
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from shardforge.algorithms.trainers import TRAINERS
@@ -169,10 +171,28 @@ def _parser() -> argparse.ArgumentParser:
         help="only write the tiny VLM and the image data (examples/sft_vlm_tiny.yaml, examples/grpo_vlm_tiny.yaml)",
     )
     sub.add_parser("list", help="list every registry (trainers, losses, estimators, ...) with its names")
+    reference = sub.add_parser(
+        "config-reference", help="write docs/configuration.md: every config key of every trainer"
+    )
+    reference.add_argument("--out", default="docs/configuration.md", help="the page to write (or check)")
+    reference.add_argument("--check", action="store_true", help="only check the page is current; exit 1 if not")
     from shardforge.algorithms.plan.report import add_plan_parser
 
     add_plan_parser(sub)
     return parser
+
+
+def _config_reference(out: str, *, check: bool) -> int:
+    from shardforge.algorithms.cli.config_reference import check_reference, render_reference
+
+    if check:
+        problems = check_reference(out)
+        for problem in problems:
+            log.error(problem)
+        return 1 if problems else 0
+    Path(out).write_text(render_reference())
+    log.info("wrote %s", out)
+    return 0
 
 
 def _version() -> str:
@@ -316,6 +336,8 @@ def _main(argv: list[str] | None) -> int:
 def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "list":
         return _list()
+    if args.command == "config-reference":
+        return _config_reference(args.out, check=args.check)
     if args.command in ("train", "eval"):
         return _train(args, argv)  # the collector stays paused until the first step (or the agent waits)
     end_startup_gc()
