@@ -168,6 +168,8 @@ def test_list_prints_every_registry_with_names_and_descriptions(capsys):
         "loss aggregation:": ["token-mean", "seq-mean-token-sum-norm"],
         "reward function:": ["exact_match"],
         "rollout engine:": ["hf", "vllm"],
+        "advantage stage:": ["group", "gae", "teacher_kl", "teacher_nll"],
+        "workflow:": ["rlvr", "multi_turn", "tool_use"],
     }.items():
         assert header in out
         section = out.split(header, 1)[1].split("\n\n", 1)[0]

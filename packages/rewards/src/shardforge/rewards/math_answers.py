@@ -16,7 +16,7 @@ Registered reward functions (``reward_fn: <name>``):
 which works only in the main thread; they are off here, and the reward runner's ``timeout_s``
 bounds every call instead.
 
-Install with ``pip install shardforge-algorithms[math]``.
+Install with ``pip install shardforge-rewards[math]``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _math_verify() -> Any:
         import math_verify
     except ImportError as exc:
         raise ImportError(
-            "reward_fn math_verify needs the math-verify package: pip install 'shardforge-algorithms[math]' "
+            "reward_fn math_verify needs the math-verify package: pip install 'shardforge-rewards[math]' "
             "(or pip install math-verify)"
         ) from exc
     return math_verify

@@ -29,7 +29,7 @@ and regenerate the lost rounds on a surviving actor (`shardforge.rollout.ray.act
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class VLLMOptions:
-    """Settings of the vLLM rollout engine (the ``vllm:`` section of the GRPO/PPO configs)."""
+    """Settings of the vLLM rollout engine (the ``rollout.vllm`` section of the RL configs)."""
 
     mode: Literal["in_process", "server"] = "in_process"
     """in_process: ``vllm.LLM`` inside the trainer process; server: an OpenAI-compatible vLLM server

@@ -17,7 +17,7 @@ from shardforge.rollout.chunked import ChunkedGeneration
 from shardforge.rollout.config import RolloutConfig
 from shardforge.rollout.engines import ROLLOUT_ENGINES
 from shardforge.rollout.publish import WeightPublisher, choose_publisher
-from shardforge.rollout.types import RolloutEngine
+from shardforge.rollout.types import ReceivesInProcess, RolloutEngine
 from shardforge.weight_sync import DiskWeightSource
 
 __all__ = [
@@ -131,10 +131,8 @@ def build_rollout(
             config, model_dir, tokenizer, weights_root=weights_root, seed=seed, record_routing=record_routing,
             chunks=chunks,
         )  # fmt: skip
-    from shardforge.rollout.hf.engine import HFRolloutEngine
-
     in_memory = config.publish_in_memory and in_memory_allowed and not asynchronous
-    receiver = engine.receiver if in_memory and isinstance(engine, HFRolloutEngine) else None
+    receiver = engine.receiver if in_memory and isinstance(engine, ReceivesInProcess) else None
     publisher = choose_publisher(
         engine, dtype=config.dtype, weights_root=weights_root, in_process=receiver, keep_last=keep_versions
     )

@@ -11,6 +11,7 @@ import torch
 __all__ = [
     "ImageInputs",
     "PromptSet",
+    "ReceivesInProcess",
     "ReportsStats",
     "Rollout",
     "RolloutEngine",
@@ -210,6 +211,15 @@ class Sleeps(Protocol):
     """A rollout engine that can free its weights and KV caches between generation phases (``rollout.sleep``);
     the next published version it receives brings them back."""
 
-    def sleep(self) -> None:
+    def sleep(self) -> object:
         """Free the weights and KV caches until the next weight version arrives."""
         ...
+
+
+@runtime_checkable
+class ReceivesInProcess(Protocol):
+    """A rollout engine in the trainer's own processes that takes new weights through a `WeightReceiver`
+    (``receiver``): the trainer may publish to it in memory instead of through disk (`publish.InProcessPublisher`)."""
+
+    @property
+    def receiver(self) -> Any: ...

@@ -46,8 +46,11 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # Modules that define registries; `shardforge list` imports them (none imports vLLM).
 _REGISTRY_MODULES = (
     "shardforge.algorithms.trainers",
+    "shardforge.algorithms.trainers.distill",  # its advantage stage (teacher_kl); GRPO's and PPO's come with it
     "shardforge.engine.objectives",
+    "shardforge.engine.objectives.distillation",
     "shardforge.rollout.factory",
+    "shardforge.rollout.workflows",
     "shardforge.rewards.functions",
     "shardforge.algorithms.loggers",
 )

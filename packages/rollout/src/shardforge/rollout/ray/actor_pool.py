@@ -73,7 +73,7 @@ class ActorPool(RoundAgreement):
         if not self._in_round:
             raise RolloutServerError(
                 f"{error}; the ranks drop a dead rollout actor only at the end of a generation round "
-                "(`rollout.shared_restart.generation_round`), and this call was made outside one"
+                "(`shardforge.rollout.server.shared_restart.generation_round`), and this call was made outside one"
             ) from error
         if self._down is None:
             self._down = str(error)

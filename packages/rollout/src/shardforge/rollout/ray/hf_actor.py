@@ -52,7 +52,7 @@ class RolloutActor:
         tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer)
         self.engine = HFRolloutEngine(
             spec.model, tokenizer, dtype=spec.dtype, device=current_device(), kv_reuse=spec.kv_reuse,
-            kv_reuse_max_tokens=spec.kv_reuse_max_tokens,
+            kv_reuse_max_tokens=spec.kv_reuse_max_tokens, share_prefill=spec.share_prefill, batch_size=spec.batch_size,
         )  # fmt: skip
         self.receiver: Any = None
         self.address: tuple[str, int, int, int] | None = None
@@ -129,7 +129,7 @@ class RayRolloutClient:
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.pool = ActorPool(self.names, rank=self.rank, world_size=world, drop=on_actor_failure == "drop")
         self.shared_restarts: ActorPool | None = self.pool if self.pool.drop else None
-        """``drop``: the ranks' agreement once per generation round (`rollout.shared_restart.generation_round`)."""
+        """``drop``: the ranks' agreement once per generation round (`shardforge.rollout.server.shared_restart.generation_round`)."""
         self.timeout_s = timeout_s
         self.transport: Any = None
         self.transport_actors: list[int] = []

@@ -64,6 +64,10 @@ class RolloutActorSpec:
     """``rollout.kv_reuse``: keep multi-turn sessions' KV caches between calls."""
     kv_reuse_max_tokens: int
     """``rollout.kv_reuse_max_tokens``."""
+    share_prefill: bool = True
+    """``rollout.share_prefill``: encode each distinct prompt of a call once."""
+    batch_size: int = 256
+    """``rollout.batch_size``: most rows per ``generate`` call."""
     vllm: Any = None
     """engine=vllm: the trainer's `VLLMOptions` (the server's flags and environment)."""
     seed: int = 0
@@ -142,6 +146,8 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
         dtype=rollout.dtype,
         kv_reuse=rollout.kv_reuse,
         kv_reuse_max_tokens=rollout.kv_reuse_max_tokens,
+        share_prefill=rollout.share_prefill,
+        batch_size=rollout.batch_size,
         vllm=vllm if engine == "vllm" else None,
         seed=int(getattr(config, "seed", 0)),
         output_dir=str(Path(config.output_dir).resolve()) if getattr(config, "output_dir", "") else "",

@@ -185,7 +185,7 @@ class SharedServerRestarts(RoundAgreement):
         if not self._in_round:
             raise RolloutServerError(
                 f"rollout server {self.server.url} is down: {reason}; it is shared by {self.world_size} ranks, which "
-                "restart it only at the end of a generation round (`rollout.shared_restart.generation_round`), and "
+                "restart it only at the end of a generation round (`shardforge.rollout.server.shared_restart.generation_round`), and "
                 "this request was sent outside one"
             )
         if self._down is None:

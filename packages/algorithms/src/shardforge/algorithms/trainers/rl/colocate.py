@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 from shardforge.algorithms.trainers.rl.sources import SampleFn
 from shardforge.rollout.types import Sleeps
-from shardforge.rollout.vllm.sleep import require_sleep_mode
 
 if TYPE_CHECKING:  # the launching process imports the trainers' modules for their configs
     from shardforge.engine import TrainEngine
@@ -123,6 +122,8 @@ def check_colocation(config: Any) -> None:
             "state are in host memory outside its calls already; drop one of them"
         )
     if sleep and config.rollout.engine == "vllm":
+        from shardforge.rollout.vllm.sleep import require_sleep_mode  # vLLM's module only when vLLM is asked for
+
         require_sleep_mode("rollout.sleep=true with rollout.engine=vllm")
 
 
