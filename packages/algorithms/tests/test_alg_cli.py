@@ -202,3 +202,46 @@ def test_log_level_is_checked(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--log-level", "LOUD", "list"])
     assert info.value.code == 2 and "invalid choice: 'LOUD'" in capsys.readouterr().err
+
+
+USER_TRAINER = '''
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardforge.algorithms.trainers import TrainerSpec
+from shardforge.algorithms.trainers.run.config import TrainerConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EchoConfig(TrainerConfig):
+    word: str = "hi"
+    """What to write."""
+
+
+def run(config):
+    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(config.output_dir) / "echo.txt").write_text(config.word)
+    return {"word": config.word}
+
+
+TRAINER = TrainerSpec(config_cls=EchoConfig, run=run)
+NOT_A_TRAINER = 3
+'''
+
+
+def test_a_users_trainer_runs_by_import_path(tmp_path, monkeypatch):
+    """``shardforge train package.module:TRAINER``: a user's `TrainerSpec` through the same CLI (config, overrides,
+    preflight), as DESIGN.md asks of every registered kind."""
+    from shardforge.algorithms.testing import tiny_assets
+
+    (tmp_path / "my_trainers.py").write_text(USER_TRAINER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assets = tiny_assets(tmp_path / "assets")
+    config = tmp_path / "c.yaml"
+    data = {"model": assets["model"], "train_file": str(assets["train"]), "output_dir": str(tmp_path / "out")}
+    config.write_text(yaml.safe_dump(data))
+    config = str(config)
+    assert main(["train", "my_trainers:TRAINER", "--config", config, "word=bonjour"]) == 0
+    assert (tmp_path / "out" / "echo.txt").read_text() == "bonjour"
+    with pytest.raises(ValueError, match="'my_trainers:NOT_A_TRAINER' is a int, not a TrainerSpec"):
+        main(["--debug", "train", "my_trainers:NOT_A_TRAINER", "--config", config])

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardforge.algorithms.trainers import TRAINERS
+from shardforge.algorithms.trainers import TRAINERS, TrainerSpec
 from shardforge.algorithms.trainers.run.startup_gc import end_startup_gc, paused_gc
 from shardforge.core.log import get_logger, setup_logging
 
@@ -212,10 +212,15 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
     if args.command == "eval":
         from shardforge.algorithms.trainers.eval_run import EVAL as trainer
-    elif args.algorithm not in TRAINERS:
-        raise ValueError(f"unknown algorithm {args.algorithm!r}; available: {TRAINERS.names()} (see `shardforge list`)")
+    elif args.algorithm not in TRAINERS and ":" not in args.algorithm:
+        raise ValueError(
+            f"unknown algorithm {args.algorithm!r}; available: {TRAINERS.names()} (see `shardforge list`), or a "
+            "user's TrainerSpec as 'package.module:NAME'"
+        )
     else:
         trainer = TRAINERS.get(args.algorithm)
+        if not isinstance(trainer, TrainerSpec):
+            raise ValueError(f"{args.algorithm!r} is a {type(trainer).__name__}, not a TrainerSpec(config_cls=, run=)")
     # Models and tokenizers are local directories: never a Hub lookup (set HF_HUB_OFFLINE=0 to allow one).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     data = apply_overrides(load_yaml(args.config), args.overrides)
