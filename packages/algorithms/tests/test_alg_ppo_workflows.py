@@ -54,7 +54,7 @@ def _config(chat: dict[str, Any], out: Path, **overrides: Any) -> Any:
         "steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "progress": False,
         "export_hf_at_end": False, "temperature": 0.9, "reward_fn": "ppo_wf_mod:has_digit", "resume": "never",
         "update_epochs": 1,
-        "workflow": {"name": "multi_turn", "max_turns": 3, "chat_template": True, "turn_discount": 0.5},
+        "workflow": {"name": "multi_turn", "max_turns": 3, "chat_template": True, "multi_turn": {"turn_discount": 0.5}},
         "engine": {"max_tokens_per_microbatch": 256, "optimizer": {"lr": 3e-3}},
         "critic_engine": {"max_tokens_per_microbatch": 256, "optimizer": {"lr": 1e-2}},
     }  # fmt: skip

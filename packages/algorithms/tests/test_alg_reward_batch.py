@@ -18,7 +18,7 @@ from shardforge.rewards.batch import score_outcomes
 from shardforge.rewards.guarded import GuardedReward, RewardConfig
 from shardforge.rewards.ray_pool import RayPooledReward, RewardActor, reward_actor_names
 from shardforge.rollout import Rollout, SamplingParams
-from shardforge.rollout.workflows import PromptRow, WorkflowConfig, build_workflow, run_episodes
+from shardforge.rollout.workflows import MultiTurnConfig, PromptRow, WorkflowConfig, build_workflow, run_episodes
 from shardforge.rollout.workflows.base import new_trajectory, score
 
 
@@ -115,7 +115,7 @@ def test_a_step_scores_its_rewards_in_one_batched_call():
     assert fn.batches == [6] and trajectories.reward_calls == 1, "one reward call for the step, not one per episode"
     # multi-turn: one reward call per round, between the generate rounds (wrong answers: every episode goes on)
     fn = BatchRecording(lambda prompt, response, reference: 0.0)
-    trajectories, engine = _run(fn, "multi_turn", max_turns=3, feedback="no")
+    trajectories, engine = _run(fn, "multi_turn", max_turns=3, multi_turn=MultiTurnConfig(feedback="no"))
     assert engine.calls == [6, 6, 6] and fn.batches == [6, 6, 6] and trajectories.reward_calls == 3
 
 

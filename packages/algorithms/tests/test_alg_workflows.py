@@ -17,7 +17,16 @@ import torch
 from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
 from shardforge.engine.objectives.loss_fns import ADVANTAGES, OLD_LOGPROBS
 from shardforge.rollout import Rollout, SamplingParams
-from shardforge.rollout.workflows import WORKFLOWS, PromptRow, Trajectory, WorkflowConfig, build_workflow, run_episodes
+from shardforge.rollout.workflows import (
+    WORKFLOWS,
+    MultiTurnConfig,
+    PromptRow,
+    ToolUseConfig,
+    Trajectory,
+    WorkflowConfig,
+    build_workflow,
+    run_episodes,
+)
 from shardforge.rollout.workflows.tools import calculator, load_tools, python, run_tool_call, tool_schema
 
 USER_MODULE = textwrap.dedent(
@@ -89,7 +98,9 @@ def test_multi_turn_is_token_in_token_out_and_logprobs_match_the_trainer(chat: d
     from shardforge.rollout import HFRolloutEngine
 
     tokenizer = chat["tokenizer"]
-    config = WorkflowConfig(name="multi_turn", max_turns=3, chat_template=True, turn_discount=0.5)
+    config = WorkflowConfig(
+        name="multi_turn", max_turns=3, chat_template=True, multi_turn=MultiTurnConfig(turn_discount=0.5)
+    )
     workflow = build_workflow(config, tokenizer, lambda p, r, ref: 0.0)
     engine = HFRolloutEngine(chat["model"], tokenizer)
     calls: list[list[list[int]]] = []
@@ -135,7 +146,9 @@ def test_multi_turn_is_token_in_token_out_and_logprobs_match_the_trainer(chat: d
 
 def test_multi_turn_feedback_reward_discount_and_masks(chat: dict[str, Any]) -> None:
     tokenizer = chat["tokenizer"]
-    config = WorkflowConfig(name="multi_turn", max_turns=3, chat_template=True, turn_discount=0.5, feedback="no")
+    config = WorkflowConfig(
+        name="multi_turn", max_turns=3, chat_template=True, multi_turn=MultiTurnConfig(turn_discount=0.5, feedback="no")
+    )
     workflow = build_workflow(config, tokenizer, lambda p, r, ref: float(r.strip() == ref))
     engine = ScriptedEngine(tokenizer, ["41", "42"])
     [t] = run_episodes(workflow, engine, _rows(tokenizer, ["q"]), 1, SamplingParams(max_new_tokens=4))
@@ -164,8 +177,7 @@ def _tool_episode(chat: dict[str, Any], script: list[str], **overrides: Any) -> 
         name="tool_use",
         max_turns=4,
         chat_template=True,
-        tools=("calculator", "wf_user_mod:add", "wf_user_mod:broken"),
-        **overrides,
+        tool_use=ToolUseConfig(tools=("calculator", "wf_user_mod:add", "wf_user_mod:broken"), **overrides),
     )
     workflow = build_workflow(config, tokenizer, lambda p, r, ref: float(r == ref))
     [t] = run_episodes(
@@ -271,7 +283,7 @@ def _grpo_config(chat: dict[str, Any], out: Path, **overrides: Any) -> Any:
         "model": chat["model"], "train_file": str(data), "output_dir": str(out), "layout": "d1", "steps": 3,
         "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "progress": False, "save_every": 2,
         "export_hf_at_end": False, "temperature": 0.9, "reward_fn": "wf_user_mod:has_digit",
-        "workflow": {"name": "multi_turn", "max_turns": 3, "chat_template": True, "turn_discount": 0.5},
+        "workflow": {"name": "multi_turn", "max_turns": 3, "chat_template": True, "multi_turn": {"turn_discount": 0.5}},
         "engine": {"max_tokens_per_microbatch": 256, "optimizer": {"lr": 3e-3}},
     }  # fmt: skip
     return build_config(GRPOConfig, apply_overrides(base, [f"{k}={v}" for k, v in overrides.items()]))

@@ -259,3 +259,18 @@ def test_a_users_engine_is_selected_from_yaml_by_import_path(
     assert chunked.chunks is not None and chunked.chunks.chunk_tokens == 4 and chunked.engine.chunks is chunked.chunks  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match=r"cannot import module 'no_such_engines'"):
         build_rollout(dataclasses.replace(config.rollout, engine="no_such_engines:build"), model, tokenizer)
+
+
+def test_variant_knobs_live_in_their_variants_section() -> None:
+    """Issue 37: a variant's options are a section named after it (``actor.sapo``, ``workflow.tool_use``); the old
+    flat keys are refused in one line naming the new key."""
+    from shardforge.algorithms.trainers.grpo import GRPOConfig
+
+    base = {"model": "m", "train_file": "t.jsonl", "output_dir": "o"}
+    config = build_config(GRPOConfig, base | {"actor.sapo.tau_neg": 1.2, "workflow.tool_use.tools": ["python"]})
+    assert config.actor.sapo.tau_neg == 1.2 and config.workflow.tool_use.tools == ("python",)
+    for old, new in (("actor.clip_cov_ratio", "actor.clip_cov.ratio"), ("actor.ppo_kl_coef", "actor.kl_cov.coef"),
+                     ("workflow.tools", "workflow.tool_use.tools"), ("workflow.feedback", "workflow.multi_turn.feedback")):  # fmt: skip
+        with pytest.raises(ValueError) as error:
+            build_config(GRPOConfig, base | {old: 1})
+        assert str(error.value).startswith(f"config key {old} is now {new}"), str(error.value)

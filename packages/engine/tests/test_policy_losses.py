@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from shardforge.engine.objectives import POLICY_LOSSES, PPOActorConfig, ppo_actor_loss
+from shardforge.engine.objectives.policy_loss_options import ClipCovConfig, KLCovConfig, SAPOConfig
 
 # three sequences: prompt + 3 targets, prompt + 4 targets, an all-masked row
 CU = torch.tensor([0, 5, 11, 14])
@@ -29,7 +31,7 @@ def _inputs(seed: int, spread: float = 0.3) -> dict[str, torch.Tensor]:
     return {"lp": lp, "old": old, "adv": adv}
 
 
-def _ours(name: str, data: dict[str, torch.Tensor], aggregation: str, **options: float) -> tuple[float, torch.Tensor]:
+def _ours(name: str, data: dict[str, torch.Tensor], aggregation: str, **options: Any) -> tuple[float, torch.Tensor]:
     lp = data["lp"].clone().requires_grad_()
     config = PPOActorConfig(policy_loss=name, aggregation=aggregation, **options)  # type: ignore[arg-type]
     out = ppo_actor_loss(
@@ -203,7 +205,7 @@ def test_kl_cov_penalises_the_top_covariance_tokens() -> None:
         terms.append(term)
     ref = torch.stack(terms).mean()
     ref.backward()
-    loss, grad = _ours("kl_cov", data, "token-mean", kl_cov_ratio=ratio, ppo_kl_coef=0.5)
+    loss, grad = _ours("kl_cov", data, "token-mean", kl_cov=KLCovConfig(ratio=ratio, coef=0.5))
     assert math.isclose(loss, float(ref.detach()), rel_tol=1e-12)
     assert lp.grad is not None
     torch.testing.assert_close(grad, lp.grad, rtol=1e-10, atol=1e-12)
@@ -226,7 +228,7 @@ def test_clip_cov_drops_the_gradient_of_unclipped_tokens_in_the_covariance_band(
     ref = torch.stack(terms).mean()
     ref.backward()
     # ratio 1: every candidate is dropped, so the random choice does not matter
-    loss, grad = _ours("clip_cov", data, "token-mean", clip_cov_ratio=1.0, clip_cov_lb=lb, clip_cov_ub=ub)
+    loss, grad = _ours("clip_cov", data, "token-mean", clip_cov=ClipCovConfig(ratio=1.0, lb=lb, ub=ub))
     assert math.isclose(loss, float(ref.detach()), rel_tol=1e-12)
     assert lp.grad is not None
     torch.testing.assert_close(grad, lp.grad, rtol=1e-10, atol=1e-12)
@@ -236,8 +238,8 @@ def test_clip_cov_drops_the_gradient_of_unclipped_tokens_in_the_covariance_band(
 
 def test_clip_cov_drops_at_most_its_share_and_is_reproducible() -> None:
     data = _inputs(2)
-    first = _ours("clip_cov", data, "token-mean", clip_cov_lb=-10.0, clip_cov_ub=10.0)
-    second = _ours("clip_cov", data, "token-mean", clip_cov_lb=-10.0, clip_cov_ub=10.0)
+    first = _ours("clip_cov", data, "token-mean", clip_cov=ClipCovConfig(lb=-10.0, ub=10.0))
+    second = _ours("clip_cov", data, "token-mean", clip_cov=ClipCovConfig(lb=-10.0, ub=10.0))
     assert torch.equal(first[1], second[1])
     vanilla = _ours("vanilla", data, "token-mean")
     changed = (first[1] != vanilla[1]).sum()
@@ -285,11 +287,13 @@ def test_registered_under_verl_names_with_docs() -> None:
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"clip_cov_ratio": 0.0}, "clip_cov_ratio and kl_cov_ratio"),
-        ({"clip_cov_lb": 5.0, "clip_cov_ub": 1.0}, "clip_cov_lb=5.0 must be < clip_cov_ub"),
-        ({"sapo_tau_neg": 0.0}, "sapo_tau_pos/neg > 0"),
+        ({"clip_cov": {"ratio": 0.0}}, r"actor\.clip_cov\.ratio is a fraction of tokens in \(0, 1\]"),
+        ({"kl_cov": {"ratio": 2.0}}, r"actor\.kl_cov\.ratio is a fraction of tokens in \(0, 1\]"),
+        ({"clip_cov": {"lb": 5.0, "ub": 1.0}}, r"actor\.clip_cov\.lb=5\.0 must be < actor\.clip_cov\.ub"),
+        ({"sapo": {"tau_neg": 0.0}}, r"actor\.sapo\.tau_pos/neg must be > 0"),
     ],
 )
-def test_invalid_options_say_what_is_valid(options: dict[str, float], match: str) -> None:
+def test_invalid_options_say_what_is_valid(options: dict[str, dict[str, float]], match: str) -> None:
+    kinds = {"clip_cov": ClipCovConfig, "kl_cov": KLCovConfig, "sapo": SAPOConfig}
     with pytest.raises(ValueError, match=match):
-        PPOActorConfig(**options)  # type: ignore[arg-type]
+        PPOActorConfig(**{k: kinds[k](**v) for k, v in options.items()})  # type: ignore[arg-type]

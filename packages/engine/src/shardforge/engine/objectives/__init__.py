@@ -40,6 +40,7 @@ from shardforge.engine.objectives.critic import PPOCriticConfig, ppo_critic_loss
 from shardforge.engine.objectives.kl import KL_ESTIMATORS, KLEstimator, kl_estimate
 from shardforge.engine.objectives.kl_control import KL_CONTROLLERS, KLControlConfig, build_kl_controller
 from shardforge.engine.objectives.loss_fns import PPOActorLossFn, PPOCriticLossFn
+from shardforge.engine.objectives.policy_loss_options import ClipCovConfig, KLCovConfig, SAPOConfig
 from shardforge.engine.objectives.ppo import (
     POLICY_LOSSES,
     PolicyLossFn,
@@ -73,8 +74,10 @@ __all__ = [
     "ROLLOUT_CORRECTIONS",
     "AdvantageEstimator",
     "Aggregation",
+    "ClipCovConfig",
     "GroupAdvantageFn",
     "KLControlConfig",
+    "KLCovConfig",
     "KLEstimator",
     "LossAggregation",
     "LossOutput",
@@ -87,6 +90,7 @@ __all__ = [
     "PreferenceLossConfig",
     "RewardShapingConfig",
     "RolloutCorrectionConfig",
+    "SAPOConfig",
     "aggregation_coefficients",
     "aggregation_weight",
     "all_reduce_stats",

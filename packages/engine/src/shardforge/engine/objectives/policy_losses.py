@@ -13,8 +13,8 @@ here works with every aggregation mode, micro-batching and data parallelism. Sel
 | ``cispo`` | ``-sg[clip(r, 1-eps_low, 1+eps_high)] * A * log pi`` | MiniMax-M1 (MiniMax 2025) |
 | ``geo_mean`` | ``-A_i * exp(mean_{t in i} sgn(A_i) min(sgn(A_i) log r_t, sgn(A_i) clip(log r_t, -eps_low, eps_high)))`` on every token of i | GMPO (Zhao et al. 2025) |
 | ``sapo`` | ``-A * (4 / tau) * sigmoid(tau (r - 1))``, ``tau = tau_pos if A > 0 else tau_neg`` | SAPO (Gao et al. 2025) |
-| ``clip_cov`` | PPO clip, and 0 (no gradient) on a random ``clip_cov_ratio`` share of the unclipped tokens whose ``cov_t = (A_t - mean A)(log pi_t - mean log pi)`` lies in ``(clip_cov_lb, clip_cov_ub)`` | Clip-Cov (Cui et al. 2025) |
-| ``kl_cov`` | ``-A r``, plus ``ppo_kl_coef * |log pi - log prox|`` on the top ``kl_cov_ratio`` share of tokens by ``cov_t`` | KL-Cov (Cui et al. 2025) |
+| ``clip_cov`` | PPO clip, and 0 (no gradient) on a random ``clip_cov.ratio`` share of the unclipped tokens whose ``cov_t = (A_t - mean A)(log pi_t - mean log pi)`` lies in ``(clip_cov.lb, clip_cov.ub)`` | Clip-Cov (Cui et al. 2025) |
+| ``kl_cov`` | ``-A r``, plus ``kl_cov.coef * |log pi - log prox|`` on the top ``kl_cov.ratio`` share of tokens by ``cov_t`` | KL-Cov (Cui et al. 2025) |
 | ``gpg`` | ``-A * log pi`` | GPG (Chu et al. 2025) |
 | ``reinforce`` | ``-A * r`` (importance-weighted vanilla policy gradient, no clip; on-policy its gradient is REINFORCE's ``-A grad log pi``) | Williams 1992 |
 | ``dppo_tv`` | ``-A * sg[min(r, c)] * log pi * m_t``, ``m_t = 0`` where ``A > 0`` and ``pi - prox > eps_high`` or ``A < 0`` and ``pi - prox < -eps_low`` (probabilities, not ratios), else 1 | DPPO-Binary-TV (Qi et al. 2026) |
@@ -137,7 +137,7 @@ def sapo_policy_loss(
 ) -> PolicyLossTerms:
     """SAPO (Gao et al. 2025): soft gate -A (4/tau) sigmoid(tau (r - 1)) instead of a hard clip."""
     ratio = _ratio(lp, prox)
-    tau = torch.where(adv > 0, lp.new_tensor(config.sapo_tau_pos), lp.new_tensor(config.sapo_tau_neg))
+    tau = torch.where(adv > 0, lp.new_tensor(config.sapo.tau_pos), lp.new_tensor(config.sapo.tau_neg))
     pg = -adv * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     return _terms(pg, ratio.detach())
 
@@ -165,9 +165,9 @@ def clip_cov_policy_loss(
     mask = loss_mask != 0
     base = clip_policy_loss(lp - prox, adv, loss_mask, dataclasses.replace(config, dual_clip=None))
     cov = _covariance(lp, adv, mask)
-    candidates = mask & ~base.clipped & (cov > config.clip_cov_lb) & (cov < config.clip_cov_ub)
+    candidates = mask & ~base.clipped & (cov > config.clip_cov.lb) & (cov < config.clip_cov.ub)
     index = torch.nonzero(candidates).flatten()
-    num = max(int(config.clip_cov_ratio * int(mask.sum())), 1)
+    num = max(int(config.clip_cov.ratio * int(mask.sum())), 1)
     generator = torch.Generator().manual_seed(0)
     chosen_index = index[torch.randperm(index.numel(), generator=generator)[:num].to(index.device)]
     chosen = torch.zeros_like(mask)
@@ -192,9 +192,9 @@ def kl_cov_policy_loss(
     chosen = torch.zeros_like(mask)
     num_targets = int(mask.sum())
     if num_targets:
-        num = max(int(num_targets * config.kl_cov_ratio), 1)
+        num = max(int(num_targets * config.kl_cov.ratio), 1)
         chosen[torch.topk(_covariance(lp, adv, mask), num).indices] = True
-        pg = torch.where(chosen, pg + config.ppo_kl_coef * (lp - prox).abs(), pg)
+        pg = torch.where(chosen, pg + config.kl_cov.coef * (lp - prox).abs(), pg)
     return _terms(pg, ratio.detach(), chosen)
 
 

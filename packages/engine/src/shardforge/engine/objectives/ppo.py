@@ -33,8 +33,8 @@ your own with ``@POLICY_LOSSES.register("name")`` on a `PolicyLossFn`, or set
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, get_args
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, get_args
 
 import torch
 
@@ -55,6 +55,7 @@ from shardforge.engine.objectives.aggregation import (
     fixed_loss_weight,
 )
 from shardforge.engine.objectives.kl import KLEstimator, check_kl_estimator, kl_estimate
+from shardforge.engine.objectives.policy_loss_options import ClipCovConfig, KLCovConfig, SAPOConfig
 from shardforge.engine.objectives.stats import LossOutput
 
 __all__ = [
@@ -105,20 +106,22 @@ class PPOActorConfig:
     """Coefficient (>= 0) of a KL(pi || ref) loss term (GRPO); needs ``ref_logprobs`` when > 0."""
     kl_estimator: KLEstimator = "k3"
     """Per-token KL estimator of the loss term, a name in `KL_ESTIMATORS` ("k1", "k2", "k3", "abs", ...)."""
-    clip_cov_ratio: float = 0.0002
-    """clip_cov: fraction of target tokens (high covariance) whose gradient is dropped (Cui et al. 2025)."""
-    clip_cov_lb: float = 1.0
-    """clip_cov: only tokens with covariance above this are candidates."""
-    clip_cov_ub: float = 5.0
-    """clip_cov: only tokens with covariance below this are candidates."""
-    kl_cov_ratio: float = 0.0002
-    """kl_cov: fraction of target tokens (highest covariance) that get the |log ratio| penalty."""
-    ppo_kl_coef: float = 1.0
-    """kl_cov: coefficient of the |log pi - log prox| penalty on the selected tokens."""
-    sapo_tau_pos: float = 1.0
-    """sapo: temperature of the soft gate for positive advantages (Gao et al. 2025)."""
-    sapo_tau_neg: float = 1.05
-    """sapo: temperature of the soft gate for negative advantages (larger: faster decay)."""
+    clip_cov: ClipCovConfig = field(default_factory=ClipCovConfig)
+    """policy_loss=clip_cov's options: ratio, lb, ub."""
+    kl_cov: KLCovConfig = field(default_factory=KLCovConfig)
+    """policy_loss=kl_cov's options: ratio, coef."""
+    sapo: SAPOConfig = field(default_factory=SAPOConfig)
+    """policy_loss=sapo's options: tau_pos, tau_neg."""
+
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "clip_cov_ratio": "clip_cov.ratio",
+        "clip_cov_lb": "clip_cov.lb",
+        "clip_cov_ub": "clip_cov.ub",
+        "kl_cov_ratio": "kl_cov.ratio",
+        "ppo_kl_coef": "kl_cov.coef",
+        "sapo_tau_pos": "sapo.tau_pos",
+        "sapo_tau_neg": "sapo.tau_neg",
+    }
 
     def __post_init__(self) -> None:
         if self.policy_loss not in POLICY_LOSSES:
@@ -146,18 +149,6 @@ class PPOActorConfig:
         if self.entropy_coef < 0 or self.kl_coef < 0:
             raise ValueError(f"entropy_coef and kl_coef must be >= 0; got {self.entropy_coef}, {self.kl_coef}")
         check_kl_estimator(self.kl_estimator)
-        if not 0.0 < self.clip_cov_ratio <= 1.0 or not 0.0 < self.kl_cov_ratio <= 1.0:
-            raise ValueError(
-                f"clip_cov_ratio and kl_cov_ratio are fractions of tokens in (0, 1] (papers: 2e-4); "
-                f"got {self.clip_cov_ratio}, {self.kl_cov_ratio}"
-            )
-        if not self.clip_cov_lb < self.clip_cov_ub:
-            raise ValueError(f"clip_cov_lb={self.clip_cov_lb} must be < clip_cov_ub={self.clip_cov_ub}")
-        if self.ppo_kl_coef < 0 or not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
-            raise ValueError(
-                f"ppo_kl_coef must be >= 0 and sapo_tau_pos/neg > 0; got {self.ppo_kl_coef}, "
-                f"{self.sapo_tau_pos}, {self.sapo_tau_neg}"
-            )
 
     @property
     def eps_high(self) -> float:

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from shardforge.rollout.episodes.request_queue import EpisodeHandle, RequestQueue
 from shardforge.rollout.episodes.trajectory import Trajectory, TurnInfo
-from shardforge.rollout.workflows.base import WORKFLOWS, PromptRow, Workflow, WorkflowConfig, build_workflow
+from shardforge.rollout.workflows.base import (
+    WORKFLOWS,
+    MultiTurnConfig,
+    PromptRow,
+    ToolUseConfig,
+    Workflow,
+    WorkflowConfig,
+    build_workflow,
+)
 from shardforge.rollout.workflows.chat import ChatCodec
 from shardforge.rollout.workflows.runner import EpisodeList, episode_counts, run_episodes
 from shardforge.rollout.workflows.tools import TOOLS, Tool, ToolResult, tool_schema
@@ -17,10 +25,12 @@ __all__ = [
     "ChatCodec",
     "EpisodeHandle",
     "EpisodeList",
+    "MultiTurnConfig",
     "PromptRow",
     "RequestQueue",
     "Tool",
     "ToolResult",
+    "ToolUseConfig",
     "Trajectory",
     "TurnInfo",
     "Workflow",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from shardforge.core.registry import Registry
 from shardforge.rollout.episodes.request_queue import EpisodeHandle
@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "WORKFLOWS",
+    "MultiTurnConfig",
     "PromptRow",
+    "ToolUseConfig",
     "Workflow",
     "WorkflowConfig",
     "WorkflowFactory",
@@ -38,27 +40,59 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MultiTurnConfig:
+    """The ``multi_turn`` workflow's own options (``workflow.multi_turn:``)."""
+
+    turn_discount: float = 1.0
+    """A correct answer at turn t (0-based) earns ``reward * turn_discount**t`` (AReaL's multi-turn)."""
+    feedback: str = "Wrong, try again."
+    """The user turn sent after a wrong answer."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.turn_discount <= 1.0:
+            raise ValueError(f"workflow.multi_turn.turn_discount={self.turn_discount} must be in [0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ToolUseConfig:
+    """The ``tool_use`` workflow's own options (``workflow.tool_use:``)."""
+
+    tools: tuple[str, ...] = ("calculator",)
+    """Registered tools (calculator, python) or ``package.module:function`` (schema from its signature)."""
+    timeout_s: float = 5.0
+    """Per-call time limit; a call past it is killed and returned to the model as a timeout error."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"workflow.tool_use.timeout_s={self.timeout_s} must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class WorkflowConfig:
-    """Which workflow turns data rows into trajectories, and its options (YAML ``workflow:``)."""
+    """Which workflow turns data rows into trajectories, and its options (YAML ``workflow:``). A variant's own
+    options are a section named after it (``multi_turn``, ``tool_use``)."""
+
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "turn_discount": "multi_turn.turn_discount",
+        "feedback": "multi_turn.feedback",
+        "tools": "tool_use.tools",
+        "tool_timeout_s": "tool_use.timeout_s",
+    }
 
     name: str = "rlvr"
     """A registered workflow (rlvr, multi_turn, tool_use) or a user class ``package.module:Class``."""
     max_turns: int = 1
     """Most model turns per episode (multi_turn: answers; tool_use: tool calls + the final answer)."""
-    turn_discount: float = 1.0
-    """multi_turn: a correct answer at turn t (0-based) earns ``reward * turn_discount**t`` (AReaL's multi-turn)."""
     max_total_tokens: int | None = None
     """Stop an episode before its sequence exceeds this many tokens (None: the trainer's micro-batch budget)."""
     chat_template: bool = False
     """Wrap the prompt text in the tokenizer's chat template (multi_turn / tool_use need one to add turns)."""
     system_prompt: str | None = None
     """Optional system message (chat_template=true only)."""
-    feedback: str = "Wrong, try again."
-    """multi_turn: the user turn sent after a wrong answer."""
-    tools: tuple[str, ...] = ("calculator",)
-    """tool_use: registered tools (calculator, python) or ``package.module:function`` (schema from its signature)."""
-    tool_timeout_s: float = 5.0
-    """tool_use: per-call time limit; a call past it is killed and returned to the model as a timeout error."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """The multi_turn workflow's options: turn_discount, feedback."""
+    tool_use: ToolUseConfig = field(default_factory=ToolUseConfig)
+    """The tool_use workflow's options: tools, timeout_s."""
     max_failed_fraction: float = 0.0
     """Fail the step when more than this fraction of the step's episodes crashed (a crash drops its whole group)."""
     options: dict[str, Any] = field(default_factory=dict)
@@ -67,12 +101,8 @@ class WorkflowConfig:
     def __post_init__(self) -> None:
         if self.max_turns < 1:
             raise ValueError(f"workflow.max_turns={self.max_turns} must be >= 1")
-        if not 0.0 <= self.turn_discount <= 1.0:
-            raise ValueError(f"workflow.turn_discount={self.turn_discount} must be in [0, 1]")
         if not 0.0 <= self.max_failed_fraction <= 1.0:
             raise ValueError(f"workflow.max_failed_fraction={self.max_failed_fraction} must be in [0, 1]")
-        if self.tool_timeout_s <= 0:
-            raise ValueError(f"workflow.tool_timeout_s={self.tool_timeout_s} must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -36,14 +36,14 @@ class MultiTurnWorkflow:
             reward = await score_in_batch(engine, self.reward_fn, row, out.text)
             trajectory.turns.append(TurnInfo(generated=len(out.response_ids), finished=out.finished, reward=reward))
             trajectory.text = out.text
-            trajectory.reward = reward * config.turn_discount**turn
+            trajectory.reward = reward * config.multi_turn.turn_discount**turn
             if reward > 0:
                 trajectory.stop_reason = "correct"
                 break
             if turn == config.max_turns - 1:
                 break
             feedback = self.codec.continuation_ids(
-                [{"role": "user", "content": config.feedback}], finished=out.finished
+                [{"role": "user", "content": config.multi_turn.feedback}], finished=out.finished
             )
             budget = config.max_total_tokens
             if budget is not None and len(trajectory.token_ids) + len(feedback) + engine.params.max_new_tokens > budget:

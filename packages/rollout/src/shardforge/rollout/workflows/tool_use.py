@@ -38,7 +38,7 @@ class ToolUseWorkflow:
 
     def __init__(self, config: WorkflowConfig, tokenizer: Any, reward_fn: Any) -> None:
         self.config, self.reward_fn = config, reward_fn
-        self.tools = load_tools(config.tools)
+        self.tools = load_tools(config.tool_use.tools)
         self.codec = ChatCodec(
             tokenizer, chat_template=config.chat_template, system_prompt=config.system_prompt,
             tools=[tool.schema for tool in self.tools.values()],
@@ -67,7 +67,7 @@ class ToolUseWorkflow:
                 trajectory.stop_reason = "answer"
                 break
             results = await asyncio.gather(
-                *(run_tool_call(body, self.tools, timeout_s=config.tool_timeout_s) for body in calls)
+                *(run_tool_call(body, self.tools, timeout_s=config.tool_use.timeout_s) for body in calls)
             )
             info.tool_errors = [result.error for _, result in results if result.error is not None]
             if turn == config.max_turns - 1:

@@ -44,7 +44,7 @@ def tool_schema(fn: Callable[..., Any], *, name: str | None = None) -> dict[str,
     hints = typing.get_type_hints(fn)
     properties, required = {}, []
     for param in signature.parameters.values():
-        if param.name == "timeout_s":  # set by the workflow (workflow.tool_timeout_s), never by the model
+        if param.name == "timeout_s":  # set by the workflow (workflow.tool_use.timeout_s), never by the model
             continue
         hint = hints.get(param.name, str)
         properties[param.name] = {"type": _JSON_TYPES.get(hint, "string")}
