@@ -232,13 +232,12 @@ class DistillTrainer(GRPOTrainer):
         else:
             self.actor = FullDistillActorLossFn(self.actor.config, term)
 
-    def train_step(self, step: int) -> dict[str, float]:
-        stats = super().train_step(step)
+    def after_step(self, stats: dict[str, float]) -> None:
+        super().after_step(stats)
         config = self.config
         assert isinstance(config, DistillConfig)
         if "actor/distill_divergence" in stats:  # the loss term's per-token mean, under the loss's name
             stats[f"distill/{config.distill_loss}"] = stats.pop("actor/distill_divergence")
-        return stats
 
     def sampling_rollout(self, rollout: PublishedRolloutEngine) -> PublishedRolloutEngine:
         config = self.config

@@ -15,14 +15,11 @@ by ``rollout_correction`` (`shardforge.engine.objectives.rollout_correction`; me
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
 from shardforge.algorithms.trainers import TrainerSpec
@@ -43,14 +40,8 @@ from shardforge.algorithms.trainers.rl.step_stats import (
     add_actor_stats,
     add_behaviour_gap,
     add_correction_stats,
-    add_dynamic_sampling_stats,
     add_partial_rollout_stats,
-    add_reward_call_stats,
-    add_reward_stats,
-    add_rollout_server_stats,
-    add_workflow_stats,
 )
-from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes
 from shardforge.algorithms.trainers.rl_trainer import RLTrainer
 from shardforge.algorithms.trainers.run.common import with_total_steps
 from shardforge.algorithms.trainers.run.profiling import phase
@@ -181,42 +172,19 @@ class GRPOTrainer(RLTrainer[GRPOConfig]):
             self.actor = OnPolicyActorLossFn(config.actor, config.rollout_correction)
             log.info("old log-probs: from the training forward (one update per on-policy batch; no recompute pass)")
 
-    def train_step(self, step: int) -> dict[str, float]:
-        assert self.source is not None
-        config, engine = self.config, self.engine
-        step_started = time.perf_counter()
-        with phase("rollout_wait") if config.async_rollouts else contextlib.nullcontext():
-            sampled = self.source.batch(step)
-        metrics = StepMetrics()
-        if self.reward_model is not None:  # collective: here on every rank, not on the sampling thread
-            with phase("reward_model"):
-                rewards, rm_stats = self.reward_model.add_scores(sampled.rewards, sampled.rollouts)
-            sampled = dataclasses.replace(sampled, rewards=rewards)
-            metrics.put(rm_stats)
+    def update(self, sampled: SampledBatch, metrics: StepMetrics) -> dict[str, float]:
         if self.reference is not None:  # the coefficient this step uses (the controller's, when adaptive)
             self.actor.config = dataclasses.replace(self.actor.config, kl_coef=self.kl_ctrl.value)
             metrics.put({"kl_coef": self.kl_ctrl.value})
-        train = _train_step(sampled, config, engine, self.actor, metrics, self.advantages, self.reference)
-        if self.dynamic is not None:
-            add_dynamic_sampling_stats(metrics, self.dynamic.pop_stats(sampled.index))
-        add_reward_call_stats(metrics, self.reward_fn)
-        add_rollout_server_stats(metrics, self.rollout)
-        if self.phases is not None:
-            metrics.put(self.phases.pop_stats())
-        stats = train | metrics.reduce(engine.dp_group, engine.device)  # the step's one metrics collective
+        return _train_step(sampled, self.config, self.engine, self.actor, metrics, self.advantages, self.reference)
+
+    def after_step(self, stats: dict[str, float]) -> None:
         if not isinstance(self.actor, OnPolicyActorLossFn) and "rollout_corr/kl_k1" not in stats:
             # Bypass: the loss's ratio pi/behav before the step is the mismatch itself (k1 of behav -> pi).
             stats["rollout_corr/kl_k1"] = stats["actor/approx_kl"]
         if self.reference is not None:
+            config = self.config
             self.kl_ctrl.update(stats["actor/kl_ref"], config.prompts_per_step * config.group_size)
-        began = time.perf_counter()
-        with phase("weight_sync"):
-            self.source.publish(step + 1)
-        stats["weight_sync_s"] = time.perf_counter() - began
-        stats["tokens_per_s"] = stats["tokens"] / max(stats["train_done_s"] - step_started, 1e-9)
-        del stats["train_done_s"]
-        stats["step_s"] = time.perf_counter() - step_started  # rollouts (or the wait) + update + publish
-        return stats
 
     def postfix(self, stats: dict[str, float]) -> dict[str, str]:
         return {"reward": f"{stats['reward_mean']:.3f}", "len": f"{stats['response_len_mean']:.1f}"}
@@ -257,9 +225,6 @@ def _train_step(
     policy), for fresh batches (kernel/precision mismatch) and stale ones (async mode, decoupled PPO) alike. Bypass
     mode anchors the ratio on the engine's log-probs instead."""
     started = time.perf_counter()
-    # The one agreement before training: every rank must know whether the step may go on.
-    metrics.put(check_failed_episodes(sampled.rollouts, config.workflow.max_failed_fraction, engine))
-    lengths = torch.tensor([t.num_generated for t in sampled.rollouts], dtype=torch.float64)
     batch = trajectories_to_batch(sampled.rollouts, stage.sequence_advantages(sampled, metrics))
     if reference is not None:  # actor.kl_coef > 0: the KL term of the loss against the frozen reference
         with phase("ref_logprobs"):
@@ -283,14 +248,11 @@ def _train_step(
     forwarded = time.perf_counter()
     with phase("train"):
         stats = engine.train_batch(batch, actor, actor.loss_weight)
-    stats["train_done_s"] = time.perf_counter()
     add_actor_stats(metrics, actor.pop_stats())
     if isinstance(actor, OnPolicyActorLossFn):  # the correction ran inside the loss, per micro-batch
         local = actor.pop_correction_stats()
         add_behaviour_gap(metrics, {"behaviour_gap": local.pop("behaviour_gap"), "num_tokens": local["num_tokens"]})
         add_correction_stats(metrics, local)
-    add_reward_stats(metrics, sampled.rewards.double(), lengths)
-    add_workflow_stats(metrics, sampled.rollouts)
     metrics.put({
         "rollout_version": float(sampled.rollouts[0].version),
         "generate_s": sampled.generate_s,

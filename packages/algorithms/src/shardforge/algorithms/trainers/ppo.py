@@ -21,8 +21,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
@@ -40,14 +38,7 @@ from shardforge.algorithms.trainers.rl.ppo_update import (
     correct_actor_batch,
     ppo_update,
 )
-from shardforge.algorithms.trainers.rl.step_stats import (
-    add_dynamic_sampling_stats,
-    add_reward_call_stats,
-    add_reward_stats,
-    add_rollout_server_stats,
-    add_workflow_stats,
-)
-from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes
+from shardforge.algorithms.trainers.rl.sources import SampledBatch
 from shardforge.algorithms.trainers.rl_trainer import RLTrainer
 from shardforge.algorithms.trainers.run.common import with_total_steps
 from shardforge.algorithms.trainers.run.profiling import phase
@@ -172,22 +163,10 @@ class PPOTrainer(RLTrainer[PPOConfig]):
         self.advantages = self.build_advantage_stage()  # after the source: it holds the KL controller
         self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
 
-    def train_step(self, step: int) -> dict[str, float]:
-        assert self.source is not None
+    def update(self, sampled: SampledBatch, metrics: StepMetrics) -> dict[str, float]:
         config, actor = self.config, self.engine
-        started = time.perf_counter()
-        sampled = self.source.batch(step)
-        trajectories, rewards = sampled.rollouts, sampled.rewards
-        generated, served = time.perf_counter(), float(self.rollout.version)  # the version that sampled
-        metrics = StepMetrics()
-        metrics.put(check_failed_episodes(trajectories, config.workflow.max_failed_fraction, actor))
-        if self.reward_model is not None:
-            with phase("reward_model"):
-                rewards, rm_stats = self.reward_model.add_scores(rewards, trajectories)
-            sampled = dataclasses.replace(sampled, rewards=rewards)
-            metrics.put(rm_stats)
-        batch = trajectories_to_batch(trajectories, self.advantages.sequence_advantages(sampled, metrics))
-        lengths = torch.tensor([t.num_generated for t in trajectories], dtype=torch.float64)
+        started, served = time.perf_counter(), float(self.rollout.version)  # the version that sampled
+        batch = trajectories_to_batch(sampled.rollouts, self.advantages.sequence_advantages(sampled, metrics))
         self.advantages.token_advantages(batch, sampled, metrics)  # GAE with the critic (and its targets)
         recompute = config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
         actor_batch = correct_actor_batch(batch, config.rollout_correction, actor, metrics) if recompute else None
@@ -197,29 +176,12 @@ class PPOTrainer(RLTrainer[PPOConfig]):
                 batch, actor, self.critic, self.actor_fn, self.critic_fn, epochs=config.update_epochs,
                 actor_batch=actor_batch, metrics=metrics,
             )  # fmt: skip
-        began = time.perf_counter()
-        with phase("weight_sync"):
-            self.source.publish(step + 1)
-        add_reward_stats(metrics, rewards.double(), lengths)
-        add_workflow_stats(metrics, trajectories)
-        if self.dynamic is not None:
-            add_dynamic_sampling_stats(metrics, self.dynamic.pop_stats(step))
-        add_reward_call_stats(metrics, self.reward_fn)
-        add_rollout_server_stats(metrics, self.rollout)
-        metrics.put(self.phases.pop_stats() if self.phases is not None else {})
-        stats |= metrics.reduce(actor.dp_group, actor.device)  # the step's one metrics collective
-        stats |= {
-            "weight_sync_s": time.perf_counter() - began,
-            "rollout_version": served,
-            "generate_s": generated - started,
-            "forward_s": forwarded - generated,
-            "tokens_per_s": stats["tokens"] / max(time.perf_counter() - started, 1e-9),
-        }
-        if not (math.isfinite(stats["loss"]) and math.isfinite(stats["critic/loss"])):
-            raise FloatingPointError(
-                f"PPO loss became {stats['loss']} (critic {stats['critic/loss']}) at step {step + 1}"
-            )
+        metrics.put({"rollout_version": served, "generate_s": sampled.generate_s, "forward_s": forwarded - started})
         return stats
+
+    def after_step(self, stats: dict[str, float]) -> None:
+        if not (math.isfinite(stats["loss"]) and math.isfinite(stats["critic/loss"])):
+            raise FloatingPointError(f"PPO loss became {stats['loss']} (critic {stats['critic/loss']})")
 
     def postfix(self, stats: dict[str, float]) -> dict[str, str]:
         return {"reward": f"{stats['reward_mean']:.3f}", "vloss": f"{stats['critic/loss']:.3f}"}

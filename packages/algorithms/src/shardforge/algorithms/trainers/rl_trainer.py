@@ -2,9 +2,12 @@
 functions, the rollout engine and its publisher, the batch source (synchronous, or asynchronous with partial
 rollouts), the sampling pipeline, held-out evaluation, the KL controller's state, export and shutdown.
 
-A trainer adds its engines (`build_engines`), the update it runs on a sampled batch (`train_step`) and the
-advantage stage that fits it (GRPO: `trainers.rl.advantages`; PPO: GAE with its critic). The sampling pipeline of
-a batch, in order (each piece in one module)::
+ONE step for every RL trainer (`train_step`): the batch from the source -> the failed-episodes agreement -> the
+reward model's scores -> the trainer's `update` (advantage stage, old log-probs, rollout correction, optimizer
+steps) -> the step's statistics, reduced once (`StepMetrics`) -> `after_step` (a KL controller's move) -> publish the
+new weights. A trainer adds its engines (`build_engines`), its `update` and the advantage stage that fits it
+(`ADVANTAGE_STAGES`: GRPO's group estimators, PPO's GAE with its critic, distillation's teacher KL). The sampling
+pipeline of a batch, in order (each piece in one module)::
 
     workflow round (rl/sampling.workflow_round_fn: prompts -> episodes -> trajectories, ReMax's greedy baseline)
     -> dynamic sampling over rounds (rl/dynamic_sampling)    -> reward shaping (rl/sampling.make_sample_fn)
@@ -13,7 +16,9 @@ a batch, in order (each piece in one module)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -24,10 +29,25 @@ from shardforge.algorithms.trainers.rl.advantages import ADVANTAGE_STAGES, Advan
 from shardforge.algorithms.trainers.rl.colocate import colocated_phases
 from shardforge.algorithms.trainers.rl.common import RLTrainerConfig, build_reward_fn
 from shardforge.algorithms.trainers.rl.data import load_prompt_data
+from shardforge.algorithms.trainers.rl.metrics import StepMetrics
 from shardforge.algorithms.trainers.rl.publish import build_trainer_rollout
 from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
-from shardforge.algorithms.trainers.rl.sources import AsyncRollouts, RolloutSource, SampleFn, SyncRollouts
+from shardforge.algorithms.trainers.rl.sources import (
+    AsyncRollouts,
+    RolloutSource,
+    SampledBatch,
+    SampleFn,
+    SyncRollouts,
+)
+from shardforge.algorithms.trainers.rl.step_stats import (
+    add_dynamic_sampling_stats,
+    add_reward_call_stats,
+    add_reward_stats,
+    add_rollout_server_stats,
+    add_workflow_stats,
+)
 from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
+from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes
 from shardforge.algorithms.trainers.run.profiling import phase
 from shardforge.engine.objectives.kl_control import KLController, build_kl_controller
 from shardforge.rollout.factory import PublishedRolloutEngine
@@ -127,6 +147,48 @@ class RLTrainer(Trainer[C]):
             restored=restored.get("async_rollouts"), device=engine.device, chunks=built.chunks,
         )  # fmt: skip
         return self.source
+
+    def update(self, sampled: SampledBatch, metrics: StepMetrics) -> dict[str, float]:
+        """The trainer's update on a sampled batch: its optimizer steps' (already global) results; everything else
+        goes to ``metrics`` (reduced once, at the end of the step)."""
+        raise NotImplementedError
+
+    def after_step(self, stats: dict[str, float]) -> None:
+        """After the step's statistics are reduced, before the new weights are published (default: nothing)."""
+
+    def train_step(self, step: int) -> dict[str, float]:
+        assert self.source is not None
+        config, engine = self.config, self.engine
+        started = time.perf_counter()
+        with phase("rollout_wait") if isinstance(self.source, AsyncRollouts) else contextlib.nullcontext():
+            sampled = self.source.batch(step)
+        metrics = StepMetrics()
+        # The one agreement before the update: every rank must know whether the step may go on.
+        metrics.put(check_failed_episodes(sampled.rollouts, config.workflow.max_failed_fraction, engine))
+        if self.reward_model is not None:  # collective: here on every rank, not on the sampling thread
+            with phase("reward_model"):
+                rewards, rm_stats = self.reward_model.add_scores(sampled.rewards, sampled.rollouts)
+            sampled = dataclasses.replace(sampled, rewards=rewards)
+            metrics.put(rm_stats)
+        stats = self.update(sampled, metrics)
+        stats["tokens_per_s"] = stats["tokens"] / max(time.perf_counter() - started, 1e-9)  # rollouts + update
+        lengths = torch.tensor([t.num_generated for t in sampled.rollouts], dtype=torch.float64)
+        add_reward_stats(metrics, sampled.rewards.double(), lengths)
+        add_workflow_stats(metrics, sampled.rollouts)
+        if self.dynamic is not None:
+            add_dynamic_sampling_stats(metrics, self.dynamic.pop_stats(sampled.index))
+        add_reward_call_stats(metrics, self.reward_fn)
+        add_rollout_server_stats(metrics, self.rollout)
+        if self.phases is not None:
+            metrics.put(self.phases.pop_stats())
+        stats |= metrics.reduce(engine.dp_group, engine.device)  # the step's one metrics collective
+        self.after_step(stats)
+        began = time.perf_counter()
+        with phase("weight_sync"):
+            self.source.publish(step + 1)
+        stats["weight_sync_s"] = time.perf_counter() - began
+        stats["step_s"] = time.perf_counter() - started  # rollouts (or the wait) + update + publish
+        return stats
 
     def step_summary(self, stats: dict[str, float]) -> dict[str, Any]:
         return {"reward_mean": stats["reward_mean"]}
