@@ -26,6 +26,7 @@ import tomllib
 from pathlib import Path
 
 import nox
+import nox.command
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
@@ -174,6 +175,37 @@ def _needs_torch(name: str) -> bool:
     return any("torch" in _requirements(dep) for dep in _with_internal_deps([name]))
 
 
+def _isolate(session: nox.Session, name: str, dist: Path) -> None:
+    """One package of `isolation`: a fresh venv, [torch,] the wheel alone, its import, its [test] extra, its tests."""
+    # Never the workspace's sources: only the wheels are importable (a PYTHONPATH set by the caller is dropped).
+    env = {**THREAD_ENV, "PYTHONPATH": ""}
+    venv = Path(session.create_tmp()) / f"iso-{name}"
+    session.run("rm", "-rf", str(venv), external=True)
+    session.run("python", "-m", "venv", str(venv))
+    py = str(venv / "bin" / "python")
+    pip = (py, "-m", "pip", "install", "-q", *CONSTRAINTS, "--find-links", str(dist))
+    torch = _needs_torch(name)
+    if torch:
+        session.run(*pip, "torch==2.13.0", external=True)
+    session.run(*pip, f"shardforge-{name}", external=True)
+    module = "shardforge." + name.replace("-", "_")
+    session.run(py, "-c", f"import {module}; print({module}.__name__, 'imports alone')", external=True, env=env)
+    session.run(*pip, f"shardforge-{name}[test]", external=True)
+    if not torch:
+        check = (
+            "import importlib.util, sys; "
+            f"sys.exit('torch is installed in the venv of shardforge-{name}, which must work without it' "
+            "if importlib.util.find_spec('torch') else 0)"
+        )
+        session.run(py, "-c", check, external=True, env=env)
+    # Run the package's own tests from outside the repo's sources (only the wheel is importable).
+    session.run(
+        py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
+        "--rootdir", f"packages/{name}", "-c", os.devnull, f"packages/{name}/tests",
+        external=True, env=env,
+    )  # fmt: skip
+
+
 @nox.session(python=PYTHON)
 def isolation(session: nox.Session) -> None:
     """Each wheel alone in a fresh venv with only its declared deps: install, import, run its tests.
@@ -183,6 +215,8 @@ def isolation(session: nox.Session) -> None:
     CPU torch first, only if the package (or a shardforge package below it) declares torch, so that core and
     rewards are imported and tested in a venv without torch (checked); the wheel alone, imported; then its
     ``[test]`` extra (nothing else: the extra must be enough) and its own tests, run from outside the sources.
+    A package that fails does not stop the others; the session fails at the end, naming them, after one line
+    with each package's time.
     """
     unknown = [name for name in session.posargs if name not in PACKAGES]
     if unknown:
@@ -193,38 +227,20 @@ def isolation(session: nox.Session) -> None:
     session.run("rm", "-rf", str(dist), external=True)
     for name in _with_internal_deps(selected):
         session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), f"packages/{name}")
-    # Never the workspace's sources: only the wheels are importable (a PYTHONPATH set by the caller is dropped).
-    env = {**THREAD_ENV, "PYTHONPATH": ""}
     timings: list[str] = []
+    failed: list[str] = []
     for name in selected:
         started = time.monotonic()
-        venv = Path(session.create_tmp()) / f"iso-{name}"
-        session.run("rm", "-rf", str(venv), external=True)
-        session.run("python", "-m", "venv", str(venv))
-        py = str(venv / "bin" / "python")
-        pip = (py, "-m", "pip", "install", "-q", *CONSTRAINTS, "--find-links", str(dist))
-        torch = _needs_torch(name)
-        if torch:
-            session.run(*pip, "torch==2.13.0", external=True)
-        session.run(*pip, f"shardforge-{name}", external=True)
-        module = "shardforge." + name.replace("-", "_")
-        session.run(py, "-c", f"import {module}; print({module}.__name__, 'imports alone')", external=True, env=env)
-        session.run(*pip, f"shardforge-{name}[test]", external=True)
-        if not torch:
-            check = (
-                "import importlib.util, sys; "
-                f"sys.exit('torch is installed in the venv of shardforge-{name}, which must work without it' "
-                "if importlib.util.find_spec('torch') else 0)"
-            )
-            session.run(py, "-c", check, external=True, env=env)
-        # Run the package's own tests from outside the repo's sources (only the wheel is importable).
-        session.run(
-            py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
-            "--rootdir", f"packages/{name}", "-c", os.devnull, f"packages/{name}/tests",
-            external=True, env=env,
-        )  # fmt: skip
-        timings.append(f"{name}: {time.monotonic() - started:.0f} s ({'with' if torch else 'without'} torch)")
+        try:
+            _isolate(session, name, dist)
+        except nox.command.CommandFailed:
+            failed.append(name)
+        outcome = "FAILED" if name in failed else "ok"
+        torch = "with" if _needs_torch(name) else "without"
+        timings.append(f"{name} {outcome} {time.monotonic() - started:.0f} s ({torch} torch)")
     session.log("isolation, per package (venv, installs, import, tests): " + "; ".join(timings))
+    if failed:
+        session.error(f"isolation failed for {failed} (their output is above)")
 
 
 @nox.session(python=PYTHON)
