@@ -4,7 +4,8 @@ nox -s tests        all unit + integration tests, one venv, editable installs (C
                     SHARDFORGE_TEST_THREADS=2 for 2 intra-op threads instead of 1)
 nox -s demo         the end-to-end CPU demo (tiny Qwen3, FSDP on 2 ranks)
 nox -s integration  only the multi-rank integration suite
-nox -s isolation    build each wheel, install it alone in a fresh venv, import it, run its tests
+nox -s isolation    build each wheel, install it alone in a fresh venv, import it, run its tests;
+                    `nox -s isolation -- engine rewards` checks only the named packages
 nox -s lint         ruff check + format check
 nox -s typecheck    mypy on the packages' sources
 nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG + RESULTS.md)
@@ -19,9 +20,13 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import time
+import tomllib
 from pathlib import Path
 
 import nox
+import nox.command
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
@@ -146,31 +151,96 @@ def demo_vlm(session: nox.Session) -> None:
     session.run("shardforge", "demo-vlm", "--out", out, "--nproc-per-node", "2", env=THREAD_ENV)
 
 
+def _requirements(name: str) -> list[str]:
+    """The distribution names (lower case) in ``packages/<name>/pyproject.toml``'s ``[project] dependencies``."""
+    with open(ROOT / "packages" / name / "pyproject.toml", "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    return [re.split(r"[^A-Za-z0-9._-]", dep.strip(), maxsplit=1)[0].lower() for dep in deps]
+
+
+def _with_internal_deps(names: list[str]) -> list[str]:
+    """``names`` and every shardforge package they depend on, directly or not, in PACKAGES order."""
+    found: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name not in found:
+            found.add(name)
+            todo += [dep.removeprefix("shardforge-") for dep in _requirements(name) if dep.startswith("shardforge-")]
+    return [name for name in PACKAGES if name in found]
+
+
+def _needs_torch(name: str) -> bool:
+    """Whether ``shardforge-<name>`` or a shardforge package below it declares torch (core and rewards do not)."""
+    return any("torch" in _requirements(dep) for dep in _with_internal_deps([name]))
+
+
+def _isolate(session: nox.Session, name: str, dist: Path) -> None:
+    """One package of `isolation`: a fresh venv, [torch,] the wheel alone, its import, its [test] extra, its tests."""
+    # Never the workspace's sources: only the wheels are importable (a PYTHONPATH set by the caller is dropped).
+    env = {**THREAD_ENV, "PYTHONPATH": ""}
+    venv = Path(session.create_tmp()) / f"iso-{name}"
+    session.run("rm", "-rf", str(venv), external=True)
+    session.run("python", "-m", "venv", str(venv))
+    py = str(venv / "bin" / "python")
+    pip = (py, "-m", "pip", "install", "-q", *CONSTRAINTS, "--find-links", str(dist))
+    torch = _needs_torch(name)
+    if torch:
+        session.run(*pip, "torch==2.13.0", external=True)
+    session.run(*pip, f"shardforge-{name}", external=True)
+    module = "shardforge." + name.replace("-", "_")
+    session.run(py, "-c", f"import {module}; print({module}.__name__, 'imports alone')", external=True, env=env)
+    session.run(*pip, f"shardforge-{name}[test]", external=True)
+    if not torch:
+        check = (
+            "import importlib.util, sys; "
+            f"sys.exit('torch is installed in the venv of shardforge-{name}, which must work without it' "
+            "if importlib.util.find_spec('torch') else 0)"
+        )
+        session.run(py, "-c", check, external=True, env=env)
+    # Run the package's own tests from outside the repo's sources (only the wheel is importable).
+    session.run(
+        py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
+        "--rootdir", f"packages/{name}", "-c", os.devnull, f"packages/{name}/tests",
+        external=True, env=env,
+    )  # fmt: skip
+
+
 @nox.session(python=PYTHON)
 def isolation(session: nox.Session) -> None:
-    """Each wheel alone in a fresh venv with only its declared deps: install, import, run its tests."""
-    _install_torch(session)
+    """Each wheel alone in a fresh venv with only its declared deps: install, import, run its tests.
+
+    ``nox -s isolation -- engine rewards``: only the named packages (names as under packages/); the wheels of
+    the shardforge packages they depend on are built too, but not tested. Per package: a fresh venv; the pinned
+    CPU torch first, only if the package (or a shardforge package below it) declares torch, so that core and
+    rewards are imported and tested in a venv without torch (checked); the wheel alone, imported; then its
+    ``[test]`` extra (nothing else: the extra must be enough) and its own tests, run from outside the sources.
+    A package that fails does not stop the others; the session fails at the end, naming them, after one line
+    with each package's time.
+    """
+    unknown = [name for name in session.posargs if name not in PACKAGES]
+    if unknown:
+        session.error(f"unknown package(s) {unknown}; choose from {list(PACKAGES)}")
+    selected = [name for name in PACKAGES if name in session.posargs] or list(PACKAGES)
     session.install(*CONSTRAINTS, "build", "hatchling")
     dist = ROOT / "dist" / "isolation"
     session.run("rm", "-rf", str(dist), external=True)
-    for name in PACKAGES:
+    for name in _with_internal_deps(selected):
         session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), f"packages/{name}")
-    for name in PACKAGES:
-        venv = Path(session.create_tmp()) / f"iso-{name}"
-        session.run("rm", "-rf", str(venv), external=True)
-        session.run("python", "-m", "venv", str(venv))
-        py = str(venv / "bin" / "python")
-        pip = (py, "-m", "pip", "install", "-q", *CONSTRAINTS, "--find-links", str(dist))
-        session.run(*pip, "torch==2.13.0", external=True)
-        session.run(*pip, f"shardforge-{name}[test]", "pytest", "cloudpickle", external=True)
-        module = "shardforge." + name.replace("-", "_")
-        session.run(py, "-c", f"import {module}; print({module}.__name__, 'imports alone')", external=True)
-        # Run the package's own tests from outside the repo's sources (only the wheel is importable).
-        session.run(
-            py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
-            "--rootdir", f"packages/{name}", "-c", os.devnull, f"packages/{name}/tests",
-            external=True, env=THREAD_ENV,
-        )  # fmt: skip
+    timings: list[str] = []
+    failed: list[str] = []
+    for name in selected:
+        started = time.monotonic()
+        try:
+            _isolate(session, name, dist)
+        except nox.command.CommandFailed:
+            failed.append(name)
+        outcome = "FAILED" if name in failed else "ok"
+        torch = "with" if _needs_torch(name) else "without"
+        timings.append(f"{name} {outcome} {time.monotonic() - started:.0f} s ({torch} torch)")
+    session.log("isolation, per package (venv, installs, import, tests): " + "; ".join(timings))
+    if failed:
+        session.error(f"isolation failed for {failed} (their output is above)")
 
 
 @nox.session(python=PYTHON)
