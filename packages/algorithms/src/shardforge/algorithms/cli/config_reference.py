@@ -41,11 +41,11 @@ def commands() -> dict[str, type[Any]]:
 
 def _section_type(hint: Any) -> type[Any] | None:
     """The dataclass a field holds (directly, or as the items of a tuple / an optional), else None."""
-    if dataclasses.is_dataclass(hint):
-        return hint  # type: ignore[return-value]
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return hint
     for arg in typing.get_args(hint):
-        if arg is not Ellipsis and dataclasses.is_dataclass(arg):
-            return arg  # type: ignore[no-any-return]
+        if isinstance(arg, type) and dataclasses.is_dataclass(arg):
+            return arg
     return None
 
 

@@ -72,7 +72,7 @@ BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}
 _HELPER = Path(mesh_collectives.__file__).resolve()
 _ENGINE = Path(shardforge.engine.__file__).resolve().parent
 _ABOVE_ENGINE = tuple(
-    Path(module.__file__).resolve().parent
+    Path(str(module.__file__)).resolve().parent
     for module in (shardforge.algorithms, shardforge.rollout, shardforge.rewards)  # type: ignore[attr-defined]
 )
 """Code above the engine: it must call the helper with the engine's device and never issue raw collectives."""

@@ -30,6 +30,7 @@ from shardforge.algorithms.trainers.rl.colocate import colocated_phases
 from shardforge.algorithms.trainers.rl.common import RLTrainerConfig, build_reward_fn
 from shardforge.algorithms.trainers.rl.data import load_prompt_data
 from shardforge.algorithms.trainers.rl.metrics import StepMetrics
+from shardforge.algorithms.trainers.rl.model_rewards import RewardModelScorer
 from shardforge.algorithms.trainers.rl.publish import build_trainer_rollout
 from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
 from shardforge.algorithms.trainers.rl.sources import (
@@ -65,6 +66,10 @@ class RLTrainer(Trainer[C]):
     """The shared part of the RL trainers (see the module docstring)."""
 
     eval_at_start = True
+    source: RolloutSource | None = None
+    """Where the steps' batches come from (`build_source`)."""
+    reward_model: RewardModelScorer | None = None
+    """A trained reward model scoring every rollout in the loop (``reward_model:``; set by `build_engines`)."""
     advantage_stage: ClassVar[str]
     """The name in `ADVANTAGE_STAGES` of how this trainer's batches get their advantages (`advantage_stage_name`)."""
 

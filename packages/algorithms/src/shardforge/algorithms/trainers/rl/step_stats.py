@@ -49,7 +49,7 @@ def _reward_view(raw: dict[str, float]) -> dict[str, float]:
 def add_reward_stats(metrics: StepMetrics, rewards: torch.Tensor, lengths: torch.Tensor) -> None:
     """Reward mean / std, positive fraction and mean response length over the global batch."""
     rewards = rewards.double()
-    raw = {
+    raw: dict[str, torch.Tensor | float | int] = {
         "count": rewards.numel(), "sum": rewards.sum(), "squares": (rewards**2).sum(), "length": lengths.sum(),
         "positive": (rewards > 0).sum(),
     }  # fmt: skip
