@@ -124,8 +124,8 @@ class _ChunkedFake:
                     assert self.gate[index].wait(30), "the main thread never published"
                 self.chunks.between_chunks()
             tokens.append(self.version)
-        r = Rollout(prompt_index=0, prompt_ids=[1], response_ids=tokens, logprobs=[-0.5 * t - 0.25 for t in tokens],
-                    finished=False, version=min(tokens), token_versions=list(tokens))  # fmt: skip
+        r = Trajectory(group=0, token_ids=tokens, loss_mask=[1] * 3, logprobs=[-0.5 * t - 0.25 for t in tokens],
+                       versions=list(tokens))  # fmt: skip (the generated tokens alone: versions are theirs)
         return [r], torch.tensor([float(index)])
 
 
@@ -144,13 +144,13 @@ def test_the_async_source_switches_weights_between_chunks_and_checkpoints_token_
     fake.gate = {1: threading.Event(), 2: threading.Event()}
     source = _source(fake, published, start=0)
     first = source.batch(0)  # batch 1 is generated next, under policy 0, and stops at its gate after one chunk
-    assert first.rollouts[0].token_versions == [10, 10, 10] and first.stats["interrupted"] == 0.0
+    assert first.rollouts[0].versions == [10, 10, 10] and first.stats["interrupted"] == 0.0
     source.publish(1)  # version 11 = policy step 1 (batch 1 may use it: staleness 0 for those tokens)
     source.publish(2)  # version 12 = policy step 2: newer than batch 1 may ever use (step 1 trains on it)
     fake.gate[1].set()
     second = source.batch(1)
     r = second.rollouts[0]
-    assert (second.policy_step, r.token_versions, r.version) == (0, [10, 11, 11], 10)
+    assert (second.policy_step, r.versions, r.version) == (0, [10, 11, 11], 10)
     # This rank's counts (the trainer sums them over ranks into partial/*): lags [1, 0, 0].
     counts = {
         "lag_sum": 1.0,
@@ -172,7 +172,7 @@ def test_the_async_source_switches_weights_between_chunks_and_checkpoints_token_
     resumed = _source(_ChunkedFake(), [], start=2, restored=json.loads(json.dumps(state)))
     again = resumed.batch(2)
     resumed.close()
-    assert again.rollouts[0].token_versions == saved["token_versions"] == [11, 12, 12]
+    assert again.rollouts[0].versions == saved["versions"] == [11, 12, 12]
     assert again.rollouts[0].logprobs == saved["logprobs"] == [-5.75, -6.25, -6.25]
     assert again.stats == counts
 
@@ -186,10 +186,10 @@ def test_a_batch_after_a_continued_one_starts_with_the_newer_weights() -> None:
     source.batch(0)
     source.publish(1)
     fake.gate[1].set()
-    assert source.batch(1).rollouts[0].token_versions == [10, 11, 11]
+    assert source.batch(1).rollouts[0].versions == [10, 11, 11]
     third = source.batch(2)
     source.close()
-    assert (third.policy_step, third.rollouts[0].token_versions) == (1, [11, 11, 11])
+    assert (third.policy_step, third.rollouts[0].versions) == (1, [11, 11, 11])
 
 
 def _config(assets: dict[str, Any], out: Path, **overrides: Any) -> Any:

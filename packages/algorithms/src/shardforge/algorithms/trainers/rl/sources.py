@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from shardforge.algorithms.trainers.rl.partial_stats import token_staleness_counts
 from shardforge.mesh.collectives import all_reduce_max
-from shardforge.rollout import Rollout, RolloutEngine
+from shardforge.rollout import RolloutEngine
 from shardforge.rollout.chunked import ChunkedGeneration
 from shardforge.rollout.episodes.trajectory import Trajectory
 
@@ -78,8 +78,8 @@ class SampledBatch:
     """Batch index = the step that trains on it."""
     policy_step: int
     """The weights that generated it: the policy after this many optimiser steps."""
-    rollouts: list[Any]
-    """`Rollout` s, or `Trajectory` s from a workflow."""
+    rollouts: list[Trajectory]
+    """This rank's trajectories (a workflow's, token-in/token-out)."""
     rewards: torch.Tensor
     """[len(rollouts)] float32."""
     generate_s: float = 0.0
@@ -335,22 +335,7 @@ class AsyncRollouts:
 
 
 def _encode(batch: SampledBatch) -> dict[str, Any]:
-    rollouts = [
-        r.to_state()
-        if isinstance(r, Trajectory)
-        else {
-            "prompt_index": r.prompt_index,
-            "prompt_ids": r.prompt_ids,
-            "response_ids": r.response_ids,
-            "logprobs": r.logprobs,
-            "finished": r.finished,
-            "version": r.version,
-            "text": r.text,
-            "extras": r.extras,
-            "token_versions": r.token_versions,
-        }
-        for r in batch.rollouts
-    ]
+    rollouts = [r.to_state() for r in batch.rollouts]
     # float32 -> Python float -> JSON (repr) round-trips exactly.
     return {
         "index": batch.index,
@@ -378,7 +363,7 @@ def _decode(state: dict[str, Any] | None, start: int, dp_rank: int, dp_size: int
         batches[item["index"]] = SampledBatch(
             index=item["index"],
             policy_step=item["policy_step"],
-            rollouts=[Trajectory.from_state(r) if "loss_mask" in r else Rollout(**r) for r in item["rollouts"]],
+            rollouts=[Trajectory.from_state(r) for r in item["rollouts"]],
             rewards=torch.tensor(item["rewards"], dtype=torch.float32),
             stats=item.get("stats", {}),
         )
