@@ -99,8 +99,9 @@ class DistillConfig(GRPOConfig):
     offload_teacher: bool = False
     """Keep the teacher's weights in host memory except during its forward (an accelerator memory saver)."""
     teacher_engine: str = "hf"
-    """off_policy: the engine the teacher samples on, "hf" (embedded) or "vllm" (configured by the ``vllm:``
-    section; the student's own engine, ``rollout.engine``, stays "hf" and only serves evaluation)."""
+    """off_policy: the engine the teacher samples on, "hf" (embedded) or "vllm" (with the other ``rollout.*``
+    options, e.g. ``rollout.vllm``; the student's own engine, ``rollout.engine``, stays "hf" and only serves
+    evaluation)."""
 
     def __post_init__(self) -> None:
         GRPOConfig.__post_init__(self)
