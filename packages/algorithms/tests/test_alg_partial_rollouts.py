@@ -124,8 +124,13 @@ class _ChunkedFake:
                     assert self.gate[index].wait(30), "the main thread never published"
                 self.chunks.between_chunks()
             tokens.append(self.version)
-        r = Trajectory(group=0, token_ids=tokens, loss_mask=[1] * 3, logprobs=[-0.5 * t - 0.25 for t in tokens],
-                       versions=list(tokens))  # fmt: skip (the generated tokens alone: versions are theirs)
+        r = Trajectory(
+            group=0,
+            token_ids=tokens,
+            loss_mask=[1] * 3,
+            logprobs=[-0.5 * t - 0.25 for t in tokens],
+            versions=list(tokens),
+        )  # fmt: skip (the generated tokens alone: versions are theirs)
         return [r], torch.tensor([float(index)])
 
 
