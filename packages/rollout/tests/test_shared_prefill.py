@@ -13,9 +13,9 @@ from shardforge.rollout import SamplingParams
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.testing import tiny_assets
+    from shardforge.rollout.testing.tiny import tiny_model
 
-    return tiny_assets(tmp_path_factory.mktemp("shared_prefill"), seed=3, data=False)
+    return tiny_model(tmp_path_factory.mktemp("shared_prefill"), seed=3)
 
 
 def _fed_rows(engine: Any) -> list[tuple[int, int]]:

@@ -17,9 +17,9 @@ from shardforge.rollout.seeds import prompt_seeds, request_seed
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.testing import tiny_assets
+    from shardforge.rollout.testing.tiny import tiny_model
 
-    return tiny_assets(tmp_path_factory.mktemp("seeds"), seed=5, data=False)
+    return tiny_model(tmp_path_factory.mktemp("seeds"), seed=5)
 
 
 def _engine(tiny: dict[str, Any], **kwargs: Any) -> Any:
