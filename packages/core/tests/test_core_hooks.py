@@ -63,6 +63,8 @@ def test_an_exception_in_a_hook_reaches_the_code_that_fired_it() -> None:
 def test_an_unknown_point_is_refused_with_the_valid_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown hook point 'step_ned'; valid: \['step_start', 'step_end'"):
         hooks.register("step_ned", lambda **kw: None)
+    with pytest.raises(ValueError, match=r"unknown hook point 'step_ned'"):
+        hooks.fire("step_ned", step=1)  # a misspelt fire would otherwise never run anything
     assert set(hooks.POINTS) == {"step_start", "step_end", "rollout_generate"}
 
 

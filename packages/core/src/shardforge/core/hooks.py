@@ -53,6 +53,8 @@ def clear(point: str | None = None) -> None:
 
 def fire(point: str, **kwargs: Any) -> None:
     """Run the functions registered for ``point`` with ``kwargs``, in registration order."""
+    if point not in POINTS:  # a typo would silently never fire
+        raise ValueError(f"unknown hook point {point!r}; valid: {list(POINTS)}")
     _load_from_env()
     for fn in _hooks.get(point, ()):
         fn(**kwargs)
