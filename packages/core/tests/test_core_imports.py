@@ -1,9 +1,7 @@
 """shardforge-core has no dependencies: it declares none, and importing it (every module) and using its registry
 and hook points loads no torch, in a fresh process, whether or not torch is installed (``nox -s isolation``
-tests this package in a venv without torch; the workspace venv has torch).
-
-Not covered: a log record that passes `RankZeroFilter` (``setup_logging`` at INFO and above) asks
-``torch.distributed`` for the rank, importing torch when it is installed (`shardforge.core.log._rank`)."""
+tests this package in a venv without torch; the workspace venv has torch). That includes a record that passes
+`RankZeroFilter`: the rank comes from ``torch.distributed`` only where torch is already imported."""
 
 from __future__ import annotations
 
@@ -30,6 +28,9 @@ reg.register_lazy("join", "os.path:join", "os.path.join")
 assert reg.get("one") == 1 and reg.get("join").__name__ == "join"
 hooks.fire("step_end", step=1)
 get_logger(__name__).debug("not emitted")
+from shardforge.core import setup_logging
+setup_logging()
+get_logger("shardforge.check").info("emitted on rank 0 without asking torch")
 print(json.dumps({"modules": names, "torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch")}))
 """
 

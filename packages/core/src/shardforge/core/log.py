@@ -24,13 +24,14 @@ _FORMAT = "[shardforge] %(message)s"
 
 
 def _rank() -> int:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except (ImportError, RuntimeError):
-        pass
+    # A process group can only exist once torch.distributed is imported: never import torch just to log a line.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None:
+        try:
+            if dist.is_available() and dist.is_initialized():
+                return int(dist.get_rank())
+        except RuntimeError:
+            pass
     return int(os.environ.get("RANK", "0"))
 
 
