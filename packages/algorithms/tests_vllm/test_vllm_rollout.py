@@ -135,7 +135,7 @@ def test_grpo_steps_with_vllm_rollouts_world2_via_the_cli(
     config = tmp_path / "grpo_vllm.yaml"
     data = _grpo_data(assets, out)
     del data["rollout.engine"]  # set on the command line, as a user would
-    data["vllm"]["placement"] = placement
+    data["rollout.vllm"]["placement"] = placement
     config.write_text(yaml.safe_dump(data))
     command = [sys.executable, "-m", "shardforge.algorithms.cli", "train", "grpo", "--config", str(config)]
     command += ["--nproc-per-node", "2", "rollout.engine=vllm", "layout=d2"]

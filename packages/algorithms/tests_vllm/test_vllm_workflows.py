@@ -28,7 +28,7 @@ from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
 from shardforge.engine import TrainEngine
 from shardforge.engine.config import EngineConfig
 from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
-from shardforge.rollout import SamplingParams, VLLMOptions, build_rollout_engine
+from shardforge.rollout import RolloutConfig, SamplingParams, VLLMOptions, build_rollout_engine
 from shardforge.rollout.workflows.base import PromptRow, WorkflowConfig
 from shardforge.rollout.workflows.multi_turn import MultiTurnWorkflow
 from shardforge.rollout.workflows.runner import run_episodes
@@ -75,7 +75,9 @@ def _check_engine(chat: dict[str, Any], engine: Any, tmp_path: Path) -> None:
 
 
 def test_multi_turn_episodes_in_process(chat: dict[str, Any], tmp_path: Path) -> None:
-    engine = build_rollout_engine("vllm", chat["model"], chat["tokenizer"], vllm=VLLMOptions(max_num_seqs=16))
+    engine = build_rollout_engine(
+        RolloutConfig(engine="vllm", vllm=VLLMOptions(max_num_seqs=16)), chat["model"], chat["tokenizer"]
+    )
     try:
         _check_engine(chat, engine, tmp_path)
     finally:
@@ -84,7 +86,7 @@ def test_multi_turn_episodes_in_process(chat: dict[str, Any], tmp_path: Path) ->
 
 def test_multi_turn_episodes_on_a_server(chat: dict[str, Any], tmp_path: Path) -> None:
     options = VLLMOptions(mode="server", max_num_seqs=16)
-    engine = build_rollout_engine("vllm", chat["model"], chat["tokenizer"], vllm=options)
+    engine = build_rollout_engine(RolloutConfig(engine="vllm", vllm=options), chat["model"], chat["tokenizer"])
     try:
         _check_engine(chat, engine, tmp_path)
     finally:
