@@ -229,6 +229,45 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         from shardforge.algorithms.data.jsonl import read_jsonl
 
         read_jsonl(path, "eval file", trainer.row_fields)
+    return _launch_or_run(args, argv, trainer, config)
+
+
+def _run_lock(config: Any, args: argparse.Namespace) -> Any:
+    """The output directory's run lock (`trainers.run.lock`), taken once per run before any rank writes.
+
+    The launching process takes it (node 0's, across nodes) and its ranks inherit the fact; under an
+    external torchrun global rank 0 takes it. A dry run and the other nodes' launchers take none.
+    """
+    import contextlib
+
+    from shardforge.algorithms.trainers.run.lock import LOCK_HELD_ENV, OutputDirLock
+
+    output_dir = getattr(config, "output_dir", None)
+    if output_dir is None or args.dry_run or LOCK_HELD_ENV in os.environ:
+        return contextlib.nullcontext()
+    if "WORLD_SIZE" in os.environ:
+        if os.environ.get("RANK", "0") != "0":
+            return contextlib.nullcontext()
+    else:
+        from shardforge.algorithms.launch.multinode import launch_spec
+
+        if launch_spec(args).node_rank != 0:
+            return contextlib.nullcontext()
+    lock = OutputDirLock(output_dir)
+
+    @contextlib.contextmanager
+    def held() -> Any:
+        with lock:
+            os.environ[LOCK_HELD_ENV] = str(lock.path)  # the ranks started from here do not lock again
+            try:
+                yield
+            finally:
+                os.environ.pop(LOCK_HELD_ENV, None)
+
+    return held()
+
+
+def _launch_or_run(args: argparse.Namespace, argv: list[str], trainer: TrainerSpec, config: Any) -> int:
     if "WORLD_SIZE" not in os.environ:  # the launching process: check everything before any rank starts
         from shardforge.algorithms.cli.preflight import preflight
         from shardforge.algorithms.launch.multinode import launch_spec
@@ -248,25 +287,39 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
             sys.stdout.write(dry_run_report(config, dims, spec.world_size) + "\n")
             return 0
-        if spec.launcher == "ray":
-            from shardforge.algorithms.launch.ray import launch_ray
+        if not trains_here:
+            with _run_lock(config, args):
+                return _launch(args, argv, spec, rollout_actors, reward_workers)
+    with _run_lock(config, args):
+        return _run_here(trainer, config)
 
-            end_startup_gc()  # the Ray driver lives as long as the run
-            return launch_ray(
-                spec,
-                argv,
-                entry="shardforge.algorithms.cli.main:main",
-                address=args.ray_address,
-                debug=args.debug,
-                rollout=rollout_actors,
-                reward_workers=reward_workers,
-            )
-        if spec.needs_agent:
-            from shardforge.algorithms.launch.torchrun import relaunch
 
-            return relaunch(spec, argv, debug=args.debug)
+def _launch(args: argparse.Namespace, argv: list[str], spec: Any, rollout_actors: Any, reward_workers: Any) -> int:
+    """Start the ranks (Ray actors, or torchrun's agent in this process) and wait for them."""
+    if spec.launcher == "ray":
+        from shardforge.algorithms.launch.ray import launch_ray
+
+        end_startup_gc()  # the Ray driver lives as long as the run
+        return launch_ray(
+            spec,
+            argv,
+            entry="shardforge.algorithms.cli.main:main",
+            address=args.ray_address,
+            debug=args.debug,
+            rollout=rollout_actors,
+            reward_workers=reward_workers,
+        )
+    from shardforge.algorithms.launch.torchrun import relaunch
+
+    return relaunch(spec, argv, debug=args.debug)
+
+
+def _run_here(trainer: TrainerSpec, config: Any) -> int:
+    """Train as this process's one rank (world 1, or a rank started by a torchrun agent)."""
+    from shardforge.algorithms.launch.torchrun import die_with_launcher
     from shardforge.algorithms.trainers.run.threads import set_process_threads
 
+    die_with_launcher()  # a rank never outlives the agent that started it (kill -9 included)
     set_process_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
     summary = trainer.run(config)
     from shardforge.mesh import destroy_distributed
