@@ -204,3 +204,19 @@ def test_resume_refuses_another_experiment_and_allows_harmless_changes(
     assert json.loads((tmp_path / "config.json").read_text())["engine"]["optimizer"]["lr"] == 5e-3
     summary = _sft(assets, tmp_path, steps=1, resume="never", **{"engine.optimizer.lr": 2e-3})
     assert "resumed_from" not in summary
+
+
+def test_a_yaml_syntax_error_names_the_file_and_the_place(tmp_path: Path) -> None:
+    from shardforge.algorithms.config_io import load_yaml
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 3\nengine: {lr: [1, 2}\n")
+    with pytest.raises(ValueError, match=rf"config file '{bad}' is not valid YAML at line 2, column 19"):
+        load_yaml(bad)
+
+
+def test_an_output_dir_that_cannot_be_created_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(OSError, match=r"cannot be created .*choose another output_dir"):
+        OutputDirLock(blocker / "run").acquire()

@@ -91,7 +91,12 @@ class OutputDirLock:
         return isinstance(pid, int) and _alive(pid, holder.get("start_time"))
 
     def acquire(self) -> OutputDirLock:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(
+                f"output_dir {str(self.directory)!r} cannot be created ({exc}); choose another output_dir"
+            ) from exc
         record = json.dumps(self._record(), indent=1)
         for _ in range(3):
             try:
