@@ -170,6 +170,11 @@ def test_config_differences_sort_experiment_from_harmless_keys() -> None:
     assert harmless == ["layout: 'd2' -> 'r2'", "steps: 10 -> 20"]
     experiment, _ = config_differences(old, {**old, "new_option": 1})
     assert experiment == ["new_option: '<absent>' -> 1"]  # unknown keys are guarded
+    mix = {"data": {"mix": [{"source": "a", "weight": 0.7}, {"source": "b", "weight": 0.3}]}}
+    reweighted = {"data": {"mix": [{"source": "a", "weight": 0.2}, {"source": "b", "weight": 0.8}]}}
+    assert config_differences(mix, reweighted)[0] == []  # a curriculum: each source continues where it was
+    resourced = {"data": {"mix": [{"source": "a", "weight": 0.7}, {"source": "c", "weight": 0.3}]}}
+    assert config_differences(mix, resourced)[0] == ["data.mix.1.source: 'b' -> 'c'"]
 
 
 def _sft(assets: dict[str, Any], out: Path, **overrides: Any) -> Any:

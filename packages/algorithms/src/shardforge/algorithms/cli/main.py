@@ -233,38 +233,15 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _run_lock(config: Any, args: argparse.Namespace) -> Any:
-    """The output directory's run lock (`trainers.run.lock`), taken once per run before any rank writes.
+    """The output directory's run lock (`trainers.run.lock.run_lock`; docs/runs.md)."""
+    from shardforge.algorithms.trainers.run.lock import run_lock
 
-    The launching process takes it (node 0's, across nodes) and its ranks inherit the fact; under an
-    external torchrun global rank 0 takes it. A dry run and the other nodes' launchers take none.
-    """
-    import contextlib
-
-    from shardforge.algorithms.trainers.run.lock import LOCK_HELD_ENV, OutputDirLock
-
-    output_dir = getattr(config, "output_dir", None)
-    if output_dir is None or args.dry_run or LOCK_HELD_ENV in os.environ:
-        return contextlib.nullcontext()
-    if "WORLD_SIZE" in os.environ:
-        if os.environ.get("RANK", "0") != "0":
-            return contextlib.nullcontext()
-    else:
+    node_rank = 0
+    if "WORLD_SIZE" not in os.environ:
         from shardforge.algorithms.launch.multinode import launch_spec
 
-        if launch_spec(args).node_rank != 0:
-            return contextlib.nullcontext()
-    lock = OutputDirLock(output_dir)
-
-    @contextlib.contextmanager
-    def held() -> Any:
-        with lock:
-            os.environ[LOCK_HELD_ENV] = str(lock.path)  # the ranks started from here do not lock again
-            try:
-                yield
-            finally:
-                os.environ.pop(LOCK_HELD_ENV, None)
-
-    return held()
+        node_rank = launch_spec(args).node_rank
+    return run_lock(getattr(config, "output_dir", None), dry_run=args.dry_run, node_rank=node_rank)
 
 
 def _launch_or_run(args: argparse.Namespace, argv: list[str], trainer: TrainerSpec, config: Any) -> int:

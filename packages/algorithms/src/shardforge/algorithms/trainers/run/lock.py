@@ -11,17 +11,19 @@ checked from here and is refused with the way out (delete the file when that run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from shardforge.core.log import get_logger
 
-__all__ = ["LOCK_HELD_ENV", "LOCK_NAME", "OutputDirLock", "OutputDirLocked"]
+__all__ = ["LOCK_HELD_ENV", "LOCK_NAME", "OutputDirLock", "OutputDirLocked", "run_lock"]
 
 LOCK_NAME = ".shardforge.lock"
 # Set by the process holding the lock: the ranks it launches (which inherit it) do not lock again.
@@ -64,6 +66,7 @@ class OutputDirLock:
         self.path = self.directory / LOCK_NAME
         self.command = command if command is not None else " ".join(sys.argv)
         self.held = False
+        self.created = False
 
     def _record(self) -> dict[str, Any]:
         pid = os.getpid()
@@ -91,6 +94,7 @@ class OutputDirLock:
         return isinstance(pid, int) and _alive(pid, holder.get("start_time"))
 
     def acquire(self) -> OutputDirLock:
+        self.created = not self.directory.exists()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -146,9 +150,37 @@ class OutputDirLock:
         holder = self._read()
         if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
             self.path.unlink(missing_ok=True)
+            if self.created:  # a run that failed before writing anything leaves no empty folder behind
+                with contextlib.suppress(OSError):
+                    self.directory.rmdir()
 
     def __enter__(self) -> OutputDirLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def run_lock(output_dir: str | None, *, dry_run: bool, node_rank: int) -> contextlib.AbstractContextManager[Any]:
+    """The run's lock on ``output_dir``, taken once per run before any rank writes (a no-op where not ours).
+
+    The launching process takes it (node 0's, across nodes; ``node_rank``) and the ranks it starts inherit
+    the fact (`LOCK_HELD_ENV`); under an external torchrun global rank 0 takes it. A dry run takes none.
+    """
+    if output_dir is None or dry_run or LOCK_HELD_ENV in os.environ:
+        return contextlib.nullcontext()
+    if "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0":
+        return contextlib.nullcontext()
+    if "WORLD_SIZE" not in os.environ and node_rank != 0:
+        return contextlib.nullcontext()
+    return _held(OutputDirLock(output_dir))
+
+
+@contextlib.contextmanager
+def _held(lock: OutputDirLock) -> Iterator[None]:
+    with lock:
+        os.environ[LOCK_HELD_ENV] = str(lock.path)  # the ranks started from here do not lock again
+        try:
+            yield
+        finally:
+            os.environ.pop(LOCK_HELD_ENV, None)

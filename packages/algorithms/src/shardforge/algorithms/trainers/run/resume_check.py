@@ -15,12 +15,14 @@ Unknown keys count as experiment keys: a new option is guarded until someone dec
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from typing import Any
 
 __all__ = ["HARMLESS_KEYS", "ResumeConfigMismatch", "check_resume_config", "config_differences"]
 
-# Dotted keys (or prefixes ending in ".") whose change keeps the continuation the same experiment.
+# Dotted keys (prefixes where they end in "." or "_"; "*" matches one list index or key) whose change keeps
+# the continuation the same experiment.
 HARMLESS_KEYS: tuple[str, ...] = (
     # length, cadence, outputs
     "steps",
@@ -61,6 +63,8 @@ HARMLESS_KEYS: tuple[str, ...] = (
     "rollout.sleep",
     "rollout.publish_in_memory",
     "rollout.batch_size",
+    # a mixture's weights may change on resume (a curriculum): each source continues where it left off
+    "data.mix.*.weight",
 )
 
 
@@ -69,6 +73,9 @@ class ResumeConfigMismatch(ValueError):
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted leaf keys; a list of mappings (data sources) by index, other lists as one value."""
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        value = {str(index): item for index, item in enumerate(value)} | {"<count>": len(value)}
     if isinstance(value, dict):
         flat: dict[str, Any] = {}
         for key, item in value.items():
@@ -78,7 +85,13 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _harmless(key: str) -> bool:
-    return any(key == h or (h.endswith((".", "_")) and key.startswith(h)) for h in HARMLESS_KEYS)
+    for pattern in HARMLESS_KEYS:
+        if "*" in pattern:
+            if fnmatch.fnmatchcase(key, pattern) and key.count(".") == pattern.count("."):
+                return True
+        elif key == pattern or (pattern.endswith((".", "_")) and key.startswith(pattern)):
+            return True
+    return False
 
 
 def config_differences(previous: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
