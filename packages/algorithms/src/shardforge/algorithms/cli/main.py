@@ -6,6 +6,7 @@
     shardforge train sft --help   (every config key with its type, default and description)
     shardforge list        (every registry: trainers, losses, estimators, rewards, rollout engines, ...)
     shardforge config-reference [--out docs/configuration.md] [--check]   (every config key, as markdown)
+    shardforge prepare-tiny [--out outputs]   (the models and data of every examples/*_tiny.yaml)
     shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600] [--prepare-only]
     shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 450] [--grpo-steps N]
     shardforge demo-agent [--out outputs/demo_agent] [--nproc-per-node 2] [--sft-steps N | --sft-stop KEY=VALUE]
@@ -173,6 +174,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only write the tiny VLM and the image data (examples/sft_vlm_tiny.yaml, examples/grpo_vlm_tiny.yaml)",
     )
+    tiny = sub.add_parser(
+        "prepare-tiny", help="build every model and data file examples/*_tiny.yaml read (CPU, ~1 min)"
+    )
+    tiny.add_argument("--out", default="outputs", help="the folder the examples name (outputs)")
+    tiny.add_argument("--sft-steps", type=int, default=150, help="steps of the short SFT the RL examples start from")
+    tiny.add_argument("--force", action="store_true", help="rebuild what is there already")
     sub.add_parser("list", help="list every registry (trainers, losses, estimators, ...) with its names")
     reference = sub.add_parser(
         "config-reference", help="write docs/configuration.md: every config key of every trainer"
@@ -379,6 +386,11 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command in ("train", "eval"):
         return _train(args, argv)  # the collector stays paused until the first step (or the agent waits)
     end_startup_gc()
+    if args.command == "prepare-tiny":
+        from shardforge.algorithms.demos.prepare_tiny import prepare_tiny
+
+        prepare_tiny(args.out, sft_steps=args.sft_steps, force=args.force)
+        return 0
     if args.command == "demo":
         from shardforge.algorithms.demos.demo import prepare_demo, run_demo
 
