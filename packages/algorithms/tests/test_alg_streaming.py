@@ -54,20 +54,20 @@ def _run(src: StreamingRollouts, engine: FakeEngine, first: int, last: int, trai
     return batches
 
 
-def _source(engine: FakeEngine, s: int, b: int, n: int, start: int = 0, restored=None) -> StreamingRollouts:
+def _source(engine: FakeEngine, s: int, b: int, n: int, start: int = 0, restored=None, workers: int = 1) -> StreamingRollouts:
     src = StreamingRollouts(
         group_fn=engine.group, load_weights=engine.load, publish_fn=lambda step: None,
-        prompts_per_step=b, max_staleness=s, num_batches=n, start=start, restored=restored,
+        prompts_per_step=b, max_staleness=s, num_batches=n, start=start, restored=restored, workers=workers,
     )
     engine.source = src
     return src
 
 
-@pytest.mark.parametrize("s", [1, 2])
-def test_streaming_staleness_bound_and_complete_groups(s: int) -> None:
+@pytest.mark.parametrize(("s", "workers"), [(1, 1), (2, 3)])
+def test_streaming_staleness_bound_and_complete_groups(s: int, workers: int) -> None:
     b, n = 3, 8
     engine = FakeEngine(delays=True, seed=s)
-    src = _source(engine, s, b, n)
+    src = _source(engine, s, b, n, workers=workers)
     try:
         batches = _run(src, engine, 0, n, train_s=0.005)
     finally:

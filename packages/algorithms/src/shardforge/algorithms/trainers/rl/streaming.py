@@ -78,6 +78,8 @@ class StreamingRollouts:
         num_batches: the run's steps.
         start: the first step of this process (0, or the resumed step).
         restored: `checkpoint_state` of the run that saved the checkpoint (None: none).
+        workers: generator threads, each generating one group at a time (> 1 only for an engine that serves
+            concurrent requests, e.g. a continuous-batching server; weights are loaded once per version, under a lock).
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class StreamingRollouts:
         num_batches: int,
         start: int = 0,
         restored: dict[str, Any] | None = None,
+        workers: int = 1,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
@@ -113,14 +116,22 @@ class StreamingRollouts:
         self._gen_busy_s = 0.0
         self._gen_idle_s = 0.0
         self._regenerated = 0
+        self._trainer_wait_s = 0.0
+        self._trainer_first: float | None = None  # when the first batch() call began
         self.infos: list[StreamBatchInfo] = []
-        self._thread = threading.Thread(target=self._run, name="stream-generator", daemon=True)
-        self._thread.start()
+        self._load_lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"stream-generator-{i}", daemon=True) for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     # ------------------------------------------------------------------ main-thread API
     def batch(self, index: int) -> SampledBatch:
         """The next batch (waits until enough complete groups exist)."""
         started = time.perf_counter()
+        if self._trainer_first is None:
+            self._trainer_first = started
         bound = index - self.max_staleness
         with self._cond:
             while True:
@@ -150,7 +161,9 @@ class StreamingRollouts:
             gen_busy, gen_idle = self._gen_busy_s, self._gen_idle_s
             regenerated = self._regenerated
             self._cond.notify_all()
-        wait_s = time.perf_counter() - started
+        now = time.perf_counter()
+        wait_s = now - started
+        self._trainer_wait_s += wait_s
         finish_order = [g.position for g in sorted(chosen, key=lambda g: g.finished)]
         chosen.sort(key=lambda g: g.position)
         staleness = torch.tensor([float(index - g.start_version) for g in chosen])
@@ -173,6 +186,7 @@ class StreamingRollouts:
                 "stream/staleness_mean": float(staleness.mean()),
                 "stream/staleness_max": float(staleness.max()),
                 "stream/in_flight": float(in_flight),
+                "stream/trainer_idle_frac": self._trainer_wait_s / max(now - self._trainer_first, 1e-9),
                 "stream/generator_idle_frac": gen_idle / max(gen_idle + gen_busy, 1e-9),
                 "stream/regenerated": float(regenerated),
             },
@@ -195,7 +209,8 @@ class StreamingRollouts:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
 
     # ------------------------------------------------------------------ generator thread
     def _capacity_left(self) -> bool:
@@ -222,9 +237,10 @@ class StreamingRollouts:
                 self._gen_idle_s += time.perf_counter() - idle
             busy = time.perf_counter()
             try:
-                if self._loaded != version:
-                    self.load_weights(version)
-                    self._loaded = version
+                with self._load_lock:
+                    if self._loaded is None or self._loaded < version:  # versions only move forward
+                        self.load_weights(version)
+                        self._loaded = version
                 group.rollouts, group.rewards = self.group_fn(position)
             except BaseException as exc:  # reported to the trainer by batch()
                 group.error = exc
