@@ -37,7 +37,13 @@ class FakeEngine:
         if self.delays:
             time.sleep(self.rng.choice([0.0, 0.0, 0.002, 0.01]))
         trajs = [
-            Trajectory(group=position, token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0] * 3, versions=[self.version] * 3)
+            Trajectory(
+                group=position,
+                token_ids=[1, 2, 3],
+                loss_mask=[0, 1, 1],
+                logprobs=[0.0] * 3,
+                versions=[self.version] * 3,
+            )
             for _ in range(GROUP)
         ]
         return trajs, torch.full((GROUP,), position + 0.001 * self.version)
@@ -54,10 +60,19 @@ def _run(src: StreamingRollouts, engine: FakeEngine, first: int, last: int, trai
     return batches
 
 
-def _source(engine: FakeEngine, s: int, b: int, n: int, start: int = 0, restored=None, workers: int = 1) -> StreamingRollouts:
+def _source(
+    engine: FakeEngine, s: int, b: int, n: int, start: int = 0, restored=None, workers: int = 1
+) -> StreamingRollouts:
     src = StreamingRollouts(
-        group_fn=engine.group, load_weights=engine.load, publish_fn=lambda step: None,
-        prompts_per_step=b, max_staleness=s, num_batches=n, start=start, restored=restored, workers=workers,
+        group_fn=engine.group,
+        load_weights=engine.load,
+        publish_fn=lambda step: None,
+        prompts_per_step=b,
+        max_staleness=s,
+        num_batches=n,
+        start=start,
+        restored=restored,
+        workers=workers,
     )
     engine.source = src
     return src
@@ -127,7 +142,12 @@ def test_streaming_generator_error_reaches_trainer() -> None:
         raise ValueError("engine down")
 
     src = StreamingRollouts(
-        group_fn=boom, load_weights=lambda v: None, publish_fn=lambda v: None, prompts_per_step=1, max_staleness=1, num_batches=2
+        group_fn=boom,
+        load_weights=lambda v: None,
+        publish_fn=lambda v: None,
+        prompts_per_step=1,
+        max_staleness=1,
+        num_batches=2,
     )
     with pytest.raises(RuntimeError, match="streaming generator failed") as info:
         src.batch(0)

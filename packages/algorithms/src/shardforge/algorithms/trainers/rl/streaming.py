@@ -9,9 +9,10 @@ step loaded when its generation began):
   start of this process) only while ``n < (max_staleness + newest_policy_step - start + 1) * prompts_per_step``;
   otherwise the submission waits for the next publish. At most ``(max_staleness + 1) * prompts_per_step``
   prompts are therefore in flight or finished-but-unused at any time.
-- Consumption: batch k takes groups with start version ``<= k - max_staleness`` first (they would break the
-  bound at step k + 1), then the earliest finished. A finished group whose staleness ``k - start_version``
-  already exceeds the bound is discarded and its prompt regenerated (counted in ``stream/regenerated``), so
+- Consumption: batch k takes finished groups with start version ``k - max_staleness`` first (they would
+  break the bound at step k + 1), then the earliest finished; it never waits for a particular group. A
+  finished group whose staleness ``k - start_version`` already exceeds the bound (a long-tail response
+  that finished too late) is discarded and its prompt regenerated (counted in ``stream/regenerated``), so
   no trained group is ever more than ``max_staleness`` steps stale and no prompt is dropped.
 - Within a batch, groups are ordered by prompt position (the completion order is recorded in
   ``StreamBatchInfo.finish_order``), so ``max_staleness = 0`` gives exactly the synchronous batches.
@@ -146,9 +147,8 @@ class StreamingRollouts:
                     self._cond.notify_all()
                 done = [g for g in self._groups.values() if g.finished >= 0]
                 urgent = [g for g in done if g.start_version == bound]  # would break the bound at step index + 1
-                pending_urgent = [g for g in self._groups.values() if g.finished < 0 and g.start_version == bound]
                 need = self.prompts_per_step
-                if len(done) >= need and (not pending_urgent or len(urgent) >= need):
+                if len(done) >= need:
                     break
                 self._cond.wait()
             chosen = sorted(urgent, key=lambda g: (g.start_version, g.finished))[:need]
