@@ -24,7 +24,7 @@ class FakeEngine:
         self.version = -1
         self.rng = random.Random(seed)
         self.delays = delays
-        self.outstanding: list[int] = []
+        self.outstanding: list[tuple[int, int, int]] = []
         self.source: StreamingRollouts | None = None
         self.lock = threading.Lock()
 
@@ -33,7 +33,9 @@ class FakeEngine:
 
     def group(self, position: int) -> tuple[list[Trajectory], torch.Tensor]:
         if self.source is not None:
-            self.outstanding.append(len(self.source._groups))
+            src = self.source
+            # (prompts started so far, newest published step, groups in flight or finished-unused)
+            self.outstanding.append((src._submitted, src._version, len(src._groups)))
         if self.delays:
             time.sleep(self.rng.choice([0.0, 0.0, 0.002, 0.01]))
         trajs = [
@@ -84,7 +86,7 @@ def test_streaming_staleness_bound_and_complete_groups(s: int, workers: int) -> 
     engine = FakeEngine(delays=True, seed=s)
     src = _source(engine, s, b, n, workers=workers)
     try:
-        batches = _run(src, engine, 0, n, train_s=0.005)
+        batches = _run(src, engine, 0, n, train_s=0.03)  # slower than generation: admission is what limits
     finally:
         src.close()
     seen: list[int] = []
@@ -100,7 +102,11 @@ def test_streaming_staleness_bound_and_complete_groups(s: int, workers: int) -> 
         assert sorted(info.finish_order) == info.positions
         seen += info.positions
     assert len(seen) == len(set(seen)) == n * b
-    assert max(engine.outstanding) <= (s + 1) * b, (engine.outstanding, s)  # counted with the new group
+    # AReaL's admission rule: prompts started <= (s + newest published step + 1) * b, reached (the generator runs
+    # ahead as far as the bound allows), so at most (s + 1) * b are in flight or finished-unused
+    slack = [started - (s + version + 1) * b for started, version, _ in engine.outstanding]
+    assert max(slack) == 0, slack
+    assert max(held for _, _, held in engine.outstanding) <= (s + 1) * b
 
 
 def test_streaming_max_staleness_zero_is_synchronous() -> None:
@@ -116,6 +122,7 @@ def test_streaming_max_staleness_zero_is_synchronous() -> None:
         expected = torch.tensor([p + 0.001 * k for p in range(k * b, (k + 1) * b) for _ in range(GROUP)])
         torch.testing.assert_close(batch.rewards, expected, rtol=0, atol=1e-6)
         assert batch.policy_step == k and batch.stats["stream/staleness_max"] == 0.0
+        assert batch.stats["stream/regenerated"] == 0.0  # admission alone kept it on-policy
 
 
 def test_streaming_checkpoint_resume_neither_drops_nor_repeats() -> None:
