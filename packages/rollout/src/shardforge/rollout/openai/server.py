@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,7 @@ from shardforge.rollout.openai.protocol import (
     token_logprobs,
 )
 from shardforge.rollout.openai.recorder import EpisodeRecorder
-from shardforge.rollout.types import RolloutEngine, SamplingParams
+from shardforge.rollout.types import Rollout, RolloutEngine, SamplingParams
 
 __all__ = ["OpenAIEndpoint"]
 
@@ -97,7 +97,7 @@ class OpenAIEndpoint:
 
     def __init__(
         self,
-        engine: RolloutEngine,
+        engine: RolloutEngine | None,
         tokenizer: Any,
         *,
         model_name: str = "policy",
@@ -107,6 +107,7 @@ class OpenAIEndpoint:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.max_tokens, self.max_prompt_tokens = max_tokens, max_prompt_tokens
         self.recorder = EpisodeRecorder()
+        self._routes: dict[str, Callable[[list[int], int], Awaitable[Rollout]]] = {}
         self.app = self._build_app()
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -118,6 +119,9 @@ class OpenAIEndpoint:
 
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            if self.engine is None:  # routes only (`route`)
+                yield
+                return
             state["batcher"] = _Batcher(self.engine)
             task = asyncio.create_task(state["batcher"].run())
             yield
@@ -158,7 +162,17 @@ class OpenAIEndpoint:
                                "messages")  # fmt: skip
             params = sampling_params(body, max_tokens_limit=self.max_tokens)
             stops = stop_strings(body)
-            rollouts = await state["batcher"].generate(prompt_ids, params)
+            route = self._routes.get(episode)
+            if route is not None:  # an episode of a trainer's workflow: its request queue samples
+                if params.n != 1:
+                    raise APIError(400, "n must be 1 here: a training episode samples one continuation per request "
+                                   "(the trainer's group_size runs several episodes)", "n")  # fmt: skip
+                rollouts = [await route(prompt_ids, params.max_new_tokens)]
+            elif self.engine is None:
+                raise APIError(401, f"unknown episode {episode!r}: this endpoint serves registered episodes only",
+                               kind="authentication_error")  # fmt: skip
+            else:
+                rollouts = await state["batcher"].generate(prompt_ids, params)
             choices, recorded = [], []
             for rollout in rollouts:
                 completion, kept = finish(self.tokenizer, rollout, stops)
@@ -174,7 +188,7 @@ class OpenAIEndpoint:
 
         @app.get("/health")
         async def _health() -> dict[str, Any]:
-            return {"status": "ok", "version": self.engine.version}
+            return {"status": "ok", "version": self.engine.version if self.engine is not None else None}
 
         @app.get("/v1/models")
         async def _models() -> dict[str, Any]:
@@ -228,6 +242,15 @@ class OpenAIEndpoint:
             }  # fmt: skip
 
         return app
+
+    def route(self, episode: str, generate: Callable[[list[int], int], Awaitable[Rollout]]) -> None:
+        """Serve ``episode``'s requests with ``generate(prompt_ids, max_new_tokens)`` (a coroutine function run on
+        this endpoint's event loop) instead of the engine: how a trainer's workflow puts an agent's requests in
+        its own request queue (its sampling settings, seeds and batching). `unroute` when the episode ends."""
+        self._routes[episode] = generate
+
+    def unroute(self, episode: str) -> None:
+        self._routes.pop(episode, None)
 
     # --------------------------------------------------------------------------------------- serving
     def start(self, host: str = "127.0.0.1", port: int | None = None, *, timeout_s: float = 30.0) -> OpenAIEndpoint:
