@@ -57,7 +57,9 @@ PACKAGES = (
 )
 # peft: the LoRA parity tests use it as the reference implementation (packages/lora, algorithms);
 # math-verify: the math_verify reward's tests (an optional extra of algorithms).
-TEST_TOOLS = ("pytest", "pytest-xdist", "cloudpickle", "peft", "math-verify")
+# openai: the real client the OpenAI-compatible endpoint is tested with (fastapi + uvicorn: the endpoint,
+# shardforge-rollout[openai]).
+TEST_TOOLS = ("pytest", "pytest-xdist", "cloudpickle", "peft", "math-verify", "openai", "fastapi", "uvicorn")
 # The experiment trackers behind loggers: [wandb, mlflow] (shardforge-algorithms[trackers]); their tests
 # skip without them, but the tests session installs them so CI runs those tests (~17 s of install).
 TRACKERS = ("wandb", "mlflow-skinny", "sqlalchemy", "alembic")
@@ -85,13 +87,32 @@ def _install_workspace(session: nox.Session, *extra: str) -> None:
     session.install(*CONSTRAINTS, "--no-build-isolation", *editable)
 
 
-def _pytest(session: nox.Session, *paths: str, markers: str | None = None, workers: bool = False) -> None:
+def _pytest(
+    session: nox.Session,
+    *paths: str,
+    markers: str | None = None,
+    workers: bool = False,
+    threads: str | None = None,
+) -> None:
     """pytest over ``paths``; ``workers``: in ``SHARDFORGE_TEST_WORKERS`` (default 2, 0 = none) pytest-xdist
-    processes, each taking whole files (module fixtures and rank pools stay with their file's tests)."""
+    processes, each taking whole files (module fixtures and rank pools stay with their file's tests);
+    ``threads``: intra-op threads per process instead of THREAD_ENV's."""
     count = os.environ.get("SHARDFORGE_TEST_WORKERS", "2") if workers else "0"
     parallel = ["-n", count, "--dist", "loadfile"] if count != "0" else []
     args = session.posargs or ["-q", "-ra", "--durations=25", *parallel, *paths, *(["-m", markers] if markers else [])]
-    session.run("python", "-m", "pytest", *args, env=THREAD_ENV)
+    env = (
+        THREAD_ENV if threads is None else THREAD_ENV | {"OMP_NUM_THREADS": threads, "SHARDFORGE_TEST_THREADS": threads}
+    )
+    session.run("python", "-m", "pytest", *args, env=env)
+
+
+# Layout-parity files run a second time at 2 intra-op threads in `nox -s tests`: another reduction order of
+# the CPU kernels, which a tolerance must absorb (docs/testing.md). The fast ones that cover each trainer.
+PARITY_AT_TWO_THREADS = (
+    "integration_tests/test_sft_layouts.py",
+    "integration_tests/test_ppo_critic.py",
+    "packages/algorithms/tests/test_alg_rm_trainer.py",
+)
 
 
 @nox.session(python=PYTHON)
@@ -102,6 +123,8 @@ def tests(session: nox.Session) -> None:
     # Two test processes: about half of the suite runs in one process on one thread, so one process left a
     # core of CI's two idle (user+sys ~= wall); the rank pools' tests use both cores either way.
     _pytest(session, "packages", "integration_tests", markers="not heavy", workers=True)
+    if not session.posargs:
+        _pytest(session, *PARITY_AT_TWO_THREADS, markers="not heavy", workers=True, threads="2")
 
 
 @nox.session(python=PYTHON)

@@ -76,7 +76,7 @@ def test_missing_model_path_is_a_local_error_not_a_hub_lookup(tmp_path, assets, 
     if algorithm in ("grpo", "ppo"):  # they take prompts_per_step, not global_batch_size
         config = rl_config(config)
     code, err = run_cli(capsys, "train", algorithm, "--config", config)
-    assert_one_line_error(code, err, "model='no/such/model' does not exist", "shardforge demo --prepare-only")
+    assert_one_line_error(code, err, "model='no/such/model' does not exist", "shardforge prepare-tiny")
     assert "Repo id" not in err
 
 

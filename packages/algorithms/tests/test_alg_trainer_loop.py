@@ -227,3 +227,19 @@ def test_failing_loggers_are_reported_once_and_training_goes_on(
     assert [r["step"] for r in _records(tmp_path / "run")] == [1, 2, 3]  # jsonl kept logging
     with pytest.raises(ValueError, match=r"unknown metrics logger 'nope'; registered: .*jsonl"):
         _run("sft", _config("sft", assets, tmp_path / "bad", loggers="[nope]"))
+
+
+def test_a_start_of_run_evaluation_does_not_count_in_the_first_steps_reward_calls(
+    assets: dict[str, Any], tmp_path: Path
+) -> None:
+    """Issue 42 item 7: a resumed run's per-step metrics equal the uninterrupted run's; the evaluation at the
+    start of a run (every resumed run has one) used to add its reward calls to the next step's."""
+    plain = _run("grpo", _config("grpo", assets, tmp_path / "plain", steps=1, save_every=0))
+    evaluated = _config(
+        "grpo", assets, tmp_path / "eval", steps=1, save_every=0, eval_file=assets["train"], eval_size=6
+    )
+    _run("grpo", evaluated)
+    assert plain["steps"] == 1
+    calls = [_records(out)[0]["reward/calls"] for out in (tmp_path / "plain", tmp_path / "eval")]
+    assert calls[0] == 4.0  # prompts_per_step 2 x group_size 2
+    assert calls == [4.0, 4.0]

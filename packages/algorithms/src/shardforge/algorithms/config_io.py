@@ -24,7 +24,14 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        with path.open() as handle:  # a stream, so a syntax error names the file (not "<unicode string>")
+            data = yaml.safe_load(handle) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"config file {str(path)!r} is not valid YAML at{where}: {problem}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must contain a mapping at the top level")
     return data

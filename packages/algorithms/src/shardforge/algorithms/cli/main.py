@@ -6,6 +6,7 @@
     shardforge train sft --help   (every config key with its type, default and description)
     shardforge list        (every registry: trainers, losses, estimators, rewards, rollout engines, ...)
     shardforge config-reference [--out docs/configuration.md] [--check]   (every config key, as markdown)
+    shardforge prepare-tiny [--out outputs]   (the models and data of every examples/*_tiny.yaml)
     shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600] [--prepare-only]
     shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 450] [--grpo-steps N]
     shardforge demo-agent [--out outputs/demo_agent] [--nproc-per-node 2] [--sft-steps N | --sft-stop KEY=VALUE]
@@ -179,9 +180,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     reference.add_argument("--out", default="docs/configuration.md", help="the page to write (or check)")
     reference.add_argument("--check", action="store_true", help="only check the page is current; exit 1 if not")
+    from shardforge.algorithms.cli.serve_openai import add_serve_openai_parser
+    from shardforge.algorithms.demos.prepare_tiny import add_prepare_tiny_parser
     from shardforge.algorithms.plan.report import add_plan_parser
 
     add_plan_parser(sub)
+    add_serve_openai_parser(sub)
+    add_prepare_tiny_parser(sub)
     return parser
 
 
@@ -229,6 +234,22 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         from shardforge.algorithms.data.jsonl import read_jsonl
 
         read_jsonl(path, "eval file", trainer.row_fields)
+    return _launch_or_run(args, argv, trainer, config)
+
+
+def _run_lock(config: Any, args: argparse.Namespace) -> Any:
+    """The output directory's run lock (`trainers.run.lock.run_lock`; docs/runs.md)."""
+    from shardforge.algorithms.trainers.run.lock import run_lock
+
+    node_rank = 0
+    if "WORLD_SIZE" not in os.environ:
+        from shardforge.algorithms.launch.multinode import launch_spec
+
+        node_rank = launch_spec(args).node_rank
+    return run_lock(getattr(config, "output_dir", None), dry_run=args.dry_run, node_rank=node_rank)
+
+
+def _launch_or_run(args: argparse.Namespace, argv: list[str], trainer: TrainerSpec, config: Any) -> int:
     if "WORLD_SIZE" not in os.environ:  # the launching process: check everything before any rank starts
         from shardforge.algorithms.cli.preflight import preflight
         from shardforge.algorithms.launch.multinode import launch_spec
@@ -248,25 +269,39 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
             sys.stdout.write(dry_run_report(config, dims, spec.world_size) + "\n")
             return 0
-        if spec.launcher == "ray":
-            from shardforge.algorithms.launch.ray import launch_ray
+        if not trains_here:
+            with _run_lock(config, args):
+                return _launch(args, argv, spec, rollout_actors, reward_workers)
+    with _run_lock(config, args):
+        return _run_here(trainer, config)
 
-            end_startup_gc()  # the Ray driver lives as long as the run
-            return launch_ray(
-                spec,
-                argv,
-                entry="shardforge.algorithms.cli.main:main",
-                address=args.ray_address,
-                debug=args.debug,
-                rollout=rollout_actors,
-                reward_workers=reward_workers,
-            )
-        if spec.needs_agent:
-            from shardforge.algorithms.launch.torchrun import relaunch
 
-            return relaunch(spec, argv, debug=args.debug)
+def _launch(args: argparse.Namespace, argv: list[str], spec: Any, rollout_actors: Any, reward_workers: Any) -> int:
+    """Start the ranks (Ray actors, or torchrun's agent in this process) and wait for them."""
+    if spec.launcher == "ray":
+        from shardforge.algorithms.launch.ray import launch_ray
+
+        end_startup_gc()  # the Ray driver lives as long as the run
+        return launch_ray(
+            spec,
+            argv,
+            entry="shardforge.algorithms.cli.main:main",
+            address=args.ray_address,
+            debug=args.debug,
+            rollout=rollout_actors,
+            reward_workers=reward_workers,
+        )
+    from shardforge.algorithms.launch.torchrun import relaunch
+
+    return relaunch(spec, argv, debug=args.debug)
+
+
+def _run_here(trainer: TrainerSpec, config: Any) -> int:
+    """Train as this process's one rank (world 1, or a rank started by a torchrun agent)."""
+    from shardforge.algorithms.launch.torchrun import die_with_launcher
     from shardforge.algorithms.trainers.run.threads import set_process_threads
 
+    die_with_launcher()  # a rank never outlives the agent that started it (kill -9 included)
     set_process_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
     summary = trainer.run(config)
     from shardforge.mesh import destroy_distributed
@@ -349,6 +384,15 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command in ("train", "eval"):
         return _train(args, argv)  # the collector stays paused until the first step (or the agent waits)
     end_startup_gc()
+    if args.command == "serve-openai":
+        from shardforge.algorithms.cli.serve_openai import serve_openai
+
+        return serve_openai(args)
+    if args.command == "prepare-tiny":
+        from shardforge.algorithms.demos.prepare_tiny import prepare_tiny
+
+        prepare_tiny(args.out, sft_steps=args.sft_steps, force=args.force)
+        return 0
     if args.command == "demo":
         from shardforge.algorithms.demos.demo import prepare_demo, run_demo
 

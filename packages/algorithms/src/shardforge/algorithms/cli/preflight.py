@@ -41,7 +41,7 @@ def preflight(config: Any, nproc: int, row_fields: RowFields = (), *, keep_rows:
         if not Path(path).exists():
             raise FileNotFoundError(
                 f"{name}={path!r} does not exist (resolved: {Path(path).resolve()}); models are read from local "
-                "directories written by `save_pretrained` (`shardforge demo --prepare-only` makes a tiny one)"
+                "directories written by `save_pretrained` (`shardforge prepare-tiny` makes tiny ones)"
             )
         check_model_dir(path)
         if hf_config is None and needs_model_config(dims, config.engine):

@@ -21,6 +21,9 @@ PROMPT_ROW_FIELDS = (("prompt", "completion"),)
 """The row shape of a prompt file: the prompt and its reference answer."""
 IMAGE_PROMPT_ROW_FIELDS = (("messages",),)
 """The row shape of a vision-language model's prompt file: an HF chat with image parts (`load_image_prompts`)."""
+RL_PROMPT_ROW_FIELDS = PROMPT_ROW_FIELDS + IMAGE_PROMPT_ROW_FIELDS
+"""What the launcher accepts for GRPO / PPO before any rank starts: either shape (the ranks read the model's
+config and require the one that fits it: image chats for a vision-language model)."""
 
 
 def load_prompts(path: str | Path | SourceConfig, tokenizer: Any, *, max_prompt_len: int | None = None) -> PromptSet:

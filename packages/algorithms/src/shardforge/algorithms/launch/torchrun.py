@@ -23,9 +23,12 @@ from pathlib import Path
 from shardforge.algorithms.launch.multinode import LaunchSpec, strip_launch_args
 from shardforge.core.log import get_logger
 
-__all__ = ["relaunch", "write_rank_error"]
+__all__ = ["die_with_launcher", "relaunch", "write_rank_error"]
 
 ERROR_DIR_ENV = "SHARDFORGE_ERROR_DIR"
+# The launching process's PID, inherited by the ranks it starts (die_with_launcher checks it).
+LAUNCHER_PID_ENV = "SHARDFORGE_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 log = get_logger(__name__)
 
@@ -40,6 +43,32 @@ def write_rank_error(line: str) -> bool:
     tmp = Path(directory) / f".rank-{rank}.tmp"
     tmp.write_text(json.dumps(record))
     tmp.replace(Path(directory) / f"rank-{rank}.json")  # atomic: the launcher never reads half a record
+    return True
+
+
+def die_with_launcher() -> bool:
+    """Have the kernel SIGKILL this rank when the process that started it dies, however it dies.
+
+    torchrun's agent forwards SIGTERM/SIGINT to the ranks, but nothing is forwarded when the agent
+    itself is killed with SIGKILL (or crashes): the ranks would go on training and writing into the
+    output directory, next to any run started after it. ``PR_SET_PDEATHSIG`` (Linux) closes that gap.
+    Only for ranks started by a torchrun agent (ours or the user's); returns whether it is armed.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        log.warning(
+            "could not arm the parent-death signal (errno %d): ranks may outlive a killed launcher", ctypes.get_errno()
+        )
+        return False
+    expected = os.environ.get(LAUNCHER_PID_ENV)
+    # The launcher may have died before the signal was armed: then this rank is already orphaned.
+    if expected is not None and os.getppid() != int(expected):
+        os._exit(1)
     return True
 
 
@@ -84,6 +113,7 @@ def relaunch(spec: LaunchSpec, argv: list[str], *, debug: bool = False) -> int:
     args = parse_args([*spec.torchrun_args(), "-m", "shardforge.algorithms.cli", *strip_launch_args(argv)])
     with tempfile.TemporaryDirectory(prefix="shardforge-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir  # inherited by every rank
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks die with this process (die_with_launcher)
         try:
             run(args)
         except ChildFailedError as exc:
@@ -113,4 +143,5 @@ def relaunch(spec: LaunchSpec, argv: list[str], *, debug: bool = False) -> int:
             return 128 + int(exc.sigval)
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
+            os.environ.pop(LAUNCHER_PID_ENV, None)
     return 0

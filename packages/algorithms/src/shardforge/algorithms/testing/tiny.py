@@ -13,6 +13,7 @@ from shardforge.rollout.testing.tiny import CHARS, SPECIALS, build_char_tokenize
 
 __all__ = ["CHARS", "SPECIALS", "build_char_tokenizer", "build_tiny_qwen3", "make_addition_data"]
 
+
 def make_addition_data(
     out_dir: str | Path, *, max_operand: int = 99, num_eval: int = 200, seed: int = 0
 ) -> tuple[Path, Path]:

@@ -27,6 +27,7 @@ from shardforge.algorithms.loggers import MetricsLogger, truncate_metrics, write
 from shardforge.algorithms.trainers.run.common import progress_bar
 from shardforge.algorithms.trainers.run.config import TrainerConfig, load_tokenizer
 from shardforge.algorithms.trainers.run.profiling import StepProfiler, take_phase_seconds
+from shardforge.algorithms.trainers.run.resume_check import check_resume_config
 from shardforge.algorithms.trainers.run.startup_gc import end_startup_gc
 from shardforge.algorithms.trainers.run.stop import StopSignal
 from shardforge.algorithms.trainers.run.watchdog import StepWatchdog, collective_timeout_error, is_collective_timeout
@@ -45,12 +46,13 @@ logger = logging.getLogger(__name__)
 C = TypeVar("C", bound=TrainerConfig)
 
 
-def _previous_steps(config_json: Path) -> int | None:
-    """``steps`` of the run that last wrote ``config_json`` (None if there is none)."""
+def _previous_config(config_json: Path) -> dict[str, Any] | None:
+    """The resolved config of the run that last wrote ``config_json`` (None if there is none)."""
     try:
-        return int(json.loads(config_json.read_text())["steps"])
-    except (OSError, ValueError, KeyError, TypeError):
+        previous = json.loads(config_json.read_text())
+    except (OSError, ValueError):
         return None
+    return previous if isinstance(previous, dict) else None
 
 
 def check_data_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
@@ -155,12 +157,13 @@ class Trainer(Generic[C]):
             engine.dims.to_string(),
             engine.device,
         )
-        previous_steps = _previous_steps(out / "config.json")
+        # Every rank reads the previous run's config before rank 0 replaces it: when a checkpoint exists, its
+        # collective load in _resume comes between the two.
+        previous = _previous_config(out / "config.json")
+        # The engine's config as built (e.g. scheduler.total_steps resolved from steps).
+        resolved = config_to_dict(dataclasses.replace(config, engine=engine.config))  # type: ignore[type-var]
         if engine.is_main:
             out.mkdir(parents=True, exist_ok=True)
-            # The engine's config as built (e.g. scheduler.total_steps resolved from steps).
-            resolved = dataclasses.replace(config, engine=engine.config)  # type: ignore[type-var]
-            (out / "config.json").write_text(json.dumps(config_to_dict(resolved), indent=2))
         data_state = self.data_state()
         checkpointers: dict[str, Checkpointer] = {}
         # resume=auto alone opens checkpointers only when a checkpoint directory exists (no empty dirs).
@@ -168,6 +171,14 @@ class Trainer(Generic[C]):
         if config.save_every > 0 or (config.resume != "never" and first_dir.is_dir()):
             checkpointers = self._checkpointers()
         start, restored = self._resume(checkpointers, data_state)
+        previous_steps = (previous or {}).get("steps")
+        if start:
+            where = str(out / next(iter(self.checkpoint_engines())))
+            for note in check_resume_config(previous, resolved, mode=config.resume, checkpoint=where, step=start):
+                if engine.is_main:
+                    logger.warning("%s", note)
+        if engine.is_main:
+            (out / "config.json").write_text(json.dumps(resolved, indent=2))
         if start and previous_steps not in (None, config.steps) and engine.is_main:
             logger.warning(
                 "steps changed from %s (the previous run) to %d: training continues from step %d%s",

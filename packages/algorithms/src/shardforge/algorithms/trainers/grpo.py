@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
+from shardforge.algorithms.data.prompts import RL_PROMPT_ROW_FIELDS
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.rl.advantages import AdvantageStage, greedy_baseline
 from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
@@ -275,5 +275,5 @@ def _signal_view(raw: dict[str, float]) -> dict[str, float]:
     return {"advantage_nonzero_frac": raw["signal"] / max(raw["targets"], 1.0)}
 
 
-TRAINER = TrainerSpec(config_cls=GRPOConfig, run=run_grpo, row_fields=PROMPT_ROW_FIELDS)
+TRAINER = TrainerSpec(config_cls=GRPOConfig, run=run_grpo, row_fields=RL_PROMPT_ROW_FIELDS)
 """This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shardforge.algorithms.data.prompts import PROMPT_ROW_FIELDS
+from shardforge.algorithms.data.prompts import RL_PROMPT_ROW_FIELDS
 from shardforge.algorithms.trainers import TrainerSpec
 from shardforge.algorithms.trainers.rl.batch import trajectories_to_batch
 from shardforge.algorithms.trainers.rl.common import (
@@ -202,5 +202,5 @@ def run_ppo(config: PPOConfig) -> dict[str, Any]:
     return PPOTrainer(config).run()
 
 
-TRAINER = TrainerSpec(config_cls=PPOConfig, run=run_ppo, row_fields=PROMPT_ROW_FIELDS)
+TRAINER = TrainerSpec(config_cls=PPOConfig, run=run_ppo, row_fields=RL_PROMPT_ROW_FIELDS)
 """This trainer for `shardforge train` (see `shardforge.algorithms.trainers.TRAINERS`)."""

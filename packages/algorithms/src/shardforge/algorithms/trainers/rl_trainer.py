@@ -41,6 +41,7 @@ from shardforge.algorithms.trainers.rl.sources import (
     SyncRollouts,
 )
 from shardforge.algorithms.trainers.rl.step_stats import (
+    add_counts,
     add_dynamic_sampling_stats,
     add_reward_call_stats,
     add_reward_stats,
@@ -95,6 +96,7 @@ class RLTrainer(Trainer[C]):
         self.prompt_data = load_prompt_data(config, self.tokenizer)
         self.prompts, self.held_out = self.prompt_data.prompts, self.prompt_data.held_out
         self.reward_fn = build_reward_fn(config)
+        self.carried_reward_calls: dict[str, float] = {}  # counted before an evaluation, reported at the next step
         self.workflow = build_rl_workflow(config, self.tokenizer, self.reward_fn, self.token_budget())
 
     def data_state(self) -> dict[str, Any]:
@@ -182,7 +184,8 @@ class RLTrainer(Trainer[C]):
         add_workflow_stats(metrics, sampled.rollouts)
         if self.dynamic is not None:
             add_dynamic_sampling_stats(metrics, self.dynamic.pop_stats(sampled.index))
-        add_reward_call_stats(metrics, self.reward_fn)
+        add_reward_call_stats(metrics, self.reward_fn, carried=self.carried_reward_calls)
+        self.carried_reward_calls = {}
         add_rollout_server_stats(metrics, self.rollout)
         if self.phases is not None:
             metrics.put(self.phases.pop_stats())
@@ -209,10 +212,16 @@ class RLTrainer(Trainer[C]):
     def evaluate(self) -> dict[str, float]:
         assert self.held_out is not None and self.source is not None
         config = self.config
-        return evaluate_held_out(
+        # The evaluation's reward calls are not the next step's: set the training ones aside, drop the eval's
+        # (a resumed run's step metrics then equal the uninterrupted run's).
+        training_calls = self.reward_fn.pop_stats()
+        result = evaluate_held_out(
             self.rollout, self.held_out, self.engine, self.reward_fn, config.workflow, self.workflow,
             config.eval_sampling, config.max_new_tokens, config.eval_size, runner=self.source.evaluate,
         )  # fmt: skip
+        self.reward_fn.pop_stats()
+        self.carried_reward_calls = add_counts(self.carried_reward_calls, training_calls)
+        return result
 
     def eval_summary(self, result: dict[str, float], at_start: bool) -> dict[str, Any]:
         return {"accuracy_start" if at_start else "accuracy_end": result["accuracy"]}

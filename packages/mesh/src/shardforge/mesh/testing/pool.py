@@ -58,7 +58,7 @@ class RankPool:
         backend: str = "gloo",
         timeout_s: float = 300.0,
         grace_s: float = 5.0,
-        num_threads: int = 1,
+        num_threads: int | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
         if world_size < 1:
@@ -67,7 +67,9 @@ class RankPool:
         self.backend = backend
         self.timeout_s = timeout_s
         self.grace_s = grace_s
-        self.num_threads = num_threads
+        # Default: the test process's own OMP_NUM_THREADS (1 if unset), so `SHARDFORGE_TEST_THREADS=2 nox -s
+        # tests` also changes the ranks' reduction order, not only the single-process references'.
+        self.num_threads = num_threads if num_threads is not None else int(os.environ.get("OMP_NUM_THREADS", "1"))
         self.env = dict(env or {})
         self._ctx = mp.get_context("spawn")
         self._procs: list[Any] = []

@@ -64,9 +64,17 @@ def _reward_call_view(raw: dict[str, float]) -> dict[str, float]:
             for k, v in raw.items()}  # fmt: skip
 
 
-def add_reward_call_stats(metrics: StepMetrics, reward_fn: GuardedReward | RayPooledReward) -> None:
-    """``reward/calls|failures|timeouts|nonfinite`` (and per-term means) since the last step, over the ranks."""
-    metrics.add("reward_calls", reward_fn.pop_stats(), _reward_call_view)
+def add_counts(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
+    """Key-wise sum of two count dicts."""
+    return {key: a.get(key, 0.0) + b.get(key, 0.0) for key in a.keys() | b.keys()}
+
+
+def add_reward_call_stats(
+    metrics: StepMetrics, reward_fn: GuardedReward | RayPooledReward, carried: Mapping[str, float] | None = None
+) -> None:
+    """``reward/calls|failures|timeouts|nonfinite`` (and per-term means) since the last step, over the ranks;
+    ``carried``: this step's counts set aside while an evaluation ran (`RLTrainer.evaluate`)."""
+    metrics.add("reward_calls", add_counts(reward_fn.pop_stats(), carried or {}), _reward_call_view)
 
 
 def add_rollout_server_stats(metrics: StepMetrics, rollout: object) -> None:

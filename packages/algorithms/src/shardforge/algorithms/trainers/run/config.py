@@ -46,10 +46,13 @@ class TrainerConfig:
     """Write an HF model directory to output_dir/hf (and LoRA adapters to output_dir/lora) at the end."""
     save_every: int = 0
     """Save a DCP checkpoint to output_dir/checkpoints every this many steps (0 = never)."""
-    resume: Literal["auto", "latest_valid", "never"] = "auto"
+    resume: Literal["auto", "latest_valid", "never", "force"] = "auto"
     """auto: continue from the newest committed checkpoint in output_dir/checkpoints, if any (a damaged one
-    is an error naming the file). latest_valid: the same, but skip damaged checkpoints (each logged) and
-    continue from the newest intact one. never: start from step 0."""
+    is an error naming the file), when the run that wrote it had the same experiment config (model, data,
+    optimizer, loss, ...; changed steps, cadences and layout are listed and allowed; another experiment is an
+    error naming the keys, docs/runs.md). latest_valid: the same, but skip damaged checkpoints (each logged)
+    and continue from the newest intact one. never: start from step 0. force: as auto, continuing even
+    under another experiment's config (the differences are logged)."""
     keep_last: int = 2
     """Committed checkpoints to keep."""
     async_checkpoint: Literal["off", "async", "async_pinned"] = "off"
