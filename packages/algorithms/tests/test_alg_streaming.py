@@ -130,6 +130,9 @@ def test_streaming_checkpoint_resume_neither_drops_nor_repeats() -> None:
     engine = FakeEngine(delays=True, seed=3)
     src = _source(engine, 1, b, n)
     first = _run(src, engine, 0, cut, train_s=0.01)
+    deadline = time.monotonic() + 5.0
+    while len(src._groups) < 2 and time.monotonic() < deadline:  # the generator has run ahead (timing-proof)
+        time.sleep(0.001)
     state = src.checkpoint_state()
     src.close()  # the killed run: its in-flight and finished-unused groups are lost
     assert state["regenerate"], "something was in flight or finished-unused at the checkpoint"
