@@ -58,7 +58,9 @@ PACKAGES = (
 )
 # peft: the LoRA parity tests use it as the reference implementation (packages/lora, algorithms);
 # math-verify: the math_verify reward's tests (an optional extra of algorithms).
-TEST_TOOLS = ("pytest", "pytest-xdist", "cloudpickle", "peft", "math-verify")
+# openai: the real client the OpenAI-compatible endpoint is tested with (fastapi + uvicorn: the endpoint,
+# shardforge-rollout[openai]).
+TEST_TOOLS = ("pytest", "pytest-xdist", "cloudpickle", "peft", "math-verify", "openai", "fastapi", "uvicorn")
 # The experiment trackers behind loggers: [wandb, mlflow] (shardforge-algorithms[trackers]); their tests
 # skip without them, but the tests session installs them so CI runs those tests (~17 s of install).
 TRACKERS = ("wandb", "mlflow-skinny", "sqlalchemy", "alembic")

@@ -45,3 +45,18 @@ def test_import_path_entries() -> None:
         import_path("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="not an import path"):
         import_path("json")
+
+
+def test_import_path_loads_a_python_file_relative_to_the_working_directory(tmp_path, monkeypatch) -> None:
+    import pytest
+
+    from shardforge.core.registry import import_path
+
+    (tmp_path / "agents").mkdir()
+    (tmp_path / "agents" / "my_agent.py").write_text("CALLS = []\n\ndef run():\n    return 7\n")
+    monkeypatch.chdir(tmp_path)
+    run = import_path("agents/my_agent.py:run")
+    assert run() == 7  # type: ignore[operator]
+    assert import_path("agents/my_agent.py:CALLS") is import_path(f"{tmp_path}/agents/my_agent.py:CALLS")  # once
+    with pytest.raises(ValueError, match="no such file"):
+        import_path("agents/missing.py:run")

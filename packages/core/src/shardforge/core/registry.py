@@ -28,12 +28,13 @@ _REGISTRIES: list[Registry[object]] = []
 
 
 def import_path(path: str) -> object:
-    """The object named by ``"package.module:attribute"`` (the attribute may be dotted)."""
-    module_name, sep, attr = path.partition(":")
+    """The object named by ``"package.module:attribute"`` (the attribute may be dotted), or by
+    ``"path/to/file.py:attribute"`` (a Python file, relative to the working directory, loaded once)."""
+    module_name, sep, attr = path.rpartition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{path!r} is not an import path; write it as 'package.module:name'")
+        raise ValueError(f"{path!r} is not an import path; write it as 'package.module:name' or 'file.py:name'")
     try:
-        obj: object = importlib.import_module(module_name)
+        obj: object = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"cannot import module {module_name!r} of {path!r}: {err}") from err
     for part in attr.split("."):
@@ -41,6 +42,26 @@ def import_path(path: str) -> object:
             raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})")
         obj = getattr(obj, part)
     return obj
+
+
+def _load_file(file: str) -> object:
+    import importlib.util
+    import os
+    import sys
+
+    resolved = os.path.realpath(file)
+    name = f"_shardforge_user_{abs(hash(resolved)):x}"
+    if name in sys.modules:
+        return sys.modules[name]
+    if not os.path.isfile(resolved):
+        raise ImportError(f"no such file: {resolved}")
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{resolved} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 class Registry(Generic[T]):

@@ -174,21 +174,19 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only write the tiny VLM and the image data (examples/sft_vlm_tiny.yaml, examples/grpo_vlm_tiny.yaml)",
     )
-    tiny = sub.add_parser(
-        "prepare-tiny", help="build every model and data file examples/*_tiny.yaml read (CPU, ~1 min)"
-    )
-    tiny.add_argument("--out", default="outputs", help="the folder the examples name (outputs)")
-    tiny.add_argument("--sft-steps", type=int, default=150, help="steps of the short SFT the RL examples start from")
-    tiny.add_argument("--force", action="store_true", help="rebuild what is there already")
     sub.add_parser("list", help="list every registry (trainers, losses, estimators, ...) with its names")
     reference = sub.add_parser(
         "config-reference", help="write docs/configuration.md: every config key of every trainer"
     )
     reference.add_argument("--out", default="docs/configuration.md", help="the page to write (or check)")
     reference.add_argument("--check", action="store_true", help="only check the page is current; exit 1 if not")
+    from shardforge.algorithms.cli.serve_openai import add_serve_openai_parser
+    from shardforge.algorithms.demos.prepare_tiny import add_prepare_tiny_parser
     from shardforge.algorithms.plan.report import add_plan_parser
 
     add_plan_parser(sub)
+    add_serve_openai_parser(sub)
+    add_prepare_tiny_parser(sub)
     return parser
 
 
@@ -386,6 +384,10 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command in ("train", "eval"):
         return _train(args, argv)  # the collector stays paused until the first step (or the agent waits)
     end_startup_gc()
+    if args.command == "serve-openai":
+        from shardforge.algorithms.cli.serve_openai import serve_openai
+
+        return serve_openai(args)
     if args.command == "prepare-tiny":
         from shardforge.algorithms.demos.prepare_tiny import prepare_tiny
 

@@ -24,9 +24,19 @@ from typing import Any
 
 from shardforge.core.log import get_logger
 
-__all__ = ["prepare_tiny"]
+__all__ = ["add_prepare_tiny_parser", "prepare_tiny"]
 
 logger = get_logger(__name__)
+
+
+def add_prepare_tiny_parser(sub: Any) -> Any:
+    tiny = sub.add_parser(
+        "prepare-tiny", help="build every model and data file examples/*_tiny.yaml read (CPU, ~1 min)"
+    )
+    tiny.add_argument("--out", default="outputs", help="the folder the examples name (outputs)")
+    tiny.add_argument("--sft-steps", type=int, default=150, help="steps of the short SFT the RL examples start from")
+    tiny.add_argument("--force", action="store_true", help="rebuild what is there already")
+    return tiny
 
 
 def _done(path: Path) -> bool:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "WORKFLOWS",
+    "AgentConfig",
     "MultiTurnConfig",
     "PromptRow",
     "ToolUseConfig",
@@ -68,6 +69,25 @@ class ToolUseConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class AgentConfig:
+    """The ``agent`` workflow's own options (``workflow.agent:``; docs/agents-openai.md)."""
+
+    run: str = ""
+    """``package.module:function``: ``async def run(client: openai.AsyncOpenAI, row: dict) -> float | None`` (row:
+    prompt, reference, index; None: the run's reward function scores the last completion)."""
+    timeout_s: float = 300.0
+    """An episode whose agent runs longer fails (that episode only)."""
+    model_name: str = "policy"
+    """The model name the endpoint answers to (the agent's ``model=``)."""
+    max_tokens: int = 4096
+    """The largest ``max_tokens`` a request may ask (each request is also capped by the trainer's max_new_tokens)."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"workflow.agent.timeout_s={self.timeout_s} must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class WorkflowConfig:
     """Which workflow turns data rows into trajectories, and its options (YAML ``workflow:``). A variant's own
     options are a section named after it (``multi_turn``, ``tool_use``)."""
@@ -80,7 +100,7 @@ class WorkflowConfig:
     }
 
     name: str = "rlvr"
-    """A registered workflow (rlvr, multi_turn, tool_use) or a user class ``package.module:Class``."""
+    """A registered workflow (rlvr, multi_turn, tool_use, agent) or a user class ``package.module:Class``."""
     max_turns: int = 1
     """Most model turns per episode (multi_turn: answers; tool_use: tool calls + the final answer)."""
     max_total_tokens: int | None = None
@@ -93,6 +113,8 @@ class WorkflowConfig:
     """The multi_turn workflow's options: turn_discount, feedback."""
     tool_use: ToolUseConfig = field(default_factory=ToolUseConfig)
     """The tool_use workflow's options: tools, timeout_s."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """The agent workflow's options: run (the agent function), timeout_s, model_name, max_tokens."""
     max_failed_fraction: float = 0.0
     """Fail the step when more than this fraction of the step's episodes crashed (a crash drops its whole group)."""
     options: dict[str, Any] = field(default_factory=dict)
@@ -163,6 +185,13 @@ WORKFLOWS.register_lazy(
     "tool_use",
     "shardforge.rollout.workflows.tool_use:ToolUseWorkflow",
     "Qwen3-style <tool_call>{json}</tool_call> turns; tool results come back as tool messages.",
+)
+
+
+WORKFLOWS.register_lazy(
+    "agent",
+    "shardforge.rollout.workflows.agent:AgentWorkflow",
+    "A user's agent written against the OpenAI client (workflow.agent.run), through an OpenAI-compatible endpoint.",
 )
 
 

@@ -1,0 +1,112 @@
+"""``workflow.name: agent`` (issue 38): GRPO trains an agent written against the real ``openai`` client only;
+its requests go through the endpoint into the trainer's request queue; the trajectories are the engine's
+own tokens; an agent that raises or times out fails its episode only."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("openai")
+
+AGENT_MODULE = textwrap.dedent(
+    """
+    import asyncio
+
+    import openai  # no shardforge import: any OpenAI-client agent
+
+    async def run(client: openai.AsyncOpenAI, row: dict) -> float:
+        reply = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=4
+        )
+        text = reply.choices[0].message.content or ""
+        return float(any(c.isdigit() for c in text)) + 0.1 * len(text)
+
+    async def scored_by_the_run(client, row):
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+        return None
+
+    async def crashes_on_odd_rows(client, row):
+        if row["index"] % 2:
+            raise RuntimeError("the agent fell over")
+        return await run(client, row)
+
+    async def too_slow(client, row):
+        await asyncio.sleep(30)
+        return 0.0
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from shardforge.algorithms.testing import QWEN3_TOOL_TEMPLATE, tiny_chat_assets
+
+    root = tmp_path_factory.mktemp("agent")
+    (root / "openai_agent_mod.py").write_text(AGENT_MODULE)
+    sys.path.insert(0, str(root))
+    assets = tiny_chat_assets(root, seed=3, chat_template=QWEN3_TOOL_TEMPLATE)
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "completion": str(2 * a)}) + "\n" for a in range(8)))
+    return assets | {"data": str(data)}
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _run(chat: dict[str, Any], out: Path, **overrides: Any) -> dict[str, Any]:
+    from shardforge.algorithms.config_io import apply_overrides, build_config
+    from shardforge.algorithms.trainers.grpo import GRPOConfig, run_grpo
+
+    base = {
+        "model": chat["model"], "train_file": chat["data"], "output_dir": str(out), "layout": "d1", "steps": 2,
+        "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "progress": False, "export_hf_at_end": False,
+        "temperature": 1.0, "reward_fn": "exact_match",
+        "workflow": {"name": "agent", "agent": {"run": "openai_agent_mod:run", "timeout_s": 60}},
+        "engine": {"max_tokens_per_microbatch": 256, "optimizer": {"lr": 3e-3}},
+    }  # fmt: skip
+    return run_grpo(build_config(GRPOConfig, apply_overrides(base, [f"{k}={v}" for k, v in overrides.items()])))
+
+
+def _records(out: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == "train"]
+
+
+def test_grpo_trains_an_openai_client_agent(chat: dict[str, Any], tmp_path: Path) -> None:
+    _run(chat, tmp_path / "a")
+    records = _records(tmp_path / "a")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["episodes_failed"] == 0
+        assert record["behaviour_kl"] < 1e-4  # the trained tokens are the engine's, with its log-probs
+    assert records[-1]["grad_norm"] > 0
+    # The agent's own rewards (0.1 per character, +1 with a digit) reached the batch; the run's reward function
+    # (exact_match against "2a") would score these untrained completions 0.
+    assert max(r["reward_mean"] for r in records) > 0.05
+
+
+def test_an_agent_returning_none_is_scored_by_the_runs_reward_function(chat: dict[str, Any], tmp_path: Path) -> None:
+    _run(chat, tmp_path / "n", steps=1, **{"workflow.agent.run": "openai_agent_mod:scored_by_the_run"})
+    assert _records(tmp_path / "n")[0]["reward/calls"] == 4.0  # exact_match over the 4 episodes
+
+
+def test_a_crashing_or_slow_agent_fails_only_its_episode(chat: dict[str, Any], tmp_path: Path) -> None:
+    overrides = {
+        "steps": 1,
+        "workflow.max_failed_fraction": 0.5,
+        "workflow.agent.run": "openai_agent_mod:crashes_on_odd_rows",
+    }
+    _run(chat, tmp_path / "c", **overrides)
+    assert _records(tmp_path / "c")[0]["episodes_failed"] == 2  # the odd row's group of 2
+    slow = {"steps": 1, "workflow.agent.run": "openai_agent_mod:too_slow", "workflow.agent.timeout_s": 0.5}
+    with pytest.raises(RuntimeError, match=r"timeout_s=0.5"):
+        _run(chat, tmp_path / "s", **slow)
