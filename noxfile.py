@@ -6,6 +6,7 @@ nox -s demo         the end-to-end CPU demo (tiny Qwen3, FSDP on 2 ranks)
 nox -s integration  only the multi-rank integration suite
 nox -s isolation    build each wheel, install it alone in a fresh venv, import it, run its tests;
                     `nox -s isolation -- engine rewards` checks only the named packages
+nox -s isolation_imports  the light variant CI runs: each wheel alone in a fresh venv, installed and imported
 nox -s lint         ruff check + format check
 nox -s typecheck    mypy on the packages' sources
 nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG + RESULTS.md)
@@ -245,11 +246,7 @@ def isolation(session: nox.Session) -> None:
     if unknown:
         session.error(f"unknown package(s) {unknown}; choose from {list(PACKAGES)}")
     selected = [name for name in PACKAGES if name in session.posargs] or list(PACKAGES)
-    session.install(*CONSTRAINTS, "build", "hatchling")
-    dist = ROOT / "dist" / "isolation"
-    session.run("rm", "-rf", str(dist), external=True)
-    for name in _with_internal_deps(selected):
-        session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), f"packages/{name}")
+    dist = _build_wheels(session, _with_internal_deps(selected))
     timings: list[str] = []
     failed: list[str] = []
     for name in selected:
@@ -264,6 +261,64 @@ def isolation(session: nox.Session) -> None:
     session.log("isolation, per package (venv, installs, import, tests): " + "; ".join(timings))
     if failed:
         session.error(f"isolation failed for {failed} (their output is above)")
+
+
+def _build_wheels(session: nox.Session, names: list[str]) -> Path:
+    """Wheels of ``names`` in dist/isolation (emptied first)."""
+    session.install(*CONSTRAINTS, "build", "hatchling")
+    dist = ROOT / "dist" / "isolation"
+    session.run("rm", "-rf", str(dist), external=True)
+    for name in names:
+        session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), f"packages/{name}")
+    return dist
+
+
+@nox.session(python=PYTHON)
+def isolation_imports(session: nox.Session) -> None:
+    """What CI runs of `isolation`: every wheel installed alone (with its declared dependencies only) in a
+    fresh venv and imported; the packages' tests are not run (that is `nox -s isolation`, ~20 min).
+
+    The pinned torch is installed once into a folder of its own (torch and its dependencies, nothing else)
+    that the venvs of the packages declaring torch see through a ``.pth`` file: pip counts it as installed,
+    so each package's other dependencies still come only from its own metadata. core and rewards get no
+    such file and are checked to import without torch.
+    """
+    dist = _build_wheels(session, list(PACKAGES))
+    shared_torch = (Path(session.create_tmp()) / "torch-only").resolve()  # a .pth line is read as absolute
+    if not (shared_torch / "torch").is_dir():
+        session.run(
+            "python", "-m", "pip", "install", "-q", *CONSTRAINTS, "--target", str(shared_torch), "torch==2.13.0"
+        )
+    env = {**THREAD_ENV, "PYTHONPATH": ""}
+    failed: list[str] = []
+    started = time.monotonic()
+    for name in PACKAGES:
+        venv = Path(session.create_tmp()) / f"imports-{name}"
+        session.run("rm", "-rf", str(venv), external=True)
+        session.run("python", "-m", "venv", str(venv))
+        py = str(venv / "bin" / "python")
+        torch = _needs_torch(name)
+        if torch:
+            site = session.run(
+                py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", external=True, silent=True
+            )
+            Path(str(site).strip(), "shared_torch.pth").write_text(f"{shared_torch}\n")
+        module = "shardforge." + name.replace("-", "_")
+        absent = "" if torch else f"; assert importlib.util.find_spec('torch') is None, 'torch in {name} venv'"
+        try:
+            session.run(
+                py, "-m", "pip", "install", "-q", *CONSTRAINTS, "--find-links", str(dist), f"shardforge-{name}",
+                external=True,
+            )  # fmt: skip
+            check = f"import importlib.util, {module}{absent}; print({module}.__name__, 'imports alone')"
+            session.run(py, "-c", check, external=True, env=env)
+        except nox.command.CommandFailed:
+            failed.append(name)
+    session.log(
+        f"isolation_imports: {len(PACKAGES)} wheels installed and imported in {time.monotonic() - started:.0f} s"
+    )
+    if failed:
+        session.error(f"a wheel does not install or import alone: {failed} (their output is above)")
 
 
 @nox.session(python=PYTHON)

@@ -159,6 +159,31 @@ def test_kill_9_on_the_launcher_takes_the_ranks_and_a_second_run_is_refused_mean
     assert not (out / LOCK_NAME).exists()
 
 
+def test_the_parent_watch_ends_a_process_whose_parent_is_gone(tmp_path: Path) -> None:
+    """The fallback of the parent-death signal (platforms without prctl): a child started by a process that
+    exits at once is reparented; its watch thread, told the original parent, ends it within ~0.1 s."""
+    child = (
+        "import os, pathlib, time; from shardforge.algorithms.launch.torchrun import watch_parent; "
+        f"pathlib.Path({str(tmp_path / 'imported')!r}).touch(); "
+        "watch_parent(int(os.environ['WATCH_PARENT']), 0.05); time.sleep(60); os._exit(3)"
+    )
+    middle = (
+        "import os, subprocess, sys; "
+        f"p = subprocess.Popen([sys.executable, '-c', {child!r}], env=dict(os.environ, WATCH_PARENT=str(os.getpid()))); "
+        "print(p.pid, flush=True)"
+    )
+    out = subprocess.run([sys.executable, "-c", middle], capture_output=True, text=True, timeout=60, check=True)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 30  # the child imports shardforge first (seconds on a loaded machine)
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    alive = _alive(pid)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "the orphaned child outlived its parent by 30 s"
+    assert (tmp_path / "imported").is_file()  # it ended in the watch, not in a failed import
+
+
 # ------------------------------------------------------------------------------------------ the resume check
 
 

@@ -54,22 +54,38 @@ def die_with_launcher() -> bool:
     output directory, next to any run started after it. ``PR_SET_PDEATHSIG`` (Linux) closes that gap.
     Only for ranks started by a torchrun agent (ours or the user's); returns whether it is armed.
     """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    if not sys.platform.startswith("linux"):
+        watch_parent(os.getppid())
         return False
     import ctypes
     import signal
 
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        log.warning(
-            "could not arm the parent-death signal (errno %d): ranks may outlive a killed launcher", ctypes.get_errno()
-        )
+        log.warning("could not arm the parent-death signal (errno %d): a thread watches the parent", ctypes.get_errno())
+        watch_parent(os.getppid())
         return False
     expected = os.environ.get(LAUNCHER_PID_ENV)
     # The launcher may have died before the signal was armed: then this rank is already orphaned.
     if expected is not None and os.getppid() != int(expected):
         os._exit(1)
     return True
+
+
+def watch_parent(parent: int, interval_s: float = 1.0) -> None:
+    """The fallback where ``PR_SET_PDEATHSIG`` is missing: a daemon thread that ends this process (exit code
+    1, no cleanup: the launcher that owned the run is gone) within ``interval_s`` of its parent ``parent``
+    going away (this process reparented)."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="shardforge-parent-watch", daemon=True).start()
 
 
 def first_rank_error(directory: str | Path) -> str | None:
