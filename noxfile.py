@@ -6,7 +6,7 @@ nox -s demo         the end-to-end CPU demo (tiny Qwen3, FSDP on 2 ranks)
 nox -s integration  only the multi-rank integration suite
 nox -s isolation    build each wheel, install it alone in a fresh venv, import it, run its tests;
                     `nox -s isolation -- engine rewards` checks only the named packages
-nox -s isolation_imports  the light variant CI runs: each wheel alone in a fresh venv, installed and imported
+nox -s isolation_imports  the light variant: each wheel alone in a fresh venv, installed and imported (not in CI: ~5-12 min)
 nox -s lint         ruff check + format check
 nox -s typecheck    mypy on the packages' sources
 nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG + RESULTS.md)
