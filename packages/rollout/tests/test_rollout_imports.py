@@ -24,7 +24,7 @@ import importlib, json, pkgutil, sys
 
 import shardforge.rollout
 
-OPTIONAL = {"vllm", "ray"}
+OPTIONAL = {"vllm", "ray", "fastapi", "uvicorn"}  # extras: [vllm], [ray], [openai]
 imported, skipped = [], []
 for info in pkgutil.walk_packages(shardforge.rollout.__path__, "shardforge.rollout.", onerror=lambda name: None):
     try:

@@ -230,6 +230,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     data = apply_overrides(load_yaml(args.config), args.overrides)
     config = build_config(trainer.config_cls, data)
+    config = importlib.import_module("shardforge.algorithms.cli.preflight").resolve_auto(args, config)  # layout: auto
     for path in getattr(config, "eval_files", ()):  # eval: every file is checked before any rank starts
         from shardforge.algorithms.data.jsonl import read_jsonl
 

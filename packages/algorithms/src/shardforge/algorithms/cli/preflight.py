@@ -18,11 +18,12 @@ from typing import Any
 from shardforge.algorithms.data.config import labelled_sources
 from shardforge.algorithms.data.jsonl import RowFields, read_jsonl
 from shardforge.algorithms.data.sources import is_plain_jsonl, read_source
+from shardforge.core.log import get_logger
 from shardforge.engine.checks import check_engine
 from shardforge.engine.loading import check_model_dir, load_hf_config
 from shardforge.mesh import ParallelDims
 
-__all__ = ["check_layout_for_ranks", "check_output_dir", "needs_model_config", "preflight"]
+__all__ = ["check_layout_for_ranks", "check_output_dir", "needs_model_config", "preflight", "resolve_auto"]
 
 
 def preflight(config: Any, nproc: int, row_fields: RowFields = (), *, keep_rows: bool = False) -> ParallelDims:
@@ -114,3 +115,23 @@ def _check_batch_sizes(config: Any, dims: ParallelDims) -> None:
             f"prompts_per_step={prompts} must be a positive multiple of the data-parallel size {dp} "
             f"(every rank samples whole groups); e.g. prompts_per_step={max(dp, prompts - prompts % dp)}"
         )
+
+
+def resolve_auto(args: Any, config: Any) -> Any:
+    """``layout: auto`` -> the planner's best data-parallel layout for this world size (`plan.auto`),
+    resolved the same way in the launching process and in every rank; one line on rank 0."""
+    if getattr(config, "layout", None) != "auto":
+        return config
+    from shardforge.algorithms.plan.auto import resolve_auto_layout
+
+    if "WORLD_SIZE" in os.environ:
+        world_size = int(os.environ["WORLD_SIZE"])
+    else:
+        from shardforge.algorithms.launch.multinode import launch_spec
+
+        world_size = launch_spec(args).world_size
+    config, line = resolve_auto_layout(config, world_size)
+    if line and os.environ.get("SHARDFORGE_AUTO_LAYOUT_SHOWN") != line and int(os.environ.get("RANK", "0")) == 0:
+        get_logger(__name__).info(line)
+    os.environ["SHARDFORGE_AUTO_LAYOUT_SHOWN"] = line or ""  # the ranks the launcher starts do not repeat it
+    return config

@@ -12,8 +12,11 @@ KL(pi || pi_ref) are
 - ``k1+`` / ``k3+``: straight-through, the *value* of k1 / k3 with the *gradient* of k2 (as
   verl's "k1+" / "k3+"): k2's gradient is the unbiased estimate of grad KL as a loss term.
 
-Each is registered by name in `KL_ESTIMATORS` (verl's aliases: ``kl`` = k1, ``mse`` = k2;
-verl's ``low_var_kl`` is k3 clamped to [-10, 10], ours is not clamped). Register your own with
+Each is registered by name in `KL_ESTIMATORS` (verl's aliases: ``kl`` = k1, ``mse`` = k2).
+verl 0.9.1 computes ``k3`` and ``low_var_kl`` in one branch and clamps both: ``log r`` to [-20, 20]
+before the exponential and the estimate to [-10, 10]. Ours is not clamped (a token that far from the
+reference gets its true penalty and gradient, where verl's clamp zeroes the gradient); the two agree
+wherever ``k3 <= 10``. Wrap it in a registered estimator of your own to reproduce verl's clamp. Register your own with
 ``@KL_ESTIMATORS.register("name")`` on ``fn(log_r) -> estimate`` (``log_r = ref - pi``, per token),
 or name it by import path ``"package.module:function"``.
 
@@ -51,7 +54,7 @@ def k2(log_r: torch.Tensor) -> torch.Tensor:
 
 @KL_ESTIMATORS.register("k3")
 def k3(log_r: torch.Tensor) -> torch.Tensor:
-    """k3 = (r - 1) - log r: unbiased, low variance, >= 0 (verl: "k3"; its "low_var_kl" also clamps)."""
+    """k3 = (r - 1) - log r: unbiased, low variance, >= 0 (verl's "k3" / "low_var_kl" clamp it; see the module docstring)."""
     # expm1 keeps (r - 1) accurate when r is close to 1, where most tokens are.
     return torch.expm1(log_r) - log_r
 

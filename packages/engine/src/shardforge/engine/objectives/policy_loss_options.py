@@ -33,7 +33,8 @@ class KLCovConfig:
     ratio: float = 0.0002
     """Fraction of target tokens (highest covariance) that get the |log ratio| penalty."""
     coef: float = 1.0
-    """Coefficient of the |log pi - log prox| penalty on the selected tokens (verl's ``ppo_kl_coef``)."""
+    """Coefficient of the |log pi - log prox| penalty on the selected tokens (verl's ``ppo_kl_coef``, whose
+    config default is 0.1; set 0.1 to match verl)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ratio <= 1.0:

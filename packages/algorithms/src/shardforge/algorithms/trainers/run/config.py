@@ -33,7 +33,8 @@ class TrainerConfig:
     """Dataset sources beyond one JSONL path: files, save_to_disk dirs, HF names, weighted mixtures and a
     chat-template override (docs/packages/algorithms-data.md); trainers with ``reads_data_sources``."""
     layout: str = "d-1"
-    """Parallel layout, e.g. 'd2' (FSDP 2), 'r2d2' (HSDP); d-1 = all ranks FSDP."""
+    """Parallel layout, e.g. 'd2' (FSDP 2), 'r2d2' (HSDP); d-1 = all ranks FSDP; 'auto' (the CLI) = the
+    planner's best data-parallel layout for the model, world size and memory, printed at start."""
     steps: int = 100
     """Optimizer steps (RL trainers: one rollout batch each)."""
     eval_every: int = 0

@@ -1,0 +1,104 @@
+"""Streaming rollouts (issue 41) vs today's async (max_staleness=1, one generate per batch) vs sync.
+
+The same simulated trainer (``TRAIN_S`` sleep per step), the same Pareto(1.3) response lengths and the two
+decode cost models of `bench_partial_rollouts` (whose sync / async / partial rows are rerun here for an
+equal-load comparison). Streaming uses the real `StreamingRollouts` with ``max_staleness=1`` and one group
+per response (``prompts_per_step = ROWS``):
+
+- ``steps`` (accelerator, continuous batching: a decode step costs the same for up to ROWS requests):
+  ``ROWS`` generator workers, each request sleeps ``UNIT_S * its length`` independently;
+- ``rows`` (CPU, cost per row-token): one request decodes at a time (a global lock), no padding.
+
+Run: ``python benchmarks/bench_streaming.py`` from the repo root (about 1.5 minutes).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common
+import bench_partial_rollouts as partial
+
+NAME = "streaming_rollouts"
+
+
+def run_streaming(cost: str) -> dict[str, float]:
+    import torch
+
+    from shardforge.algorithms.trainers.rl.streaming import StreamingRollouts
+
+    rows, lock = partial.ROWS, threading.Lock()
+
+    def group(position: int) -> tuple[list[Any], torch.Tensor]:
+        n = partial.lengths(position // rows)[position % rows]
+        if cost == "rows":
+            with lock:
+                time.sleep(partial.UNIT_S["rows"] * n)
+        else:
+            time.sleep(partial.UNIT_S["steps"] * n)
+        return [], torch.zeros(1)
+
+    source = StreamingRollouts(
+        group_fn=group, load_weights=lambda v: None, publish_fn=lambda v: None, prompts_per_step=rows,
+        max_staleness=1, num_batches=partial.STEPS, workers=rows if cost == "steps" else 1,
+    )  # fmt: skip
+    waited, staleness = 0.0, []
+    started = time.perf_counter()
+    for k in range(partial.STEPS):
+        batch = source.batch(k)
+        waited += batch.wait_s
+        staleness.append(batch.stats["stream/staleness_mean"])
+        time.sleep(partial.TRAIN_S)
+        source.publish(k + 1)
+    wall = time.perf_counter() - started
+    source.close()
+    return {"idle_frac": waited / wall, "steps_per_hour": partial.STEPS / wall * 3600, "wall_s": wall,
+            "staleness_mean": sum(staleness) / len(staleness)}  # fmt: skip
+
+
+def main() -> int:
+    started = time.perf_counter()
+    info = _common.machine_info()
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for cost in partial.UNIT_S:
+        results[cost] = {mode: partial.run(mode, cost) for mode in ("sync", "async", "partial")}
+        results[cost]["streaming"] = run_streaming(cost)
+    payload = {"machine": info, "steps": partial.STEPS, "rows": partial.ROWS, "train_s": partial.TRAIN_S,
+               "results": results, "seconds": time.perf_counter() - started}  # fmt: skip
+    path = _common.write_json(NAME, payload)
+    print(json.dumps(payload, indent=2))
+    for cost, r in results.items():
+        stream, plain, part, sync = r["streaming"], r["async"], r["partial"], r["sync"]
+        idle_ratio = stream["idle_frac"] / max(plain["idle_frac"], 1e-9)
+        speed = stream["steps_per_hour"] / sync["steps_per_hour"]
+        if cost == "steps":
+            met = idle_ratio <= 0.5 and speed >= 1.5
+            target = "idle <= 0.5x async and steps/h >= 1.5x sync"
+        else:
+            met = stream["steps_per_hour"] >= part["steps_per_hour"] * 0.97
+            target = "steps/h no worse than partial (3% noise)"
+        _common.upsert_result_row(
+            benchmark=f"{NAME} ({cost} cost)",
+            metric=f"trainer idle fraction (steps/hour), GRPO loop, Pareto(1.3) lengths, {cost}-proportional simulated "
+            "decode, max_staleness 1",
+            ours=f"streaming {stream['idle_frac']:.2f} ({stream['steps_per_hour']:.0f}/h)",
+            baseline=f"async {plain['idle_frac']:.2f} ({plain['steps_per_hour']:.0f}/h); partial "
+            f"{part['idle_frac']:.2f} ({part['steps_per_hour']:.0f}/h); sync {sync['idle_frac']:.2f} "
+            f"({sync['steps_per_hour']:.0f}/h)",
+            ratio=f"idle x{idle_ratio:.2f}, steps/h x{speed:.2f} vs sync",
+            target=_common.target_cell(target, met),
+            machine=_common.machine_label(info),
+        )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

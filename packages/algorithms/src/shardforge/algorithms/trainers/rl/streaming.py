@@ -1,0 +1,258 @@
+"""Streaming rollouts (AReaL-style fully asynchronous RL): a background generator produces one prompt
+group at a time, continuously, and each trainer step takes the first ``prompts_per_step`` COMPLETE
+groups to finish.
+
+Staleness (policy step p = the weights after p optimiser steps; a group's *start version* is the policy
+step loaded when its generation began):
+
+- Admission (AReaL's capacity rule): the generator starts prompt number ``n`` (0-based, counted from the
+  start of this process) only while ``n < (max_staleness + newest_policy_step - start + 1) * prompts_per_step``;
+  otherwise the submission waits for the next publish. At most ``(max_staleness + 1) * prompts_per_step``
+  prompts are therefore in flight or finished-but-unused at any time.
+- Consumption: batch k takes finished groups with start version ``k - max_staleness`` first (they would
+  break the bound at step k + 1), then the earliest finished; it never waits for a particular group. A
+  finished group whose staleness ``k - start_version`` already exceeds the bound (a long-tail response
+  that finished too late) is discarded and its prompt regenerated (counted in ``stream/regenerated``), so
+  no trained group is ever more than ``max_staleness`` steps stale and no prompt is dropped.
+- Within a batch, groups are ordered by prompt position (the completion order is recorded in
+  ``StreamBatchInfo.finish_order``), so ``max_staleness = 0`` gives exactly the synchronous batches.
+
+Checkpoints (`checkpoint_state`): the prompt positions in flight or finished-but-unused are saved (not
+their tokens) together with the next prompt position; a resumed run regenerates them first with the
+checkpoint's weights, so no prompt is dropped or repeated. What a resumed run trains on is the same SET of
+prompts in the same recorded order of positions; the tokens of regenerated groups differ from the ones the
+killed run had in flight unless generation is seeded per prompt.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardforge.algorithms.trainers.rl.sources import SampledBatch
+from shardforge.rollout.episodes.trajectory import Trajectory
+
+__all__ = ["GroupFn", "StreamBatchInfo", "StreamingRollouts"]
+
+GroupFn = Callable[[int], tuple[list[Trajectory], torch.Tensor]]
+"""prompt position -> (that prompt's group of trajectories, their rewards), with the engine's current weights."""
+
+
+@dataclass(slots=True)
+class _Group:
+    position: int
+    start_version: int
+    rollouts: list[Trajectory] = field(default_factory=list)
+    rewards: torch.Tensor | None = None
+    finished: int = -1  # completion rank (0, 1, ...); -1 while in flight
+    error: BaseException | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class StreamBatchInfo:
+    """What the streaming source recorded about one batch."""
+
+    positions: list[int]
+    """Prompt positions of the batch's groups (training order)."""
+    finish_order: list[int]
+    """The same positions in the order their groups finished."""
+    start_versions: list[int]
+    """Start version (policy step) of each group, in training order."""
+
+
+class StreamingRollouts:
+    """A `RolloutSource` that streams groups from a background generator under a staleness bound.
+
+    Args:
+        group_fn: generates and scores one prompt group (runs in the generator thread).
+        load_weights: ``policy_step -> None``; loads that policy's weights into the rollout engine (generator
+            thread, between two groups).
+        publish_fn: ``policy_step -> None``; publishes the trainer's weights (main thread, collective).
+        prompts_per_step: groups per batch.
+        max_staleness: s >= 0.
+        num_batches: the run's steps.
+        start: the first step of this process (0, or the resumed step).
+        restored: `checkpoint_state` of the run that saved the checkpoint (None: none).
+        workers: generator threads, each generating one group at a time (> 1 only for an engine that serves
+            concurrent requests, e.g. a continuous-batching server; weights are loaded once per version, under a lock).
+    """
+
+    def __init__(
+        self,
+        *,
+        group_fn: GroupFn,
+        load_weights: Callable[[int], None],
+        publish_fn: Callable[[int], None],
+        prompts_per_step: int,
+        max_staleness: int,
+        num_batches: int,
+        start: int = 0,
+        restored: dict[str, Any] | None = None,
+        workers: int = 1,
+    ) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness={max_staleness} must be >= 0")
+        if prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step={prompts_per_step} must be >= 1")
+        self.group_fn, self.load_weights, self.publish_fn = group_fn, load_weights, publish_fn
+        self.prompts_per_step, self.max_staleness = prompts_per_step, max_staleness
+        self.num_batches, self.start = num_batches, start
+        self._cond = threading.Condition()
+        self._version = start  # newest published policy step
+        self._loaded: int | None = None  # generator thread only
+        restored = restored or {}
+        self._queue: deque[int] = deque(restored.get("regenerate", []))  # prompt positions to (re)generate first
+        self._next_position = int(restored.get("next_position", start * prompts_per_step))
+        self._submitted = 0  # prompts started by this process (admission counter)
+        self._total = (num_batches - start) * prompts_per_step  # prompts this process trains on
+        self._groups: dict[int, _Group] = {}  # in flight or finished-unused, by position
+        self._finished = 0
+        self._stop = False
+        self._gen_busy_s = 0.0
+        self._gen_idle_s = 0.0
+        self._regenerated = 0
+        self._trainer_wait_s = 0.0
+        self._trainer_first: float | None = None  # when the first batch() call began
+        self.infos: list[StreamBatchInfo] = []
+        self._load_lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"stream-generator-{i}", daemon=True) for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------------ main-thread API
+    def batch(self, index: int) -> SampledBatch:
+        """The next batch (waits until enough complete groups exist)."""
+        started = time.perf_counter()
+        if self._trainer_first is None:
+            self._trainer_first = started
+        bound = index - self.max_staleness
+        with self._cond:
+            while True:
+                self._raise_failed()
+                stale = [g for g in self._groups.values() if g.finished >= 0 and g.start_version < bound]
+                for g in stale:  # would break the bound: regenerate the prompt
+                    del self._groups[g.position]
+                    self._queue.appendleft(g.position)
+                    self._submitted -= 1
+                    self._regenerated += 1
+                if stale:
+                    self._cond.notify_all()
+                done = [g for g in self._groups.values() if g.finished >= 0]
+                urgent = [g for g in done if g.start_version == bound]  # would break the bound at step index + 1
+                need = self.prompts_per_step
+                if len(done) >= need:
+                    break
+                self._cond.wait()
+            chosen = sorted(urgent, key=lambda g: (g.start_version, g.finished))[:need]
+            taken = {g.position for g in chosen}
+            rest = sorted((g for g in done if g.position not in taken), key=lambda g: g.finished)
+            chosen += rest[: need - len(chosen)]
+            for g in chosen:
+                del self._groups[g.position]
+            in_flight = sum(1 for g in self._groups.values() if g.finished < 0)
+            gen_busy, gen_idle = self._gen_busy_s, self._gen_idle_s
+            regenerated = self._regenerated
+            self._cond.notify_all()
+        now = time.perf_counter()
+        wait_s = now - started
+        self._trainer_wait_s += wait_s
+        finish_order = [g.position for g in sorted(chosen, key=lambda g: g.finished)]
+        chosen.sort(key=lambda g: g.position)
+        staleness = torch.tensor([float(index - g.start_version) for g in chosen])
+        self.infos.append(
+            StreamBatchInfo(
+                positions=[g.position for g in chosen],
+                finish_order=finish_order,
+                start_versions=[g.start_version for g in chosen],
+            )
+        )
+        rewards = [g.rewards for g in chosen if g.rewards is not None]
+        return SampledBatch(
+            index=index,
+            policy_step=min(g.start_version for g in chosen),
+            rollouts=[r for g in chosen for r in g.rollouts],
+            rewards=torch.cat(rewards) if rewards else torch.zeros(0),
+            wait_s=wait_s,
+            generate_s=gen_busy,
+            stats={
+                "stream/staleness_mean": float(staleness.mean()),
+                "stream/staleness_max": float(staleness.max()),
+                "stream/in_flight": float(in_flight),
+                "stream/trainer_idle_frac": self._trainer_wait_s / max(now - self._trainer_first, 1e-9),
+                "stream/generator_idle_frac": gen_idle / max(gen_idle + gen_busy, 1e-9),
+                "stream/regenerated": float(regenerated),
+            },
+        )
+
+    def publish(self, policy_step: int) -> None:
+        """Publish the trainer's weights as ``policy_step``; new submissions start under them."""
+        self.publish_fn(policy_step)
+        with self._cond:
+            self._version = policy_step
+            self._cond.notify_all()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Prompt positions in flight or finished-unused (regenerated on resume) and the next new position."""
+        with self._cond:
+            positions = sorted([*self._groups, *self._queue])
+            return {"regenerate": positions, "next_position": self._next_position}
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+
+    # ------------------------------------------------------------------ generator thread
+    def _capacity_left(self) -> bool:
+        limit = (self.max_staleness + self._version - self.start + 1) * self.prompts_per_step
+        return self._submitted < min(limit, self._total)
+
+    def _run(self) -> None:
+        while True:
+            idle = time.perf_counter()
+            with self._cond:
+                while not self._stop and not self._capacity_left():
+                    self._cond.wait()
+                if self._stop:
+                    return
+                if self._queue:
+                    position = self._queue.popleft()
+                else:
+                    position = self._next_position
+                    self._next_position += 1
+                version = self._version
+                group = _Group(position=position, start_version=version)
+                self._groups[position] = group
+                self._submitted += 1
+                self._gen_idle_s += time.perf_counter() - idle
+            busy = time.perf_counter()
+            try:
+                with self._load_lock:
+                    if self._loaded is None or self._loaded < version:  # versions only move forward
+                        self.load_weights(version)
+                        self._loaded = version
+                group.rollouts, group.rewards = self.group_fn(position)
+            except BaseException as exc:  # reported to the trainer by batch()
+                group.error = exc
+            with self._cond:
+                self._gen_busy_s += time.perf_counter() - busy
+                group.finished = self._finished
+                self._finished += 1
+                self._cond.notify_all()
+                if group.error is not None:
+                    return
+
+    def _raise_failed(self) -> None:
+        for g in self._groups.values():
+            if g.error is not None:
+                raise RuntimeError(f"the streaming generator failed on prompt {g.position}") from g.error
