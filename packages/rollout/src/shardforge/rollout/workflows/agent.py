@@ -27,6 +27,7 @@ import itertools
 import threading
 import uuid
 import weakref
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from shardforge.core.registry import import_path
@@ -61,9 +62,10 @@ class AgentWorkflow:
         if not options.run:
             raise ValueError("workflow.name=agent needs workflow.agent.run: 'package.module:function', an "
                              "`async def run(client: openai.AsyncOpenAI, row: dict) -> float | None`")  # fmt: skip
-        self.run = import_path(options.run)
-        if not asyncio.iscoroutinefunction(self.run):
+        run = import_path(options.run)
+        if not callable(run) or not asyncio.iscoroutinefunction(run):
             raise ValueError(f"workflow.agent.run={options.run!r} must be an `async def` function (client, row)")
+        self.run: Callable[..., Awaitable[float | None]] = run
         self.options, self.tokenizer, self.reward_fn = options, tokenizer, reward_fn
         self.endpoint = shared_endpoint(tokenizer, options.model_name, options.max_tokens)
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
