@@ -257,3 +257,61 @@ def test_serve_openai_serves_a_model_directory(endpoint: Any) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+class _ScriptedEngine:
+    """Returns fixed response ids (log-prob -1, version 3): makes the model write a tool call, or spell one."""
+
+    version = 3
+
+    def __init__(self, responses: list[list[int]]) -> None:
+        self.responses = responses
+
+    def generate(self, prompts: Any, params: Any) -> list[Any]:
+        from shardforge.rollout.types import Rollout
+
+        ids = self.responses.pop(0)
+        return [Rollout(prompt_index=0, prompt_ids=list(prompts[0]), response_ids=ids, logprobs=[-1.0] * len(ids),
+                        finished=True, version=self.version)]  # fmt: skip
+
+
+def test_tool_calls_are_parsed_merged_across_the_tool_result_and_never_re_encoded(endpoint: Any) -> None:
+    """Turn 1: the model writes a tool call exactly as the chat template renders one; the client gets
+    ``tool_calls``, runs the tool and sends both back; the template's rendering of that history extends turn 1's
+    ids, so the episode stays one trajectory. Turn 2: the model spells ``<tool_call>`` character by character,
+    which re-encodes to the single added token: the recorder keeps the engine's ids, not the text's."""
+    _, assets = endpoint
+    tokenizer = assets["tokenizer"]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "1+1?"}]
+    call = {"name": "calculator", "arguments": {"expression": "1+1"}}
+    assistant = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+    before = tokenizer.apply_chat_template(messages, tools=[CALCULATOR], add_generation_prompt=True, tokenize=False)
+    after = tokenizer.apply_chat_template([*messages, assistant], tools=[CALCULATOR], tokenize=False)
+    # Qwen3's template opens the newest assistant turn with an empty think block that it drops from earlier
+    # turns: a model that writes it would start a new trajectory at the next turn (counted). This one does not.
+    text = after[len(before) :].removeprefix("<think>\n\n</think>\n\n").rstrip("\n")
+    written = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert written[-1] == tokenizer.eos_token_id
+    spelled = [tokenizer.convert_tokens_to_ids(ch) for ch in "ok <tool_call>"] + [tokenizer.eos_token_id]
+    assert tokenizer("ok <tool_call>", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] != spelled
+    server = OpenAIEndpoint(_ScriptedEngine([written, spelled]), tokenizer, model_name="tiny").start()
+    try:
+        client = _client(server, "ep-call")
+        first = client.chat.completions.create(model="tiny", messages=messages, tools=[CALCULATOR])
+        message = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls"
+        (tool_call,) = message.tool_calls
+        assert tool_call.function.name == "calculator" and json.loads(tool_call.function.arguments) == call["arguments"]
+        messages += [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": tool_call.id, "content": "2"}]  # fmt: skip
+        second = client.chat.completions.create(model="tiny", messages=messages, tools=[CALCULATOR])
+        assert second.choices[0].message.content == "ok <tool_call>"
+    finally:
+        server.stop()
+    record = server.recorder.pop("ep-call")
+    assert record.rewrites == 0 and len(record.trajectories) == 1
+    (trajectory,) = record.trajectories
+    assert trajectory.token_ids[-len(spelled) :] == spelled  # the engine's ids, not the re-encoded text's
+    assert trajectory.token_ids[: len(second.model_extra["prompt_token_ids"])] == second.model_extra["prompt_token_ids"]
+    assert sum(trajectory.loss_mask) == len(written) + len(spelled)
+    assert trajectory.versions[-1] == 3 and trajectory.logprobs[-1] == -1.0
