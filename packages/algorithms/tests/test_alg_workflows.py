@@ -241,8 +241,8 @@ def test_python_tool_limits_and_calculator() -> None:
 
 def test_registry_and_crashed_groups_are_dropped(chat: dict[str, Any]) -> None:
     assert {"rlvr", "multi_turn", "tool_use"} <= set(WORKFLOWS.names())
-    with pytest.raises(ValueError, match="unknown workflow 'agent'; registered"):
-        WORKFLOWS.get("agent")
+    with pytest.raises(ValueError, match="unknown workflow 'no_such_workflow'; registered"):
+        WORKFLOWS.get("no_such_workflow")
     tokenizer = chat["tokenizer"]
 
     def reward(prompt: str, response: str, reference: str) -> float:
