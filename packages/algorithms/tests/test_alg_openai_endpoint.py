@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -182,7 +181,6 @@ def test_a_request_without_an_episode_is_refused(endpoint: Any) -> None:
     server, _ = endpoint
     response = httpx.post(f"{server.url}/chat/completions", content=json.dumps({"messages": []}))
     assert response.status_code == 401 and "episode" in response.json()["error"]["message"]
-    assert Path
 
 
 def test_token_in_turns_merge_into_one_trajectory_with_the_engines_ids(endpoint: Any) -> None:

@@ -24,6 +24,7 @@ import yaml
 
 from shardforge.algorithms.config_io import apply_overrides, build_config
 from shardforge.algorithms.testing import tiny_assets
+from shardforge.algorithms.testing.processes import alive, descendants
 from shardforge.algorithms.trainers import TRAINERS
 from shardforge.algorithms.trainers.run.lock import LOCK_NAME, OutputDirLock, OutputDirLocked
 from shardforge.algorithms.trainers.run.resume_check import ResumeConfigMismatch, config_differences
@@ -78,35 +79,6 @@ def test_a_lock_from_another_host_is_refused_with_the_way_out(tmp_path: Path) ->
         OutputDirLock(tmp_path).acquire()
 
 
-def _descendants(root: int) -> list[int]:
-    """Live (non-zombie) processes below ``root`` (torch's agent starts each rank in a session of its own)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z":
-            parents[int(entry.name)] = int(fields[1])
-    found, frontier = [], [root]
-    while frontier:
-        children = [pid for pid, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc are Linux's")
 def test_kill_9_on_the_launcher_takes_the_ranks_and_a_second_run_is_refused_meanwhile(
     tmp_path: Path, assets: dict[str, Any]
@@ -131,7 +103,7 @@ def test_kill_9_on_the_launcher_takes_the_ranks_and_a_second_run_is_refused_mean
         while time.monotonic() < deadline and first.poll() is None and not metrics.is_file():
             time.sleep(0.5)
         assert first.poll() is None and metrics.is_file(), first.stderr.read().decode() if first.stderr else ""
-        ranks = _descendants(first.pid)
+        ranks = descendants(first.pid)
         assert len(ranks) >= 2, ranks
 
         second = subprocess.run([*command, "steps=2"], env=env, capture_output=True, text=True, timeout=120)
@@ -142,10 +114,10 @@ def test_kill_9_on_the_launcher_takes_the_ranks_and_a_second_run_is_refused_mean
         os.kill(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(pid) for pid in ranks):
+        while time.monotonic() < deadline and any(alive(pid) for pid in ranks):
             time.sleep(0.2)
-        alive = [pid for pid in ranks if _alive(pid)]
-        assert not alive, f"ranks {alive} outlived their killed launcher"
+        survivors = [pid for pid in ranks if alive(pid)]
+        assert not survivors, f"ranks {survivors} outlived their killed launcher"
     finally:
         for pid in ranks if "ranks" in locals() else []:
             try:
@@ -175,12 +147,12 @@ def test_the_parent_watch_ends_a_process_whose_parent_is_gone(tmp_path: Path) ->
     out = subprocess.run([sys.executable, "-c", middle], capture_output=True, text=True, timeout=60, check=True)
     pid = int(out.stdout.split()[0])
     deadline = time.monotonic() + 30  # the child imports shardforge first (seconds on a loaded machine)
-    while time.monotonic() < deadline and _alive(pid):
+    while time.monotonic() < deadline and alive(pid):
         time.sleep(0.1)
-    alive = _alive(pid)
-    if alive:
+    survived = alive(pid)
+    if survived:
         os.kill(pid, signal.SIGKILL)
-    assert not alive, "the orphaned child outlived its parent by 30 s"
+    assert not survived, "the orphaned child outlived its parent by 30 s"
     assert (tmp_path / "imported").is_file()  # it ended in the watch, not in a failed import
 
 

@@ -15,29 +15,13 @@ import pytest
 import yaml
 
 from shardforge.algorithms.testing import tiny_assets
+from shardforge.algorithms.testing.processes import session_processes
 from shardforge.checkpoint_dcp import COMMIT_MARKER
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     return tiny_assets(tmp_path_factory.mktemp("signals"), max_operand=9, num_eval=10)
-
-
-def _session_processes(sid: int) -> list[int]:
-    """PIDs (other than zombies) whose session id is ``sid``: the command and everything it started."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
-        state, session = fields[0], int(fields[3])
-        if session == sid and state != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def _train_records(out: Path) -> list[dict]:
@@ -82,9 +66,9 @@ def test_sigterm_saves_a_checkpoint_at_a_step_boundary_and_leaves_no_process(tmp
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGTERM, err.decode()
     deadline = time.monotonic() + 30  # the ranks were reaped by the agent; allow the kernel a moment
-    while _session_processes(proc.pid) and time.monotonic() < deadline:
+    while session_processes(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _session_processes(proc.pid) == []
+    assert session_processes(proc.pid) == []
     summary = json.loads((out / "summary.json").read_text())
     stopped = summary["stopped_at_step"]
     assert summary["stopped_by"] == "SIGTERM" and stopped >= 1

@@ -238,24 +238,16 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     return _launch_or_run(args, argv, trainer, config)
 
 
-def _run_lock(config: Any, args: argparse.Namespace) -> Any:
-    """The output directory's run lock (`trainers.run.lock.run_lock`; docs/runs.md)."""
-    from shardforge.algorithms.trainers.run.lock import run_lock
-
-    node_rank = 0
-    if "WORLD_SIZE" not in os.environ:
-        from shardforge.algorithms.launch.multinode import launch_spec
-
-        node_rank = launch_spec(args).node_rank
-    return run_lock(getattr(config, "output_dir", None), dry_run=args.dry_run, node_rank=node_rank)
-
-
 def _launch_or_run(args: argparse.Namespace, argv: list[str], trainer: TrainerSpec, config: Any) -> int:
+    from shardforge.algorithms.trainers.run.lock import run_lock  # one run per output_dir (docs/runs.md)
+
+    output_dir, node_rank = getattr(config, "output_dir", None), 0
     if "WORLD_SIZE" not in os.environ:  # the launching process: check everything before any rank starts
         from shardforge.algorithms.cli.preflight import preflight
         from shardforge.algorithms.launch.multinode import launch_spec
 
         spec = launch_spec(args)  # --nnodes/--node-rank/--rdzv-endpoint or Slurm's environment
+        node_rank = spec.node_rank
         trains_here = not (args.dry_run or spec.launcher == "ray" or spec.needs_agent)
         dims = preflight(config, spec.world_size, trainer.row_fields, keep_rows=trains_here)
         from shardforge.rewards.ray_pool import reward_workers_for_launcher
@@ -271,9 +263,9 @@ def _launch_or_run(args: argparse.Namespace, argv: list[str], trainer: TrainerSp
             sys.stdout.write(dry_run_report(config, dims, spec.world_size) + "\n")
             return 0
         if not trains_here:
-            with _run_lock(config, args):
+            with run_lock(output_dir, node_rank=node_rank):
                 return _launch(args, argv, spec, rollout_actors, reward_workers)
-    with _run_lock(config, args):
+    with run_lock(output_dir, node_rank=node_rank):
         return _run_here(trainer, config)
 
 

@@ -40,6 +40,16 @@ def _torchrun(nproc: int, command: list[str], config: Path, overrides: list[str]
     subprocess.run(argv, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+def tool_names_template() -> str:
+    """Qwen3's tool template listing tools by name: Qwen3's own lists each tool's JSON schema in the system turn
+    (~230 characters for the calculator), which on CPU would be 2/3 of every tiny sequence."""
+    from shardforge.algorithms.testing import QWEN3_TOOL_TEMPLATE
+
+    template = QWEN3_TOOL_TEMPLATE.replace("{{- tool | tojson }}", "{{- tool.function.name }}")
+    assert template != QWEN3_TOOL_TEMPLATE
+    return template
+
+
 def make_tool_data(
     out_dir: str | Path, *, num_sft: int, num_eval: int, num_rl: int, seed: int = 0, num_val: int = 0
 ) -> dict[str, Path]:
@@ -129,15 +139,11 @@ def run_agent_demo(
 
     SFT runs ``sft_steps`` steps when given, else until the stop rule ``sft_stop`` (default:
     ``demo_agent_sft_stop.yaml``) says so; ``sft_only`` ends the demo after SFT."""
-    from shardforge.algorithms.testing import QWEN3_TOOL_TEMPLATE, tiny_chat_assets
+    from shardforge.algorithms.testing import tiny_chat_assets
 
     out = Path(out_dir)
     started = time.time()
-    # Qwen3's template lists each tool's JSON schema in the system turn (~230 characters for the
-    # calculator): on CPU that header would be 2/3 of every sequence, so the demo lists tools by name.
-    template = QWEN3_TOOL_TEMPLATE.replace("{{- tool | tojson }}", "{{- tool.function.name }}")
-    assert template != QWEN3_TOOL_TEMPLATE
-    assets = tiny_chat_assets(out / "assets", seed=seed, hidden=128, layers=2, chat_template=template)
+    assets = tiny_chat_assets(out / "assets", seed=seed, hidden=128, layers=2, chat_template=tool_names_template())
     rule = sft_stop or load_sft_stop_rule()
     data = make_tool_data(
         out / "data", num_sft=512, num_eval=held_out, num_rl=2000, seed=seed, num_val=rule.val_prompts

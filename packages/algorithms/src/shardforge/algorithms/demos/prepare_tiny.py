@@ -68,9 +68,9 @@ def _sft(model: str, train: Path, eval_file: Path, out: Path, steps: int) -> Non
 def prepare_tiny(out_dir: str | Path = "outputs", *, sft_steps: int = 150, force: bool = False) -> dict[str, str]:
     """Build the tiny models and data of the examples under ``out_dir``; return the main paths."""
     from shardforge.algorithms.demos.demo import prepare_demo
-    from shardforge.algorithms.demos.demo_agent import make_tool_data
+    from shardforge.algorithms.demos.demo_agent import make_tool_data, tool_names_template
     from shardforge.algorithms.demos.demo_vlm import prepare_vlm_demo
-    from shardforge.algorithms.testing import QWEN3_TOOL_TEMPLATE, tiny_chat_assets
+    from shardforge.algorithms.testing import tiny_chat_assets
 
     out = Path(out_dir)
     started = time.time()
@@ -87,9 +87,7 @@ def prepare_tiny(out_dir: str | Path = "outputs", *, sft_steps: int = 150, force
         _sft(str(demo / "model"), demo / "data" / "train.jsonl", demo / "data" / "eval.jsonl", sft, sft_steps)
         _mark(sft, {"steps": sft_steps})
     if not _done(chat):
-        # The tool list by name, not by JSON schema: the schema would be most of every tiny sequence.
-        template = QWEN3_TOOL_TEMPLATE.replace("{{- tool | tojson }}", "{{- tool.function.name }}")
-        tiny_chat_assets(chat, hidden=64, layers=2, chat_template=template)
+        tiny_chat_assets(chat, hidden=64, layers=2, chat_template=tool_names_template())
         make_tool_data(chat / "data", num_sft=64, num_eval=32, num_rl=256)
         _mark(chat, {})
     if not _done(vlm):

@@ -125,7 +125,9 @@ def finish(tokenizer: Any, rollout: Rollout, stops: Sequence[str]) -> tuple[Comp
     ids, logprobs = list(rollout.response_ids), list(rollout.logprobs)
     eos = tokenizer.eos_token_id
     reason = "stop" if rollout.finished else "length"
-    if stops:
+    # Cut only where a stop string occurs in the whole text: then find the token that completes it (the prefix
+    # decodes are paid only by completions that do stop).
+    if stops and any(stop in tokenizer.decode(ids, skip_special_tokens=True) for stop in stops):
         for k in range(1, len(ids) + 1):
             text = tokenizer.decode(ids[:k], skip_special_tokens=True)
             hit = [text.index(s) for s in stops if s in text]

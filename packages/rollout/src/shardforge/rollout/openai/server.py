@@ -156,7 +156,7 @@ class OpenAIEndpoint:
                                "X-Episode-Id header", kind="authentication_error")  # fmt: skip
             return auth[7:].strip()
 
-        async def _complete(episode: str, prompt_ids: list[int], body: dict[str, Any]) -> tuple[list[Completion], Any]:
+        async def _complete(episode: str, prompt_ids: list[int], body: dict[str, Any]) -> list[Completion]:
             if len(prompt_ids) > self.max_prompt_tokens:
                 raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; the limit is {self.max_prompt_tokens}",
                                "messages")  # fmt: skip
@@ -179,7 +179,7 @@ class OpenAIEndpoint:
                 choices.append(completion)
                 recorded.append(kept)
             self.recorder.record(episode, prompt_ids, recorded)
-            return choices, recorded
+            return choices
 
         def _usage(prompt_ids: list[int], choices: list[Completion]) -> dict[str, int]:
             generated = sum(len(c.ids) for c in choices)
@@ -199,7 +199,7 @@ class OpenAIEndpoint:
         async def _chat(request: Request) -> Any:
             body, episode = await _body(request), _episode(request)
             prompt_ids = chat_prompt_ids(self.tokenizer, body)
-            choices, _ = await _complete(episode, prompt_ids, body)
+            choices = await _complete(episode, prompt_ids, body)
             want_logprobs = bool(body.get("logprobs"))
             out = []
             for index, choice in enumerate(choices):
@@ -226,7 +226,7 @@ class OpenAIEndpoint:
             if body.get("stream"):
                 raise APIError(400, "stream is supported on /v1/chat/completions only", "stream")
             prompt_ids = completion_prompt_ids(self.tokenizer, body)
-            choices, _ = await _complete(episode, prompt_ids, body)
+            choices = await _complete(episode, prompt_ids, body)
             out = []
             for index, choice in enumerate(choices):
                 logprobs = None

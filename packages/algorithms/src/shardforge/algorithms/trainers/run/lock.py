@@ -161,13 +161,13 @@ class OutputDirLock:
         self.release()
 
 
-def run_lock(output_dir: str | None, *, dry_run: bool, node_rank: int) -> contextlib.AbstractContextManager[Any]:
+def run_lock(output_dir: str | None, *, node_rank: int = 0) -> contextlib.AbstractContextManager[Any]:
     """The run's lock on ``output_dir``, taken once per run before any rank writes (a no-op where not ours).
 
     The launching process takes it (node 0's, across nodes; ``node_rank``) and the ranks it starts inherit
-    the fact (`LOCK_HELD_ENV`); under an external torchrun global rank 0 takes it. A dry run takes none.
+    the fact (`LOCK_HELD_ENV`); under an external torchrun global rank 0 takes it. (A dry run never gets here.)
     """
-    if output_dir is None or dry_run or LOCK_HELD_ENV in os.environ:
+    if output_dir is None or LOCK_HELD_ENV in os.environ:
         return contextlib.nullcontext()
     if "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0":
         return contextlib.nullcontext()
