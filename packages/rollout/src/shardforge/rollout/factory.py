@@ -107,7 +107,8 @@ def build_rollout(
 
     Args:
         config: the ``rollout:`` section.
-        model_dir, tokenizer: the initial weights (version 0) and the tokenizer.
+        model_dir: the initial weights (version 0).
+        tokenizer: the tokenizer the engine encodes and decodes with.
         weights_root: where disk versions go (None: an engine that is never refreshed from disk).
         seed: the engine's global seed (requests that carry their own seed do not use it).
         record_routing: record each token's MoE routing (router replay; the embedded HF engine only).

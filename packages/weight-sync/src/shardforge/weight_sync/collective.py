@@ -89,9 +89,9 @@ class CollectiveTransport:
     """Sender side; create it on the sending trainer rank only.
 
     Args:
-        host, port: where the sender's TCPStore listens (receivers connect here). ``port=0``
-            lets the OS pick a free port (no race with other processes); read it back from
-            ``transport.port`` and hand it to the receivers.
+        host: where the sender's TCPStore listens (receivers connect here).
+        port: the TCPStore's port; ``port=0`` lets the OS pick a free port (no race with other
+            processes); read it back from ``transport.port`` and hand it to the receivers.
         num_receivers: inference workers that will join.
         timeout_s: a receiver that stops responding makes a collective fail after this.
     """
