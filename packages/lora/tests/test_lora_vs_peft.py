@@ -179,6 +179,24 @@ def test_peft_export_loads_in_peft(tmp_path: Any) -> None:
         assert not torch.equal(base(input_ids=ids).logits, ours(input_ids=ids).logits)  # the adapter acts
 
 
+def test_adapter_records_the_configured_base_model(tmp_path: Any) -> None:
+    """``LoRAConfig.base_model_name_or_path`` (a hub id for a model trained from a local copy) is what the
+    adapter names as its base; an explicit argument still wins (the trainer's resolved local path)."""
+    import json
+
+    config = LoRAConfig(r=2, target_modules=("q_proj",), base_model_name_or_path="Qwen/Qwen3-0.6B")
+    model = tiny_model("qwen3")
+    apply_lora(model, config, seed=0)
+    save_peft_adapter(model, tmp_path / "a", config)
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["base_model_name_or_path"] == (
+        "Qwen/Qwen3-0.6B"
+    )
+    save_peft_adapter(model, tmp_path / "b", config, base_model_name_or_path="/models/qwen3")
+    assert json.loads((tmp_path / "b" / "adapter_config.json").read_text())["base_model_name_or_path"] == (
+        "/models/qwen3"
+    )
+
+
 def test_default_init_is_peft_init() -> None:
     config = LoRAConfig(r=8, target_modules=("q_proj",))
     model = tiny_model("llama")

@@ -33,6 +33,11 @@ class LoRAConfig:
     init: Literal["kaiming", "gaussian", "random"] = "kaiming"
     """kaiming: A kaiming-uniform(a=sqrt(5)), B zeros (PEFT's default: the adapter starts as a no-op).
     gaussian: A ~ N(0, 1/r), B zeros. random: A and B both kaiming-uniform (not a no-op; for tests)."""
+    base_model_name_or_path: str | None = None
+    """What an exported adapter's ``adapter_config.json`` names as its base model (PEFT's field of the same
+    name), stored as given. None: the model the run started from, a local directory as an absolute path (PEFT
+    resolves a relative one against the current directory, so it would load only from where you trained). Set
+    a hub id (``Qwen/Qwen3-0.6B``) when you trained from a local copy of it and will publish the adapter."""
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:

@@ -51,7 +51,7 @@ def _peft_config(config: LoRAConfig, base_model_name_or_path: str | None) -> dic
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path,
+        "base_model_name_or_path": base_model_name_or_path or config.base_model_name_or_path,
         "r": config.r,
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,

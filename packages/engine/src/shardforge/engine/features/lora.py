@@ -59,11 +59,15 @@ def export_lora(
     out_dir: str | os.PathLike[str],
     base_model_name_or_path: str | None = None,
 ) -> None:
-    """Write the model's adapters in PEFT format (collective; rank 0 writes). The base model path
-    defaults to the one the engine was built from (``hf_config._name_or_path``); a local one is
-    stored as an absolute path (``AutoPeftModelForCausalLM.from_pretrained`` resolves it from any cwd)."""
+    """Write the model's adapters in PEFT format (collective; rank 0 writes). The base model recorded is
+    ``config.lora.base_model_name_or_path`` as given when set; otherwise ``base_model_name_or_path`` or the one
+    the engine was built from (``hf_config._name_or_path``), a local one as an absolute path
+    (``AutoPeftModelForCausalLM.from_pretrained`` resolves it from any cwd)."""
     if config.lora is None:
         raise ValueError("export_lora needs an engine built with engine.lora set (e.g. engine.lora.r=8)")
+    if config.lora.base_model_name_or_path:
+        save_peft_adapter(model, out_dir, config.lora, base_model_name_or_path=config.lora.base_model_name_or_path)
+        return
     base = base_model_name_or_path or getattr(hf_config, "_name_or_path", None) or None
     if base and Path(base).exists():  # a local base: absolute, so the adapter loads from any directory
         base = str(Path(base).resolve())

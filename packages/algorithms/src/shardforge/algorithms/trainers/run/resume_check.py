@@ -57,6 +57,8 @@ HARMLESS_KEYS: tuple[str, ...] = (
     "engine.pp_",
     "engine.dist_timeout_s",
     "engine.optimizer.fused",
+    "engine.lora.base_model_name_or_path",  # what the exported adapter names as its base, nothing more
+    "critic_engine.lora.base_model_name_or_path",
     "rollout.placement",
     "rollout.num_actors",
     "rollout.on_actor_failure",
