@@ -1,6 +1,7 @@
 """Run the shell blocks of README.md and docs/*.md that are marked runnable, as written.
 
-A block is marked by an HTML comment on the line before its fence:
+A block is marked by an HTML comment on the line before its fence (a ``python`` block runs as a script,
+under ``torchrun --nproc-per-node N`` when the comment says ``torchrun=N``):
 
     <!-- runnable: steps=2 eval_every=0 -->
     ```bash
@@ -29,32 +30,50 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^<!--\s*runnable(?::\s*(?P<overrides>[^>]*?))?\s*-->\s*$")
-FENCE = re.compile(r"^```(?:bash|sh|shell)\s*$")
+FENCE = re.compile(r"^```(?P<language>bash|sh|shell|python)\s*$")
 
 
 def runnable_blocks(text: str) -> list[tuple[int, str, list[str]]]:
-    """``(line number of the fence, script, overrides)`` for every marked bash block."""
+    """``(line number of the fence, bash script, overrides)`` for every marked bash or python block. A python
+    block becomes a script that writes it to a file and runs it, under ``torchrun`` with N ranks when its
+    marker says ``torchrun=N``."""
     lines = text.splitlines()
     blocks = []
     for i, line in enumerate(lines):
         match = MARKER.match(line.strip())
-        if not match or i + 1 >= len(lines) or not FENCE.match(lines[i + 1].strip()):
+        fence = FENCE.match(lines[i + 1].strip()) if match and i + 1 < len(lines) else None
+        if not match or not fence:
             continue
         end = next(j for j in range(i + 2, len(lines)) if lines[j].strip() == "```")
-        overrides = (match.group("overrides") or "").split()
-        blocks.append((i + 2, "\n".join(lines[i + 2 : end]), overrides))
+        words = (match.group("overrides") or "").split()
+        ranks = next((int(w.split("=", 1)[1]) for w in words if w.startswith("torchrun=")), 0)
+        overrides = [w for w in words if not w.startswith("torchrun=")]
+        script = "\n".join(lines[i + 2 : end])
+        if fence.group("language") == "python":
+            name = f"docs_block_{i + 2}.py"
+            runner = f"torchrun --standalone --nproc-per-node {ranks}" if ranks else "python"
+            script = f"cat > {name} <<'PYTHON_BLOCK'\n{script}\nPYTHON_BLOCK\n{runner} {name}"
+        blocks.append((i + 2, script, overrides))
     return blocks
 
 
 def with_overrides(script: str, overrides: list[str]) -> str:
-    """Append ``overrides`` to each ``shardforge train`` command (before a trailing comment)."""
+    """Append ``overrides`` to each ``shardforge train`` command (before a trailing comment and a trailing
+    ``&``; on the last line of a command continued with ``\\``)."""
     if not overrides:
         return script
     out = []
+    in_train = False
     for line in script.splitlines():
-        if line.lstrip().startswith("shardforge train "):
+        in_train = in_train or line.lstrip().startswith("shardforge train ")
+        if in_train and not line.rstrip().endswith("\\"):
             command, hash_, comment = line.partition("  #")
-            line = f"{command.rstrip()} {' '.join(overrides)}" + (f"  {hash_.strip()}{comment}" if hash_ else "")
+            command = command.rstrip()
+            background = command.endswith("&")
+            command = command.removesuffix("&").rstrip()
+            line = f"{command} {' '.join(overrides)}" + (" &" if background else "")
+            line += f"  {hash_.strip()}{comment}" if hash_ else ""
+            in_train = False
         out.append(line)
     return "\n".join(out)
 

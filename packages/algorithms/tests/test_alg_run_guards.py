@@ -80,6 +80,27 @@ def test_a_lock_from_another_host_is_refused_with_the_way_out(tmp_path: Path) ->
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc are Linux's")
+def test_another_nodes_launcher_covers_its_ranks_without_taking_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's rendezvous can give global rank 0 to node 1's ranks: they must not try to lock the folder
+    node 0's launcher holds (on a shared filesystem they would find it live and refuse their own run)."""
+    from shardforge.algorithms.trainers.run.lock import LOCK_HELD_ENV, OutputDirLock, run_lock
+
+    for name in ("WORLD_SIZE", "RANK", LOCK_HELD_ENV):
+        monkeypatch.delenv(name, raising=False)
+    with OutputDirLock(tmp_path):  # node 0's launcher
+        with run_lock(str(tmp_path), node_rank=1):  # node 1's launcher: no error, and its ranks are covered
+            assert LOCK_HELD_ENV in os.environ
+            monkeypatch.setenv("WORLD_SIZE", "2")
+            monkeypatch.setenv("RANK", "0")  # a rank of node 1 that the rendezvous made global rank 0
+            with run_lock(str(tmp_path)):
+                pass
+            monkeypatch.delenv("WORLD_SIZE")
+            monkeypatch.delenv("RANK")
+        assert LOCK_HELD_ENV not in os.environ
+
+
 def test_kill_9_on_the_launcher_takes_the_ranks_and_a_second_run_is_refused_meanwhile(
     tmp_path: Path, assets: dict[str, Any]
 ) -> None:

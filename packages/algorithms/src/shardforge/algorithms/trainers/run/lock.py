@@ -165,15 +165,27 @@ def run_lock(output_dir: str | None, *, node_rank: int = 0) -> contextlib.Abstra
     """The run's lock on ``output_dir``, taken once per run before any rank writes (a no-op where not ours).
 
     The launching process takes it (node 0's, across nodes; ``node_rank``) and the ranks it starts inherit
-    the fact (`LOCK_HELD_ENV`); under an external torchrun global rank 0 takes it. (A dry run never gets here.)
+    the fact (`LOCK_HELD_ENV`); under an external torchrun global rank 0 takes it. Another node's launcher
+    takes nothing but marks its ranks as covered too: torchrun's rendezvous may give global rank 0 to any node,
+    and with a shared filesystem that rank would otherwise find node 0's lock and refuse its own run. (A dry
+    run never gets here.)
     """
     if output_dir is None or LOCK_HELD_ENV in os.environ:
         return contextlib.nullcontext()
     if "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0":
         return contextlib.nullcontext()
     if "WORLD_SIZE" not in os.environ and node_rank != 0:
-        return contextlib.nullcontext()
+        return _covered(f"node 0's launcher ({output_dir})")
     return _held(OutputDirLock(output_dir))
+
+
+@contextlib.contextmanager
+def _covered(holder: str) -> Iterator[None]:
+    os.environ[LOCK_HELD_ENV] = holder  # the ranks started from here do not lock
+    try:
+        yield
+    finally:
+        os.environ.pop(LOCK_HELD_ENV, None)
 
 
 @contextlib.contextmanager
