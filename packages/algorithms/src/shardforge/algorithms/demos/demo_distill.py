@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shardforge.algorithms.demos.demo import held_out_accuracy, prepare_demo
-from shardforge.algorithms.demos.demo_rl import _torchrun
+from shardforge.algorithms.demos.demo_rl import SFT_STAGE_LR, _torchrun
 from shardforge.algorithms.testing.tiny import build_tiny_qwen3
 
 __all__ = ["run_distill_demo"]
@@ -32,7 +32,7 @@ def _sft(nproc: int, model: Path, assets: dict[str, Any], out: Path, steps: int)
     config = Path(__file__).parent / "demo_sft.yaml"
     _torchrun(nproc, "sft", config, [
         f"model={model}", f"train_file={assets['train']}", f"output_dir={out}", f"steps={steps}",
-        f"layout=d{nproc}", f"engine.scheduler.total_steps={steps}", "eval_every=0", "resume=never",
+        f"layout=d{nproc}", f"engine.scheduler.total_steps={steps}", "eval_every=0", "resume=never", SFT_STAGE_LR,
     ])  # fmt: skip
     return out / "hf"
 
