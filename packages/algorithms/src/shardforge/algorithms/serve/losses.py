@@ -5,7 +5,7 @@ Tinker's losses are sums over tokens (not means): the client weighs tokens itsel
 (`shardforge.engine.objectives.POLICY_LOSSES`), so a Tinker loss means what the same name means in our
 trainers:
 
-    cross_entropy        l = -sum_t w_t log pi(x_t)                           inputs: target_tokens, weights
+    cross_entropy        l = -sum_t w_t log pi(x_t)                           inputs: target_tokens, weights (default 1)
     importance_sampling  l = sum_t reinforce_t = -sum_t (pi/q)_t A_t           inputs: target_tokens, logprobs (q), advantages
     ppo                  l = sum_t vanilla_t (PPO clip, eps = 1 - clip_low_threshold, clip_high_threshold - 1)
     cispo                l = sum_t cispo_t (the same clip thresholds)
@@ -22,7 +22,7 @@ import torch
 
 from shardforge.core.registry import Registry
 
-__all__ = ["SERVE_LOSSES", "LossResult", "ServeLossFn", "required_inputs"]
+__all__ = ["OPTIONAL_INPUTS", "SERVE_LOSSES", "LossResult", "ServeLossFn", "required_inputs"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,11 +40,14 @@ each loss input name to its [T] packed values, ``lengths`` are the datums' token
 SERVE_LOSSES: Registry[ServeLossFn] = Registry("tinker loss")
 
 _INPUTS = {
-    "cross_entropy": ("target_tokens", "weights"),
+    "cross_entropy": ("target_tokens",),
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
 }
+
+OPTIONAL_INPUTS = {"cross_entropy": ("weights",)}
+"""Inputs a loss uses when every datum has them (cross_entropy's ``weights`` default to 1)."""
 
 
 def required_inputs(loss_fn: str) -> tuple[str, ...]:
@@ -57,7 +60,8 @@ def cross_entropy(
     logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], lengths: Sequence[int], config: Mapping[str, float]
 ) -> LossResult:
     """Weighted negative log-likelihood, summed over tokens."""
-    per_token = -logprobs * inputs["weights"].to(logprobs.dtype)
+    weights = inputs.get("weights")
+    per_token = -logprobs if weights is None else -logprobs * weights.to(logprobs.dtype)
     return LossResult(loss=per_token.sum(), elementwise=per_token.detach())
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from shardforge.algorithms.serve.codecs import FwdBwdRequest, WireDatum, encode_forward_backward_output
 from shardforge.algorithms.serve.futures import UserError
-from shardforge.algorithms.serve.losses import SERVE_LOSSES, required_inputs
+from shardforge.algorithms.serve.losses import OPTIONAL_INPUTS, SERVE_LOSSES, required_inputs
 from shardforge.algorithms.serve.models import TrainingModel
 
 __all__ = ["check_datums", "forward_backward", "optim_step", "target_logprobs"]
@@ -42,11 +42,11 @@ def check_datums(
             raise UserError(f"datum {i}: {n} tokens exceed the model's context of {max_context}")
         if min(datum.tokens) < 0 or max(datum.tokens) >= vocab_size:
             raise UserError(f"datum {i}: model_input has token ids outside [0, {vocab_size})")
-        for name in required_inputs(loss_fn):
+        for name in (*required_inputs(loss_fn), *OPTIONAL_INPUTS.get(loss_fn, ())):
             value = datum.inputs.get(name)
-            if value is None:
+            if value is None and name in required_inputs(loss_fn):
                 raise UserError(f"datum {i}: loss {loss_fn!r} needs loss_fn_inputs[{name!r}]; got {sorted(datum.inputs)}")
-            if value.shape != (n,):
+            if value is not None and value.shape != (n,):
                 raise UserError(f"datum {i}: loss_fn_inputs[{name!r}] has shape {list(value.shape)}; expected [{n}]")
         targets = datum.inputs["target_tokens"]
         if targets.is_floating_point() or targets.min() < 0 or targets.max() >= vocab_size:
@@ -75,7 +75,8 @@ def forward_backward(model: TrainingModel, request: FwdBwdRequest) -> bytes:
     """Run the loss (and its backward unless ``forward_only``); the ForwardBackwardOutput protobuf."""
     data = request.data
     lengths = [len(d.tokens) for d in data]
-    names = required_inputs(request.loss_fn)
+    optional = [n for n in OPTIONAL_INPUTS.get(request.loss_fn, ()) if all(n in d.inputs for d in data)]
+    names = [*required_inputs(request.loss_fn), *optional]
     with torch.set_grad_enabled(not request.forward_only):
         logprobs_T = target_logprobs(model.module, data)
         inputs = {name: torch.cat([d.inputs[name] for d in data]).to(logprobs_T.device) for name in names}
