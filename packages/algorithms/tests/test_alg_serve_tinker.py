@@ -11,7 +11,9 @@ import os
 
 import pytest
 
-tinker = pytest.importorskip("tinker", reason="the tinker SDK is not installed (pip install 'shardforge-algorithms[serve]')")
+tinker = pytest.importorskip(
+    "tinker", reason="the tinker SDK is not installed (pip install 'shardforge-algorithms[serve]')"
+)
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
@@ -64,7 +66,9 @@ def _reference_losses(model_dir: str, datums: list[types.Datum], steps: int, see
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     apply_lora(model, lora_config_for({"rank": 4}, alpha=32.0), seed=seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps, weight_decay=ADAM.weight_decay)
+    opt = torch.optim.AdamW(
+        params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps, weight_decay=ADAM.weight_decay
+    )
     losses = []
     for _ in range(steps):
         total = torch.zeros(())
@@ -192,10 +196,14 @@ def test_malformed_requests_get_4xx_and_service_keeps_serving(served) -> None:
     service = tinker.ServiceClient(base_url=url, api_key=ALICE)
     trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
     datum = _datums(trainer.get_tokenizer())[0]
-    bad_tokens = types.Datum(model_input=types.ModelInput.from_ints([10**6]), loss_fn_inputs={"target_tokens": [1], "weights": [1.0]})
+    bad_tokens = types.Datum(
+        model_input=types.ModelInput.from_ints([10**6]), loss_fn_inputs={"target_tokens": [1], "weights": [1.0]}
+    )
     with pytest.raises(tinker.BadRequestError, match="outside"):
         trainer.forward_backward([bad_tokens], "cross_entropy").result()
-    trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()  # the SDK poisons a client after an error
+    trainer = service.create_lora_training_client(
+        base_model="tiny", rank=4, seed=5
+    ).result()  # the SDK poisons a client after an error
     with pytest.raises(tinker.BadRequestError, match="needs loss_fn_inputs"):
         trainer.forward_backward([datum], "importance_sampling").result()
     with pytest.raises(tinker.BadRequestError, match="not served"):

@@ -119,14 +119,18 @@ def build_app(service: TinkerService) -> FastAPI:
     async def forward_backward(request: Request, who: str = Depends(tenant)) -> dict[str, Any]:
         raw = await body(request)
         if request.headers.get("content-encoding"):
-            raise HTTPException(415, "compressed forward_backward bodies are not accepted (proto_compress_fwdbwd is off)")
+            raise HTTPException(
+                415, "compressed forward_backward bodies are not accepted (proto_compress_fwdbwd is off)"
+            )
         with _http_errors():
             fwdbwd = decode_forward_backward(raw)
             return {"request_id": service.forward_backward(who, fwdbwd), "model_id": fwdbwd.model_id}
 
     @app.post("/api/v1/forward")
     async def forward(request: Request, who: str = Depends(tenant)) -> dict[str, Any]:
-        raise HTTPException(404, "/api/v1/forward is not served: tinker 0.38 sends forward as forward_backward with forward_only")
+        raise HTTPException(
+            404, "/api/v1/forward is not served: tinker 0.38 sends forward as forward_backward with forward_only"
+        )
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request, who: str = Depends(tenant)) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
 from tinker.proto import tinker_public_pb2 as pb
 
 __all__ = [
@@ -122,11 +121,16 @@ def _batched(arrays: Sequence[np.ndarray]) -> pb.BatchedTensor:
     )
 
 
-def encode_forward_backward_output(outputs: Sequence[Mapping[str, torch.Tensor]], metrics: Mapping[str, float]) -> bytes:
+def encode_forward_backward_output(
+    outputs: Sequence[Mapping[str, torch.Tensor]], metrics: Mapping[str, float]
+) -> bytes:
     """One ``ArrayRecord`` with a 1-D field per output name (``logprobs``, ...) over every datum."""
     record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(outputs))
     for name in outputs[0] if outputs else ():
-        arrays = [o[name].detach().cpu().numpy().astype(np.float32 if o[name].is_floating_point() else np.int64) for o in outputs]
+        arrays = [
+            o[name].detach().cpu().numpy().astype(np.float32 if o[name].is_floating_point() else np.int64)
+            for o in outputs
+        ]
         record.fields[name].CopyFrom(_batched(arrays))
     msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record], metrics=dict(metrics))
     return msg.SerializeToString()

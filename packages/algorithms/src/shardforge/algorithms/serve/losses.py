@@ -73,8 +73,12 @@ def _policy_loss(name: str, eps_from_config: bool) -> ServeLossFn:
 
         low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
         if eps_from_config and not 0 < low <= 1 <= high:
-            raise ValueError(f"clip_low_threshold={low} and clip_high_threshold={high} must satisfy 0 < low <= 1 <= high")
-        actor = PPOActorConfig(clip_eps_low=1.0 - low, clip_eps_high=high - 1.0) if eps_from_config else PPOActorConfig()
+            raise ValueError(
+                f"clip_low_threshold={low} and clip_high_threshold={high} must satisfy 0 < low <= 1 <= high"
+            )
+        actor = (
+            PPOActorConfig(clip_eps_low=1.0 - low, clip_eps_high=high - 1.0) if eps_from_config else PPOActorConfig()
+        )
         cu_seqlens = torch.tensor([0, *torch.tensor(list(lengths)).cumsum(0).tolist()], dtype=torch.int32)
         old = inputs["logprobs"].to(logprobs.dtype)
         advantages = inputs["advantages"].to(logprobs.dtype)

@@ -32,7 +32,7 @@ class TenantKeys:
             if not key.startswith(KEY_PREFIX) or len(key) < len(KEY_PREFIX) + 8:
                 raise ValueError(
                     f"API key of tenant {tenant!r} must start with {KEY_PREFIX!r} and have at least 8 more characters "
-                    "(the tinker SDK refuses other keys); e.g. generate one with `python -c \"import secrets; "
+                    '(the tinker SDK refuses other keys); e.g. generate one with `python -c "import secrets; '
                     "print('tml-' + secrets.token_hex(16))\"`"
                 )
             if not tenant or not tenant.replace("-", "").replace("_", "").isalnum():
@@ -46,7 +46,7 @@ class TenantKeys:
         if file is not None:
             loaded = json.loads(Path(file).read_text())
             if not isinstance(loaded, dict):
-                raise ValueError(f"--api-keys {file}: expected a JSON object {{\"tenant\": \"tml-...\"}}")
+                raise ValueError(f'--api-keys {file}: expected a JSON object {{"tenant": "tml-..."}}')
             keys |= {str(key): str(tenant) for tenant, key in loaded.items()}
         for spec in specs:
             tenant, sep, key = spec.partition("=")

@@ -45,7 +45,9 @@ def check_datums(
         for name in (*required_inputs(loss_fn), *OPTIONAL_INPUTS.get(loss_fn, ())):
             value = datum.inputs.get(name)
             if value is None and name in required_inputs(loss_fn):
-                raise UserError(f"datum {i}: loss {loss_fn!r} needs loss_fn_inputs[{name!r}]; got {sorted(datum.inputs)}")
+                raise UserError(
+                    f"datum {i}: loss {loss_fn!r} needs loss_fn_inputs[{name!r}]; got {sorted(datum.inputs)}"
+                )
             if value is not None and value.shape != (n,):
                 raise UserError(f"datum {i}: loss_fn_inputs[{name!r}] has shape {list(value.shape)}; expected [{n}]")
         targets = datum.inputs["target_tokens"]
@@ -93,7 +95,9 @@ def optim_step(model: TrainingModel, adam: dict[str, Any]) -> dict[str, Any]:
     """One AdamW step with ``adam``'s hyper-parameters (Tinker's AdamParams), then zero the gradients."""
     unknown = sorted(set(adam) - _ADAM_KEYS)
     if unknown or adam.get("type", "adamw") not in ("adamw", "adam"):
-        raise UserError(f"adam_params: unsupported keys {unknown} or type {adam.get('type')!r}; valid: {sorted(_ADAM_KEYS)}")
+        raise UserError(
+            f"adam_params: unsupported keys {unknown} or type {adam.get('type')!r}; valid: {sorted(_ADAM_KEYS)}"
+        )
     lr, clip = float(adam.get("learning_rate", 1e-4)), float(adam.get("grad_clip_norm", 0.0))
     betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
     if lr < 0 or not all(0 <= b < 1 for b in betas):
@@ -104,7 +108,9 @@ def optim_step(model: TrainingModel, adam: dict[str, Any]) -> dict[str, Any]:
     if clip > 0 and norm is not None:
         torch.nn.utils.clip_grad_norm_(params, clip)
     for group in model.optimizer.param_groups:
-        group.update(lr=lr, betas=betas, eps=float(adam.get("eps", 1e-12)), weight_decay=float(adam.get("weight_decay", 0.0)))
+        group.update(
+            lr=lr, betas=betas, eps=float(adam.get("eps", 1e-12)), weight_decay=float(adam.get("weight_decay", 0.0))
+        )
     model.optimizer.step()
     model.optimizer.zero_grad(set_to_none=True)
     model.steps += 1
