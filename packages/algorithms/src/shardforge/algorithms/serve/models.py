@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import itertools
 import random
+import secrets
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,8 +111,9 @@ class ModelRegistry:
             raise UserError(f"base_model={name!r} is not served here; this service serves {self.base_model!r}")
 
     def new_id(self, prefix: str) -> str:
+        """A fresh id; the random part keeps ids (and checkpoint folders) unique across service restarts."""
         with self._lock:
-            return f"{prefix}-{next(self._ids)}"
+            return f"{prefix}-{next(self._ids)}-{secrets.token_hex(4)}"
 
     def shared_tree(self) -> nn.Module:
         """A module tree of its own whose parameters are the base model's (no weight is copied)."""
