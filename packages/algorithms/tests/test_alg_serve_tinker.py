@@ -212,3 +212,33 @@ def test_malformed_requests_get_4xx_and_service_keeps_serving(served) -> None:
     assert _post(url, "optim_step", ALICE, json=too_long).status_code == 413
     trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
     assert trainer.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_state_survives_a_service_restart(served) -> None:
+    """save_state on the running service; a second service over the same output_dir (a restart) creates a
+    training client from that checkpoint (create_training_client_from_state_with_optimizer) that trains on
+    exactly as the first would have."""
+    service = tinker.ServiceClient(base_url=served["url"], api_key=ALICE)
+    trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=6).result()
+    datums = _datums(trainer.get_tokenizer())
+    trainer.forward_backward(datums, "cross_entropy").result()
+    trainer.optim_step(ADAM).result()
+    path = trainer.save_state("resume").result().path
+    trainer.forward_backward(datums, "cross_entropy").result()
+    trainer.optim_step(ADAM).result()
+    expected = trainer.forward(datums, "cross_entropy").result().metrics["loss:sum"]
+
+    old = served["server"].service.config
+    restarted = ServiceServer(TinkerService(old, TenantKeys({ALICE: "alice", BOB: "bob"})), port=0).start()
+    try:
+        again = tinker.ServiceClient(base_url=restarted.url, api_key=ALICE)
+        with pytest.raises(Exception, match="not a checkpoint of this API key"):
+            tinker.ServiceClient(base_url=restarted.url, api_key=BOB).create_training_client_from_state(path).result()
+        resumed = again.create_training_client_from_state_with_optimizer(path).result()
+        resumed.forward_backward(datums, "cross_entropy").result()
+        resumed.optim_step(ADAM).result()
+        assert resumed.forward(datums, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+            expected, rel=1e-6
+        )
+    finally:
+        restarted.stop()

@@ -17,8 +17,9 @@ import torch
 
 from shardforge.algorithms.serve.futures import UserError
 from shardforge.algorithms.serve.models import TrainingModel
+from shardforge.lora import LoRAConfig
 
-__all__ = ["checkpoint_dir", "load_state", "save_state"]
+__all__ = ["checkpoint_dir", "load_state", "read_lora", "save_state"]
 
 _STATE_FILE = "state.pt"
 
@@ -60,15 +61,25 @@ def save_state(root: Path, model: TrainingModel, request: dict[str, Any]) -> dic
     return {"type": "save_weights", "path": f"tinker://{model.model_id}/weights/{name}"}
 
 
-def load_state(root: Path, model: TrainingModel, request: dict[str, Any]) -> dict[str, Any]:
-    path = str(request.get("path", ""))
+def _state_file(root: Path, tenant: str, path: str) -> Path:
     parts = path.removeprefix("tinker://").split("/")
     if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights":
         raise UserError(f"path={path!r} must be a save_state path, tinker://<model_id>/weights/<name>")
-    file = checkpoint_dir(root, model.owner, parts[0], parts[2]) / _STATE_FILE
+    file = checkpoint_dir(root, tenant, parts[0], parts[2]) / _STATE_FILE
     if not file.is_file():  # another tenant's checkpoint reads as missing: it is not under this tenant's folder
         raise KeyError(f"checkpoint {path!r} is not a checkpoint of this API key")
-    state = torch.load(file, map_location="cpu", weights_only=True)
+    return file
+
+
+def read_lora(root: Path, tenant: str, request: dict[str, Any], *, alpha: float) -> LoRAConfig:
+    """The LoRA config of the checkpoint ``request["path"]`` (to create the model it is loaded into)."""
+    state = torch.load(_state_file(root, tenant, str(request.get("path", ""))), map_location="cpu", weights_only=True)
+    return LoRAConfig(r=int(state["rank"]), alpha=alpha, target_modules=tuple(state["target_modules"]))
+
+
+def load_state(root: Path, model: TrainingModel, request: dict[str, Any]) -> dict[str, Any]:
+    path = str(request.get("path", ""))
+    state = torch.load(_state_file(root, model.owner, path), map_location="cpu", weights_only=True)
     if state["rank"] != model.lora.r or tuple(state["target_modules"]) != tuple(model.lora.target_modules):
         raise UserError(
             f"checkpoint {path!r} has LoRA rank {state['rank']} on {state['target_modules']}; this model has rank "

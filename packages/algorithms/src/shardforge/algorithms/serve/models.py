@@ -120,16 +120,19 @@ class ModelRegistry:
         memo: dict[int, Any] = {id(p): p for p in self.base.parameters()}
         return copy.deepcopy(self.base, memo)
 
-    def create_model(self, owner: str, lora: LoRAConfig, seed: int | None) -> TrainingModel:
+    def create_model(self, owner: str, model_id: str, lora: LoRAConfig, seed: int | None) -> TrainingModel:
+        """A new training model ``model_id`` (the SDK derives it: ``<session_id>:train:<model_seq_id>``)."""
         from shardforge.lora import apply_lora
 
+        if model_id in self.models:
+            raise UserError(f"model {model_id!r} exists: model_seq_id values must not repeat within a session")
         seed = seed if seed is not None else random.randrange(2**31)
         module = self.shared_tree()
         apply_lora(module, lora, seed=seed)
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
         model = TrainingModel(
-            model_id=self.new_id("model"), owner=owner, base_model=self.base_model, lora=lora, seed=seed,
+            model_id=model_id, owner=owner, base_model=self.base_model, lora=lora, seed=seed,
             module=module, optimizer=optimizer,
         )  # fmt: skip
         with self._lock:

@@ -64,12 +64,21 @@ class TinkerService:
             raise UserError(f"optimizer_config.type={optimizer!r} is not served; only 'adamw'")
         lora = lora_config_for(lora_json, alpha=self.config.lora_alpha)
         seed = lora_json.get("seed")
+        model_id = self._model_id(data)
 
         def job() -> dict[str, Any]:
-            model = self.registry.create_model(tenant, lora, None if seed is None else int(seed))
+            model = self.registry.create_model(tenant, model_id, lora, None if seed is None else int(seed))
             return {"type": "create_model", "model_id": model.model_id}
 
         return self.futures.submit(tenant, "CreateModel", job)
+
+    @staticmethod
+    def _model_id(data: dict[str, Any]) -> str:
+        # The SDK derives a model's id from its session the same way (create-via-load expects it).
+        seq = data.get("model_seq_id")
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise UserError(f"model_seq_id={seq!r} must be an integer >= 0")
+        return f"{data['session_id']}:train:{seq}"
 
     def info(self, tenant: str, model_id: str) -> dict[str, Any]:
         model = self.registry.model(tenant, model_id)
@@ -143,8 +152,21 @@ class TinkerService:
         return self.futures.submit(tenant, "SaveWeights", lambda: save_state(root, model, data))
 
     def load_state(self, tenant: str, data: dict[str, Any]) -> str:
-        from shardforge.algorithms.serve.checkpoints import load_state
+        """Into a live model (``model_id``), or into a new one (``session_id`` + ``model_seq_id``: the SDK's
+        ``create_training_client_from_state*``, which also resumes a checkpoint after a service restart)."""
+        from shardforge.algorithms.serve.checkpoints import load_state, read_lora
 
-        model = self.registry.model(tenant, str(data.get("model_id")))
         root = Path(self.config.output_dir)
-        return self.futures.submit(tenant, "LoadWeights", lambda: load_state(root, model, data))
+        if data.get("model_id"):
+            model = self.registry.model(tenant, str(data["model_id"]))
+            return self.futures.submit(tenant, "LoadWeights", lambda: load_state(root, model, data))
+        self.check_session(tenant, str(data.get("session_id")))
+        if data.get("base_model") is not None:
+            self.registry.check_base_model(data["base_model"])
+        model_id = self._model_id(data)
+        lora = read_lora(root, tenant, data, alpha=self.config.lora_alpha)
+
+        def job() -> dict[str, Any]:
+            return load_state(root, self.registry.create_model(tenant, model_id, lora, seed=0), data)
+
+        return self.futures.submit(tenant, "LoadWeights", job)
