@@ -242,3 +242,22 @@ def test_state_survives_a_service_restart(served) -> None:
         )
     finally:
         restarted.stop()
+
+
+def test_forward_backward_custom_matches_cross_entropy(served) -> None:
+    """The SDK runs a custom loss client-side over the returned log-probs, then sends its gradient back as
+    cross_entropy weights: a custom NLL trains exactly as cross_entropy does."""
+    service = tinker.ServiceClient(base_url=served["url"], api_key=ALICE)
+    builtin, custom = (service.create_lora_training_client(base_model="tiny", rank=4, seed=8).result() for _ in "ab")
+    datums = _datums(builtin.get_tokenizer())
+
+    def nll(data: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs, strict=True))
+        return loss, {}
+
+    expected = builtin.forward_backward(datums, "cross_entropy").result().metrics["loss:sum"]
+    assert custom.forward_backward_custom(datums, nll).result().metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+    builtin.optim_step(ADAM).result()
+    custom.optim_step(ADAM).result()
+    after = builtin.forward(datums, "cross_entropy").result().metrics["loss:sum"]
+    assert custom.forward(datums, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(after, rel=1e-5)

@@ -15,7 +15,7 @@ import itertools
 import random
 import secrets
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,6 @@ class TrainingModel:
     seed: int
     module: nn.Module
     optimizer: torch.optim.AdamW
-    lock: threading.Lock = field(default_factory=threading.Lock)
     steps: int = 0
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
