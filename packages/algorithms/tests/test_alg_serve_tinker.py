@@ -261,3 +261,25 @@ def test_forward_backward_custom_matches_cross_entropy(served) -> None:
     custom.optim_step(ADAM).result()
     after = builtin.forward(datums, "cross_entropy").result().metrics["loss:sum"]
     assert custom.forward(datums, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(after, rel=1e-5)
+
+
+def test_concurrent_tenants_train_as_each_alone(served) -> None:
+    """Alice and Bob train at the same time (two threads, requests interleaved in the queue); each gets the
+    losses of the plain torch loop, i.e. what it would get alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(key: str) -> list[float]:
+        service = tinker.ServiceClient(base_url=served["url"], api_key=key)
+        trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
+        datums = _datums(trainer.get_tokenizer())
+        losses = []
+        for _ in range(3):
+            fwdbwd, step = trainer.forward_backward(datums, "cross_entropy"), trainer.optim_step(ADAM)
+            losses.append(fwdbwd.result().metrics["loss:sum"])
+            step.result()
+        return losses
+
+    with ThreadPoolExecutor(2) as pool:
+        alice, bob = pool.map(run, [ALICE, BOB])
+    reference = _reference_losses(served["model"], _datums(served["tokenizer"]), 3, seed=9)
+    assert alice == pytest.approx(reference, rel=1e-5) and bob == pytest.approx(reference, rel=1e-5)
