@@ -208,6 +208,12 @@ def test_malformed_requests_get_4xx_and_service_keeps_serving(served) -> None:
         trainer.forward_backward([datum], "importance_sampling").result()
     with pytest.raises(tinker.BadRequestError, match="not served"):
         service.create_lora_training_client(base_model="other/model", rank=4).result()
+    answer = _post(url, "optim_step", ALICE, json={"model_id": trainer.model_id, "adam_params": {"beta1": 1.5}})
+    assert answer.status_code == 400 and "beta1, beta2" in answer.json()["detail"]
+    sampler = service.create_sampling_client(base_model="tiny").result()
+    prompt = types.ModelInput.from_ints(datum.model_input.to_ints())
+    with pytest.raises(tinker.BadRequestError, match="max_tokens"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=10**6)).result()
     too_long = {"model_id": "x", "adam_params": {}, "pad": "x" * (64 * 1024**2)}
     assert _post(url, "optim_step", ALICE, json=too_long).status_code == 413
     trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()

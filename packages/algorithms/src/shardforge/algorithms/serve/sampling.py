@@ -9,6 +9,7 @@ trainers use for a colocated engine). Consecutive requests of one sampler cost n
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,8 +18,20 @@ import torch.nn.functional as F
 from shardforge.algorithms.serve.codecs import SampledSequenceOut, encode_sample_response
 from shardforge.algorithms.serve.futures import UserError
 from shardforge.algorithms.serve.models import ModelRegistry, SamplerWeights
+from shardforge.rollout import SamplingParams
 
-__all__ = ["SamplerEngine", "truncate_at_stop"]
+__all__ = ["SampleJob", "SamplerEngine", "truncate_at_stop"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SampleJob:
+    """A checked sample request."""
+
+    prompt: list[int]
+    params: SamplingParams
+    stop: Any
+    """Tinker's ``stop``: None, a string, strings or token ids."""
+    prompt_logprobs: bool
 
 
 def truncate_at_stop(tokens: list[int], tokenizer: Any, stop: Any) -> tuple[int, bool]:
@@ -69,10 +82,8 @@ class SamplerEngine:
             publisher.publish(self.engine.version + 1)
         self._serving = weights.path
 
-    def sample(self, weights: SamplerWeights, request: dict[str, Any]) -> bytes:
-        """A ``SampleRequest`` (JSON) -> the SampleResponse protobuf."""
-        from shardforge.rollout import SamplingParams
-
+    def parse(self, request: dict[str, Any]) -> SampleJob:
+        """Check a ``SampleRequest`` (JSON) before it is queued; UserError says what is wrong."""
         prompt = _prompt_tokens(request.get("prompt"), self.registry.vocab_size)
         params = request.get("sampling_params") or {}
         num_samples = int(request.get("num_samples", 1))
@@ -81,6 +92,11 @@ class SamplerEngine:
             raise UserError(f"num_samples={num_samples} must be in [1, 128]")
         if not 1 <= max_tokens <= self.max_tokens:
             raise UserError(f"sampling_params.max_tokens={max_tokens} must be in [1, {self.max_tokens}] (--max-tokens)")
+        context = self.registry.max_context
+        if context is not None and len(prompt) + max_tokens > context:
+            raise UserError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceed the context of {context}"
+            )
         if int(params.get("top_k", -1)) not in (-1, 0):
             raise UserError("sampling_params.top_k is not supported yet; leave it at -1")
         for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
@@ -88,6 +104,7 @@ class SamplerEngine:
                 raise UserError(f"{key} is not supported yet; leave it at 0")
         if request.get("target_prompt_logprobs") is not None:
             raise UserError("target_prompt_logprobs is not supported yet")
+        truncate_at_stop([], self.registry.tokenizer, params.get("stop"))  # checks the stop's type
         seed = params.get("seed")
         sampling = SamplingParams(
             n=num_samples,
@@ -96,10 +113,19 @@ class SamplerEngine:
             top_p=float(params.get("top_p", 1.0)),
             seed=None if seed is None else int(seed) % (2**62),
         )
+        return SampleJob(
+            prompt=prompt,
+            params=sampling,
+            stop=params.get("stop"),
+            prompt_logprobs=bool(request.get("prompt_logprobs")),
+        )
+
+    def sample(self, weights: SamplerWeights, job: SampleJob) -> bytes:
+        """Generate on the engine serving ``weights``; the SampleResponse protobuf."""
         self._serve(weights)
         sequences = []
-        for rollout in self.engine.generate([prompt], sampling):
-            keep, stopped = truncate_at_stop(rollout.response_ids, self.registry.tokenizer, params.get("stop"))
+        for rollout in self.engine.generate([job.prompt], job.params):
+            keep, stopped = truncate_at_stop(rollout.response_ids, self.registry.tokenizer, job.stop)
             sequences.append(
                 SampledSequenceOut(
                     tokens=rollout.response_ids[:keep],
@@ -107,7 +133,7 @@ class SamplerEngine:
                     stopped=stopped or (rollout.finished and keep == len(rollout.response_ids)),
                 )
             )
-        prompt_lp = self._prompt_logprobs(prompt) if request.get("prompt_logprobs") else None
+        prompt_lp = self._prompt_logprobs(job.prompt) if job.prompt_logprobs else None
         return encode_sample_response(sequences, prompt_lp)
 
     @torch.no_grad()

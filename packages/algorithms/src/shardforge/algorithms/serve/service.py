@@ -101,12 +101,13 @@ class TinkerService:
         return self.futures.submit(tenant, kind, lambda: forward_backward(model, request))
 
     def optim_step(self, tenant: str, data: dict[str, Any]) -> str:
-        from shardforge.algorithms.serve.training import optim_step
+        from shardforge.algorithms.serve.training import check_adam, optim_step
 
         model = self.registry.model(tenant, str(data.get("model_id")))
         adam = data.get("adam_params")
         if not isinstance(adam, dict):
             raise UserError("optim_step needs adam_params {'learning_rate': ..., ...}")
+        check_adam(adam)
         return self.futures.submit(tenant, "OptimStep", lambda: optim_step(model, adam))
 
     def save_for_sampler(self, tenant: str, data: dict[str, Any]) -> str:
@@ -141,8 +142,8 @@ class TinkerService:
         else:
             self.registry.check_base_model(data.get("base_model"))
             weights = SamplerWeights(path=None, owner=tenant)
-        count = int(data.get("num_samples", 1))
-        return self.futures.submit(tenant, "Sample", lambda: self.sampler.sample(weights, data)), count
+        job = self.sampler.parse(data)
+        return self.futures.submit(tenant, "Sample", lambda: self.sampler.sample(weights, job)), job.params.n
 
     def save_state(self, tenant: str, data: dict[str, Any]) -> str:
         from shardforge.algorithms.serve.checkpoints import save_state

@@ -18,7 +18,7 @@ from shardforge.algorithms.serve.futures import UserError
 from shardforge.algorithms.serve.losses import OPTIONAL_INPUTS, SERVE_LOSSES, required_inputs
 from shardforge.algorithms.serve.models import TrainingModel
 
-__all__ = ["check_datums", "forward_backward", "optim_step", "target_logprobs"]
+__all__ = ["check_adam", "check_datums", "forward_backward", "optim_step", "target_logprobs"]
 
 _ADAM_KEYS = {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm", "type"}
 
@@ -91,17 +91,24 @@ def forward_backward(model: TrainingModel, request: FwdBwdRequest) -> bytes:
     return encode_forward_backward_output(outputs, {"loss:sum": float(result.loss.detach())})
 
 
-def optim_step(model: TrainingModel, adam: dict[str, Any]) -> dict[str, Any]:
-    """One AdamW step with ``adam``'s hyper-parameters (Tinker's AdamParams), then zero the gradients."""
+def check_adam(adam: dict[str, Any]) -> None:
+    """UserError unless ``adam`` is a valid AdamParams JSON object."""
     unknown = sorted(set(adam) - _ADAM_KEYS)
     if unknown or adam.get("type", "adamw") not in ("adamw", "adam"):
         raise UserError(
             f"adam_params: unsupported keys {unknown} or type {adam.get('type')!r}; valid: {sorted(_ADAM_KEYS)}"
         )
+    lr, eps = float(adam.get("learning_rate", 1e-4)), float(adam.get("eps", 1e-12))
+    betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
+    if lr < 0 or eps < 0 or not all(0 <= b < 1 for b in betas):
+        raise UserError(f"adam_params: learning_rate={lr} and eps={eps} must be >= 0, beta1, beta2={betas} in [0, 1)")
+
+
+def optim_step(model: TrainingModel, adam: dict[str, Any]) -> dict[str, Any]:
+    """One AdamW step with ``adam``'s hyper-parameters (Tinker's AdamParams, `check_adam` ed), then zero the
+    gradients."""
     lr, clip = float(adam.get("learning_rate", 1e-4)), float(adam.get("grad_clip_norm", 0.0))
     betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
-    if lr < 0 or not all(0 <= b < 1 for b in betas):
-        raise UserError(f"adam_params: learning_rate={lr} must be >= 0 and beta1, beta2={betas} in [0, 1)")
     params = [p for group in model.optimizer.param_groups for p in group["params"]]
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else None
