@@ -289,3 +289,33 @@ def test_concurrent_tenants_train_as_each_alone(served) -> None:
         alice, bob = pool.map(run, [ALICE, BOB])
     reference = _reference_losses(served["model"], _datums(served["tokenizer"]), 3, seed=9)
     assert alice == pytest.approx(reference, rel=1e-5) and bob == pytest.approx(reference, rel=1e-5)
+
+
+def test_cli_serves_a_model_directory(served, tmp_path) -> None:
+    """`shardforge serve --model DIR` in its own process answers the SDK."""
+    import subprocess
+    import sys
+    import time
+
+    from shardforge.mesh import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "shardforge.algorithms.cli", "serve", "--model", served["model"], "--port",
+               str(port), "--name", "tiny-cli", "--api-key", f"carol={ALICE}", "--output-dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while True:
+            try:
+                httpx.get(f"{url}/api/v1/healthz", timeout=2).raise_for_status()
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+                time.sleep(0.3)
+        service = tinker.ServiceClient(base_url=url, api_key=ALICE)
+        trainer = service.create_lora_training_client(base_model="tiny-cli", rank=2).result()
+        datum = _datums(trainer.get_tokenizer())[0]
+        assert trainer.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
