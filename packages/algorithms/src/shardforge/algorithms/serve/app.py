@@ -126,12 +126,6 @@ def build_app(service: TinkerService) -> FastAPI:
             fwdbwd = decode_forward_backward(raw)
             return {"request_id": service.forward_backward(who, fwdbwd), "model_id": fwdbwd.model_id}
 
-    @app.post("/api/v1/forward")
-    async def forward(request: Request, who: str = Depends(tenant)) -> dict[str, Any]:
-        raise HTTPException(
-            404, "/api/v1/forward is not served: tinker 0.38 sends forward as forward_backward with forward_only"
-        )
-
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request, who: str = Depends(tenant)) -> dict[str, Any]:
         data = await payload(request)

@@ -22,7 +22,6 @@ __all__ = [
     "decode_forward_backward",
     "encode_forward_backward_output",
     "encode_sample_response",
-    "tensor_from_json",
 ]
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
@@ -70,16 +69,6 @@ def _tensor(msg: pb.Tensor, name: str) -> torch.Tensor:
     if shape and int(np.prod(shape)) != values.size:
         raise ValueError(f"loss input {name!r}: shape {shape} does not hold its {values.size} values")
     return torch.from_numpy(values.reshape(shape) if shape else values)
-
-
-def tensor_from_json(value: Mapping[str, object], name: str) -> torch.Tensor:
-    """A ``TensorData`` sent as JSON (``{"data": [...], "dtype": "int64", "shape": [...]}``)."""
-    dtype = {"float32": torch.float32, "int64": torch.int64}.get(str(value.get("dtype", "float32")))
-    if dtype is None:
-        raise ValueError(f"{name}: dtype {value.get('dtype')!r} is not 'float32' or 'int64'")
-    tensor = torch.tensor(value.get("data", []), dtype=dtype)
-    shape = value.get("shape")
-    return tensor.reshape([int(s) for s in shape]) if isinstance(shape, list) and shape else tensor
 
 
 def decode_forward_backward(body: bytes) -> FwdBwdRequest:

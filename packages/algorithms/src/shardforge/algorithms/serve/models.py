@@ -145,11 +145,6 @@ class ModelRegistry:
             raise KeyError(f"model_id {model_id!r} is not a model of this API key; create_model first")
         return model
 
-    def unload(self, owner: str, model_id: str) -> None:
-        self.model(owner, model_id)
-        with self._lock:
-            del self.models[model_id]
-
     def sampler(self, owner: str, path: str) -> SamplerWeights:
         weights = self.samplers.get(path)
         if weights is None or weights.owner != owner:

@@ -105,8 +105,8 @@ def check_adam(adam: dict[str, Any]) -> None:
 
 
 def optim_step(model: TrainingModel, adam: dict[str, Any]) -> dict[str, Any]:
-    """One AdamW step with ``adam``'s hyper-parameters (Tinker's AdamParams, `check_adam` ed), then zero the
-    gradients."""
+    """One AdamW step with ``adam``'s hyper-parameters (Tinker's AdamParams, checked by `check_adam`), then zero
+    the gradients."""
     lr, clip = float(adam.get("learning_rate", 1e-4)), float(adam.get("grad_clip_norm", 0.0))
     betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
     params = [p for group in model.optimizer.param_groups for p in group["params"]]
