@@ -180,12 +180,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     reference.add_argument("--out", default="docs/configuration.md", help="the page to write (or check)")
     reference.add_argument("--check", action="store_true", help="only check the page is current; exit 1 if not")
+    from shardforge.algorithms.cli.serve import add_serve_parser
     from shardforge.algorithms.cli.serve_openai import add_serve_openai_parser
     from shardforge.algorithms.demos.prepare_tiny import add_prepare_tiny_parser
     from shardforge.algorithms.plan.report import add_plan_parser
 
     add_plan_parser(sub)
     add_serve_openai_parser(sub)
+    add_serve_parser(sub)
     add_prepare_tiny_parser(sub)
     return parser
 
@@ -381,6 +383,10 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         from shardforge.algorithms.cli.serve_openai import serve_openai
 
         return serve_openai(args)
+    if args.command == "serve":
+        from shardforge.algorithms.cli.serve import serve
+
+        return serve(args)
     if args.command == "prepare-tiny":
         from shardforge.algorithms.demos.prepare_tiny import prepare_tiny
 

@@ -1,0 +1,60 @@
+"""`shardforge serve --model DIR`: the self-hosted Tinker-compatible training service that the official
+``tinker`` SDK drives (``ServiceClient(base_url=..., api_key=...)``); docs/tinker.md."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from shardforge.core.log import get_logger
+
+__all__ = ["add_serve_parser", "serve"]
+
+log = get_logger(__name__)
+
+
+def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "serve", help="serve a local HF model over the Tinker API (LoRA training + sampling for the tinker SDK)"
+    )
+    parser.add_argument("--model", required=True, help="an HF model directory (save_pretrained) with its tokenizer")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="port")
+    parser.add_argument("--name", default=None, help="the base_model name clients pass (default: the directory name)")
+    parser.add_argument(
+        "--api-key", action="append", default=[], metavar="TENANT=tml-...",
+        help="a tenant and its API key (repeatable); none given: one key for tenant 'default' is generated and logged",
+    )  # fmt: skip
+    parser.add_argument("--api-keys", default=None, metavar="FILE", help='a JSON file {"tenant": "tml-...", ...}')
+    parser.add_argument("--output-dir", default="runs/serve", help="where save_state writes checkpoints")
+    parser.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens a sample request may ask")
+    parser.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha of every adapter")
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from shardforge.algorithms.serve.config import ServeConfig
+    from shardforge.algorithms.serve.server import ServiceServer
+    from shardforge.algorithms.serve.service import TinkerService
+    from shardforge.algorithms.serve.tenants import TenantKeys, generate_key
+
+    if not Path(args.model).is_dir():
+        raise FileNotFoundError(f"--model {args.model!r} is not a directory (an HF model saved with save_pretrained)")
+    specs = list(args.api_key)
+    if not specs and args.api_keys is None:
+        specs = [f"default={generate_key()}"]
+        log.warning("no --api-key given; tenant 'default' has the key %s", specs[0].split("=", 1)[1])
+    keys = TenantKeys.parse(specs, args.api_keys)
+    config = ServeConfig(
+        model_dir=args.model, base_model=args.name, output_dir=args.output_dir, max_tokens=args.max_tokens,
+        lora_alpha=args.lora_alpha,
+    )  # fmt: skip
+    server = ServiceServer(TinkerService(config, keys), host=args.host, port=args.port)
+    log.info(
+        "serving %s for tenants %s at http://%s:%d (tinker.ServiceClient(base_url=...)); Ctrl-C stops",
+        server.service.registry.base_model, keys.tenants, args.host, args.port,
+    )  # fmt: skip
+    server.serve_forever()
+    return 0

@@ -1,0 +1,96 @@
+"""``save_state`` / ``load_state``: a training model's adapters and AdamW state under
+``<output_dir>/<tenant>/<model_id>/weights/<name>/state.pt`` (``tinker://<model_id>/weights/<name>``).
+
+A save is atomic: written into a temporary folder next to the target and renamed into place, so a crash
+leaves either the previous checkpoint or the new one. A tenant loads only from its own folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardforge.algorithms.serve.futures import UserError
+from shardforge.algorithms.serve.models import TrainingModel
+from shardforge.lora import LoRAConfig
+
+__all__ = ["checkpoint_dir", "load_state", "read_lora", "save_state"]
+
+_STATE_FILE = "state.pt"
+
+
+def _check_name(name: str) -> str:
+    if not name or "/" in name or name.startswith(".") or ".." in name:
+        raise UserError(f"checkpoint name {name!r} must be non-empty, without '/' or '..', not starting with '.'")
+    return name
+
+
+def checkpoint_dir(root: Path, tenant: str, model_id: str, name: str) -> Path:
+    return root / tenant / _check_name(model_id) / "weights" / _check_name(name)
+
+
+def save_state(root: Path, model: TrainingModel, request: dict[str, Any]) -> dict[str, Any]:
+    name = request.get("path") or f"step-{model.steps:06d}"
+    target = checkpoint_dir(root, model.owner, model.model_id, str(name))
+    if target.exists() and not request.get("overwrite", False):
+        raise UserError(f"checkpoint {name!r} of {model.model_id} exists; pass another name or overwrite=True")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        state = {
+            "adapter": model.adapter_state(),
+            "optimizer": model.optimizer.state_dict(),
+            "rank": model.lora.r,
+            "target_modules": list(model.lora.target_modules),
+            "steps": model.steps,
+            "base_model": model.base_model,
+        }
+        torch.save(state, staging / _STATE_FILE)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return {"type": "save_weights", "path": f"tinker://{model.model_id}/weights/{name}"}
+
+
+def _state_file(root: Path, tenant: str, path: str) -> Path:
+    parts = path.removeprefix("tinker://").split("/")
+    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights":
+        raise UserError(f"path={path!r} must be a save_state path, tinker://<model_id>/weights/<name>")
+    file = checkpoint_dir(root, tenant, parts[0], parts[2]) / _STATE_FILE
+    if not file.is_file():  # another tenant's checkpoint reads as missing: it is not under this tenant's folder
+        raise KeyError(f"checkpoint {path!r} is not a checkpoint of this API key")
+    return file
+
+
+def read_lora(root: Path, tenant: str, request: dict[str, Any], *, alpha: float) -> LoRAConfig:
+    """The LoRA config of the checkpoint ``request["path"]`` (to create the model it is loaded into)."""
+    state = torch.load(_state_file(root, tenant, str(request.get("path", ""))), map_location="cpu", weights_only=True)
+    return LoRAConfig(r=int(state["rank"]), alpha=alpha, target_modules=tuple(state["target_modules"]))
+
+
+def load_state(root: Path, model: TrainingModel, request: dict[str, Any]) -> dict[str, Any]:
+    path = str(request.get("path", ""))
+    state = torch.load(_state_file(root, model.owner, path), map_location="cpu", weights_only=True)
+    if state["rank"] != model.lora.r or tuple(state["target_modules"]) != tuple(model.lora.target_modules):
+        raise UserError(
+            f"checkpoint {path!r} has LoRA rank {state['rank']} on {state['target_modules']}; this model has rank "
+            f"{model.lora.r} on {list(model.lora.target_modules)}: create the training client with the same LoRA config"
+        )
+    params = dict(model.module.named_parameters())
+    with torch.no_grad():
+        for name, value in state["adapter"].items():
+            params[name].copy_(value)
+    if request.get("optimizer"):
+        model.optimizer.load_state_dict(state["optimizer"])
+        model.steps = int(state["steps"])
+    model.optimizer.zero_grad(set_to_none=True)
+    return {"type": "load_weights", "path": path, "model_id": model.model_id}

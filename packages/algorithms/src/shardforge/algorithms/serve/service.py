@@ -1,0 +1,173 @@
+"""`TinkerService`: the state behind the routes (tenants, sessions, models, sampler weights, the futures
+queue) and the validation every request passes before it is queued."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from shardforge.algorithms.serve.codecs import FwdBwdRequest
+from shardforge.algorithms.serve.config import ServeConfig
+from shardforge.algorithms.serve.futures import FutureQueue, UserError
+from shardforge.algorithms.serve.models import ModelRegistry, SamplerWeights, lora_config_for
+from shardforge.algorithms.serve.tenants import TenantKeys
+
+__all__ = ["TinkerService"]
+
+
+class TinkerService:
+    """Everything `shardforge serve` holds, for one base model.
+
+    Args:
+        config: what to serve and the limits.
+        keys: the API keys of the tenants.
+    """
+
+    def __init__(self, config: ServeConfig, keys: TenantKeys) -> None:
+        from shardforge.algorithms.serve.sampling import SamplerEngine
+
+        self.config = config
+        self.keys = keys
+        name = config.base_model or Path(config.model_dir).resolve().name
+        self.registry = ModelRegistry(config.model_dir, base_model=name, lora_alpha=config.lora_alpha)
+        self.sampler = SamplerEngine(self.registry, max_tokens=config.max_tokens)
+        self.futures = FutureQueue()
+        self._sessions: dict[str, str] = {}  # session id -> tenant
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.futures.close()
+
+    def capabilities(self) -> dict[str, Any]:
+        model = {"model_name": self.registry.base_model, "trainable": True, "sampleable": True}
+        return {"supported_models": [model | {"max_context_length": self.registry.max_context}]}
+
+    def open_session(self, tenant: str) -> str:
+        session_id = self.registry.new_id("session")
+        with self._lock:
+            self._sessions[session_id] = tenant
+        return session_id
+
+    def check_session(self, tenant: str, session_id: str) -> None:
+        if self._sessions.get(session_id) != tenant:
+            raise KeyError(f"session_id {session_id!r} is not a session of this API key; create_session first")
+
+    def create_model(self, tenant: str, data: dict[str, Any]) -> str:
+        self.check_session(tenant, str(data.get("session_id")))
+        self.registry.check_base_model(data.get("base_model"))
+        lora_json = data.get("lora_config")
+        if not isinstance(lora_json, dict):
+            raise UserError("create_model needs lora_config {'rank': ...}: full fine-tuning is not served yet")
+        optimizer = (data.get("optimizer_config") or {}).get("type", "adamw")
+        if optimizer != "adamw":
+            raise UserError(f"optimizer_config.type={optimizer!r} is not served; only 'adamw'")
+        lora = lora_config_for(lora_json, alpha=self.config.lora_alpha)
+        seed = lora_json.get("seed")
+        model_id = self._model_id(data)
+
+        def job() -> dict[str, Any]:
+            model = self.registry.create_model(tenant, model_id, lora, None if seed is None else int(seed))
+            return {"type": "create_model", "model_id": model.model_id}
+
+        return self.futures.submit(tenant, "CreateModel", job)
+
+    @staticmethod
+    def _model_id(data: dict[str, Any]) -> str:
+        # The SDK derives a model's id from its session the same way (create-via-load expects it).
+        seq = data.get("model_seq_id")
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise UserError(f"model_seq_id={seq!r} must be an integer >= 0")
+        return f"{data['session_id']}:train:{seq}"
+
+    def info(self, tenant: str, model_id: str) -> dict[str, Any]:
+        model = self.registry.model(tenant, model_id)
+        arch = type(self.registry.base).__name__
+        model_data = {"arch": arch, "model_name": model.base_model, "tokenizer_id": self.registry.model_dir}
+        return {
+            "type": "get_info", "model_id": model_id, "model_data": model_data, "is_lora": True,
+            "lora_rank": model.lora.r, "model_name": model.base_model,
+        }  # fmt: skip
+
+    def forward_backward(self, tenant: str, request: FwdBwdRequest) -> str:
+        from shardforge.algorithms.serve.training import check_datums, forward_backward
+
+        model = self.registry.model(tenant, request.model_id)
+        check_datums(
+            request.data, request.loss_fn, vocab_size=self.registry.vocab_size,
+            max_context=self.registry.max_context, max_tokens=self.config.max_batch_tokens,
+        )  # fmt: skip
+        kind = "Forward" if request.forward_only else "ForwardBackward"
+        return self.futures.submit(tenant, kind, lambda: forward_backward(model, request))
+
+    def optim_step(self, tenant: str, data: dict[str, Any]) -> str:
+        from shardforge.algorithms.serve.training import check_adam, optim_step
+
+        model = self.registry.model(tenant, str(data.get("model_id")))
+        adam = data.get("adam_params")
+        if not isinstance(adam, dict):
+            raise UserError("optim_step needs adam_params {'learning_rate': ..., ...}")
+        check_adam(adam)
+        return self.futures.submit(tenant, "OptimStep", lambda: optim_step(model, adam))
+
+    def save_for_sampler(self, tenant: str, data: dict[str, Any]) -> str:
+        model = self.registry.model(tenant, str(data.get("model_id")))
+        name = data.get("path")
+        if name is not None and (not isinstance(name, str) or not name or "/" in name):
+            raise UserError(f"path={name!r} must be a non-empty name without '/'")
+
+        def job() -> dict[str, Any]:
+            label = name or self.registry.new_id("sampler")
+            path = f"tinker://{model.model_id}/sampler_weights/{label}"
+            weights = SamplerWeights(path=path, owner=tenant, lora=model.lora, adapter=model.adapter_state())
+            self.registry.samplers[path] = weights
+            session = None if name is not None else self.registry.open_session(tenant, weights)
+            return {"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session}
+
+        return self.futures.submit(tenant, "SaveWeightsForSampler", job)
+
+    def sampling_session(self, tenant: str, data: dict[str, Any]) -> str:
+        self.check_session(tenant, str(data.get("session_id")))
+        path = data.get("model_path")
+        if path:
+            return self.registry.open_session(tenant, self.registry.sampler(tenant, str(path)))
+        self.registry.check_base_model(data.get("base_model"))
+        return self.registry.open_session(tenant, SamplerWeights(path=None, owner=tenant))
+
+    def sample(self, tenant: str, data: dict[str, Any]) -> tuple[str, int]:
+        if data.get("sampling_session_id"):
+            weights = self.registry.session(tenant, str(data["sampling_session_id"]))
+        elif data.get("model_path"):
+            weights = self.registry.sampler(tenant, str(data["model_path"]))
+        else:
+            self.registry.check_base_model(data.get("base_model"))
+            weights = SamplerWeights(path=None, owner=tenant)
+        job = self.sampler.parse(data)
+        return self.futures.submit(tenant, "Sample", lambda: self.sampler.sample(weights, job)), job.params.n
+
+    def save_state(self, tenant: str, data: dict[str, Any]) -> str:
+        from shardforge.algorithms.serve.checkpoints import save_state
+
+        model = self.registry.model(tenant, str(data.get("model_id")))
+        root = Path(self.config.output_dir)
+        return self.futures.submit(tenant, "SaveWeights", lambda: save_state(root, model, data))
+
+    def load_state(self, tenant: str, data: dict[str, Any]) -> str:
+        """Into a live model (``model_id``), or into a new one (``session_id`` + ``model_seq_id``: the SDK's
+        ``create_training_client_from_state*``, which also resumes a checkpoint after a service restart)."""
+        from shardforge.algorithms.serve.checkpoints import load_state, read_lora
+
+        root = Path(self.config.output_dir)
+        if data.get("model_id"):
+            model = self.registry.model(tenant, str(data["model_id"]))
+            return self.futures.submit(tenant, "LoadWeights", lambda: load_state(root, model, data))
+        self.check_session(tenant, str(data.get("session_id")))
+        if data.get("base_model") is not None:
+            self.registry.check_base_model(data["base_model"])
+        model_id = self._model_id(data)
+        lora = read_lora(root, tenant, data, alpha=self.config.lora_alpha)
+
+        def job() -> dict[str, Any]:
+            return load_state(root, self.registry.create_model(tenant, model_id, lora, seed=0), data)
+
+        return self.futures.submit(tenant, "LoadWeights", job)
