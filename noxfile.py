@@ -65,9 +65,10 @@ TEST_TOOLS = ("pytest", "pytest-xdist", "cloudpickle", "peft", "math-verify", "o
 # The experiment trackers behind loggers: [wandb, mlflow] (shardforge-algorithms[trackers]); their tests
 # skip without them, but the tests session installs them so CI runs those tests (~17 s of install).
 TRACKERS = ("wandb", "mlflow-skinny", "sqlalchemy", "alembic")
-# The official Tinker SDK that drives `shardforge serve` in test_alg_serve_*.py (shardforge-algorithms[serve]);
+# The official Tinker SDK that drives `shardforge serve` in test_alg_serve_*.py, and its /metrics exporter
+# (shardforge-algorithms[serve]);
 # those tests skip without it.
-TINKER_SDK = ("tinker",)
+TINKER_SDK = ("tinker", "prometheus-client")
 # One intra-op thread per process by default (rank pools run several processes on few cores).
 # The suite must not depend on it: SHARDFORGE_TEST_THREADS=2 nox -s tests runs it with 2
 # threads, which changes the reduction order of CPU kernels (see docs/testing.md).

@@ -319,3 +319,39 @@ def test_cli_serves_a_model_directory(served, tmp_path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def test_metrics_count_each_tenants_requests_tokens_and_errors(served) -> None:
+    url = served["url"]
+    ok = {"tenant": "bob", "kind": "ForwardBackward", "outcome": "ok"}
+    before = _metric(url, "shardforge_serve_requests_total", **ok)
+    tokens_before = _metric(url, "shardforge_serve_trained_tokens_total", tenant="bob", kind="ForwardBackward")
+    alice_tokens = _metric(url, "shardforge_serve_trained_tokens_total", tenant="alice", kind="ForwardBackward")
+    trainer = tinker.ServiceClient(base_url=url, api_key=BOB).create_lora_training_client(
+        base_model="tiny", rank=4, seed=6
+    ).result()  # fmt: skip
+    datums = _datums(trainer.get_tokenizer())
+    trainer.forward_backward(datums, "cross_entropy").result()
+    assert _metric(url, "shardforge_serve_requests_total", **ok) == before + 1
+    sent = sum(len(d.model_input.to_ints()) for d in datums)
+    assert _metric(url, "shardforge_serve_trained_tokens_total", tenant="bob", kind="ForwardBackward") == (
+        tokens_before + sent
+    )
+    assert _metric(url, "shardforge_serve_trained_tokens_total", tenant="alice", kind="ForwardBackward") == (
+        alice_tokens  # another tenant's work is not counted as Alice's
+    )
+    assert _metric(url, "shardforge_serve_training_clients", tenant="bob") >= 1
+    assert _metric(url, "shardforge_serve_job_seconds_count", kind="ForwardBackward") >= 1
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    assert "tml-" not in text  # tenant names only, never keys

@@ -72,6 +72,13 @@ def build_app(service: TinkerService) -> FastAPI:
             raise HTTPException(400, f"the body must be a JSON object, got {type(value).__name__}")
         return value
 
+    @app.get("/metrics")
+    def metrics() -> Response:
+        # No API key: scrapers do not send one, and the body holds tenant names and counts, never keys or data.
+        from shardforge.algorithms.serve.metrics import CONTENT_TYPE_LATEST
+
+        return Response(service.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/api/v1/healthz")
     def healthz() -> dict[str, str]:
         return {"status": "ok"}

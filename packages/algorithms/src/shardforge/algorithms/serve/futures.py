@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class FutureResult:
     """The result as protobuf bytes (ForwardBackwardOutput, SampleResponse)."""
     error: str | None = None
     category: str = "user"
+    queued_at: float = field(default_factory=time.perf_counter)
 
 
 class FutureQueue:
@@ -48,9 +50,14 @@ class FutureQueue:
 
     Args:
         max_kept: results kept at most; the oldest retrieved ones are dropped first.
+        on_done: called after each job with ``(result, seconds waited in the queue, seconds it ran)``
+            (the service's metrics); an exception in it is logged, never raised.
     """
 
-    def __init__(self, *, max_kept: int = 10000) -> None:
+    def __init__(
+        self, *, max_kept: int = 10000, on_done: Callable[[FutureResult, float, float], None] | None = None
+    ) -> None:
+        self._on_done = on_done
         self._ids = itertools.count(1)
         self._results: dict[str, FutureResult] = {}
         self._lock = threading.Lock()
@@ -82,6 +89,10 @@ class FutureQueue:
     def close(self) -> None:
         self._jobs.put(None)
 
+    def depth(self) -> int:
+        """Jobs queued and not started."""
+        return self._jobs.qsize()
+
     def _evict(self) -> None:
         if len(self._results) <= self._max_kept:
             return
@@ -92,6 +103,7 @@ class FutureQueue:
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
             result, job = item
+            started = time.perf_counter()
             try:
                 value = job()
                 if isinstance(value, bytes):
@@ -107,3 +119,12 @@ class FutureQueue:
                 result.error, result.category = f"{type(exc).__name__}: {exc}", "server"
             finally:
                 result.done.set()
+                self._report(result, started)
+
+    def _report(self, result: FutureResult, started: float) -> None:
+        if self._on_done is None:
+            return
+        try:
+            self._on_done(result, started - result.queued_at, time.perf_counter() - started)
+        except Exception:  # metrics must never fail a request
+            log.warning("serve metrics: %s", traceback.format_exc())

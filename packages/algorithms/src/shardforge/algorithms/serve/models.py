@@ -145,6 +145,14 @@ class ModelRegistry:
             raise KeyError(f"model_id {model_id!r} is not a model of this API key; create_model first")
         return model
 
+    def clients_per_tenant(self) -> dict[str, int]:
+        """Live training models per tenant (the ``/metrics`` gauge)."""
+        counts: dict[str, int] = {}
+        with self._lock:
+            for model in self.models.values():
+                counts[model.owner] = counts.get(model.owner, 0) + 1
+        return counts
+
     def sampler(self, owner: str, path: str) -> SamplerWeights:
         weights = self.samplers.get(path)
         if weights is None or weights.owner != owner:

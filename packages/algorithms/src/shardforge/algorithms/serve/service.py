@@ -25,6 +25,7 @@ class TinkerService:
     """
 
     def __init__(self, config: ServeConfig, keys: TenantKeys) -> None:
+        from shardforge.algorithms.serve.metrics import ServeMetrics
         from shardforge.algorithms.serve.sampling import SamplerEngine
 
         self.config = config
@@ -32,12 +33,21 @@ class TinkerService:
         name = config.base_model or Path(config.model_dir).resolve().name
         self.registry = ModelRegistry(config.model_dir, base_model=name, lora_alpha=config.lora_alpha)
         self.sampler = SamplerEngine(self.registry, max_tokens=config.max_tokens)
-        self.futures = FutureQueue()
+        self.metrics = ServeMetrics()
+        self.futures = FutureQueue(on_done=self._job_done)
         self._sessions: dict[str, str] = {}  # session id -> tenant
         self._lock = threading.Lock()
 
     def close(self) -> None:
         self.futures.close()
+
+    def _job_done(self, result: Any, waited_s: float, ran_s: float) -> None:
+        outcome = "ok" if result.error is None else f"{result.category}_error"
+        self.metrics.job_done(result.owner, result.kind, outcome, waited_s, ran_s)
+
+    def render_metrics(self) -> bytes:
+        """The ``/metrics`` body (Prometheus text format)."""
+        return self.metrics.render(self.futures.depth, self.registry.clients_per_tenant)
 
     def capabilities(self) -> dict[str, Any]:
         model = {"model_name": self.registry.base_model, "trainable": True, "sampleable": True}
@@ -98,6 +108,7 @@ class TinkerService:
             max_context=self.registry.max_context, max_tokens=self.config.max_batch_tokens,
         )  # fmt: skip
         kind = "Forward" if request.forward_only else "ForwardBackward"
+        self.metrics.tokens.labels(tenant, kind).inc(sum(len(datum.tokens) for datum in request.data))
         return self.futures.submit(tenant, kind, lambda: forward_backward(model, request))
 
     def optim_step(self, tenant: str, data: dict[str, Any]) -> str:
@@ -143,6 +154,7 @@ class TinkerService:
             self.registry.check_base_model(data.get("base_model"))
             weights = SamplerWeights(path=None, owner=tenant)
         job = self.sampler.parse(data)
+        self.metrics.samples.labels(tenant).inc(job.params.n)
         return self.futures.submit(tenant, "Sample", lambda: self.sampler.sample(weights, job)), job.params.n
 
     def save_state(self, tenant: str, data: dict[str, Any]) -> str:
