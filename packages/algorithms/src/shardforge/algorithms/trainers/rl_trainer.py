@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -35,7 +36,7 @@ from shardforge.algorithms.trainers.rl.publish import build_trainer_rollout
 from shardforge.algorithms.trainers.rl.sampling import (
     build_rl_workflow,
     make_sample_fn,
-    workflow_group_fn,
+    workflow_groups_fn,
     workflow_round_fn,
 )
 from shardforge.algorithms.trainers.rl.sources import (
@@ -43,7 +44,6 @@ from shardforge.algorithms.trainers.rl.sources import (
     PublishFn,
     RolloutSource,
     SampledBatch,
-    SampleFn,
     SyncRollouts,
 )
 from shardforge.algorithms.trainers.rl.step_stats import (
@@ -180,7 +180,7 @@ class RLTrainer(Trainer[C]):
         max_staleness: int,
         baseline: GreedyBaseline | None,
     ) -> StreamingSource:
-        """The streaming source over this rank's share of every batch, group by group (`workflow_group_fn`)."""
+        """The streaming source over this rank's share of every batch, group by group (`workflow_groups_fn`)."""
         config, engine = self.config, self.engine
         if baseline is not None:
             raise ValueError(
@@ -189,9 +189,9 @@ class RLTrainer(Trainer[C]):
             )
         sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
         rollout = self.sampling_rollout(self.rollout)
-        group_fn = workflow_group_fn(config, rollout, self.prompts, self.workflow, engine, sampler)
+        groups_fn = workflow_groups_fn(config, rollout, self.prompts, self.workflow, engine, sampler)
         return StreamingSource(
-            rollout=rollout, group_fn=_traced(group_fn), publish_fn=publish, prompts_per_step=config.prompts_per_step,
+            rollout=rollout, groups_fn=_traced(groups_fn), publish_fn=publish, prompts_per_step=config.prompts_per_step,
             max_staleness=max_staleness, num_batches=config.steps, start=start, dp_rank=engine.dp_rank,
             dp_size=engine.dp_size, restored=restored.get(StreamingSource.checkpoint_key), device=engine.device,
             record_dir=self.out / "streaming",
@@ -283,9 +283,13 @@ class RLTrainer(Trainer[C]):
             self.reward_fn.close()
 
 
-def _traced(sample_fn: SampleFn) -> SampleFn:
-    def sample(index: int) -> tuple[list[Any], torch.Tensor]:
+A = TypeVar("A")
+R = TypeVar("R")
+
+
+def _traced(sample_fn: Callable[[A], R]) -> Callable[[A], R]:
+    def sample(arg: A) -> R:
         with phase("generate"):
-            return sample_fn(index)
+            return sample_fn(arg)
 
     return sample

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from shardforge.algorithms.trainers.rl.sources import PublishFn, SampledBatch, raise_if_any_rank_failed
-from shardforge.algorithms.trainers.rl.streaming import GroupFn, StreamBatchInfo, StreamingRollouts
+from shardforge.algorithms.trainers.rl.streaming import GroupsFn, StreamBatchInfo, StreamingRollouts
 from shardforge.rollout import RolloutEngine
 
 __all__ = ["StreamingSource", "stream_stats"]
@@ -43,7 +43,9 @@ class StreamingSource:
 
     Args:
         rollout: the rollout engine (the generator thread's, and evaluation's between groups).
-        group_fn: this rank's prompt number -> its group and rewards (`sampling.workflow_group_fn`).
+        groups_fn: this rank's prompt numbers -> their groups and rewards, in one generation round
+            (`sampling.workflow_groups_fn`); a call takes up to ``prompts_per_step / dp_size`` prompts (as many as
+            the staleness bound admits): the embedded engine batches them, and they finish together.
         publish_fn: publishes the trainer's weights as a weight-sync version (collective).
         prompts_per_step: global prompts per step (each rank streams ``prompts_per_step / dp_size`` per batch).
         max_staleness, num_batches, start: as `StreamingRollouts`.
@@ -60,7 +62,7 @@ class StreamingSource:
         self,
         *,
         rollout: RolloutEngine,
-        group_fn: GroupFn,
+        groups_fn: GroupsFn,
         publish_fn: PublishFn,
         prompts_per_step: int,
         max_staleness: int,
@@ -72,7 +74,7 @@ class StreamingSource:
         device: torch.device | None = None,
         record_dir: Path | None = None,
     ) -> None:
-        self.rollout, self.group_fn, self.publish_fn = rollout, group_fn, publish_fn
+        self.rollout, self.groups_fn, self.publish_fn = rollout, groups_fn, publish_fn
         self.local = prompts_per_step // dp_size
         self.prompts_per_step, self.max_staleness = prompts_per_step, max_staleness
         self.dp_rank, self.dp_size, self.device = dp_rank, dp_size, device
@@ -85,9 +87,9 @@ class StreamingSource:
             self._record = record_dir / f"rank{rank}.jsonl"
             _truncate_records(self._record, start)
         self.stream = StreamingRollouts(
-            group_fn=self._group, load_weights=self._load, publish_fn=self._publish, prompts_per_step=self.local,
+            group_fn=_unused, load_weights=self._load, publish_fn=self._publish, prompts_per_step=self.local,
             max_staleness=max_staleness, num_batches=num_batches, start=start,
-            restored=_decode(restored, dp_rank, dp_size),
+            restored=_decode(restored, dp_rank, dp_size), groups_fn=self._groups, groups_per_call=self.local,
         )  # fmt: skip
 
     def global_position(self, q: int) -> int:
@@ -143,10 +145,10 @@ class StreamingSource:
     def _load(self, policy_step: int) -> None:  # generator thread: remembered, applied before the next group
         self._wanted = max(self._wanted, policy_step)
 
-    def _group(self, q: int) -> tuple[list[Any], torch.Tensor]:  # generator thread
+    def _groups(self, positions: list[int]) -> list[tuple[list[Any], torch.Tensor]]:  # generator thread
         with self._engine:
             self._serve(self._versions[self._wanted])
-            return self.group_fn(q)
+            return self.groups_fn(positions)
 
     def _serve(self, version: int) -> None:
         if self.rollout.version < version:  # never back: an evaluation may have loaded newer weights
@@ -181,6 +183,10 @@ def stream_stats(base: dict[str, float], info: StreamBatchInfo, index: int, max_
     for s in range(max_staleness + 1):
         stats[f"staleness_{s}"] = float(sum(1 for x in staleness if x == s))
     return stats
+
+
+def _unused(position: int) -> tuple[list[Any], torch.Tensor]:
+    raise AssertionError("StreamingSource generates through groups_fn")
 
 
 def _decode(state: dict[str, Any] | None, dp_rank: int, dp_size: int) -> dict[str, Any] | None:
