@@ -1,6 +1,6 @@
-"""Streaming rollouts (AReaL-style fully asynchronous RL): a background generator produces one prompt
-group at a time, continuously, and each trainer step takes the first ``prompts_per_step`` COMPLETE
-groups to finish.
+"""Streaming rollouts (AReaL-style fully asynchronous RL): a background generator produces prompt groups
+continuously (one per call, or as many as the bound admits with ``groups_fn``), and each trainer step takes
+the first ``prompts_per_step`` COMPLETE groups to finish.
 
 Staleness (policy step p = the weights after p optimiser steps; a group's *start version* is the policy
 step loaded when its generation began):
