@@ -58,3 +58,6 @@ def test_a_tiny_example_runs_as_shipped(name: str, prepared: Path, monkeypatch: 
     assert main(argv) == 0, name
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in records if r.get("split") == "train"] == [1]
+    if "streaming" in name:  # the streaming source trained it: whole groups, never stale at step 1
+        [train] = [r for r in records if r.get("split") == "train"]
+        assert train["stream/staleness_max"] == 0.0 and train["stream/staleness_0_frac"] == 1.0, train

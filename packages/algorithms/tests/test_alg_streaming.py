@@ -163,3 +163,34 @@ def test_streaming_generator_error_reaches_trainer() -> None:
         src.batch(0)
     assert isinstance(info.value.__cause__, ValueError)
     src.close()
+
+
+def test_streaming_several_groups_per_call_keep_the_bound_and_the_schedule() -> None:
+    """``groups_fn``: a worker admits as many prompts as the bound allows (up to ``groups_per_call``) and generates
+    them in one call (an engine without continuous batching); they finish together."""
+    b, n, s = 3, 6, 1
+    engine = FakeEngine(delays=True, seed=5)
+    calls: list[tuple[list[int], int, int]] = []  # (positions, prompts started, newest published step)
+    ready = threading.Event()  # the generator starts in the constructor, before `src` is bound
+
+    def groups(positions: list[int]) -> list[tuple[list[Trajectory], torch.Tensor]]:
+        assert ready.wait(30)
+        calls.append((positions, src._submitted, src._version))
+        return [engine.group(p) for p in positions]
+
+    src = StreamingRollouts(
+        group_fn=engine.group, load_weights=engine.load, publish_fn=lambda step: None, prompts_per_step=b,
+        max_staleness=s, num_batches=n, groups_fn=groups, groups_per_call=b,
+    )  # fmt: skip
+    ready.set()
+    try:
+        batches = _run(src, engine, 0, n, train_s=0.02)
+    finally:
+        src.close()
+    assert all(1 <= len(positions) <= b for positions, _, _ in calls)
+    assert all(started <= (s + version + 1) * b for _, started, version in calls), calls
+    assert calls[0][0] == [0, 1, 2], "the first call takes a whole batch's prompts"
+    positions = [t.group for batch in batches for t in batch.rollouts[::GROUP]]
+    assert sorted(positions) == list(range(n * b))
+    for k, info in enumerate(src.infos):
+        assert all(k - v <= s for v in info.start_versions), (k, info.start_versions)

@@ -41,7 +41,9 @@ from shardforge.algorithms.trainers.rl.step_stats import (
     add_behaviour_gap,
     add_correction_stats,
     add_partial_rollout_stats,
+    add_stream_stats,
 )
+from shardforge.algorithms.trainers.rl.streaming_checks import check_streaming_config, check_streaming_layout
 from shardforge.algorithms.trainers.rl_trainer import RLTrainer
 from shardforge.algorithms.trainers.run.common import with_total_steps
 from shardforge.algorithms.trainers.run.profiling import phase
@@ -75,8 +77,13 @@ class GRPOConfig(RLTrainerConfig):
     """Outcome estimator in ADVANTAGE_ESTIMATORS: grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline), opo, grpo_passk."""
     async_rollouts: bool = False
     """Generate the next batch in a background thread while the current step trains (decoupled PPO loss)."""
+    streaming_rollouts: bool = False
+    """With async_rollouts=true: stream prompt groups continuously instead of whole batches (AReaL's fully asynchronous
+    mode): at most (max_staleness + 1) x prompts_per_step prompts in flight, each step trains on the first
+    prompts_per_step complete groups to finish, none more than max_staleness steps stale (stream/* metrics)."""
     max_staleness: int = 1
-    """Async mode: batch k is generated with the weights after step max(k - max_staleness, 0); 0 = on-policy."""
+    """Async mode: batch k is generated with the weights after step max(k - max_staleness, 0); 0 = on-policy.
+    Streaming: a trained group started under the weights of step k - max_staleness or newer."""
     reuse_training_logprobs: bool = True
     """Skip the old-log-prob recompute when it is redundant (synchronous rollouts: one update per batch, on-policy;
     no dropout; rollout_correction none/bypass/*_tis without batch_normalize) and take them from the training
@@ -91,6 +98,7 @@ class GRPOConfig(RLTrainerConfig):
                 f"unknown advantage estimator {self.advantage!r}; registered: {ADVANTAGE_ESTIMATORS.names()} "
                 "(or a user's, as 'package.module:name')"
             )
+        check_streaming_config(self)
 
 
 def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
@@ -117,6 +125,7 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
     if config.max_staleness < 0:
         raise ValueError(f"max_staleness={config.max_staleness} must be >= 0 (0 = on-policy, no overlap)")
     check_partial_rollouts(config)
+    check_streaming_layout(config, dp_size)
     recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
     if config.async_rollouts and not (config.recompute_logprobs and recompute):
         raise ValueError(
@@ -138,7 +147,7 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
 
 
 class GRPOTrainer(RLTrainer[GRPOConfig]):
-    """One PPO-clip update per rollout batch; batches come from a `RolloutSource` (sync or async)."""
+    """One PPO-clip update per rollout batch; batches come from a `RolloutSource` (sync, async or streaming)."""
 
     name = "grpo"
     advantage_stage = "group"
@@ -165,7 +174,7 @@ class GRPOTrainer(RLTrainer[GRPOConfig]):
         self.advantages = self.build_advantage_stage()
         self.build_source(
             start, restored, [engine], asynchronous=config.async_rollouts, max_staleness=config.max_staleness,
-            baseline=self.advantages.baseline,
+            baseline=self.advantages.baseline, streaming=config.streaming_rollouts,
         )  # fmt: skip
         self.actor = PPOActorLossFn(config.actor)
         if _reuse_training_logprobs(config, engine):
@@ -268,6 +277,8 @@ def _train_step(
         })  # fmt: skip
     if config.rollout.partial_rollouts:  # every rank's counts, summed: the whole batch's staleness
         add_partial_rollout_stats(metrics, sampled.stats)
+    if config.streaming_rollouts:  # every rank's groups: staleness histogram, version spread, in flight, idle
+        add_stream_stats(metrics, sampled.stats)
     return stats
 
 

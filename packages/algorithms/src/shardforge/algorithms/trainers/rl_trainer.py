@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -32,12 +33,17 @@ from shardforge.algorithms.trainers.rl.data import load_prompt_data
 from shardforge.algorithms.trainers.rl.metrics import StepMetrics
 from shardforge.algorithms.trainers.rl.model_rewards import RewardModelScorer
 from shardforge.algorithms.trainers.rl.publish import build_trainer_rollout
-from shardforge.algorithms.trainers.rl.sampling import build_rl_workflow, make_sample_fn, workflow_round_fn
+from shardforge.algorithms.trainers.rl.sampling import (
+    build_rl_workflow,
+    make_sample_fn,
+    workflow_groups_fn,
+    workflow_round_fn,
+)
 from shardforge.algorithms.trainers.rl.sources import (
     AsyncRollouts,
+    PublishFn,
     RolloutSource,
     SampledBatch,
-    SampleFn,
     SyncRollouts,
 )
 from shardforge.algorithms.trainers.rl.step_stats import (
@@ -48,6 +54,7 @@ from shardforge.algorithms.trainers.rl.step_stats import (
     add_rollout_server_stats,
     add_workflow_stats,
 )
+from shardforge.algorithms.trainers.rl.streaming_source import StreamingSource
 from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
 from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes
 from shardforge.algorithms.trainers.run.profiling import phase
@@ -116,11 +123,13 @@ class RLTrainer(Trainer[C]):
         asynchronous: bool = False,
         max_staleness: int = 0,
         baseline: GreedyBaseline | None = None,
+        streaming: bool = False,
     ) -> RolloutSource:
         """The rollout engine (``self.rollout``) and the batch source the steps draw from: the sampling pipeline
         of the module docstring, run synchronously (on-policy) or ``asynchronous`` (at most ``max_staleness`` steps
-        stale; partial rollouts with ``rollout.partial_rollouts``). ``idle``: engines the colocated phases offload
-        while generating. Also sets ``self.dynamic``, ``self.phases`` and ``self.kl_ctrl``."""
+        stale; partial rollouts with ``rollout.partial_rollouts``), or ``streaming`` (asynchronous, group by group:
+        `StreamingSource`). ``idle``: engines the colocated phases offload while generating. Also sets
+        ``self.dynamic``, ``self.phases`` and ``self.kl_ctrl``."""
         config, engine = self.config, self.engine
         keep = max(2, max_staleness + 2) if asynchronous else 2  # the generator may need max_staleness-old versions
         built = build_trainer_rollout(
@@ -148,12 +157,45 @@ class RLTrainer(Trainer[C]):
         if not asynchronous:
             self.source = SyncRollouts(self.rollout, sample_fn, publish)
             return self.source
+        if streaming:
+            self.source = self._streaming_source(start, restored, publish, max_staleness, baseline)
+            return self.source
+        if StreamingSource.checkpoint_key in restored:
+            raise ValueError(
+                "the checkpoint was saved by streaming rollouts (its batches mix prompts of several steps): resume with "
+                "streaming_rollouts=true and the same max_staleness, or start a new run (resume=never)"
+            )
         self.source = AsyncRollouts(
             rollout=self.rollout, sample_fn=sample_fn, publish_fn=publish, max_staleness=max_staleness,
             num_batches=config.steps, start=start, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
             restored=restored.get("async_rollouts"), device=engine.device, chunks=built.chunks,
         )  # fmt: skip
         return self.source
+
+    def _streaming_source(
+        self,
+        start: int,
+        restored: dict[str, Any],
+        publish: PublishFn,
+        max_staleness: int,
+        baseline: GreedyBaseline | None,
+    ) -> StreamingSource:
+        """The streaming source over this rank's share of every batch, group by group (`workflow_groups_fn`)."""
+        config, engine = self.config, self.engine
+        if baseline is not None:
+            raise ValueError(
+                "a greedy-baseline advantage (ReMax) with streaming_rollouts=true is not supported yet (its baseline "
+                "episodes are collected per batch): use another advantage estimator, or streaming_rollouts=false"
+            )
+        sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
+        rollout = self.sampling_rollout(self.rollout)
+        groups_fn = workflow_groups_fn(config, rollout, self.prompts, self.workflow, engine, sampler)
+        return StreamingSource(
+            rollout=rollout, groups_fn=_traced(groups_fn), publish_fn=publish, prompts_per_step=config.prompts_per_step,
+            max_staleness=max_staleness, num_batches=config.steps, start=start, dp_rank=engine.dp_rank,
+            dp_size=engine.dp_size, restored=restored.get(StreamingSource.checkpoint_key), device=engine.device,
+            record_dir=self.out / "streaming",
+        )  # fmt: skip
 
     def update(self, sampled: SampledBatch, metrics: StepMetrics) -> dict[str, float]:
         """The trainer's update on a sampled batch: its optimizer steps' (already global) results; everything else
@@ -167,7 +209,8 @@ class RLTrainer(Trainer[C]):
         assert self.source is not None
         config, engine = self.config, self.engine
         started = time.perf_counter()
-        with phase("rollout_wait") if isinstance(self.source, AsyncRollouts) else contextlib.nullcontext():
+        waits = isinstance(self.source, (AsyncRollouts, StreamingSource))
+        with phase("rollout_wait") if waits else contextlib.nullcontext():
             sampled = self.source.batch(step)
         metrics = StepMetrics()
         # The one agreement before the update: every rank must know whether the step may go on.
@@ -204,7 +247,8 @@ class RLTrainer(Trainer[C]):
     def extra_state(self) -> dict[str, Any]:
         source: RolloutSource | None = getattr(self, "source", None)
         state = source.checkpoint_state() if source is not None else {}
-        extra: dict[str, Any] = {"async_rollouts": state} if state else {}
+        key = getattr(source, "checkpoint_key", "async_rollouts")
+        extra: dict[str, Any] = {key: state} if state else {}
         if self.config.kl_ctrl.type != "fixed":
             extra["kl_coef"] = self.kl_ctrl.value
         return extra
@@ -239,9 +283,13 @@ class RLTrainer(Trainer[C]):
             self.reward_fn.close()
 
 
-def _traced(sample_fn: SampleFn) -> SampleFn:
-    def sample(index: int) -> tuple[list[Any], torch.Tensor]:
+A = TypeVar("A")
+R = TypeVar("R")
+
+
+def _traced(sample_fn: Callable[[A], R]) -> Callable[[A], R]:
+    def sample(arg: A) -> R:
         with phase("generate"):
-            return sample_fn(index)
+            return sample_fn(arg)
 
     return sample

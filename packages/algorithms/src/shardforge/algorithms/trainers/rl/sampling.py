@@ -34,7 +34,7 @@ from shardforge.rollout.workflows import EpisodeList, PromptRow, Workflow, build
 if TYPE_CHECKING:  # the launching process imports this module for the config; only ranks build engines
     from shardforge.engine import TrainEngine
 
-__all__ = ["build_rl_workflow", "make_sample_fn", "workflow_round_fn"]
+__all__ = ["build_rl_workflow", "make_sample_fn", "workflow_groups_fn", "workflow_round_fn"]
 
 
 def build_rl_workflow(config: RLTrainerConfig, tokenizer: Any, reward_fn: Any, budget: int) -> Workflow:
@@ -70,8 +70,7 @@ def workflow_round_fn(
         indices = samplers[round_].local_batch(index, dp_rank, dp_size)
         # This rank's prompts are positions dp_rank, dp_rank + dp_size, ... of the global batch (local_batch).
         positions = range(dp_rank, dp_size * len(indices), dp_size)
-        seed = (config.seed * 1_000_003 + index) * 1_009 + 104_729 * round_
-        params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=seed)
+        seed, params = _round_params(config, index, round_)
         rows = [
             PromptRow.from_prompts(prompts, i, index=g, seed=request_seed(seed, position, config.group_size))
             for g, (i, position) in enumerate(zip(indices, positions, strict=True))
@@ -92,6 +91,70 @@ def workflow_round_fn(
         return trajectories, torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
 
     return sample
+
+
+def _round_params(config: RLTrainerConfig, index: int, round_: int) -> tuple[int, SamplingParams]:
+    """The seed of round ``round_`` of batch ``index`` (each prompt's is `request_seed` of it) and its sampling."""
+    seed = (config.seed * 1_000_003 + index) * 1_009 + 104_729 * round_
+    return seed, SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=seed)
+
+
+def workflow_groups_fn(
+    config: RLTrainerConfig,
+    rollout: RolloutEngine,
+    prompts: PromptSet,
+    workflow: Workflow,
+    engine: TrainEngine,
+    make_sampler: Callable[[int], IndexSampler] | None = None,
+) -> Callable[[list[int]], list[tuple[list[Any], torch.Tensor]]]:
+    """The streaming source's groups function (`rl.streaming.GroupsFn`): this rank's prompt numbers -> each one's
+    ``group_size`` trajectories and (shaped) rewards, generated in one round. Prompt ``q`` is row ``q % local`` of
+    this rank's share of global batch ``q // local`` (``local = prompts_per_step / dp_size``), with exactly the seed
+    round 0 of that batch gives it (`workflow_round_fn`; every request carries its own seed, so prompts of several
+    batches may share a call): with the same weights a group is the synchronous trainer's, so ``max_staleness=0``
+    trains on the synchronous batches. Its trajectories' ``group`` is ``q`` (unique in a batch)."""
+    dp_rank, dp_size = engine.dp_rank, engine.dp_size
+    local = config.prompts_per_step // dp_size
+    if make_sampler is not None:
+        sampler = make_sampler(config.seed)
+    else:
+        sampler = GlobalBatchSampler(len(prompts), config.prompts_per_step, seed=config.seed)
+    shares: dict[int, list[int]] = {}  # batch index -> this rank's prompt indices (a mixture's draw advances state)
+    drop = config.workflow.max_failed_fraction > 0
+
+    def row_of(q: int) -> PromptRow:
+        index, row = divmod(q, local)
+        if index not in shares:
+            shares[index] = sampler.local_batch(index, dp_rank, dp_size)
+            for old in [k for k in shares if k < index - 64]:  # regenerated prompts reach back at most a few batches
+                del shares[old]
+        seed, _ = _round_params(config, index, 0)
+        position = dp_rank + dp_size * row  # in the global batch, as workflow_round_fn numbers it
+        return PromptRow.from_prompts(prompts, shares[index][row], index=q, seed=request_seed(seed, position,
+                                                                                             config.group_size))  # fmt: skip
+
+    def groups(positions: list[int]) -> list[tuple[list[Any], torch.Tensor]]:
+        rows = [row_of(q) for q in positions]
+        _, params = _round_params(config, positions[0] // local, 0)  # the rows' own seeds decide the samples
+        trajectories = generation_round(
+            rollout, lambda: run_episodes(workflow, rollout, rows, config.group_size, params, drop_failed=drop)
+        )
+        out = []
+        for q in positions:  # a failed episode dropped (workflow.max_failed_fraction > 0) leaves its group short
+            mine = [t for t in trajectories if t.group == q]
+            rewards = torch.tensor([t.reward for t in mine], dtype=torch.float32)
+            out.append((mine, _shape(config, mine, rewards)))
+        return out
+
+    return groups
+
+
+def _shape(config: RLTrainerConfig, trajectories: list[Any], rewards: torch.Tensor) -> torch.Tensor:
+    """``reward_shaping`` (DAPO overlong penalty, scale, clip; per sample) of raw rewards."""
+    if config.reward_shaping == RewardShapingConfig():
+        return rewards
+    generated = torch.tensor([sum(1 for m in t.loss_mask if m) for t in trajectories], dtype=torch.float32)
+    return shape_rewards(rewards, config.reward_shaping, response_lengths=generated)
 
 
 def make_sample_fn(
@@ -115,7 +178,6 @@ def make_sample_fn(
 
     def shaped(index: int) -> tuple[list[Any], torch.Tensor]:
         trajectories, rewards = raw_fn(index)
-        generated = torch.tensor([sum(1 for m in t.loss_mask if m) for t in trajectories], dtype=torch.float32)
-        return trajectories, shape_rewards(rewards, config.reward_shaping, response_lengths=generated)
+        return trajectories, _shape(config, trajectories, rewards)
 
     return shaped, dynamic

@@ -56,6 +56,7 @@ __all__ = [
     "SampledBatch",
     "SyncRollouts",
     "generation_policy_step",
+    "raise_if_any_rank_failed",
 ]
 
 T = TypeVar("T")
@@ -318,20 +319,28 @@ class AsyncRollouts:
             value = future.result()
         except BaseException as exc:
             error = exc
-        world = dist.group.WORLD if dist.is_initialized() else None
-        (failed,) = all_reduce_max(0.0 if error is None else 1.0, group=world, device=self.device)
-        if failed == 0.0:
-            return value
-        messages: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
-        if dist.is_initialized():
-            dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        failures = {rank: m for rank, m in enumerate(messages) if m is not None}
-        raise RolloutGenerationError(
-            f"the background rollout generator failed on rank(s) {sorted(failures)} while producing {key[0]} "
-            f"{key[1]}: {next(iter(failures.values()))}"
-        )
+        raise_if_any_rank_failed(error, f"{key[0]} {key[1]}", self.device)
+        return value
+
+
+def raise_if_any_rank_failed(error: BaseException | None, what: str, device: torch.device | None) -> None:
+    """Agree across all ranks (one tiny all-reduce) whether some rank's background generator failed producing
+    ``what``; then every rank raises: the failing ones their ``error``, the others a `RolloutGenerationError`
+    naming the failing ranks and the first cause. Collective (identity without a process group)."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    (failed,) = all_reduce_max(0.0 if error is None else 1.0, group=world, device=device)
+    if failed == 0.0:
+        return
+    messages: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failures = {rank: m for rank, m in enumerate(messages) if m is not None}
+    raise RolloutGenerationError(
+        f"the background rollout generator failed on rank(s) {sorted(failures)} while producing {what}: "
+        f"{next(iter(failures.values()))}"
+    )
 
 
 def _encode(batch: SampledBatch) -> dict[str, Any]:

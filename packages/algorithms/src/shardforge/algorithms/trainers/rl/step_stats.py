@@ -2,7 +2,7 @@
 the step reduces them all in one collective at its end (`StepMetrics.reduce`).
 
 Metric names are those the trainers always logged (``reward_mean``, ``episode/turns``, ``rollout_server/*``,
-``dynamic_sampling/*``, ``partial/*``, ``actor/*``, ``rollout_corr/*``, ``behaviour_kl``, ...).
+``dynamic_sampling/*``, ``partial/*``, ``stream/*``, ``actor/*``, ``rollout_corr/*``, ``behaviour_kl``, ...).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ __all__ = [
     "add_reward_call_stats",
     "add_reward_stats",
     "add_rollout_server_stats",
+    "add_stream_stats",
     "add_workflow_stats",
 ]
 
@@ -140,3 +141,30 @@ def add_behaviour_gap(metrics: StepMetrics, gap: Mapping[str, Any]) -> None:
 def _behaviour_view(raw: dict[str, float]) -> dict[str, float]:
     count = raw["num_tokens"]
     return {"behaviour_kl": raw["behaviour_gap"] / count if count > 0 else 0.0}
+
+
+def _stream_view(raw: dict[str, float]) -> dict[str, float]:
+    groups, ranks = max(raw["groups"], 1.0), max(raw["ranks"], 1.0)
+    out = {
+        "stream/staleness_mean": raw["staleness_sum"] / groups,
+        "stream/staleness_max": raw["staleness_max"],
+        "stream/version_spread": raw["start_version_max"] - raw["start_version_min"],
+        "stream/start_version_min": raw["start_version_min"],
+        "stream/in_flight": raw["in_flight"],
+        "stream/trainer_idle_frac": raw["trainer_idle_frac_sum"] / ranks,
+        "stream/generator_idle_frac": raw["generator_idle_frac_sum"] / ranks,
+        "stream/regenerated": raw["regenerated"],
+    }
+    for name, value in raw.items():
+        if name.startswith("staleness_") and name[len("staleness_") :].isdigit():
+            out[f"stream/{name}_frac"] = value / groups
+    return out
+
+
+def add_stream_stats(metrics: StepMetrics, local: Mapping[str, float]) -> None:
+    """Streaming rollouts (`streaming_source.stream_stats`): ``stream/staleness_mean|max``, the histogram
+    ``stream/staleness_{s}_frac`` (share of the batch's groups s steps stale), ``stream/version_spread`` (newest minus
+    oldest start version in the batch, over ranks), ``stream/in_flight`` (groups generating or finished-unused, all
+    ranks), ``stream/trainer_idle_frac`` (time the trainer waited for batches / time since its first batch, mean over
+    ranks), ``stream/generator_idle_frac``, ``stream/regenerated`` (too-stale groups generated again, cumulative)."""
+    metrics.add("stream", local, _stream_view)

@@ -1,6 +1,6 @@
-"""Streaming rollouts (AReaL-style fully asynchronous RL): a background generator produces one prompt
-group at a time, continuously, and each trainer step takes the first ``prompts_per_step`` COMPLETE
-groups to finish.
+"""Streaming rollouts (AReaL-style fully asynchronous RL): a background generator produces prompt groups
+continuously (one per call, or as many as the bound admits with ``groups_fn``), and each trainer step takes
+the first ``prompts_per_step`` COMPLETE groups to finish.
 
 Staleness (policy step p = the weights after p optimiser steps; a group's *start version* is the policy
 step loaded when its generation began):
@@ -38,10 +38,12 @@ import torch
 from shardforge.algorithms.trainers.rl.sources import SampledBatch
 from shardforge.rollout.episodes.trajectory import Trajectory
 
-__all__ = ["GroupFn", "StreamBatchInfo", "StreamingRollouts"]
+__all__ = ["GroupFn", "GroupsFn", "StreamBatchInfo", "StreamingRollouts"]
 
 GroupFn = Callable[[int], tuple[list[Trajectory], torch.Tensor]]
 """prompt position -> (that prompt's group of trajectories, their rewards), with the engine's current weights."""
+GroupsFn = Callable[[list[int]], list[tuple[list[Trajectory], torch.Tensor]]]
+"""prompt positions -> each one's (group, rewards), generated in one call (an engine without continuous batching)."""
 
 
 @dataclass(slots=True)
@@ -81,6 +83,11 @@ class StreamingRollouts:
         restored: `checkpoint_state` of the run that saved the checkpoint (None: none).
         workers: generator threads, each generating one group at a time (> 1 only for an engine that serves
             concurrent requests, e.g. a continuous-batching server; weights are loaded once per version, under a lock).
+        groups_fn: generates several groups in one call (an engine without continuous batching, e.g. embedded HF
+            generate, where one call of many rows costs about as much as one of few); then each worker admits up
+            to ``groups_per_call`` prompts at once (as many as the bound allows, at least one) and they finish
+            together. ``group_fn`` is not called.
+        groups_per_call: see ``groups_fn``.
     """
 
     def __init__(
@@ -95,12 +102,17 @@ class StreamingRollouts:
         start: int = 0,
         restored: dict[str, Any] | None = None,
         workers: int = 1,
+        groups_fn: GroupsFn | None = None,
+        groups_per_call: int = 1,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
         if prompts_per_step < 1:
             raise ValueError(f"prompts_per_step={prompts_per_step} must be >= 1")
+        if groups_per_call < 1:
+            raise ValueError(f"groups_per_call={groups_per_call} must be >= 1")
         self.group_fn, self.load_weights, self.publish_fn = group_fn, load_weights, publish_fn
+        self.groups_fn, self.groups_per_call = groups_fn, groups_per_call if groups_fn is not None else 1
         self.prompts_per_step, self.max_staleness = prompts_per_step, max_staleness
         self.num_batches, self.start = num_batches, start
         self._cond = threading.Condition()
@@ -225,31 +237,42 @@ class StreamingRollouts:
                     self._cond.wait()
                 if self._stop:
                     return
-                if self._queue:
-                    position = self._queue.popleft()
-                else:
-                    position = self._next_position
-                    self._next_position += 1
                 version = self._version
-                group = _Group(position=position, start_version=version)
-                self._groups[position] = group
-                self._submitted += 1
+                groups: list[_Group] = []
+                while self._capacity_left() and len(groups) < self.groups_per_call:
+                    if self._queue:
+                        position = self._queue.popleft()
+                    else:
+                        position = self._next_position
+                        self._next_position += 1
+                    group = _Group(position=position, start_version=version)
+                    self._groups[position] = group
+                    self._submitted += 1
+                    groups.append(group)
                 self._gen_idle_s += time.perf_counter() - idle
             busy = time.perf_counter()
+            error: BaseException | None = None
             try:
                 with self._load_lock:
                     if self._loaded is None or self._loaded < version:  # versions only move forward
                         self.load_weights(version)
                         self._loaded = version
-                group.rollouts, group.rewards = self.group_fn(position)
+                if self.groups_fn is not None:
+                    results = self.groups_fn([g.position for g in groups])
+                else:
+                    results = [self.group_fn(groups[0].position)]
+                for g, (rollouts, rewards) in zip(groups, results, strict=True):
+                    g.rollouts, g.rewards = rollouts, rewards
             except BaseException as exc:  # reported to the trainer by batch()
-                group.error = exc
+                error = exc
             with self._cond:
                 self._gen_busy_s += time.perf_counter() - busy
-                group.finished = self._finished
-                self._finished += 1
+                for g in groups:
+                    g.error = error
+                    g.finished = self._finished
+                    self._finished += 1
                 self._cond.notify_all()
-                if group.error is not None:
+                if error is not None:
                     return
 
     def _raise_failed(self) -> None:

@@ -1,0 +1,65 @@
+"""The settings streaming rollouts (``streaming_rollouts: true``, `streaming_source.StreamingSource`) cannot honour
+yet, refused with one line each that says what is valid. Imported by the config (no torch, no engine)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+__all__ = ["check_streaming_config", "check_streaming_layout"]
+
+VALID_MODES = (
+    "valid: async_rollouts=false (synchronous); async_rollouts=true (whole batches, one step ahead); "
+    "async_rollouts=true with streaming_rollouts=true (streamed groups)"
+)
+
+
+def check_streaming_config(config: Any) -> None:
+    """Refuse combinations of a `GRPOConfig` that streaming does not support (when the config is built)."""
+    if not config.streaming_rollouts:
+        return
+    if not config.async_rollouts:
+        raise ValueError(
+            f"streaming_rollouts=true is a mode of asynchronous rollouts: set async_rollouts=true ({VALID_MODES})"
+        )
+    if config.dynamic_sampling.enabled:
+        raise ValueError(
+            "dynamic_sampling with streaming_rollouts=true is not supported yet (it filters and backfills whole batches): "
+            "set dynamic_sampling.enabled=false, or streaming_rollouts=false (async_rollouts=true keeps it)"
+        )
+    if config.rollout.partial_rollouts:
+        raise ValueError(
+            "rollout.partial_rollouts=true with streaming_rollouts=true is not supported yet (a streamed group finishes "
+            "under the weights it started with): set rollout.partial_rollouts=false, or streaming_rollouts=false"
+        )
+    if _has_greedy_baseline(config.advantage):
+        raise ValueError(
+            f"advantage={config.advantage} with streaming_rollouts=true is not supported yet (its greedy baseline episodes "
+            "are collected per batch): use another estimator (grpo, rloo, dr_grpo), or streaming_rollouts=false"
+        )
+
+
+def check_streaming_layout(config: Any, world_size: int) -> None:
+    """With several ranks every rank streams on an engine of its own (its weights switch when its groups need)."""
+    if not config.streaming_rollouts or world_size <= 1:
+        return
+    rollout = config.rollout
+    own = rollout.placement == "colocated" and (
+        rollout.engine == "hf"
+        or (rollout.engine == "vllm" and rollout.vllm.mode == "in_process" and rollout.vllm.placement == "each_rank")
+    )
+    if not own:
+        raise ValueError(
+            f"streaming_rollouts=true with {world_size} ranks needs a rollout engine per rank (each rank's generator "
+            "switches weights on its own): use rollout.engine=hf with rollout.placement=colocated, or rollout.engine=vllm "
+            "with rollout.vllm.mode=in_process and rollout.vllm.placement=each_rank"
+        )
+
+
+def _has_greedy_baseline(estimator: str) -> bool:
+    """Whether the advantage estimator compares against a greedy baseline (ReMax: it takes ``baseline_rewards``)."""
+    from shardforge.engine.objectives import ADVANTAGE_ESTIMATORS  # the registry, as GRPOConfig validates with
+
+    if ":" in estimator or estimator not in ADVANTAGE_ESTIMATORS:
+        return False
+    return "baseline_rewards" in inspect.signature(ADVANTAGE_ESTIMATORS.get(estimator)).parameters

@@ -1,0 +1,210 @@
+"""The streaming batch source of a trainer (``streaming_rollouts: true``, issue 41): `StreamingRollouts` driven by
+the trainer's rollout engine and weight publisher.
+
+What it adds to `StreamingRollouts` (which knows neither engines nor ranks):
+
+- Weights: policy step p is published as a weight-sync version (collective, main thread); the generator thread
+  loads, before each group, the newest version its admission allowed, never an older one than the engine serves
+  (weights only move forward, as vLLM and `AsyncRollouts`' partial mode require), so every trajectory is at least
+  as fresh as its recorded start version and its tokens carry the versions that sampled them (the decoupled loss
+  and the rollout correction use those, exactly as with `AsyncRollouts`).
+- Held-out evaluation on the main thread, between two groups (one lock around the engine), with the newest weights.
+- Ranks: each data-parallel rank streams its own share of every global batch (`sampling.workflow_group_fn`) and
+  trains on its own first finished groups; a failing generator raises on every rank (`raise_if_any_rank_failed`).
+  Checkpoint state is every dp rank's, gathered (a resumed run needs the same data-parallel size).
+- Records: each rank appends what each batch trained on (global prompt positions, in training and in finish order,
+  and start versions) to ``output_dir/streaming/rank{R}.jsonl``; lines of batches at or after a resumed run's start
+  are dropped first, so the file is the run's history. A global prompt position is ``batch * prompts_per_step +
+  slot`` of the seeded sampler's draws.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shardforge.algorithms.trainers.rl.sources import PublishFn, SampledBatch, raise_if_any_rank_failed
+from shardforge.algorithms.trainers.rl.streaming import GroupsFn, StreamBatchInfo, StreamingRollouts
+from shardforge.rollout import RolloutEngine
+
+__all__ = ["StreamingSource", "stream_stats"]
+
+T = TypeVar("T")
+
+
+class StreamingSource:
+    """A `RolloutSource` that streams complete prompt groups under a staleness bound (see the module docstring).
+
+    Args:
+        rollout: the rollout engine (the generator thread's, and evaluation's between groups).
+        groups_fn: this rank's prompt numbers -> their groups and rewards, in one generation round
+            (`sampling.workflow_groups_fn`); a call takes up to ``prompts_per_step / dp_size`` prompts (as many as
+            the staleness bound admits): the embedded engine batches them, and they finish together.
+        publish_fn: publishes the trainer's weights as a weight-sync version (collective).
+        prompts_per_step: global prompts per step (each rank streams ``prompts_per_step / dp_size`` per batch).
+        max_staleness, num_batches, start: as `StreamingRollouts`.
+        dp_rank, dp_size: this rank's data-parallel coordinates.
+        restored: `checkpoint_state` of the run that saved the checkpoint (None: none).
+        device: the device the world group's collectives need.
+        record_dir: where the per-rank batch records go (None: not recorded).
+    """
+
+    checkpoint_key = "streaming_rollouts"
+    """The key of this source's state in the checkpoint's extra state."""
+
+    def __init__(
+        self,
+        *,
+        rollout: RolloutEngine,
+        groups_fn: GroupsFn,
+        publish_fn: PublishFn,
+        prompts_per_step: int,
+        max_staleness: int,
+        num_batches: int,
+        start: int,
+        dp_rank: int,
+        dp_size: int,
+        restored: dict[str, Any] | None = None,
+        device: torch.device | None = None,
+        record_dir: Path | None = None,
+    ) -> None:
+        self.rollout, self.groups_fn, self.publish_fn = rollout, groups_fn, publish_fn
+        self.local = prompts_per_step // dp_size
+        self.prompts_per_step, self.max_staleness = prompts_per_step, max_staleness
+        self.dp_rank, self.dp_size, self.device = dp_rank, dp_size, device
+        self._engine = threading.Lock()  # one user of the engine at a time: a group, or an evaluation
+        self._versions = {start: publish_fn(None)}  # policy step -> weight-sync version
+        self._wanted = start  # the newest policy step the generator may serve (it only grows)
+        self._record = None
+        if record_dir is not None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self._record = record_dir / f"rank{rank}.jsonl"
+            _truncate_records(self._record, start)
+        self.stream = StreamingRollouts(
+            group_fn=_unused, load_weights=self._load, publish_fn=self._publish, prompts_per_step=self.local,
+            max_staleness=max_staleness, num_batches=num_batches, start=start,
+            restored=_decode(restored, dp_rank, dp_size), groups_fn=self._groups, groups_per_call=self.local,
+        )  # fmt: skip
+
+    def global_position(self, q: int) -> int:
+        """This rank's prompt number ``q`` as a global prompt position (``batch * prompts_per_step + slot``)."""
+        index, row = divmod(q, self.local)
+        return index * self.prompts_per_step + self.dp_rank + self.dp_size * row
+
+    # ------------------------------------------------------------------ main-thread API
+    def batch(self, index: int) -> SampledBatch:
+        """The next batch: this rank's first ``prompts_per_step / dp_size`` complete groups (raises on every rank
+        if any rank's generator failed)."""
+        error: BaseException | None = None
+        try:
+            batch = self.stream.batch(index)
+        except BaseException as exc:
+            error = exc
+        raise_if_any_rank_failed(error, f"batch {index}", self.device)
+        info = self.stream.infos[-1]
+        batch.stats = stream_stats(batch.stats, info, index, self.max_staleness)
+        if self._record is not None:
+            self._record.parent.mkdir(parents=True, exist_ok=True)
+            with self._record.open("a") as f:
+                f.write(json.dumps(self._describe(index, info)) + "\n")
+        return batch
+
+    def publish(self, policy_step: int) -> None:
+        self.stream.publish(policy_step)
+
+    def evaluate(self, fn: Callable[[RolloutEngine], T]) -> T:
+        """``fn(rollout engine)`` on this thread between two groups, with the newest published weights."""
+        with self._engine:
+            self._serve(self._versions[max(self._versions)])
+            return fn(self.rollout)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Every dp rank's prompt numbers in flight or finished-unused and next new one (collective)."""
+        mine = self.stream.checkpoint_state()
+        gathered: list[Any] = [(self.dp_rank, mine)]
+        if dist.is_initialized():
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (self.dp_rank, mine))
+        by_rank = dict(reversed(gathered))  # ranks of one dp group hold the same state
+        return {"dp_size": self.dp_size, "ranks": [by_rank[r] for r in range(self.dp_size)]}
+
+    def close(self) -> None:
+        self.stream.close()
+
+    # ------------------------------------------------------------------ internals
+    def _publish(self, policy_step: int) -> None:  # main thread, collective
+        version = self.publish_fn(self._versions[max(self._versions)] + 1)
+        self._versions[policy_step] = version
+
+    def _load(self, policy_step: int) -> None:  # generator thread: remembered, applied before the next group
+        self._wanted = max(self._wanted, policy_step)
+
+    def _groups(self, positions: list[int]) -> list[tuple[list[Any], torch.Tensor]]:  # generator thread
+        with self._engine:
+            self._serve(self._versions[self._wanted])
+            return self.groups_fn(positions)
+
+    def _serve(self, version: int) -> None:
+        if self.rollout.version < version:  # never back: an evaluation may have loaded newer weights
+            self.rollout.update_weights(version)
+
+    def _describe(self, index: int, info: StreamBatchInfo) -> dict[str, Any]:
+        return {
+            "batch": index,
+            "positions": [self.global_position(q) for q in info.positions],
+            "finish_order": [self.global_position(q) for q in info.finish_order],
+            "start_versions": info.start_versions,
+        }
+
+
+def stream_stats(base: dict[str, float], info: StreamBatchInfo, index: int, max_staleness: int) -> dict[str, float]:
+    """This rank's raw streaming statistics of batch ``index`` (sums and extremes; `step_stats.add_stream_stats`
+    reduces them over ranks): staleness sum/max and a count per staleness 0..max_staleness (the histogram), start
+    versions' extremes (the version spread), groups in flight, idle fractions."""
+    staleness = [index - v for v in info.start_versions]
+    stats = {
+        "groups": float(len(staleness)),
+        "ranks": 1.0,
+        "staleness_sum": float(sum(staleness)),
+        "staleness_max": float(max(staleness)),
+        "start_version_max": float(max(info.start_versions)),
+        "start_version_min": float(min(info.start_versions)),
+        "in_flight": base["stream/in_flight"],
+        "trainer_idle_frac_sum": base["stream/trainer_idle_frac"],
+        "generator_idle_frac_sum": base["stream/generator_idle_frac"],
+        "regenerated": base["stream/regenerated"],
+    }
+    for s in range(max_staleness + 1):
+        stats[f"staleness_{s}"] = float(sum(1 for x in staleness if x == s))
+    return stats
+
+
+def _unused(position: int) -> tuple[list[Any], torch.Tensor]:
+    raise AssertionError("StreamingSource generates through groups_fn")
+
+
+def _decode(state: dict[str, Any] | None, dp_rank: int, dp_size: int) -> dict[str, Any] | None:
+    if not state:
+        return None
+    if state.get("dp_size") != dp_size:
+        raise ValueError(
+            f"the checkpoint's streaming rollouts were made by {state.get('dp_size')} data-parallel ranks, this run has "
+            f"{dp_size}: each rank's in-flight prompts are its own, so resume with the same data-parallel size (or start "
+            "a new run: resume=never)"
+        )
+    mine: dict[str, Any] = state["ranks"][dp_rank]
+    return mine
+
+
+def _truncate_records(path: Path, start: int) -> None:
+    """Drop the records of batches >= ``start`` (a resumed run trains them again)."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["batch"] < start]
+    path.write_text("".join(line + "\n" for line in lines))
