@@ -65,6 +65,9 @@ TEST_TOOLS = ("pytest", "pytest-xdist", "cloudpickle", "peft", "math-verify", "o
 # The experiment trackers behind loggers: [wandb, mlflow] (shardforge-algorithms[trackers]); their tests
 # skip without them, but the tests session installs them so CI runs those tests (~17 s of install).
 TRACKERS = ("wandb", "mlflow-skinny", "sqlalchemy", "alembic")
+# verifiers 0.4.0 (shardforge-rollout[verifiers]): test_alg_verifiers_workflow.py trains on a real verifiers
+# environment; it needs openai<3, hence openai==2.54.0 in constraints.txt. Only the tests session installs it.
+AGENT_ENVS = ("verifiers",)
 # One intra-op thread per process by default (rank pools run several processes on few cores).
 # The suite must not depend on it: SHARDFORGE_TEST_THREADS=2 nox -s tests runs it with 2
 # threads, which changes the reduction order of CPU kernels (see docs/testing.md).
@@ -120,7 +123,7 @@ PARITY_AT_TWO_THREADS = (
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """All package unit tests and the integration suite in one venv."""
-    _install_workspace(session, *TRACKERS)
+    _install_workspace(session, *TRACKERS, *AGENT_ENVS)
     # `heavy` end-to-end launches stay out of CI's budget; `nox -s integration` runs them (docs/testing.md).
     # Two test processes: about half of the suite runs in one process on one thread, so one process left a
     # core of CI's two idle (user+sys ~= wall); the rank pools' tests use both cores either way.
