@@ -20,6 +20,7 @@ An environment id or ``.py`` file gets verifiers' `SingleAgentEnv` with its agen
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import threading
@@ -72,6 +73,13 @@ class _ServingLoop:
         self.stack = contextlib.AsyncExitStack()
         self.gate: asyncio.Semaphore | None = None
         self.submit(self._enter(env, max_concurrent)).result(timeout=300)
+        atexit.register(self.close)  # verifiers' servers and tool subprocesses end before the interpreter does
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            with contextlib.suppress(Exception):
+                self.submit(self.stack.aclose()).result(timeout=30)
+            self.loop.call_soon_threadsafe(self.loop.stop)
 
     async def _enter(self, env: Any, max_concurrent: int) -> None:
         await self.stack.enter_async_context(env.serving())
