@@ -10,7 +10,8 @@ Routes: ``/v1/chat/completions`` (tools; ``tool_calls`` parsed from the model's 
 Each response also carries vLLM's token-id fields: ``prompt_token_ids`` and each choice's ``token_ids``.
 
 The episode of a request is its API key (``Authorization: Bearer <key>``, which every OpenAI client sends),
-or the ``X-Episode-Id`` header where a client shares one key. Concurrent requests are batched into one engine
+or the ``X-Episode-Id`` header where a client shares one key (or ``X-Session-ID`` when it names a routed episode:
+what verifiers' relay sends). Concurrent requests are batched into one engine
 call per distinct sampling setting (the engine is used from one thread). Streaming sends the finished
 completion as one content chunk (generation is not incremental here), then the finish chunk and ``[DONE]``.
 """
@@ -150,6 +151,11 @@ class OpenAIEndpoint:
             explicit = request.headers.get("x-episode-id")
             if explicit:
                 return explicit
+            # verifiers' relay sends one shared key and the rollout's trace id as X-Session-ID: a routed one names
+            # the episode (workflow.name: verifiers routes each trace id as it is minted).
+            session = request.headers.get("x-session-id")
+            if session and session in self._routes:
+                return session
             auth = request.headers.get("authorization", "")
             if not auth.lower().startswith("bearer ") or not auth[7:].strip():
                 raise APIError(401, "no episode: send an API key (Authorization: Bearer <episode id>) or an "

@@ -30,6 +30,7 @@ __all__ = [
     "MultiTurnConfig",
     "PromptRow",
     "ToolUseConfig",
+    "VerifiersConfig",
     "Workflow",
     "WorkflowConfig",
     "WorkflowFactory",
@@ -88,6 +89,31 @@ class AgentConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class VerifiersConfig:
+    """The ``verifiers`` workflow's options (``workflow.verifiers:``; docs/agents-openai.md)."""
+
+    env: str = ""
+    """A verifiers 0.4 taskset / environment id (an importable module, e.g. an installed environment), or
+    ``package.module:function`` / ``path/file.py:function`` returning a ``verifiers.v1.Env``."""
+    env_args: dict[str, Any] = field(default_factory=dict)
+    """An id: extra taskset config fields (``taskset.<key>``); a function: its keyword arguments."""
+    max_concurrent: int = 64
+    """Most episodes of this process the environment runs at once."""
+    timeout_s: float = 300.0
+    """An episode that runs longer fails (that episode only)."""
+    model_name: str = "policy"
+    """The model name the endpoint answers to."""
+    max_tokens: int = 4096
+    """The largest ``max_tokens`` a request may ask (each request is also capped by the trainer's max_new_tokens)."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"workflow.verifiers.timeout_s={self.timeout_s} must be > 0")
+        if self.max_concurrent < 1:
+            raise ValueError(f"workflow.verifiers.max_concurrent={self.max_concurrent} must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class WorkflowConfig:
     """Which workflow turns data rows into trajectories, and its options (YAML ``workflow:``). A variant's own
     options are a section named after it (``multi_turn``, ``tool_use``)."""
@@ -100,7 +126,7 @@ class WorkflowConfig:
     }
 
     name: str = "rlvr"
-    """A registered workflow (rlvr, multi_turn, tool_use, agent) or a user class ``package.module:Class``."""
+    """A registered workflow (rlvr, multi_turn, tool_use, agent, verifiers) or a user class ``package.module:Class``."""
     max_turns: int = 1
     """Most model turns per episode (multi_turn: answers; tool_use: tool calls + the final answer)."""
     max_total_tokens: int | None = None
@@ -115,6 +141,8 @@ class WorkflowConfig:
     """The tool_use workflow's options: tools, timeout_s."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """The agent workflow's options: run (the agent function), timeout_s, model_name, max_tokens."""
+    verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
+    """The verifiers workflow's options: env (a verifiers environment), env_args, max_concurrent, timeout_s."""
     max_failed_fraction: float = 0.0
     """Fail the step when more than this fraction of the step's episodes crashed (a crash drops its whole group)."""
     options: dict[str, Any] = field(default_factory=dict)
@@ -192,6 +220,12 @@ WORKFLOWS.register_lazy(
     "agent",
     "shardforge.rollout.workflows.agent:AgentWorkflow",
     "A user's agent written against the OpenAI client (workflow.agent.run), through an OpenAI-compatible endpoint.",
+)
+
+WORKFLOWS.register_lazy(
+    "verifiers",
+    "shardforge.rollout.workflows.verifiers_env:VerifiersWorkflow",
+    "A verifiers 0.4 environment (workflow.verifiers.env) generating through the endpoint; its rubric scores.",
 )
 
 
