@@ -59,12 +59,14 @@ class InProcessChatHarness(vf.Harness[InProcessChatHarnessConfig]):
             tools, dispatch, servers = await connect_mcp(servers_config, stack) if mcp_urls else ([], {}, {})
             for _ in range(self.config.max_turns):
                 extra = {"tools": tools} if tools else {}
-                reply = await client.chat.completions.create(model=ctx.model, messages=messages, **extra)  # type: ignore[call-overload]
+                reply = await client.chat.completions.create(model=ctx.model, messages=messages, **extra)  # type: ignore[call-overload,arg-type]
                 message = reply.choices[0].message
                 messages.append(message.model_dump(exclude_none=True))
                 if not message.tool_calls:
                     break
                 for call in message.tool_calls:
+                    if not hasattr(call, "function"):  # a custom (free-form) tool call: no MCP tool serves it
+                        continue
                     messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name,
                                      "content": await _call(servers, dispatch, call)})  # fmt: skip
         return ProgramResult(exit_code=0, stdout="", stderr="")
