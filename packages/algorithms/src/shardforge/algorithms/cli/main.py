@@ -7,7 +7,7 @@
     shardforge list        (every registry: trainers, losses, estimators, rewards, rollout engines, ...)
     shardforge config-reference [--out docs/configuration.md] [--check]   (every config key, as markdown)
     shardforge prepare-tiny [--out outputs]   (the models and data of every examples/*_tiny.yaml)
-    shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 600] [--prepare-only]
+    shardforge demo [--out outputs/demo] [--nproc-per-node 2] [--steps 1000] [--prepare-only]
     shardforge demo-rl [--out outputs/demo_rl] [--nproc-per-node 2] [--sft-steps 450] [--grpo-steps N]
     shardforge demo-agent [--out outputs/demo_agent] [--nproc-per-node 2] [--sft-steps N | --sft-stop KEY=VALUE]
                           [--sft-only] [--grpo-steps N] [--seed S]
@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the end-to-end CPU demo")
     demo.add_argument("--out", default="outputs/demo", help="output directory")
     demo.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
-    demo.add_argument("--steps", type=int, default=600, help="SFT steps")
+    demo.add_argument("--steps", type=int, default=1000, help="SFT steps")
     demo.add_argument(
         "--prepare-only", action="store_true", help="only write the tiny model, tokenizer and data under --out"
     )

@@ -69,7 +69,7 @@ def plot_loss(metrics_file: str | Path, png: str | Path, note: str = "") -> None
 
 
 def run_demo(
-    out_dir: str | Path = "outputs/demo", *, nproc: int = 2, steps: int = 600, seed: int = 0
+    out_dir: str | Path = "outputs/demo", *, nproc: int = 2, steps: int = 1000, seed: int = 0
 ) -> dict[str, Any]:
     """Prepare, evaluate, SFT under torchrun with FSDP on ``nproc`` ranks, evaluate, plot."""
     out = Path(out_dir)
