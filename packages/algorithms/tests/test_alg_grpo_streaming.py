@@ -4,7 +4,8 @@
   ``async_rollouts=false``, in one process and on 2 ranks (FSDP, gloo);
 - ``max_staleness=1``: no trained group is more than 1 step stale (``stream/*`` metrics and the per-rank records),
   every trained batch is whole groups, and a run stopped after step 2 and resumed trains every prompt position
-  exactly once (its in-flight and finished-unused prompts are in the checkpoint);
+  exactly once (its in-flight and finished-unused prompts are in the checkpoint); the same for a ``shardforge
+  train grpo`` process killed with SIGKILL at some point after its step-2 checkpoint;
 - the settings streaming does not support yet (dynamic sampling, ...) are refused with one line.
 """
 
@@ -189,6 +190,53 @@ def test_streaming_bound_complete_groups_and_lossless_resume(
         assert 0.0 <= r["stream/trainer_idle_frac"] <= 1.0 and r["stream/in_flight"] >= 0.0
         assert r["stream/staleness_0_frac"] + r["stream/staleness_1_frac"] == pytest.approx(1.0)
     assert any(r["stream/staleness_1_frac"] > 0 for r in train), "the generator ran ahead of the trainer"
+
+
+def test_streaming_run_killed_with_sigkill_resumes_without_dropping_or_repeating_a_prompt(
+    assets: dict[str, Any], tmp_path: Path
+) -> None:
+    """The CLI process dies by SIGKILL wherever it is after the step-2 checkpoint (generating, training, writing
+    the next checkpoint); the rerun of the same command resumes from the newest committed checkpoint, and the
+    batches it records cover every prompt position exactly once."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import yaml
+
+    steps, every = 8, 2
+    out = tmp_path / "killed"
+    config = {
+        "model": assets["model"], "train_file": assets["train"], "output_dir": str(out), "layout": "d1",
+        "steps": steps, "prompts_per_step": PROMPTS, "group_size": GROUP, "max_new_tokens": 4, "progress": False,
+        "reward_fn": "streaming_rewards_mod:has_seven", "save_every": every, "resume": "auto", "max_staleness": 1,
+        "async_rollouts": True, "streaming_rollouts": True, "export_hf_at_end": False,
+        "engine": {"max_tokens_per_microbatch": 64, "optimizer": {"lr": 1e-2, "eps": 1e-6}},
+    }  # fmt: skip
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "shardforge.algorithms.cli", "train", "grpo", "--config", "c.yaml"]
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([assets["root"], os.environ.get("PYTHONPATH", "")])
+    )
+    first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    committed = out / "checkpoints" / f"step_{every:08d}" / "COMMITTED"
+    deadline = time.time() + 300
+    while not committed.exists() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert first.poll() is None, "the run ended before it could be killed: " + first.stderr.read().decode()[-2000:]
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(timeout=30)
+    second = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr + second.stdout
+    records = _records(out / "streaming", "rank0.jsonl")
+    assert [r["batch"] for r in records] == list(range(steps))
+    positions = [p for r in records for p in r["positions"]]
+    assert sorted(positions) == list(range(steps * PROMPTS)), "every prompt position trained exactly once"
+    train = [r for r in _records(out) if r["split"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1)), [r["step"] for r in train]
+    assert all(r["stream/staleness_max"] <= 1.0 for r in train)
 
 
 @pytest.mark.parametrize(
