@@ -110,3 +110,71 @@ def test_a_crashing_or_slow_agent_fails_only_its_episode(chat: dict[str, Any], t
     slow = {"steps": 1, "workflow.agent.run": "openai_agent_mod:too_slow", "workflow.agent.timeout_s": 0.5}
     with pytest.raises(RuntimeError, match=r"timeout_s=0.5"):
         _run(chat, tmp_path / "s", **slow)
+
+
+COMMAND_AGENT = textwrap.dedent(
+    """
+    # An agent as a separate program (no shardforge import): the episode's endpoint and key come from the
+    # environment, the row from stdin; the last line printed is the reward.
+    import json
+    import os
+    import sys
+
+    import openai
+
+    row = json.loads(sys.stdin.read())
+    assert json.loads(os.environ["SHARDFORGE_ROW"]) == row
+    if row["index"] % 2 and "--crash-odd" in sys.argv:
+        sys.exit("the agent fell over")
+    client = openai.OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY
+    reply = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=4
+    )
+    print("a log line the trainer ignores")
+    print(5.0 + 0.1 * len(reply.choices[0].message.content or ""))
+    """
+)
+
+
+def test_an_external_command_agent_trains_and_a_failing_one_fails_only_its_episode(
+    chat: dict[str, Any], tmp_path: Path
+) -> None:
+    script = Path(chat["data"]).parent / "command_agent.py"
+    script.write_text(COMMAND_AGENT)
+    command = f"[{sys.executable}, {script}]"
+    _run(chat, tmp_path / "x", steps=1, **{"workflow.agent.run": "", "workflow.agent.command": command})
+    [record] = _records(tmp_path / "x")
+    assert record["episodes_failed"] == 0 and record["behaviour_kl"] < 1e-4
+    assert 5.0 <= record["reward_mean"] <= 7.0  # the program's rewards (5 + 0.1 per character), not exact_match's 0
+    crashing = f"[{sys.executable}, {script}, --crash-odd]"
+    overrides = {"workflow.agent.run": "", "workflow.agent.command": crashing, "workflow.max_failed_fraction": 0.5}
+    _run(chat, tmp_path / "y", steps=1, **overrides)
+    assert _records(tmp_path / "y")[0]["episodes_failed"] == 2  # the odd row's group of 2
+
+
+def test_agent_config_takes_a_function_or_a_command_not_both() -> None:
+    from shardforge.rollout.workflows.base import AgentConfig
+
+    with pytest.raises(ValueError, match="not both"):
+        AgentConfig(run="m:f", command=("python", "a.py"))
+    with pytest.raises(ValueError, match="list of words"):
+        AgentConfig(command="python a.py")  # type: ignore[arg-type]
+
+
+def test_an_external_agent_past_its_timeout_is_killed(chat: dict[str, Any], tmp_path: Path) -> None:
+    import time
+
+    marker = f"slow-agent-{tmp_path.name}"
+    command = f"[{sys.executable}, -c, 'import time; time.sleep(60)', {marker}]"
+    slow = {"workflow.agent.run": "", "workflow.agent.command": command, "workflow.agent.timeout_s": 0.5}
+    with pytest.raises(RuntimeError, match=r"timeout_s=0.5"):
+        _run(chat, tmp_path / "t", steps=1, **slow)
+    time.sleep(0.5)
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker.encode() in cmdline.read_bytes():
+                left.append(cmdline.parent.name)
+        except OSError:  # the process ended meanwhile
+            pass
+    assert not left, f"agent programs {left} outlived their episodes"

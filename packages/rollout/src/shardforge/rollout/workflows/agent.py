@@ -14,6 +14,10 @@ episode's reward, or None to have the run's reward function score the last compl
 reference. An agent that raises or runs past ``workflow.agent.timeout_s`` fails its episode only (a crashed
 episode, counted against ``workflow.max_failed_fraction``).
 
+Or an external program per episode (``workflow.agent.command: [python, my_agent.py]``, any language): it gets
+``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` (the episode's key) in its environment and the row as JSON on stdin,
+and prints its reward as its last line (``null`` for the reward function); a non-zero exit fails the episode.
+
 The episode's trajectory is the one its last turn extended (turns merged without re-tokenisation). A turn that
 did not extend the previous one (the agent rewrote or truncated its history, or a completion cut at
 ``max_tokens`` was sent back closed) starts another trajectory: the earlier ones are dropped and counted in
@@ -24,6 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import math
+import os
 import threading
 import uuid
 import weakref
@@ -59,13 +66,17 @@ class AgentWorkflow:
 
     def __init__(self, config: WorkflowConfig, tokenizer: Any, reward_fn: Any) -> None:
         options = config.agent
-        if not options.run:
+        if not options.run and not options.command:
             raise ValueError("workflow.name=agent needs workflow.agent.run: 'package.module:function', an "
-                             "`async def run(client: openai.AsyncOpenAI, row: dict) -> float | None`")  # fmt: skip
-        run = import_path(options.run)
-        if not callable(run) or not asyncio.iscoroutinefunction(run):
-            raise ValueError(f"workflow.agent.run={options.run!r} must be an `async def` function (client, row)")
-        self.run: Callable[..., Awaitable[float | None]] = run
+                             "`async def run(client: openai.AsyncOpenAI, row: dict) -> float | None`, or "
+                             "workflow.agent.command: [program, args...]")  # fmt: skip
+        if options.command:
+            self.run: Callable[..., Awaitable[float | None]] = self._run_command
+        else:
+            run = import_path(options.run)
+            if not callable(run) or not asyncio.iscoroutinefunction(run):
+                raise ValueError(f"workflow.agent.run={options.run!r} must be an `async def` function (client, row)")
+            self.run = run
         self.options, self.tokenizer, self.reward_fn = options, tokenizer, reward_fn
         self.endpoint = shared_endpoint(tokenizer, options.model_name, options.max_tokens)
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
@@ -96,7 +107,8 @@ class AgentWorkflow:
             self.endpoint.unroute(key)
             record = self.endpoint.recorder.pop(key)
         if not record.trajectories:
-            raise RuntimeError(f"the agent ({self.options.run}) made no request to the endpoint in its episode")
+            who = self.options.run or " ".join(self.options.command)
+            raise RuntimeError(f"the agent ({who}) made no request to the endpoint in its episode")
         trajectory = record.trajectories[-1]
         trajectory.group, trajectory.images = row.index, row.images
         if reward is None:
@@ -104,3 +116,36 @@ class AgentWorkflow:
         trajectory.reward = float(reward)
         trajectory.stop_reason = f"agent_rewrites_{record.rewrites}" if record.rewrites else "agent"
         return [trajectory]
+
+    async def _run_command(self, client: Any, row: dict[str, Any]) -> float | None:
+        """The external agent of ``workflow.agent.command`` for one episode (``client`` carries its key)."""
+        payload = json.dumps(row)
+        env = dict(os.environ, OPENAI_BASE_URL=self.endpoint.url, OPENAI_API_KEY=client.api_key, SHARDFORGE_ROW=payload)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *self.options.command, env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+        except OSError as exc:
+            raise RuntimeError(f"workflow.agent.command={list(self.options.command)} could not start: {exc}") from exc
+        try:
+            stdout, stderr = await process.communicate(payload.encode())
+        except asyncio.CancelledError:  # the episode timed out: the program goes with it
+            process.kill()
+            await process.wait()
+            raise
+        if process.returncode:
+            tail = stderr.decode(errors="replace").strip()[-1000:]
+            raise RuntimeError(f"the agent command exited with {process.returncode}: {tail}")
+        lines = [line.strip() for line in stdout.decode(errors="replace").splitlines() if line.strip()]
+        if not lines or lines[-1] in ("null", "None"):
+            return None
+        try:
+            reward = float(lines[-1])
+        except ValueError as exc:
+            raise RuntimeError(
+                f"the agent command's last line must be its reward (a number) or null, got {lines[-1][:200]!r}"
+            ) from exc
+        if not math.isfinite(reward):
+            raise RuntimeError(f"the agent command's reward {reward} is not finite")
+        return reward

@@ -76,6 +76,12 @@ class AgentConfig:
     run: str = ""
     """``package.module:function``: ``async def run(client: openai.AsyncOpenAI, row: dict) -> float | None`` (row:
     prompt, reference, index; None: the run's reward function scores the last completion)."""
+    command: tuple[str, ...] = ()
+    """Instead of ``run``: an external program started once per episode (``[python, my_agent.py]``), any language,
+    with ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` (the episode's key) in its environment and the row as a JSON
+    object on its stdin (also in ``SHARDFORGE_ROW``). The last line it prints is its reward (a number), or
+    ``null`` / nothing for the run's reward function to score the last completion; a non-zero exit fails the
+    episode."""
     timeout_s: float = 300.0
     """An episode whose agent runs longer fails (that episode only)."""
     model_name: str = "policy"
@@ -86,6 +92,12 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ValueError(f"workflow.agent.timeout_s={self.timeout_s} must be > 0")
+        if isinstance(self.command, str):
+            raise ValueError(
+                f"workflow.agent.command={self.command!r} must be a list of words, e.g. [python, agent.py]"
+            )
+        if self.run and self.command:
+            raise ValueError("workflow.agent: set run (a Python function) or command (a program), not both")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
