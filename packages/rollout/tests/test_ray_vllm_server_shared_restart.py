@@ -23,7 +23,9 @@ import pytest
 from shardforge.rollout.testing import STUB_SERVER
 
 STUB = STUB_SERVER
-FAST = {"health_timeout_s": 0.5, "request_timeout_s": 2.0, "server_startup_timeout_s": 30.0}
+# Fast failure detection, but not so fast that a live stub on a loaded 2-core CI machine reads as hung: a
+# 0.5 s /health timeout failed there once (2026-11-29). Dead servers here refuse connections at once anyway.
+FAST = {"health_timeout_s": 5.0, "request_timeout_s": 10.0, "server_startup_timeout_s": 30.0}
 PROMPTS = {0: [[5, 6, 7], [8, 9], [10]], 1: [[11, 12], [13], [14, 15, 16]]}
 """Each rank's own prompts (3 requests per rank and round)."""
 
