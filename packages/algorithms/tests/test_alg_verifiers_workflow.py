@@ -5,7 +5,6 @@ the batch's rewards, and the trained tokens are the endpoint's recorded ones."""
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -45,15 +44,9 @@ TASKSET_MODULE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardforge.algorithms.testing import QWEN3_TOOL_TEMPLATE, tiny_chat_assets
+    from shardforge.algorithms.testing.agent_runs import agent_chat_assets
 
-    root = tmp_path_factory.mktemp("verifiers")
-    (root / "vf_sum_taskset.py").write_text(TASKSET_MODULE)
-    sys.path.insert(0, str(root))
-    assets = tiny_chat_assets(root, seed=3, chat_template=QWEN3_TOOL_TEMPLATE)
-    data = root / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "completion": str(2 * a)}) + "\n" for a in range(8)))
-    return assets | {"data": str(data)}
+    return agent_chat_assets(tmp_path_factory.mktemp("verifiers"), "vf_sum_taskset", TASKSET_MODULE)
 
 
 @pytest.fixture(autouse=True)
@@ -63,22 +56,17 @@ def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _run(chat: dict[str, Any], out: Path, **overrides: Any) -> dict[str, Any]:
-    from shardforge.algorithms.config_io import apply_overrides, build_config
-    from shardforge.algorithms.trainers.grpo import GRPOConfig, run_grpo
+    from shardforge.algorithms.testing.agent_runs import run_agent_grpo
 
-    base = {
-        "model": chat["model"], "train_file": chat["data"], "output_dir": str(out), "layout": "d1", "steps": 2,
-        "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6, "progress": False, "export_hf_at_end": False,
-        "temperature": 1.0, "reward_fn": "exact_match",
-        "workflow": {"name": "verifiers", "verifiers": {"env": "vf_sum_taskset", "timeout_s": 60}},
-        "engine": {"max_tokens_per_microbatch": 256, "optimizer": {"lr": 3e-3}},
-    }  # fmt: skip
-    return run_grpo(build_config(GRPOConfig, apply_overrides(base, [f"{k}={v}" for k, v in overrides.items()])))
+    return run_agent_grpo(
+        chat, out, {"name": "verifiers", "verifiers": {"env": "vf_sum_taskset", "timeout_s": 60}}, **overrides
+    )
 
 
 def _records(out: Path) -> list[dict[str, Any]]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["split"] == "train"]
+    from shardforge.algorithms.testing.agent_runs import train_records
+
+    return train_records(out)
 
 
 def test_grpo_trains_on_a_verifiers_environment_with_its_rubric_rewards(chat: dict[str, Any], tmp_path: Path) -> None:
