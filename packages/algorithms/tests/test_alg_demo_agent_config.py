@@ -58,7 +58,28 @@ def test_cli_passes_the_seed_to_the_demo(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert cli.main(argv) == 0
     rule = demo_agent.load_sft_stop_rule(["target=0.3"])
     expected = {"nproc": 2, "sft_steps": None, "sft_stop": rule, "grpo_steps": 5, "seed": 3, "sft_only": False}
-    assert seen == {"out": str(tmp_path)} | expected
+    assert seen == {"out": str(tmp_path)} | expected | {"openai_agent": False}
+    assert cli.main([*argv, "--openai-agent"]) == 0
+    assert seen["openai_agent"] is True
+
+
+def test_openai_agent_variant_runs_an_sdk_only_agent_with_the_demo_settings() -> None:
+    """``--openai-agent``: GRPO's settings stay the demo's, the workflow becomes the agent file, and that file
+    imports the openai SDK and no shardforge module (what the demo shows)."""
+    from shardforge.algorithms.config_io import apply_overrides
+    from shardforge.core.registry import import_path
+
+    base = load_yaml(DEMOS / "demo_agent_grpo.yaml") | {"model": "m", "train_file": "t.jsonl", "output_dir": "o"}
+    config = build_config(GRPOConfig, apply_overrides(base, demo_agent.OPENAI_AGENT_OVERRIDES))
+    tool_use = build_config(GRPOConfig, base)
+    assert config.workflow.name == "agent" and config.workflow.max_failed_fraction == 0.25
+    assert (config.steps, config.temperature, config.max_new_tokens) == (
+        tool_use.steps, tool_use.temperature, tool_use.max_new_tokens
+    )
+    assert inspect.iscoroutinefunction(import_path(config.workflow.agent.run))
+    source = (DEMOS / "openai_calculator_agent.py").read_text()
+    imports = re.findall(r"^(?:import|from) (\S+)", source, flags=re.M)
+    assert "openai" in imports and not [name for name in imports if name.startswith("shardforge")]
 
 
 def _run_rule(rule: SFTStopRule, curve: dict[int, float]) -> tuple[SFTStopResult, list[int]]:

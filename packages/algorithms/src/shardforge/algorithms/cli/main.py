@@ -116,75 +116,19 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--dry-run", action="store_true", help="check everything and print the resolved config")
     evaluate.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     evaluate.epilog = "Any further key=value arguments override config entries, e.g. eval_sampling.samples=8"
-    demo = sub.add_parser("demo", help="run the end-to-end CPU demo")
-    demo.add_argument("--out", default="outputs/demo", help="output directory")
-    demo.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
-    demo.add_argument("--steps", type=int, default=1000, help="SFT steps")
-    demo.add_argument(
-        "--prepare-only", action="store_true", help="only write the tiny model, tokenizer and data under --out"
-    )
-    demo_rl = sub.add_parser("demo-rl", help="run the CPU RL demo: a short SFT, then GRPO")
-    demo_rl.add_argument("--out", default="outputs/demo_rl", help="output directory")
-    demo_rl.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
-    demo_rl.add_argument("--sft-steps", type=int, default=450, help="SFT steps before GRPO")
-    demo_rl.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_grpo.yaml)")
-    demo_kd = sub.add_parser("demo-distill", help="run the CPU distillation demo: a small student from the SFT model")
-    demo_kd.add_argument("--out", default="outputs/demo_distill", help="output directory")
-    demo_kd.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
-    demo_kd.add_argument("--teacher-steps", type=int, default=600, help="SFT steps of the teacher")
-    demo_kd.add_argument("--student-steps", type=int, default=300, help="SFT steps of the student before the split")
-    demo_kd.add_argument("--extra-steps", type=int, default=100, help="steps of each continuation (SFT / distill)")
-    demo_kd.add_argument("--teacher", default=None, help="reuse this teacher HF dir (e.g. an earlier run's teacher/hf)")
-    demo_kd.add_argument("--student-hidden", type=int, default=128, help="student hidden size")
-    demo_kd.add_argument("--student-layers", type=int, default=4, help="student decoder layers")
-    demo_kd.add_argument(
-        "--distill-loss", default=None, help="distill_loss of the distillation stage (default: demo_distill.yaml's)"
-    )
-    demo_kd.add_argument(
-        "--distill-set", action="append", default=[], metavar="KEY=VALUE",
-        help="extra override of the distillation stage (repeatable), e.g. engine.optimizer.lr=5e-4",
-    )  # fmt: skip
-    demo_agent = sub.add_parser(
-        "demo-agent", help="run the CPU agent demo: SFT on calculator tool-call traces, then GRPO with tool_use"
-    )
-    demo_agent.add_argument("--out", default="outputs/demo_agent", help="output directory")
-    demo_agent.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
-    demo_agent.add_argument(
-        "--sft-steps", type=int, default=None, help="fixed SFT steps (default: stop on validation success, --sft-stop)"
-    )
-    demo_agent.add_argument(
-        "--sft-stop", action="append", default=[], metavar="KEY=VALUE",
-        help="override of the SFT stop rule (demo_agent_sft_stop.yaml; repeatable), e.g. target=0.25 max_steps=400",
-    )  # fmt: skip
-    demo_agent.add_argument("--sft-only", action="store_true", help="stop after the SFT stage")
-    demo_agent.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_agent_grpo.yaml)")
-    demo_agent.add_argument("--seed", type=int, default=0, help="seed of the model, data, SFT and GRPO")
-    demo_vlm = sub.add_parser(
-        "demo-vlm",
-        help="run the CPU vision-language demo: a tiny Qwen2.5-VL learns the colour of a square (SFT, then GRPO)",
-    )
-    demo_vlm.add_argument("--out", default="outputs/demo_vlm", help="output directory")
-    demo_vlm.add_argument("--nproc-per-node", type=int, default=2, help="FSDP ranks")
-    demo_vlm.add_argument("--steps", type=int, default=None, help="SFT steps (default: demo_vlm_sft.yaml)")
-    demo_vlm.add_argument(
-        "--grpo-steps", type=int, default=None, help="GRPO steps (default: demo_vlm_grpo.yaml; 0: SFT only)"
-    )
-    demo_vlm.add_argument(
-        "--prepare-only",
-        action="store_true",
-        help="only write the tiny VLM and the image data (examples/sft_vlm_tiny.yaml, examples/grpo_vlm_tiny.yaml)",
-    )
     sub.add_parser("list", help="list every registry (trainers, losses, estimators, ...) with its names")
     reference = sub.add_parser(
         "config-reference", help="write docs/configuration.md: every config key of every trainer"
     )
     reference.add_argument("--out", default="docs/configuration.md", help="the page to write (or check)")
     reference.add_argument("--check", action="store_true", help="only check the page is current; exit 1 if not")
+    from shardforge.algorithms.cli.demo_commands import add_demo_parsers
     from shardforge.algorithms.cli.serve import add_serve_parser
     from shardforge.algorithms.cli.serve_openai import add_serve_openai_parser
     from shardforge.algorithms.demos.prepare_tiny import add_prepare_tiny_parser
     from shardforge.algorithms.plan.report import add_plan_parser
 
+    add_demo_parsers(sub)
     add_plan_parser(sub)
     add_serve_openai_parser(sub)
     add_serve_parser(sub)
@@ -392,51 +336,10 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
 
         prepare_tiny(args.out, sft_steps=args.sft_steps, force=args.force)
         return 0
-    if args.command == "demo":
-        from shardforge.algorithms.demos.demo import prepare_demo, run_demo
+    if args.command.startswith("demo"):
+        from shardforge.algorithms.cli.demo_commands import run_demo_command
 
-        if args.prepare_only:
-            assets = prepare_demo(args.out)
-            log.info("tiny model + tokenizer: %s; data: %s, %s", assets["model"], assets["train"], assets["eval"])
-            return 0
-        run_demo(args.out, nproc=args.nproc_per_node, steps=args.steps)
-        return 0
-    if args.command == "demo-distill":
-        from shardforge.algorithms.demos.demo_distill import run_distill_demo
-
-        run_distill_demo(
-            args.out, nproc=args.nproc_per_node, teacher_steps=args.teacher_steps,
-            student_steps=args.student_steps, extra_steps=args.extra_steps, teacher_dir=args.teacher,
-            student_hidden=args.student_hidden, student_layers=args.student_layers, distill_loss=args.distill_loss,
-            distill_overrides=args.distill_set,
-        )  # fmt: skip
-        return 0
-    if args.command == "demo-rl":
-        from shardforge.algorithms.demos.demo_rl import run_rl_demo
-
-        run_rl_demo(args.out, nproc=args.nproc_per_node, sft_steps=args.sft_steps, grpo_steps=args.grpo_steps)
-        return 0
-    if args.command == "demo-agent":
-        from shardforge.algorithms.demos.demo_agent import load_sft_stop_rule, run_agent_demo
-
-        if args.sft_steps is not None and args.sft_stop:
-            raise SystemExit("demo-agent: give --sft-steps (a fixed count) or --sft-stop (the stop rule), not both")
-        run_agent_demo(
-            args.out, nproc=args.nproc_per_node, sft_steps=args.sft_steps, sft_stop=load_sft_stop_rule(args.sft_stop),
-            grpo_steps=args.grpo_steps, seed=args.seed, sft_only=args.sft_only,
-        )  # fmt: skip
-        return 0
-    if args.command == "demo-vlm":
-        from shardforge.algorithms.demos.demo_vlm import prepare_vlm_demo, run_vlm_demo
-
-        if args.prepare_only:
-            made = prepare_vlm_demo(args.out)
-            log.info(
-                "tiny VLM + tokenizer + image processor: %s; data: %s, %s", made["model"], made["train"], made["eval"]
-            )
-            return 0
-        run_vlm_demo(args.out, nproc=args.nproc_per_node, steps=args.steps, grpo_steps=args.grpo_steps)
-        return 0
+        return run_demo_command(args)
     if args.command == "plan":
         from shardforge.algorithms.plan.report import run_plan
 

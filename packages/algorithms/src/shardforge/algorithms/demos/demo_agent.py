@@ -29,6 +29,12 @@ __all__ = ["load_sft_stop_rule", "make_tool_data", "run_agent_demo"]
 
 logger = logging.getLogger(__name__)
 
+OPENAI_AGENT_OVERRIDES = [
+    "workflow.name=agent", "workflow.agent.run=shardforge.algorithms.demos.openai_calculator_agent:run",
+    "workflow.agent.timeout_s=120", "workflow.max_failed_fraction=0.25",
+]  # fmt: skip
+"""GRPO's workflow in ``demo-agent --openai-agent``: the openai-SDK agent through the endpoint."""
+
 
 def _torchrun(nproc: int, command: list[str], config: Path, overrides: list[str]) -> None:
     """``shardforge <command> --config <config> <overrides>`` on ``nproc`` CPU ranks."""
@@ -134,11 +140,15 @@ def run_agent_demo(
     seed: int = 0,
     held_out: int = 400,
     sft_only: bool = False,
+    openai_agent: bool = False,
 ) -> dict[str, Any]:
     """Prepare, evaluate the base model, SFT on traces, GRPO with tool_use (evaluating as it goes), plot.
 
     SFT runs ``sft_steps`` steps when given, else until the stop rule ``sft_stop`` (default:
-    ``demo_agent_sft_stop.yaml``) says so; ``sft_only`` ends the demo after SFT."""
+    ``demo_agent_sft_stop.yaml``) says so; ``sft_only`` ends the demo after SFT. With ``openai_agent`` GRPO
+    (training and held-out evals) runs `openai_calculator_agent.py`, an agent written against the openai SDK
+    only, through the OpenAI-compatible endpoint (``workflow.name: agent``) instead of the tool_use workflow:
+    the same task, tool, prompts and chat template."""
     from shardforge.algorithms.testing import tiny_chat_assets
 
     out = Path(out_dir)
@@ -193,13 +203,15 @@ def run_agent_demo(
     ]  # fmt: skip
     if grpo_steps is not None:
         overrides.append(f"steps={grpo_steps}")
+    if openai_agent:
+        overrides += OPENAI_AGENT_OVERRIDES
     _torchrun(nproc, ["train", "grpo"], here / "demo_agent_grpo.yaml", overrides)
     evals = _evals(grpo_dir / "metrics.jsonl")
     after_sft, after_grpo = evals[0], evals[-1]
     png = out / "agent_curve.png"
     note = (
         f"held-out success {base['success@1']:.0%} (base) -> {after_sft['success@1']:.0%} (SFT) -> "
-        f"{after_grpo['success@1']:.0%} (GRPO), {nproc} ranks"
+        f"{after_grpo['success@1']:.0%} (GRPO{', openai-SDK agent' if openai_agent else ''}), {nproc} ranks"
     )
     plot_agent(grpo_dir / "metrics.jsonl", png, note)
     keys = ("success@1", "tool_call_valid_rate", "tool_calls_mean", "turns_mean", "reward_per_turn")
@@ -213,6 +225,7 @@ def run_agent_demo(
         "held_out_prompts": held_out,
         "seed": seed,
         "ranks": nproc,
+        "workflow": "agent (openai SDK)" if openai_agent else "tool_use",
         "curve": str(png),
         "minutes": (time.time() - started) / 60,
     }

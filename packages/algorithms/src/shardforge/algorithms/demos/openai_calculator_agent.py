@@ -1,5 +1,7 @@
 """An agent written against the OpenAI client only (no shardforge import), trained by
-examples/grpo_openai_agent_tiny.yaml through shardforge's OpenAI-compatible endpoint.
+examples/grpo_openai_agent_tiny.yaml and by `shardforge demo-agent --openai-agent` through shardforge's
+OpenAI-compatible endpoint (``workflow.agent.run: shardforge.algorithms.demos.openai_calculator_agent:run``; a
+copy of this file anywhere works as ``path/to/file.py:run``).
 
 It may call a calculator tool (OpenAI tool format); the tool's result goes back as a tool message and the model
 answers. Its return value is the episode's reward (1.0 for the right sum)."""
