@@ -31,6 +31,7 @@ __all__ = [
     "add_reward_call_stats",
     "add_reward_stats",
     "add_rollout_server_stats",
+    "add_source_stats",
     "add_stream_stats",
     "add_workflow_stats",
 ]
@@ -168,3 +169,22 @@ def add_stream_stats(metrics: StepMetrics, local: Mapping[str, float]) -> None:
     ranks), ``stream/trainer_idle_frac`` (time the trainer waited for batches / time since its first batch, mean over
     ranks), ``stream/generator_idle_frac``, ``stream/regenerated`` (too-stale groups generated again, cumulative)."""
     metrics.add("stream", local, _stream_view)
+
+
+def add_source_stats(metrics: StepMetrics, sampled: Any, config: Any) -> None:
+    """What the batch source adds to a step of an asynchronous trainer (GRPO, PPO; ``sampled``: its `SampledBatch`):
+    ``staleness`` (steps between the batch and its oldest group's weights), ``rollout_policy_step``,
+    ``rollout_wait_s``, ``generate_overlap_s``; ``partial/*`` with partial rollouts and ``stream/*`` when streaming
+    (every rank's counts, reduced with the step's others). Nothing for synchronous rollouts."""
+    if not config.async_rollouts:
+        return
+    metrics.put({
+        "staleness": float(sampled.index - sampled.policy_step),
+        "rollout_policy_step": float(sampled.policy_step),
+        "rollout_wait_s": sampled.wait_s,
+        "generate_overlap_s": max(sampled.generate_s - sampled.wait_s, 0.0),
+    })  # fmt: skip
+    if config.rollout.partial_rollouts:  # every rank's counts, summed: the whole batch's staleness
+        add_partial_rollout_stats(metrics, sampled.stats)
+    if config.streaming_rollouts:  # every rank's groups: staleness histogram, version spread, in flight, idle
+        add_stream_stats(metrics, sampled.stats)

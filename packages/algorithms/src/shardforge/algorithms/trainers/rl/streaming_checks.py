@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-__all__ = ["check_streaming_config", "check_streaming_layout"]
+__all__ = ["check_async_recompute", "check_streaming_config", "check_streaming_layout"]
 
 VALID_MODES = (
     "valid: async_rollouts=false (synchronous); async_rollouts=true (whole batches, one step ahead); "
@@ -15,7 +15,8 @@ VALID_MODES = (
 
 
 def check_streaming_config(config: Any) -> None:
-    """Refuse combinations of a `GRPOConfig` that streaming does not support (when the config is built)."""
+    """Refuse combinations of a `GRPOConfig` or `PPOConfig` that streaming does not support (when the config is
+    built)."""
     if not config.streaming_rollouts:
         return
     if not config.async_rollouts:
@@ -32,7 +33,7 @@ def check_streaming_config(config: Any) -> None:
             "rollout.partial_rollouts=true with streaming_rollouts=true is not supported yet (a streamed group finishes "
             "under the weights it started with): set rollout.partial_rollouts=false, or streaming_rollouts=false"
         )
-    if _has_greedy_baseline(config.advantage):
+    if _has_greedy_baseline(getattr(config, "advantage", "")):
         raise ValueError(
             f"advantage={config.advantage} with streaming_rollouts=true is not supported yet (its greedy baseline episodes "
             "are collected per batch): use another estimator (grpo, rloo, dr_grpo), or streaming_rollouts=false"
@@ -53,6 +54,19 @@ def check_streaming_layout(config: Any, world_size: int) -> None:
             f"streaming_rollouts=true with {world_size} ranks needs a rollout engine per rank (each rank's generator "
             "switches weights on its own): use rollout.engine=hf with rollout.placement=colocated, or rollout.engine=vllm "
             "with rollout.vllm.mode=in_process and rollout.vllm.placement=each_rank"
+        )
+
+
+def check_async_recompute(config: Any) -> None:
+    """Asynchronous (and streaming) batches need the trainer's recomputed log-probs as the proximal policy."""
+    from shardforge.engine.objectives.rollout_correction import ROLLOUT_CORRECTIONS
+
+    if config.async_rollouts and not (
+        config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
+    ):
+        raise ValueError(
+            "async_rollouts needs recompute_logprobs=true and a rollout_correction.mode other than bypass: "
+            "stale batches need the trainer's log-probs as the proximal policy (the rollout's are the behaviour policy)"
         )
 
 
