@@ -252,6 +252,12 @@ def test_streaming_run_killed_with_sigkill_resumes_without_dropping_or_repeating
         ),
         ({**STREAM, "rollout.partial_rollouts": True}, "partial_rollouts=true with streaming_rollouts=true is not"),
         ({**STREAM, "advantage": "remax"}, "advantage=remax with streaming_rollouts=true is not supported"),
+        ({**STREAM, "rollout.streaming_workers": 0}, r"rollout.streaming_workers=0 must be >= 1 \(generator threads"),
+        ({"rollout.streaming_workers": 2}, "streaming_workers=2 sets the generator threads of streaming rollouts: set"),
+        (
+            {**STREAM, "rollout.streaming_workers": 2},
+            "streaming_workers=2 needs a rollout engine that serves concurrent",
+        ),
     ],
 )
 def test_streaming_refuses_what_it_does_not_support(
@@ -269,3 +275,13 @@ def test_streaming_with_several_ranks_needs_an_engine_per_rank(assets: dict[str,
     check_streaming_layout(_config(assets, tmp_path, **STREAM, **each), 2)
     with pytest.raises(ValueError, match="with 2 ranks needs a rollout engine per rank"):
         check_streaming_layout(_config(assets, tmp_path, **STREAM, **{"rollout.engine": "vllm"}), 2)
+
+
+def test_streaming_workers_with_an_engine_that_serves_concurrent_requests(
+    assets: dict[str, Any], tmp_path: Path
+) -> None:
+    server = {"rollout.engine": "vllm", "rollout.vllm.mode": "server", "rollout.streaming_workers": 4}
+    assert _config(assets, tmp_path, **STREAM, **server).rollout.streaming_workers == 4
+    actors = {"rollout.placement": "disaggregated", "rollout.streaming_workers": 2}
+    assert _config(assets, tmp_path, **STREAM, **actors).rollout.streaming_workers == 2
+    assert _config(assets, tmp_path).rollout.streaming_workers == 1  # the default: one generator thread

@@ -194,3 +194,73 @@ def test_streaming_several_groups_per_call_keep_the_bound_and_the_schedule() -> 
     assert sorted(positions) == list(range(n * b))
     for k, info in enumerate(src.infos):
         assert all(k - v <= s for v in info.start_versions), (k, info.start_versions)
+
+
+class _ConcurrentEngine:
+    """A rollout engine that serves concurrent generate calls (a server): records each call's weight version at its
+    start and end, and how many calls overlap."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.calls: list[tuple[list[int], int, int]] = []  # (positions, version at start, version at end)
+        self.lock = threading.Lock()
+        self.active = self.overlapped = 0
+
+    def update_weights(self, version: int) -> None:
+        with self.lock:
+            assert self.active == 0, "weights switched under a call in flight"
+            self.version = version
+
+    def groups(self, positions: list[int]) -> list[tuple[list[Trajectory], torch.Tensor]]:
+        with self.lock:
+            self.active += 1
+            self.overlapped = max(self.overlapped, self.active)
+            start = self.version
+        time.sleep(0.02 + 0.01 * (positions[0] % 3))
+        out = []
+        for p in positions:
+            trajs = [
+                Trajectory(group=p, token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0] * 2, versions=[start] * 2)
+                for _ in range(GROUP)
+            ]
+            out.append((trajs, torch.full((GROUP,), float(p))))
+        with self.lock:
+            self.active -= 1
+            self.calls.append((positions, start, self.version))
+        return out
+
+
+def test_streaming_source_workers_overlap_calls_and_switch_weights_between_them(tmp_path) -> None:
+    """``rollout.streaming_workers=2``: two generate calls in flight at once, each of half a rank's batch share, every
+    call under one weight version (a switch waits for none in flight), every prompt position trained once, the bound
+    kept; an evaluation runs with no call in flight."""
+    from shardforge.algorithms.trainers.rl.streaming_source import StreamingSource
+
+    engine = _ConcurrentEngine()
+    published: list[int] = []
+
+    def publish(version: int | None) -> int:
+        published.append(len(published) + 1 if version is None else version)
+        return published[-1]
+
+    b, n, s = 4, 6, 1
+    src = StreamingSource(
+        rollout=engine, groups_fn=engine.groups, publish_fn=publish, prompts_per_step=b, max_staleness=s,  # type: ignore[arg-type]
+        num_batches=n, start=0, dp_rank=0, dp_size=1, workers=2, record_dir=tmp_path,
+    )  # fmt: skip
+    try:
+        batches = []
+        for k in range(n):
+            batches.append(src.batch(k))
+            if k == 2:  # evaluation between calls: nothing in flight, the newest weights
+                assert src.evaluate(lambda e: (e.active, e.version)) == (0, published[-1])
+            time.sleep(0.03)  # "training"
+            src.publish(k + 1)
+    finally:
+        src.close()
+    assert src.max_active == 2 and engine.overlapped == 2, "two calls in flight at once"
+    assert all(len(positions) <= b // 2 for positions, _, _ in engine.calls), engine.calls
+    assert all(start == end for _, start, end in engine.calls), "one weight version per call"
+    positions = sorted(t.group for batch in batches for t in batch.rollouts[::GROUP])
+    assert positions == list(range(n * b)), "every prompt position once"
+    assert all(batch.index - batch.policy_step <= s for batch in batches)

@@ -194,7 +194,7 @@ class RLTrainer(Trainer[C]):
             rollout=rollout, groups_fn=_traced(groups_fn), publish_fn=publish, prompts_per_step=config.prompts_per_step,
             max_staleness=max_staleness, num_batches=config.steps, start=start, dp_rank=engine.dp_rank,
             dp_size=engine.dp_size, restored=restored.get(StreamingSource.checkpoint_key), device=engine.device,
-            record_dir=self.out / "streaming",
+            record_dir=self.out / "streaming", workers=config.rollout.streaming_workers,
         )  # fmt: skip
 
     def update(self, sampled: SampledBatch, metrics: StepMetrics) -> dict[str, float]:

@@ -17,8 +17,21 @@ VALID_MODES = (
 def check_streaming_config(config: Any) -> None:
     """Refuse combinations of a `GRPOConfig` or `PPOConfig` that streaming does not support (when the config is
     built)."""
+    workers = config.rollout.streaming_workers
+    if workers > 1 and not config.streaming_rollouts:
+        raise ValueError(
+            f"rollout.streaming_workers={workers} sets the generator threads of streaming rollouts: set "
+            "streaming_rollouts=true (with async_rollouts=true), or rollout.streaming_workers=1"
+        )
     if not config.streaming_rollouts:
         return
+    if workers > 1 and not _serves_concurrent_requests(config.rollout):
+        raise ValueError(
+            f"rollout.streaming_workers={workers} needs a rollout engine that serves concurrent requests "
+            "(rollout.engine=vllm with rollout.vllm.mode=server, or rollout.placement=disaggregated); the embedded "
+            f"engine (rollout.engine={config.rollout.engine}, placement {config.rollout.placement}) generates one call "
+            "at a time: set rollout.streaming_workers=1"
+        )
     if not config.async_rollouts:
         raise ValueError(
             f"streaming_rollouts=true is a mode of asynchronous rollouts: set async_rollouts=true ({VALID_MODES})"
@@ -68,6 +81,12 @@ def check_async_recompute(config: Any) -> None:
             "async_rollouts needs recompute_logprobs=true and a rollout_correction.mode other than bypass: "
             "stale batches need the trainer's log-probs as the proximal policy (the rollout's are the behaviour policy)"
         )
+
+
+def _serves_concurrent_requests(rollout: Any) -> bool:
+    """Whether generate calls from several threads run concurrently on the rollout engine (a server, or actors)."""
+    server = rollout.engine == "vllm" and rollout.vllm.mode == "server"
+    return bool(server or rollout.placement == "disaggregated")
 
 
 def _has_greedy_baseline(estimator: str) -> bool:
