@@ -6,6 +6,7 @@
 - ``max_staleness=1`` streaming: no trained group is more than 1 step stale, the critic's values and GAE are computed
   at training time (finite, per step), and a run stopped after its step-2 checkpoint and resumed trains every prompt
   position exactly once;
+- dynamic sampling with streaming: groups with equal rewards are dropped as they finish, none trained twice;
 - the settings PPO's streaming does not support are refused with one line.
 """
 
@@ -28,6 +29,10 @@ REWARDS = textwrap.dedent(
     """
     def has_seven(prompt, response, reference):
         return float("7" in response) + 0.1 * len(response)
+
+
+    def only_seven(prompt, response, reference):
+        return float("7" in response)
     """
 )
 
@@ -213,10 +218,6 @@ def test_ppo_streaming_bound_and_lossless_resume(
             {"streaming_rollouts": True},
             "streaming_rollouts=true is a mode of asynchronous rollouts: set async_rollouts",
         ),
-        (
-            {**STREAM, "dynamic_sampling.enabled": True},
-            "dynamic_sampling with streaming_rollouts=true is not supported",
-        ),
         ({**STREAM, "rollout.partial_rollouts": True}, "partial_rollouts=true with streaming_rollouts=true is not"),
         ({"async_rollouts": True, "rollout.partial_rollouts": True}, "partial_rollouts=true is not supported by ppo"),
     ],
@@ -234,3 +235,19 @@ def test_ppo_async_needs_recomputed_logprobs(assets: dict[str, Any], tmp_path: P
     check_async_recompute(_config(assets, tmp_path, **STREAM))
     with pytest.raises(ValueError, match="async_rollouts needs recompute_logprobs=true"):
         check_async_recompute(_config(assets, tmp_path, **STREAM, recompute_logprobs=False))
+
+
+def test_ppo_streaming_with_dynamic_sampling(assets: dict[str, Any], tmp_path: Path) -> None:
+    out = tmp_path / "ds"
+    ds = {"dynamic_sampling.enabled": True, "reward_fn": "ppo_streaming_rewards_mod:only_seven"}
+    train = _run(assets, out, max_staleness=1, **STREAM, **ds)["train"]
+    records = _records(out / "streaming", "rank0.jsonl")
+    trained = [p for r in records for p in r["positions"]]
+    filtered = [p for r in records for p in r["filtered"]]
+    assert filtered, "some groups had equal rewards (0/1 reward, 2 samples)"
+    assert sorted(trained + filtered) == list(range(len(trained) + len(filtered))), "each position once, none lost"
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    for r in train:
+        assert r["stream/staleness_max"] <= 1.0 and math.isfinite(r["critic/loss"])
+        if r["stream/cap_hit_frac"] == 0.0:  # a full batch of kept groups: rewards differ within every group
+            assert r["reward_std"] > 0.0, r

@@ -264,3 +264,50 @@ def test_streaming_source_workers_overlap_calls_and_switch_weights_between_them(
     positions = sorted(t.group for batch in batches for t in batch.rollouts[::GROUP])
     assert positions == list(range(n * b)), "every prompt position once"
     assert all(batch.index - batch.policy_step <= s for batch in batches)
+
+
+def test_streaming_dynamic_sampling_drops_groups_as_they_finish_and_waits_for_kept_ones() -> None:
+    """``keep_fn``: dropped groups free their place at once, every batch is ``prompts_per_step`` kept groups, every
+    position is trained or dropped exactly once, and the staleness bound holds."""
+    b, n, s = 3, 5, 1
+    engine = FakeEngine(delays=True, seed=3)
+    src = StreamingRollouts(
+        group_fn=engine.group, load_weights=engine.load, publish_fn=lambda step: None, prompts_per_step=b,
+        max_staleness=s, num_batches=n, keep_fn=lambda trajs: "all_fail" if trajs[0].group % 3 == 0 else None,
+        max_rounds=3,
+    )  # fmt: skip
+    try:
+        batches = _run(src, engine, 0, n, train_s=0.01)
+    finally:
+        src.close()
+    trained = [t.group for batch in batches for t in batch.rollouts[::GROUP]]
+    filtered = [p for info in src.infos for p in info.filtered]
+    assert all(len(batch.rollouts) == b * GROUP for batch in batches), "whole batches of kept groups"
+    assert all(p % 3 for p in trained) and all(p % 3 == 0 for p in filtered)
+    assert sorted(trained + filtered) == list(range(len(trained) + len(filtered))), "each position once, none lost"
+    assert len(trained) == n * b and batches[-1].stats["stream/filtered_all_fail"] >= n * b // 2 - 1
+    assert all(batch.stats["stream/cap_hit"] == 0.0 for batch in batches)
+    for k, info in enumerate(src.infos):
+        assert all(k - v <= s for v in info.start_versions), (k, info.start_versions)
+
+
+def test_streaming_dynamic_sampling_cap_trains_on_what_it_has() -> None:
+    """``max_rounds`` caps the prompts started; a batch the cap leaves short trains on its kept groups, and one with
+    none on the last dropped group (a placeholder), so the run never waits forever."""
+    b, n = 4, 3
+    engine = FakeEngine(delays=False)
+    src = StreamingRollouts(
+        group_fn=engine.group, load_weights=engine.load, publish_fn=lambda step: None, prompts_per_step=b,
+        max_staleness=0, num_batches=n, keep_fn=lambda trajs: None if trajs[0].group in (1, 2) else "all_pass",
+        max_rounds=2,
+    )  # fmt: skip
+    try:
+        batches = _run(src, engine, 0, n)
+    finally:
+        src.close()
+    sizes = [len(batch.rollouts) // GROUP for batch in batches]
+    assert sizes == [2, 1, 1], sizes  # batch 0: positions 1, 2 kept of 0..7; then the placeholders
+    assert [batch.stats["stream/cap_hit"] for batch in batches] == [1.0, 1.0, 1.0]
+    trained = [t.group for batch in batches for t in batch.rollouts[::GROUP]]
+    filtered = [p for info in src.infos for p in info.filtered]
+    assert not set(trained) & set(filtered) and len(trained) + len(filtered) == len(set(trained + filtered))

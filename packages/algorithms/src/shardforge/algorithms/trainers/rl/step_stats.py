@@ -155,6 +155,9 @@ def _stream_view(raw: dict[str, float]) -> dict[str, float]:
         "stream/trainer_idle_frac": raw["trainer_idle_frac_sum"] / ranks,
         "stream/generator_idle_frac": raw["generator_idle_frac_sum"] / ranks,
         "stream/regenerated": raw["regenerated"],
+        "stream/filtered_all_pass": raw.get("filtered_all_pass", 0.0),
+        "stream/filtered_all_fail": raw.get("filtered_all_fail", 0.0),
+        "stream/cap_hit_frac": raw.get("cap_hit", 0.0) / ranks,
     }
     for name, value in raw.items():
         if name.startswith("staleness_") and name[len("staleness_") :].isdigit():
@@ -167,7 +170,9 @@ def add_stream_stats(metrics: StepMetrics, local: Mapping[str, float]) -> None:
     ``stream/staleness_{s}_frac`` (share of the batch's groups s steps stale), ``stream/version_spread`` (newest minus
     oldest start version in the batch, over ranks), ``stream/in_flight`` (groups generating or finished-unused, all
     ranks), ``stream/trainer_idle_frac`` (time the trainer waited for batches / time since its first batch, mean over
-    ranks), ``stream/generator_idle_frac``, ``stream/regenerated`` (too-stale groups generated again, cumulative)."""
+    ranks), ``stream/generator_idle_frac``, ``stream/regenerated`` (too-stale groups generated again, cumulative); with
+    dynamic sampling ``stream/filtered_all_pass|all_fail`` (groups dropped, cumulative, all ranks) and
+    ``stream/cap_hit_frac`` (share of ranks whose batch was short: the max_rounds cap)."""
     metrics.add("stream", local, _stream_view)
 
 

@@ -36,11 +36,6 @@ def check_streaming_config(config: Any) -> None:
         raise ValueError(
             f"streaming_rollouts=true is a mode of asynchronous rollouts: set async_rollouts=true ({VALID_MODES})"
         )
-    if config.dynamic_sampling.enabled:
-        raise ValueError(
-            "dynamic_sampling with streaming_rollouts=true is not supported yet (it filters and backfills whole batches): "
-            "set dynamic_sampling.enabled=false, or streaming_rollouts=false (async_rollouts=true keeps it)"
-        )
     if config.rollout.partial_rollouts:
         raise ValueError(
             "rollout.partial_rollouts=true with streaming_rollouts=true is not supported yet (a streamed group finishes "

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from shardforge.algorithms.trainers.rl.sources import PublishFn, SampledBatch, raise_if_any_rank_failed
-from shardforge.algorithms.trainers.rl.streaming import GroupsFn, StreamBatchInfo, StreamingRollouts
+from shardforge.algorithms.trainers.rl.streaming import GroupsFn, KeepFn, StreamBatchInfo, StreamingRollouts
 from shardforge.rollout import RolloutEngine
 
 __all__ = ["StreamingSource", "stream_stats"]
@@ -58,6 +58,7 @@ class StreamingSource:
         record_dir: where the per-rank batch records go (None: not recorded).
         workers: generator threads (``rollout.streaming_workers``); ``groups_fn`` must then be safe to call from
             several threads at once (see the module docstring).
+        keep_fn, max_rounds: dynamic sampling (`StreamingRollouts`): each rank judges its own finished groups.
     """
 
     checkpoint_key = "streaming_rollouts"
@@ -79,6 +80,8 @@ class StreamingSource:
         device: torch.device | None = None,
         record_dir: Path | None = None,
         workers: int = 1,
+        keep_fn: KeepFn | None = None,
+        max_rounds: int = 1,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers} must be >= 1 (generator threads of the streaming source)")
@@ -101,7 +104,7 @@ class StreamingSource:
             group_fn=_unused, load_weights=self._load, publish_fn=self._publish, prompts_per_step=self.local,
             max_staleness=max_staleness, num_batches=num_batches, start=start,
             restored=_decode(restored, dp_rank, dp_size), groups_fn=self._groups, workers=workers,
-            groups_per_call=-(-self.local // workers),
+            groups_per_call=-(-self.local // workers), keep_fn=keep_fn, max_rounds=max_rounds,
         )  # fmt: skip
 
     def global_position(self, q: int) -> int:
@@ -194,6 +197,7 @@ class StreamingSource:
             "positions": [self.global_position(q) for q in info.positions],
             "finish_order": [self.global_position(q) for q in info.finish_order],
             "start_versions": info.start_versions,
+            "filtered": [self.global_position(q) for q in info.filtered],
         }
 
 
@@ -213,6 +217,9 @@ def stream_stats(base: dict[str, float], info: StreamBatchInfo, index: int, max_
         "trainer_idle_frac_sum": base["stream/trainer_idle_frac"],
         "generator_idle_frac_sum": base["stream/generator_idle_frac"],
         "regenerated": base["stream/regenerated"],
+        "filtered_all_pass": base["stream/filtered_all_pass"],
+        "filtered_all_fail": base["stream/filtered_all_fail"],
+        "cap_hit": base["stream/cap_hit"],
     }
     for s in range(max_staleness + 1):
         stats[f"staleness_{s}"] = float(sum(1 for x in staleness if x == s))
