@@ -311,3 +311,50 @@ def test_streaming_dynamic_sampling_cap_trains_on_what_it_has() -> None:
     trained = [t.group for batch in batches for t in batch.rollouts[::GROUP]]
     filtered = [p for info in src.infos for p in info.filtered]
     assert not set(trained) & set(filtered) and len(trained) + len(filtered) == len(set(trained + filtered))
+
+
+def test_streaming_releases_a_group_that_no_later_batch_can_take_while_it_is_in_flight() -> None:
+    """A slow first attempt at position 1 (started under policy 0) cannot be in batch 2 or later with
+    ``max_staleness=1``: it is released while still in flight, its prompt regenerated under newer weights, and the
+    slow call's late result is dropped (every position trained once, the bound kept)."""
+    b, n, s = 2, 4, 1
+    attempts: dict[int, int] = {}
+    lock = threading.Lock()
+    release_slow = threading.Event()
+    version = [0]
+
+    def group(position: int) -> tuple[list[Trajectory], torch.Tensor]:
+        with lock:
+            attempts[position] = attempts.get(position, 0) + 1
+            attempt = attempts[position]
+        if position == 1 and attempt == 1:
+            assert release_slow.wait(30)  # finishes only after the run has moved on
+        trajs = [
+            Trajectory(
+                group=position, token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0] * 2, versions=[version[0]] * 2
+            )
+            for _ in range(GROUP)
+        ]
+        return trajs, torch.full((GROUP,), float(attempt))
+
+    src = StreamingRollouts(
+        group_fn=group, load_weights=lambda v: version.__setitem__(0, v), publish_fn=lambda step: None,
+        prompts_per_step=b, max_staleness=s, num_batches=n, workers=2,
+    )  # fmt: skip
+    try:
+        batches = []
+        for k in range(n):
+            batches.append(src.batch(k))
+            if k == n - 1:
+                release_slow.set()
+            src.publish(k + 1)
+    finally:
+        release_slow.set()
+        src.close()
+    trained = sorted(t.group for batch in batches for t in batch.rollouts[::GROUP])
+    assert trained == list(range(n * b)), trained
+    assert attempts[1] == 2 and batches[-1].stats["stream/regenerated"] >= 1
+    [retry] = [batch for batch in batches if any(t.group == 1 for t in batch.rollouts)]
+    assert float(retry.rewards[[t.group for t in retry.rollouts].index(1)]) == 2.0, "the second attempt is trained"
+    for k, info in enumerate(src.infos):
+        assert all(k - v <= s for v in info.start_versions), (k, info.start_versions)

@@ -13,7 +13,9 @@ step loaded when its generation began):
   break the bound at step k + 1), then the earliest finished; it never waits for a particular group. A
   finished group whose staleness ``k - start_version`` already exceeds the bound (a long-tail response
   that finished too late) is discarded and its prompt regenerated (counted in ``stream/regenerated``), so
-  no trained group is ever more than ``max_staleness`` steps stale and no prompt is dropped.
+  no trained group is ever more than ``max_staleness`` steps stale and no prompt is dropped. A group still in
+  flight once no later batch may take it (start version < k + 1 - max_staleness after batch k) is released at once:
+  its prompt is regenerated now and the late result dropped, so it stops holding a place in flight.
 - Dynamic sampling (``keep_fn``): a group is judged when it finishes; a dropped one (no learning signal) frees its
   place in flight at once, so a fresh prompt starts, and the trainer waits for ``prompts_per_step`` KEPT groups.
   Generation is capped at ``max_rounds`` x the admission limit (every prompt started, kept or not); when the cap
@@ -202,6 +204,15 @@ class StreamingRollouts:
             chosen += rest[: need - len(chosen)]
             for g in chosen:
                 del self._groups[g.position]
+            # In flight but started too early for any later batch: regenerate the prompt now (its call's result will
+            # be dropped) instead of holding its place until it finishes stale.
+            too_old = index + 1 - self.max_staleness
+            for g in [g for g in self._groups.values() if g.finished < 0 and g.start_version < too_old]:
+                del self._groups[g.position]
+                self._queue.appendleft(g.position)
+                self._submitted -= 1
+                self._started -= 1
+                self._regenerated += 1
             in_flight = sum(1 for g in self._groups.values() if g.finished < 0)
             gen_busy, gen_idle = self._gen_busy_s, self._gen_idle_s
             regenerated = self._regenerated
@@ -317,6 +328,8 @@ class StreamingRollouts:
             with self._cond:
                 self._gen_busy_s += time.perf_counter() - busy
                 for g in groups:
+                    if self._groups.get(g.position) is not g:  # released while in flight (too stale): dropped
+                        continue
                     reason = dropped.get(g.position)
                     if reason is not None:  # no learning signal: its place in flight goes to a fresh prompt
                         del self._groups[g.position]
