@@ -107,6 +107,8 @@ def run(mode: str, cost: str) -> dict[str, float]:
     started = time.perf_counter()
     for k in range(STEPS):
         before = time.perf_counter()
+        if k == STEPS - 1:  # the run up to its last batch: idle without the end of the run
+            before_last, waited_before_last = before - started, waited
         batch = source.batch(k)
         waited += batch.generate_s if mode == "sync" else time.perf_counter() - before
         time.sleep(TRAIN_S)  # the training step
@@ -114,6 +116,7 @@ def run(mode: str, cost: str) -> dict[str, float]:
     wall = time.perf_counter() - started
     source.close()
     return {"idle_frac": waited / wall, "steps_per_hour": STEPS / wall * 3600, "wall_s": wall,
+            "idle_frac_before_last": waited_before_last / before_last,
             "mid_batch_weight_switches": float(engine.switches if mode == "partial" else 0)}  # fmt: skip
 
 

@@ -6,7 +6,9 @@
   every trained batch is whole groups, and a run stopped after step 2 and resumed trains every prompt position
   exactly once (its in-flight and finished-unused prompts are in the checkpoint); the same for a ``shardforge
   train grpo`` process killed with SIGKILL at some point after its step-2 checkpoint;
-- the settings streaming does not support yet (dynamic sampling, ...) are refused with one line.
+- dynamic sampling drops each group with equal rewards as it finishes; every step still trains on whole groups
+  with a learning signal, and every prompt position is trained or dropped once;
+- the settings streaming does not support yet (partial rollouts, ...) are refused with one line.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ REWARDS = textwrap.dedent(
     """
     def has_seven(prompt, response, reference):
         return float("7" in response) + 0.1 * len(response)
+
+
+    def only_seven(prompt, response, reference):
+        return float("7" in response)
     """
 )
 
@@ -246,12 +252,14 @@ def test_streaming_run_killed_with_sigkill_resumes_without_dropping_or_repeating
             {"streaming_rollouts": True},
             "streaming_rollouts=true is a mode of asynchronous rollouts: set async_rollouts",
         ),
-        (
-            {**STREAM, "dynamic_sampling.enabled": True},
-            "dynamic_sampling with streaming_rollouts=true is not supported",
-        ),
         ({**STREAM, "rollout.partial_rollouts": True}, "partial_rollouts=true with streaming_rollouts=true is not"),
         ({**STREAM, "advantage": "remax"}, "advantage=remax with streaming_rollouts=true is not supported"),
+        ({**STREAM, "rollout.streaming_workers": 0}, r"rollout.streaming_workers=0 must be >= 1 \(generator threads"),
+        ({"rollout.streaming_workers": 2}, "streaming_workers=2 sets the generator threads of streaming rollouts: set"),
+        (
+            {**STREAM, "rollout.streaming_workers": 2},
+            "streaming_workers=2 needs a rollout engine that serves concurrent",
+        ),
     ],
 )
 def test_streaming_refuses_what_it_does_not_support(
@@ -269,3 +277,35 @@ def test_streaming_with_several_ranks_needs_an_engine_per_rank(assets: dict[str,
     check_streaming_layout(_config(assets, tmp_path, **STREAM, **each), 2)
     with pytest.raises(ValueError, match="with 2 ranks needs a rollout engine per rank"):
         check_streaming_layout(_config(assets, tmp_path, **STREAM, **{"rollout.engine": "vllm"}), 2)
+
+
+def test_streaming_workers_with_an_engine_that_serves_concurrent_requests(
+    assets: dict[str, Any], tmp_path: Path
+) -> None:
+    server = {"rollout.engine": "vllm", "rollout.vllm.mode": "server", "rollout.streaming_workers": 4}
+    assert _config(assets, tmp_path, **STREAM, **server).rollout.streaming_workers == 4
+    actors = {"rollout.placement": "disaggregated", "rollout.streaming_workers": 2}
+    assert _config(assets, tmp_path, **STREAM, **actors).rollout.streaming_workers == 2
+    assert _config(assets, tmp_path).rollout.streaming_workers == 1  # the default: one generator thread
+
+
+def test_streaming_dynamic_sampling_trains_only_groups_with_a_signal(assets: dict[str, Any], tmp_path: Path) -> None:
+    out = tmp_path / "ds"
+    ds = {
+        "dynamic_sampling.enabled": True,
+        "dynamic_sampling.max_rounds": 4,
+        "reward_fn": "streaming_rewards_mod:only_seven",
+    }
+    run = _run(assets, out, max_staleness=1, **STREAM, **ds)
+    records = _records(out / "streaming", "rank0.jsonl")
+    trained = [p for r in records for p in r["positions"]]
+    filtered = [p for r in records for p in r["filtered"]]
+    assert filtered, "some groups had equal rewards (0/1 reward, 4 samples)"
+    assert sorted(trained + filtered) == list(range(len(trained) + len(filtered))), "each position once, none lost"
+    train = run["train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    for r in train:
+        assert r["stream/staleness_max"] <= 1.0
+        if r["stream/cap_hit_frac"] == 0.0:  # a full batch of kept groups: every one has a learning signal
+            assert r["advantage_nonzero_frac"] == pytest.approx(1.0), r
+    assert train[-1]["stream/filtered_all_fail"] + train[-1]["stream/filtered_all_pass"] == len(filtered)

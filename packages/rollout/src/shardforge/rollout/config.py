@@ -164,6 +164,10 @@ class RolloutConfig:
     and continue them under the new weights (every token records its version and behaviour log-prob)."""
     interrupt_chunk_tokens: int = 16
     """partial_rollouts: tokens generated between two checks for newer weights (smaller: fresher, more recompute)."""
+    streaming_workers: int = 1
+    """Streaming rollouts (streaming_rollouts=true): generator threads per rank, each with one generate call in flight
+    (a rank's share of a batch split between them); > 1 needs an engine that serves concurrent requests (engine=vllm
+    with vllm.mode=server, or placement=disaggregated). A weight switch waits until no call is in flight."""
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     """vLLM options (engine=vllm only): in process or a server, placement, timeouts, memory, weight transport."""
 
@@ -174,6 +178,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.kv_reuse_max_tokens={self.kv_reuse_max_tokens} must be >= 1")
         if self.batch_size < 1:
             raise ValueError(f"rollout.batch_size={self.batch_size} must be >= 1")
+        if self.streaming_workers < 1:
+            raise ValueError(
+                f"rollout.streaming_workers={self.streaming_workers} must be >= 1 (generator threads per rank with "
+                "streaming_rollouts=true; 1 is the default)"
+            )
         if self.interrupt_chunk_tokens < 1:
             raise ValueError(
                 f"rollout.interrupt_chunk_tokens={self.interrupt_chunk_tokens} must be >= 1 (tokens generated "

@@ -40,12 +40,16 @@ from shardforge.algorithms.trainers.rl.step_stats import (
     add_actor_stats,
     add_behaviour_gap,
     add_correction_stats,
-    add_partial_rollout_stats,
-    add_stream_stats,
+    add_source_stats,
 )
-from shardforge.algorithms.trainers.rl.streaming_checks import check_streaming_config, check_streaming_layout
+from shardforge.algorithms.trainers.rl.streaming_checks import (
+    check_async_recompute,
+    check_streaming_config,
+    check_streaming_layout,
+)
 from shardforge.algorithms.trainers.rl_trainer import RLTrainer
 from shardforge.algorithms.trainers.run.common import with_total_steps
+from shardforge.algorithms.trainers.run.config import TrainerConfig
 from shardforge.algorithms.trainers.run.profiling import phase
 from shardforge.engine.objectives import ADVANTAGE_ESTIMATORS, PPOActorLossFn
 from shardforge.engine.objectives.advantages import AdvantageEstimator
@@ -90,6 +94,7 @@ class GRPOConfig(RLTrainerConfig):
     forward, detached, as TRL and verl do; false: always recompute. See docs/packages/algorithms-grpo.md."""
 
     def __post_init__(self) -> None:
+        TrainerConfig.__post_init__(self)  # steps, log_every, data sources: the shared checks
         # An unknown estimator is a config error, not a failure at the first step.
         if self.advantage == "gae":
             raise ValueError("advantage='gae' needs a critic's values: use `shardforge train ppo`")
@@ -126,12 +131,7 @@ def _validate(config: GRPOConfig, prompts: PromptSet, dp_size: int) -> None:
         raise ValueError(f"max_staleness={config.max_staleness} must be >= 0 (0 = on-policy, no overlap)")
     check_partial_rollouts(config)
     check_streaming_layout(config, dp_size)
-    recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
-    if config.async_rollouts and not (config.recompute_logprobs and recompute):
-        raise ValueError(
-            "async_rollouts needs recompute_logprobs=true and a rollout_correction.mode other than bypass: "
-            "stale batches need the trainer's log-probs as the proximal policy (the rollout's are the behaviour policy)"
-        )
+    check_async_recompute(config)
     ds_rank0 = config.rollout.engine == "vllm" and config.rollout.vllm.placement == "rank0" and dp_size > 1
     if config.dynamic_sampling.enabled and ds_rank0:
         raise ValueError(
@@ -238,7 +238,6 @@ def _train_step(
     if reference is not None:  # actor.kl_coef > 0: the KL term of the loss against the frozen reference
         with phase("ref_logprobs"):
             batch.extras[REF_LOGPROBS] = reference.forward(batch)
-    staleness = sampled.index - sampled.policy_step
     recompute = ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
     if config.recompute_logprobs and recompute and not isinstance(actor, OnPolicyActorLossFn):
         with phase("old_logprobs"):
@@ -268,17 +267,7 @@ def _train_step(
         "logprob_forward_s": forwarded - started,
         "train_s": stats["step_time_s"],
     })  # fmt: skip
-    if config.async_rollouts:
-        metrics.put({
-            "staleness": float(staleness),
-            "rollout_policy_step": float(sampled.policy_step),
-            "rollout_wait_s": sampled.wait_s,
-            "generate_overlap_s": max(sampled.generate_s - sampled.wait_s, 0.0),
-        })  # fmt: skip
-    if config.rollout.partial_rollouts:  # every rank's counts, summed: the whole batch's staleness
-        add_partial_rollout_stats(metrics, sampled.stats)
-    if config.streaming_rollouts:  # every rank's groups: staleness histogram, version spread, in flight, idle
-        add_stream_stats(metrics, sampled.stats)
+    add_source_stats(metrics, sampled, config)
     return stats
 
 

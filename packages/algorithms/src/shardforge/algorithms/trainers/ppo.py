@@ -9,6 +9,10 @@ policy -> GAE on per-token values over the generated tokens only (tool results, 
 template markers have loss mask 0: no value target, no advantage, no loss) -> rollout correction
 of the actor's batch (``rollout_correction``, as GRPO) -> actor steps (PPO clip) and critic steps
 (value-clipped loss) -> publish the actor's weights. See `shardforge.algorithms.trainers.rl.ppo_update` for the update itself.
+Batches come synchronously (default), ``async_rollouts`` (whole batches up to ``max_staleness`` steps ahead) or
+``streaming_rollouts`` (groups streamed under the staleness bound, `rl.streaming_source`): a stale batch's values and
+GAE are the critic's at the step that trains it, its old log-probs the actor's (the proximal policy), and the rollout
+correction weighs it by trainer / behaviour log-probs, as in GRPO's decoupled loss.
 The shared fields (layout applies to the actor, critic and reference engines; no pp for the
 critic) and the run loop are `shardforge.algorithms.trainers.base`.
 """
@@ -39,8 +43,15 @@ from shardforge.algorithms.trainers.rl.ppo_update import (
     ppo_update,
 )
 from shardforge.algorithms.trainers.rl.sources import SampledBatch
+from shardforge.algorithms.trainers.rl.step_stats import add_source_stats
+from shardforge.algorithms.trainers.rl.streaming_checks import (
+    check_async_recompute,
+    check_streaming_config,
+    check_streaming_layout,
+)
 from shardforge.algorithms.trainers.rl_trainer import RLTrainer
 from shardforge.algorithms.trainers.run.common import with_total_steps
+from shardforge.algorithms.trainers.run.config import TrainerConfig
 from shardforge.algorithms.trainers.run.profiling import phase
 from shardforge.engine.config import EngineConfig
 from shardforge.engine.objectives import KLEstimator, PPOActorLossFn, PPOCriticConfig
@@ -77,6 +88,25 @@ class PPOConfig(RLTrainerConfig):
     """Critic loss options (value clip, mse/huber)."""
     critic_engine: EngineConfig = field(default_factory=EngineConfig)
     """Critic engine settings (head is forced to "value")."""
+    async_rollouts: bool = False
+    """Generate the next batch in a background thread while the current step trains (decoupled PPO loss, as GRPO's);
+    the critic's values and GAE are computed when the batch is trained, with the critic's weights of that step."""
+    streaming_rollouts: bool = False
+    """With async_rollouts=true: stream prompt groups continuously instead of whole batches (as GRPO's
+    streaming_rollouts): each step trains on the first prompts_per_step complete groups to finish, none more than
+    max_staleness steps stale (stream/* metrics); values and GAE as with async_rollouts."""
+    max_staleness: int = 1
+    """Async mode: batch k is generated with the weights after step max(k - max_staleness, 0); 0 = on-policy.
+    Streaming: a trained group started under the weights of step k - max_staleness or newer."""
+
+    def __post_init__(self) -> None:
+        TrainerConfig.__post_init__(self)
+        check_streaming_config(self)
+        if self.rollout.partial_rollouts:
+            raise ValueError(
+                "rollout.partial_rollouts=true is not supported by ppo yet (never run with a critic): set "
+                "rollout.partial_rollouts=false (async_rollouts and streaming_rollouts work without it), or use grpo"
+            )
 
 
 def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
@@ -109,6 +139,10 @@ def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
                 "dynamic_sampling with rollout.vllm.placement=rank0 and several data-parallel ranks is not supported yet "
                 "(never run); use rollout.vllm.placement=each_rank or rollout.engine=hf"
             )
+    if config.max_staleness < 0:
+        raise ValueError(f"max_staleness={config.max_staleness} must be >= 0 (0 = on-policy, no overlap)")
+    check_streaming_layout(config, dp_size)
+    check_async_recompute(config)
     if config.actor.behav_weight_cap is not None:
         raise ValueError(
             f"actor.behav_weight_cap={config.actor.behav_weight_cap} is not used by PPO: the behaviour weight of "
@@ -159,13 +193,17 @@ class PPOTrainer(RLTrainer[PPOConfig]):
 
     def setup(self, start: int, restored: dict[str, Any]) -> None:
         config = self.config
-        self.build_source(start, restored, [self.engine, self.critic])
+        self.build_source(
+            start, restored, [self.engine, self.critic], asynchronous=config.async_rollouts,
+            max_staleness=config.max_staleness, streaming=config.streaming_rollouts,
+        )  # fmt: skip
         self.advantages = self.build_advantage_stage()  # after the source: it holds the KL controller
         self.actor_fn, self.critic_fn = PPOActorLossFn(config.actor), ShiftedCriticLossFn(config.critic)
 
     def update(self, sampled: SampledBatch, metrics: StepMetrics) -> dict[str, float]:
         config, actor = self.config, self.engine
-        started, served = time.perf_counter(), float(self.rollout.version)  # the version that sampled
+        started = time.perf_counter()
+        served = float(sampled.rollouts[0].version)  # the version that sampled (async: its oldest group's or newer)
         batch = trajectories_to_batch(sampled.rollouts, self.advantages.sequence_advantages(sampled, metrics))
         self.advantages.token_advantages(batch, sampled, metrics)  # GAE with the critic (and its targets)
         recompute = config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
@@ -177,6 +215,7 @@ class PPOTrainer(RLTrainer[PPOConfig]):
                 actor_batch=actor_batch, metrics=metrics,
             )  # fmt: skip
         metrics.put({"rollout_version": served, "generate_s": sampled.generate_s, "forward_s": forwarded - started})
+        add_source_stats(metrics, sampled, config)  # staleness, stream/* (async and streaming rollouts)
         return stats
 
     def after_step(self, stats: dict[str, float]) -> None:

@@ -30,6 +30,7 @@ from shardforge.algorithms.trainers.rl.advantages import ADVANTAGE_STAGES, Advan
 from shardforge.algorithms.trainers.rl.colocate import colocated_phases
 from shardforge.algorithms.trainers.rl.common import RLTrainerConfig, build_reward_fn
 from shardforge.algorithms.trainers.rl.data import load_prompt_data
+from shardforge.algorithms.trainers.rl.dynamic_sampling import group_filter_reason
 from shardforge.algorithms.trainers.rl.metrics import StepMetrics
 from shardforge.algorithms.trainers.rl.model_rewards import RewardModelScorer
 from shardforge.algorithms.trainers.rl.publish import build_trainer_rollout
@@ -190,11 +191,14 @@ class RLTrainer(Trainer[C]):
         sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
         rollout = self.sampling_rollout(self.rollout)
         groups_fn = workflow_groups_fn(config, rollout, self.prompts, self.workflow, engine, sampler)
+        dynamic = config.dynamic_sampling
+        self.dynamic = None  # streaming filters each group as it finishes (stream/filtered_*), not per batch
         return StreamingSource(
             rollout=rollout, groups_fn=_traced(groups_fn), publish_fn=publish, prompts_per_step=config.prompts_per_step,
             max_staleness=max_staleness, num_batches=config.steps, start=start, dp_rank=engine.dp_rank,
             dp_size=engine.dp_size, restored=restored.get(StreamingSource.checkpoint_key), device=engine.device,
-            record_dir=self.out / "streaming",
+            record_dir=self.out / "streaming", workers=config.rollout.streaming_workers,
+            keep_fn=group_filter_reason if dynamic.enabled else None, max_rounds=dynamic.max_rounds,
         )  # fmt: skip
 
     def update(self, sampled: SampledBatch, metrics: StepMetrics) -> dict[str, float]:

@@ -47,6 +47,7 @@ __all__ = [
     "GenerateRoundFn",
     "KeepExchange",
     "filter_groups",
+    "group_filter_reason",
     "keep_exchange",
 ]
 
@@ -66,7 +67,8 @@ class DynamicSamplingConfig:
     enabled: bool = False
     """Drop groups whose raw reward has zero variance and backfill with more generation rounds."""
     max_rounds: int = 3
-    """Generation rounds per step at most (>= 1; round 0 is the normal batch); when hit, train on fewer groups."""
+    """Generation rounds per step at most (>= 1; round 0 is the normal batch); when hit, train on fewer groups.
+    Streaming rollouts: prompts started are capped at max_rounds x the admission limit instead."""
 
     def __post_init__(self) -> None:
         if self.max_rounds < 1:
@@ -84,6 +86,18 @@ def filter_groups(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor,
     uniform = (groups == groups[:, :1]).all(dim=1)
     all_pass = uniform & (groups[:, 0] > 0)
     return ~uniform, all_pass, uniform & ~all_pass
+
+
+def group_filter_reason(trajectories: list[Any]) -> str | None:
+    """Streaming's per-group judgement (`streaming.KeepFn`): None keeps a finished group whose raw rewards
+    (``trajectory.reward``, before shaping) differ; else why it is dropped, ``all_pass`` or ``all_fail``."""
+    if not trajectories:
+        return "all_fail"
+    rewards = torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float64)
+    keep, all_pass, _ = filter_groups(rewards, len(trajectories))
+    if bool(keep[0]):
+        return None
+    return "all_pass" if bool(all_pass[0]) else "all_fail"
 
 
 def keep_exchange(dp_rank: int, dp_size: int) -> KeepExchange | None:

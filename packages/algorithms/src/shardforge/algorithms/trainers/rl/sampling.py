@@ -12,6 +12,7 @@ asynchronous mode (batches generated on another thread) and every data-parallel 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -133,8 +134,11 @@ def workflow_groups_fn(
         return PromptRow.from_prompts(prompts, shares[index][row], index=q, seed=request_seed(seed, position,
                                                                                              config.group_size))  # fmt: skip
 
+    rows_lock = threading.Lock()  # several generator workers: the sampler's draws, one batch at a time
+
     def groups(positions: list[int]) -> list[tuple[list[Any], torch.Tensor]]:
-        rows = [row_of(q) for q in positions]
+        with rows_lock:
+            rows = [row_of(q) for q in positions]
         _, params = _round_params(config, positions[0] // local, 0)  # the rows' own seeds decide the samples
         trajectories = generation_round(
             rollout, lambda: run_episodes(workflow, rollout, rows, config.group_size, params, drop_failed=drop)

@@ -31,6 +31,7 @@ __all__ = [
     "add_reward_call_stats",
     "add_reward_stats",
     "add_rollout_server_stats",
+    "add_source_stats",
     "add_stream_stats",
     "add_workflow_stats",
 ]
@@ -154,6 +155,9 @@ def _stream_view(raw: dict[str, float]) -> dict[str, float]:
         "stream/trainer_idle_frac": raw["trainer_idle_frac_sum"] / ranks,
         "stream/generator_idle_frac": raw["generator_idle_frac_sum"] / ranks,
         "stream/regenerated": raw["regenerated"],
+        "stream/filtered_all_pass": raw.get("filtered_all_pass", 0.0),
+        "stream/filtered_all_fail": raw.get("filtered_all_fail", 0.0),
+        "stream/cap_hit_frac": raw.get("cap_hit", 0.0) / ranks,
     }
     for name, value in raw.items():
         if name.startswith("staleness_") and name[len("staleness_") :].isdigit():
@@ -166,5 +170,26 @@ def add_stream_stats(metrics: StepMetrics, local: Mapping[str, float]) -> None:
     ``stream/staleness_{s}_frac`` (share of the batch's groups s steps stale), ``stream/version_spread`` (newest minus
     oldest start version in the batch, over ranks), ``stream/in_flight`` (groups generating or finished-unused, all
     ranks), ``stream/trainer_idle_frac`` (time the trainer waited for batches / time since its first batch, mean over
-    ranks), ``stream/generator_idle_frac``, ``stream/regenerated`` (too-stale groups generated again, cumulative)."""
+    ranks), ``stream/generator_idle_frac``, ``stream/regenerated`` (too-stale groups generated again, cumulative); with
+    dynamic sampling ``stream/filtered_all_pass|all_fail`` (groups dropped, cumulative, all ranks) and
+    ``stream/cap_hit_frac`` (share of ranks whose batch was short: the max_rounds cap)."""
     metrics.add("stream", local, _stream_view)
+
+
+def add_source_stats(metrics: StepMetrics, sampled: Any, config: Any) -> None:
+    """What the batch source adds to a step of an asynchronous trainer (GRPO, PPO; ``sampled``: its `SampledBatch`):
+    ``staleness`` (steps between the batch and its oldest group's weights), ``rollout_policy_step``,
+    ``rollout_wait_s``, ``generate_overlap_s``; ``partial/*`` with partial rollouts and ``stream/*`` when streaming
+    (every rank's counts, reduced with the step's others). Nothing for synchronous rollouts."""
+    if not config.async_rollouts:
+        return
+    metrics.put({
+        "staleness": float(sampled.index - sampled.policy_step),
+        "rollout_policy_step": float(sampled.policy_step),
+        "rollout_wait_s": sampled.wait_s,
+        "generate_overlap_s": max(sampled.generate_s - sampled.wait_s, 0.0),
+    })  # fmt: skip
+    if config.rollout.partial_rollouts:  # every rank's counts, summed: the whole batch's staleness
+        add_partial_rollout_stats(metrics, sampled.stats)
+    if config.streaming_rollouts:  # every rank's groups: staleness histogram, version spread, in flight, idle
+        add_stream_stats(metrics, sampled.stats)

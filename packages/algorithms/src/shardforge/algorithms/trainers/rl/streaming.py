@@ -13,7 +13,15 @@ step loaded when its generation began):
   break the bound at step k + 1), then the earliest finished; it never waits for a particular group. A
   finished group whose staleness ``k - start_version`` already exceeds the bound (a long-tail response
   that finished too late) is discarded and its prompt regenerated (counted in ``stream/regenerated``), so
-  no trained group is ever more than ``max_staleness`` steps stale and no prompt is dropped.
+  no trained group is ever more than ``max_staleness`` steps stale and no prompt is dropped. A group still in
+  flight once no later batch may take it (start version < k + 1 - max_staleness after batch k) is released at once:
+  its prompt is regenerated now and the late result dropped, so it stops holding a place in flight.
+- Dynamic sampling (``keep_fn``): a group is judged when it finishes; a dropped one (no learning signal) frees its
+  place in flight at once, so a fresh prompt starts, and the trainer waits for ``prompts_per_step`` KEPT groups.
+  Generation is capped at ``max_rounds`` x the admission limit (every prompt started, kept or not); when the cap
+  stops the generator with fewer kept groups than a batch and nothing in flight, the batch trains on the groups it
+  has (``stream/cap_hit``; with none, on the last dropped group, whose group advantages are 0). Dropped positions
+  are consumed (recorded in ``StreamBatchInfo.filtered``), never regenerated.
 - Within a batch, groups are ordered by prompt position (the completion order is recorded in
   ``StreamBatchInfo.finish_order``), so ``max_staleness = 0`` gives exactly the synchronous batches.
 
@@ -38,12 +46,14 @@ import torch
 from shardforge.algorithms.trainers.rl.sources import SampledBatch
 from shardforge.rollout.episodes.trajectory import Trajectory
 
-__all__ = ["GroupFn", "GroupsFn", "StreamBatchInfo", "StreamingRollouts"]
+__all__ = ["GroupFn", "GroupsFn", "KeepFn", "StreamBatchInfo", "StreamingRollouts"]
 
 GroupFn = Callable[[int], tuple[list[Trajectory], torch.Tensor]]
 """prompt position -> (that prompt's group of trajectories, their rewards), with the engine's current weights."""
 GroupsFn = Callable[[list[int]], list[tuple[list[Trajectory], torch.Tensor]]]
 """prompt positions -> each one's (group, rewards), generated in one call (an engine without continuous batching)."""
+KeepFn = Callable[[list[Trajectory]], str | None]
+"""A finished group -> None to keep it, or why it is dropped (dynamic sampling: ``all_pass`` / ``all_fail``)."""
 
 
 @dataclass(slots=True)
@@ -66,6 +76,8 @@ class StreamBatchInfo:
     """The same positions in the order their groups finished."""
     start_versions: list[int]
     """Start version (policy step) of each group, in training order."""
+    filtered: list[int] = field(default_factory=list)
+    """Positions dropped by ``keep_fn`` since the previous batch (consumed: never trained, never regenerated)."""
 
 
 class StreamingRollouts:
@@ -88,6 +100,8 @@ class StreamingRollouts:
             to ``groups_per_call`` prompts at once (as many as the bound allows, at least one) and they finish
             together. ``group_fn`` is not called.
         groups_per_call: see ``groups_fn``.
+        keep_fn: dynamic sampling: judges each finished group (see the module docstring); None keeps every group.
+        max_rounds: with ``keep_fn``, prompts started are capped at ``max_rounds`` x the admission limit.
     """
 
     def __init__(
@@ -104,11 +118,15 @@ class StreamingRollouts:
         workers: int = 1,
         groups_fn: GroupsFn | None = None,
         groups_per_call: int = 1,
+        keep_fn: KeepFn | None = None,
+        max_rounds: int = 1,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
         if prompts_per_step < 1:
             raise ValueError(f"prompts_per_step={prompts_per_step} must be >= 1")
+        if max_rounds < 1:
+            raise ValueError(f"max_rounds={max_rounds} must be >= 1")
         if groups_per_call < 1:
             raise ValueError(f"groups_per_call={groups_per_call} must be >= 1")
         self.group_fn, self.load_weights, self.publish_fn = group_fn, load_weights, publish_fn
@@ -121,7 +139,12 @@ class StreamingRollouts:
         restored = restored or {}
         self._queue: deque[int] = deque(restored.get("regenerate", []))  # prompt positions to (re)generate first
         self._next_position = int(restored.get("next_position", start * prompts_per_step))
-        self._submitted = 0  # prompts started by this process (admission counter)
+        self._submitted = 0  # prompts started by this process and not dropped (admission counter)
+        self.keep_fn, self.max_rounds = keep_fn, max_rounds
+        self._started = 0  # prompts started by this process, dropped ones included (the dynamic-sampling cap)
+        self._filtered: dict[str, int] = {}  # dropped groups by reason (cumulative)
+        self._filtered_positions: list[int] = []  # dropped since the last batch
+        self._last_dropped: _Group | None = None  # a cap-hit batch with no kept group trains on it
         self._total = (num_batches - start) * prompts_per_step  # prompts this process trains on
         self._groups: dict[int, _Group] = {}  # in flight or finished-unused, by position
         self._finished = 0
@@ -154,6 +177,7 @@ class StreamingRollouts:
                     del self._groups[g.position]
                     self._queue.appendleft(g.position)
                     self._submitted -= 1
+                    self._started -= 1  # not a new prompt: outside the dynamic-sampling cap
                     self._regenerated += 1
                 if stale:
                     self._cond.notify_all()
@@ -162,6 +186,17 @@ class StreamingRollouts:
                 need = self.prompts_per_step
                 if len(done) >= need:
                     break
+                cap_hit = self._cap_hit(len(done))
+                if cap_hit:
+                    need = len(done)
+                    if not done:  # nothing kept: train on the last dropped group (advantage 0 for group estimators)
+                        assert self._last_dropped is not None
+                        done = [self._last_dropped]
+                        self._last_dropped.finished, self._finished = self._finished, self._finished + 1
+                        self._groups[self._last_dropped.position] = self._last_dropped
+                        self._filtered_positions.remove(self._last_dropped.position)
+                        self._last_dropped, need = None, 1
+                    break
                 self._cond.wait()
             chosen = sorted(urgent, key=lambda g: (g.start_version, g.finished))[:need]
             taken = {g.position for g in chosen}
@@ -169,9 +204,20 @@ class StreamingRollouts:
             chosen += rest[: need - len(chosen)]
             for g in chosen:
                 del self._groups[g.position]
+            # In flight but started too early for any later batch: regenerate the prompt now (its call's result will
+            # be dropped) instead of holding its place until it finishes stale.
+            too_old = index + 1 - self.max_staleness
+            for g in [g for g in self._groups.values() if g.finished < 0 and g.start_version < too_old]:
+                del self._groups[g.position]
+                self._queue.appendleft(g.position)
+                self._submitted -= 1
+                self._started -= 1
+                self._regenerated += 1
             in_flight = sum(1 for g in self._groups.values() if g.finished < 0)
             gen_busy, gen_idle = self._gen_busy_s, self._gen_idle_s
             regenerated = self._regenerated
+            filtered, self._filtered_positions = self._filtered_positions, []
+            counts = dict(self._filtered)
             self._cond.notify_all()
         now = time.perf_counter()
         wait_s = now - started
@@ -184,6 +230,7 @@ class StreamingRollouts:
                 positions=[g.position for g in chosen],
                 finish_order=finish_order,
                 start_versions=[g.start_version for g in chosen],
+                filtered=filtered,
             )
         )
         rewards = [g.rewards for g in chosen if g.rewards is not None]
@@ -201,6 +248,9 @@ class StreamingRollouts:
                 "stream/trainer_idle_frac": self._trainer_wait_s / max(now - self._trainer_first, 1e-9),
                 "stream/generator_idle_frac": gen_idle / max(gen_idle + gen_busy, 1e-9),
                 "stream/regenerated": float(regenerated),
+                "stream/filtered_all_pass": float(counts.get("all_pass", 0)),
+                "stream/filtered_all_fail": float(counts.get("all_fail", 0)),
+                "stream/cap_hit": float(need < self.prompts_per_step),
             },
         )
 
@@ -227,7 +277,15 @@ class StreamingRollouts:
     # ------------------------------------------------------------------ generator thread
     def _capacity_left(self) -> bool:
         limit = (self.max_staleness + self._version - self.start + 1) * self.prompts_per_step
-        return self._submitted < min(limit, self._total)
+        return self._submitted < min(limit, self._total) and self._started < self.max_rounds * limit
+
+    def _cap_hit(self, done: int) -> bool:
+        """Dynamic sampling's cap stops the generator with fewer kept groups than a batch and none in flight."""
+        if self.keep_fn is None or self._capacity_left():
+            return False
+        in_flight = any(g.finished < 0 for g in self._groups.values())
+        last = self._last_dropped  # a placeholder only while no record has named it filtered yet
+        return not in_flight and (done > 0 or (last is not None and last.position in self._filtered_positions))
 
     def _run(self) -> None:
         while True:
@@ -248,6 +306,7 @@ class StreamingRollouts:
                     group = _Group(position=position, start_version=version)
                     self._groups[position] = group
                     self._submitted += 1
+                    self._started += 1
                     groups.append(group)
                 self._gen_idle_s += time.perf_counter() - idle
             busy = time.perf_counter()
@@ -263,11 +322,22 @@ class StreamingRollouts:
                     results = [self.group_fn(groups[0].position)]
                 for g, (rollouts, rewards) in zip(groups, results, strict=True):
                     g.rollouts, g.rewards = rollouts, rewards
+                dropped = {g.position: self.keep_fn(g.rollouts) for g in groups} if self.keep_fn is not None else {}
             except BaseException as exc:  # reported to the trainer by batch()
-                error = exc
+                error, dropped = exc, {}
             with self._cond:
                 self._gen_busy_s += time.perf_counter() - busy
                 for g in groups:
+                    if self._groups.get(g.position) is not g:  # released while in flight (too stale): dropped
+                        continue
+                    reason = dropped.get(g.position)
+                    if reason is not None:  # no learning signal: its place in flight goes to a fresh prompt
+                        del self._groups[g.position]
+                        self._submitted -= 1
+                        self._filtered[reason] = self._filtered.get(reason, 0) + 1
+                        self._filtered_positions.append(g.position)
+                        self._last_dropped = g
+                        continue
                     g.error = error
                     g.finished = self._finished
                     self._finished += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-__all__ = ["check_streaming_config", "check_streaming_layout"]
+__all__ = ["check_async_recompute", "check_streaming_config", "check_streaming_layout"]
 
 VALID_MODES = (
     "valid: async_rollouts=false (synchronous); async_rollouts=true (whole batches, one step ahead); "
@@ -15,24 +15,33 @@ VALID_MODES = (
 
 
 def check_streaming_config(config: Any) -> None:
-    """Refuse combinations of a `GRPOConfig` that streaming does not support (when the config is built)."""
+    """Refuse combinations of a `GRPOConfig` or `PPOConfig` that streaming does not support (when the config is
+    built)."""
+    workers = config.rollout.streaming_workers
+    if workers > 1 and not config.streaming_rollouts:
+        raise ValueError(
+            f"rollout.streaming_workers={workers} sets the generator threads of streaming rollouts: set "
+            "streaming_rollouts=true (with async_rollouts=true), or rollout.streaming_workers=1"
+        )
     if not config.streaming_rollouts:
         return
+    if workers > 1 and not _serves_concurrent_requests(config.rollout):
+        raise ValueError(
+            f"rollout.streaming_workers={workers} needs a rollout engine that serves concurrent requests "
+            "(rollout.engine=vllm with rollout.vllm.mode=server, or rollout.placement=disaggregated); the embedded "
+            f"engine (rollout.engine={config.rollout.engine}, placement {config.rollout.placement}) generates one call "
+            "at a time: set rollout.streaming_workers=1"
+        )
     if not config.async_rollouts:
         raise ValueError(
             f"streaming_rollouts=true is a mode of asynchronous rollouts: set async_rollouts=true ({VALID_MODES})"
-        )
-    if config.dynamic_sampling.enabled:
-        raise ValueError(
-            "dynamic_sampling with streaming_rollouts=true is not supported yet (it filters and backfills whole batches): "
-            "set dynamic_sampling.enabled=false, or streaming_rollouts=false (async_rollouts=true keeps it)"
         )
     if config.rollout.partial_rollouts:
         raise ValueError(
             "rollout.partial_rollouts=true with streaming_rollouts=true is not supported yet (a streamed group finishes "
             "under the weights it started with): set rollout.partial_rollouts=false, or streaming_rollouts=false"
         )
-    if _has_greedy_baseline(config.advantage):
+    if _has_greedy_baseline(getattr(config, "advantage", "")):
         raise ValueError(
             f"advantage={config.advantage} with streaming_rollouts=true is not supported yet (its greedy baseline episodes "
             "are collected per batch): use another estimator (grpo, rloo, dr_grpo), or streaming_rollouts=false"
@@ -54,6 +63,25 @@ def check_streaming_layout(config: Any, world_size: int) -> None:
             "switches weights on its own): use rollout.engine=hf with rollout.placement=colocated, or rollout.engine=vllm "
             "with rollout.vllm.mode=in_process and rollout.vllm.placement=each_rank"
         )
+
+
+def check_async_recompute(config: Any) -> None:
+    """Asynchronous (and streaming) batches need the trainer's recomputed log-probs as the proximal policy."""
+    from shardforge.engine.objectives.rollout_correction import ROLLOUT_CORRECTIONS
+
+    if config.async_rollouts and not (
+        config.recompute_logprobs and ROLLOUT_CORRECTIONS.get(config.rollout_correction.mode).recompute
+    ):
+        raise ValueError(
+            "async_rollouts needs recompute_logprobs=true and a rollout_correction.mode other than bypass: "
+            "stale batches need the trainer's log-probs as the proximal policy (the rollout's are the behaviour policy)"
+        )
+
+
+def _serves_concurrent_requests(rollout: Any) -> bool:
+    """Whether generate calls from several threads run concurrently on the rollout engine (a server, or actors)."""
+    server = rollout.engine == "vllm" and rollout.vllm.mode == "server"
+    return bool(server or rollout.placement == "disaggregated")
 
 
 def _has_greedy_baseline(estimator: str) -> bool:

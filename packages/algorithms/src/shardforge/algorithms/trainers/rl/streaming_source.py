@@ -8,7 +8,10 @@ What it adds to `StreamingRollouts` (which knows neither engines nor ranks):
   (weights only move forward, as vLLM and `AsyncRollouts`' partial mode require), so every trajectory is at least
   as fresh as its recorded start version and its tokens carry the versions that sampled them (the decoupled loss
   and the rollout correction use those, exactly as with `AsyncRollouts`).
-- Held-out evaluation on the main thread, between two groups (one lock around the engine), with the newest weights.
+- Held-out evaluation on the main thread, between two generate calls (none in flight), with the newest weights.
+- Generator workers (``workers``, ``rollout.streaming_workers``): each has one generate call in flight, of up to
+  ``ceil(local / workers)`` prompts; calls overlap (for an engine that serves concurrent requests), but a weight
+  switch waits until no call is in flight, so every call runs under one weight version.
 - Ranks: each data-parallel rank streams its own share of every global batch (`sampling.workflow_group_fn`) and
   trains on its own first finished groups; a failing generator raises on every rank (`raise_if_any_rank_failed`).
   Checkpoint state is every dp rank's, gathered (a resumed run needs the same data-parallel size).
@@ -30,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from shardforge.algorithms.trainers.rl.sources import PublishFn, SampledBatch, raise_if_any_rank_failed
-from shardforge.algorithms.trainers.rl.streaming import GroupsFn, StreamBatchInfo, StreamingRollouts
+from shardforge.algorithms.trainers.rl.streaming import GroupsFn, KeepFn, StreamBatchInfo, StreamingRollouts
 from shardforge.rollout import RolloutEngine
 
 __all__ = ["StreamingSource", "stream_stats"]
@@ -53,6 +56,9 @@ class StreamingSource:
         restored: `checkpoint_state` of the run that saved the checkpoint (None: none).
         device: the device the world group's collectives need.
         record_dir: where the per-rank batch records go (None: not recorded).
+        workers: generator threads (``rollout.streaming_workers``); ``groups_fn`` must then be safe to call from
+            several threads at once (see the module docstring).
+        keep_fn, max_rounds: dynamic sampling (`StreamingRollouts`): each rank judges its own finished groups.
     """
 
     checkpoint_key = "streaming_rollouts"
@@ -73,12 +79,20 @@ class StreamingSource:
         restored: dict[str, Any] | None = None,
         device: torch.device | None = None,
         record_dir: Path | None = None,
+        workers: int = 1,
+        keep_fn: KeepFn | None = None,
+        max_rounds: int = 1,
     ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers={workers} must be >= 1 (generator threads of the streaming source)")
         self.rollout, self.groups_fn, self.publish_fn = rollout, groups_fn, publish_fn
         self.local = prompts_per_step // dp_size
         self.prompts_per_step, self.max_staleness = prompts_per_step, max_staleness
         self.dp_rank, self.dp_size, self.device = dp_rank, dp_size, device
-        self._engine = threading.Lock()  # one user of the engine at a time: a group, or an evaluation
+        self._engine = threading.Condition()  # guards the weights: calls in flight, an evaluation, a switch
+        self._active = 0  # generate calls in flight
+        self._exclusive = False  # an evaluation holds the engine
+        self.max_active = 0  # the most generate calls that were in flight at once (observed; tests)
         self._versions = {start: publish_fn(None)}  # policy step -> weight-sync version
         self._wanted = start  # the newest policy step the generator may serve (it only grows)
         self._record = None
@@ -89,7 +103,8 @@ class StreamingSource:
         self.stream = StreamingRollouts(
             group_fn=_unused, load_weights=self._load, publish_fn=self._publish, prompts_per_step=self.local,
             max_staleness=max_staleness, num_batches=num_batches, start=start,
-            restored=_decode(restored, dp_rank, dp_size), groups_fn=self._groups, groups_per_call=self.local,
+            restored=_decode(restored, dp_rank, dp_size), groups_fn=self._groups, workers=workers,
+            groups_per_call=-(-self.local // workers), keep_fn=keep_fn, max_rounds=max_rounds,
         )  # fmt: skip
 
     def global_position(self, q: int) -> int:
@@ -119,10 +134,18 @@ class StreamingSource:
         self.stream.publish(policy_step)
 
     def evaluate(self, fn: Callable[[RolloutEngine], T]) -> T:
-        """``fn(rollout engine)`` on this thread between two groups, with the newest published weights."""
+        """``fn(rollout engine)`` on this thread while no generate call is in flight, with the newest published
+        weights."""
         with self._engine:
+            self._engine.wait_for(lambda: not self._exclusive and self._active == 0)
+            self._exclusive = True
+        try:
             self._serve(self._versions[max(self._versions)])
             return fn(self.rollout)
+        finally:
+            with self._engine:
+                self._exclusive = False
+                self._engine.notify_all()
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Every dp rank's prompt numbers in flight or finished-unused and next new one (collective)."""
@@ -145,10 +168,24 @@ class StreamingSource:
     def _load(self, policy_step: int) -> None:  # generator thread: remembered, applied before the next group
         self._wanted = max(self._wanted, policy_step)
 
-    def _groups(self, positions: list[int]) -> list[tuple[list[Any], torch.Tensor]]:  # generator thread
+    def _groups(self, positions: list[int]) -> list[tuple[list[Any], torch.Tensor]]:  # a generator thread
         with self._engine:
-            self._serve(self._versions[self._wanted])
+            # newer weights wait until no call is in flight (one version per call); an evaluation waits for none
+            self._engine.wait_for(
+                lambda: not self._exclusive and (self._active == 0 or self.rollout.version >= self._target())
+            )
+            self._serve(self._target())
+            self._active += 1
+            self.max_active = max(self.max_active, self._active)
+        try:
             return self.groups_fn(positions)
+        finally:
+            with self._engine:
+                self._active -= 1
+                self._engine.notify_all()
+
+    def _target(self) -> int:
+        return self._versions[self._wanted]
 
     def _serve(self, version: int) -> None:
         if self.rollout.version < version:  # never back: an evaluation may have loaded newer weights
@@ -160,6 +197,7 @@ class StreamingSource:
             "positions": [self.global_position(q) for q in info.positions],
             "finish_order": [self.global_position(q) for q in info.finish_order],
             "start_versions": info.start_versions,
+            "filtered": [self.global_position(q) for q in info.filtered],
         }
 
 
@@ -179,6 +217,9 @@ def stream_stats(base: dict[str, float], info: StreamBatchInfo, index: int, max_
         "trainer_idle_frac_sum": base["stream/trainer_idle_frac"],
         "generator_idle_frac_sum": base["stream/generator_idle_frac"],
         "regenerated": base["stream/regenerated"],
+        "filtered_all_pass": base["stream/filtered_all_pass"],
+        "filtered_all_fail": base["stream/filtered_all_fail"],
+        "cap_hit": base["stream/cap_hit"],
     }
     for s in range(max_staleness + 1):
         stats[f"staleness_{s}"] = float(sum(1 for x in staleness if x == s))
