@@ -66,14 +66,14 @@ class TinkerService:
     def create_model(self, tenant: str, data: dict[str, Any]) -> str:
         self.check_session(tenant, str(data.get("session_id")))
         self.registry.check_base_model(data.get("base_model"))
-        lora_json = data.get("lora_config")
-        if not isinstance(lora_json, dict):
-            raise UserError("create_model needs lora_config {'rank': ...}: full fine-tuning is not served yet")
+        lora_json = data.get("lora_config")  # absent: full fine-tuning
+        if lora_json is not None and not isinstance(lora_json, dict):
+            raise UserError("lora_config must be an object {'rank': ...}, or absent for full fine-tuning")
         optimizer = (data.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise UserError(f"optimizer_config.type={optimizer!r} is not served; only 'adamw'")
-        lora = lora_config_for(lora_json, alpha=self.config.lora_alpha)
-        seed = lora_json.get("seed")
+        lora = None if lora_json is None else lora_config_for(lora_json, alpha=self.config.lora_alpha)
+        seed = None if lora_json is None else lora_json.get("seed")
         model_id = self._model_id(data)
 
         def job() -> dict[str, Any]:
@@ -95,8 +95,8 @@ class TinkerService:
         arch = type(self.registry.base).__name__
         model_data = {"arch": arch, "model_name": model.base_model, "tokenizer_id": self.registry.model_dir}
         return {
-            "type": "get_info", "model_id": model_id, "model_data": model_data, "is_lora": True,
-            "lora_rank": model.lora.r, "model_name": model.base_model,
+            "type": "get_info", "model_id": model_id, "model_data": model_data, "is_lora": model.lora is not None,
+            "lora_rank": None if model.lora is None else model.lora.r, "model_name": model.base_model,
         }  # fmt: skip
 
     def forward_backward(self, tenant: str, request: FwdBwdRequest) -> str:
