@@ -34,7 +34,9 @@ class TinkerService:
         self.registry = ModelRegistry(config.model_dir, base_model=name, lora_alpha=config.lora_alpha)
         self.sampler = SamplerEngine(self.registry, max_tokens=config.max_tokens)
         self.metrics = ServeMetrics()
-        self.futures = FutureQueue(on_done=self._job_done)
+        # Sample jobs have no lane (they run alone: the sampler folds adapters into the shared base weights);
+        # every other job runs in its training model's lane, concurrently with other models' jobs.
+        self.futures = FutureQueue(workers=config.workers, on_done=self._job_done)
         self._sessions: dict[str, str] = {}  # session id -> tenant
         self._lock = threading.Lock()
 
@@ -80,7 +82,7 @@ class TinkerService:
             model = self.registry.create_model(tenant, model_id, lora, None if seed is None else int(seed))
             return {"type": "create_model", "model_id": model.model_id}
 
-        return self.futures.submit(tenant, "CreateModel", job)
+        return self.futures.submit(tenant, "CreateModel", job, lane=model_id)
 
     @staticmethod
     def _model_id(data: dict[str, Any]) -> str:
@@ -109,7 +111,7 @@ class TinkerService:
         )  # fmt: skip
         kind = "Forward" if request.forward_only else "ForwardBackward"
         self.metrics.tokens.labels(tenant, kind).inc(sum(len(datum.tokens) for datum in request.data))
-        return self.futures.submit(tenant, kind, lambda: forward_backward(model, request))
+        return self.futures.submit(tenant, kind, lambda: forward_backward(model, request), lane=model.model_id)
 
     def optim_step(self, tenant: str, data: dict[str, Any]) -> str:
         from shardforge.algorithms.serve.training import check_adam, optim_step
@@ -119,7 +121,7 @@ class TinkerService:
         if not isinstance(adam, dict):
             raise UserError("optim_step needs adam_params {'learning_rate': ..., ...}")
         check_adam(adam)
-        return self.futures.submit(tenant, "OptimStep", lambda: optim_step(model, adam))
+        return self.futures.submit(tenant, "OptimStep", lambda: optim_step(model, adam), lane=model.model_id)
 
     def save_for_sampler(self, tenant: str, data: dict[str, Any]) -> str:
         model = self.registry.model(tenant, str(data.get("model_id")))
@@ -135,7 +137,7 @@ class TinkerService:
             session = None if name is not None else self.registry.open_session(tenant, weights)
             return {"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session}
 
-        return self.futures.submit(tenant, "SaveWeightsForSampler", job)
+        return self.futures.submit(tenant, "SaveWeightsForSampler", job, lane=model.model_id)
 
     def sampling_session(self, tenant: str, data: dict[str, Any]) -> str:
         self.check_session(tenant, str(data.get("session_id")))
@@ -162,7 +164,7 @@ class TinkerService:
 
         model = self.registry.model(tenant, str(data.get("model_id")))
         root = Path(self.config.output_dir)
-        return self.futures.submit(tenant, "SaveWeights", lambda: save_state(root, model, data))
+        return self.futures.submit(tenant, "SaveWeights", lambda: save_state(root, model, data), lane=model.model_id)
 
     def load_state(self, tenant: str, data: dict[str, Any]) -> str:
         """Into a live model (``model_id``), or into a new one (``session_id`` + ``model_seq_id``: the SDK's
@@ -172,7 +174,9 @@ class TinkerService:
         root = Path(self.config.output_dir)
         if data.get("model_id"):
             model = self.registry.model(tenant, str(data["model_id"]))
-            return self.futures.submit(tenant, "LoadWeights", lambda: load_state(root, model, data))
+            return self.futures.submit(
+                tenant, "LoadWeights", lambda: load_state(root, model, data), lane=model.model_id
+            )
         self.check_session(tenant, str(data.get("session_id")))
         if data.get("base_model") is not None:
             self.registry.check_base_model(data["base_model"])
@@ -182,4 +186,4 @@ class TinkerService:
         def job() -> dict[str, Any]:
             return load_state(root, self.registry.create_model(tenant, model_id, lora, seed=0), data)
 
-        return self.futures.submit(tenant, "LoadWeights", job)
+        return self.futures.submit(tenant, "LoadWeights", job, lane=model_id)
