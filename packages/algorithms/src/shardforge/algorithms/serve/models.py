@@ -142,7 +142,8 @@ class ModelRegistry:
             module = self.shared_tree()
             apply_lora(module, lora, seed=seed)
         params = [p for p in module.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        # foreach: one fused kernel per step over all tensors (~2x faster than a loop over them on CPU)
+        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, foreach=True)
         model = TrainingModel(
             model_id=model_id, owner=owner, base_model=self.base_model, lora=lora, seed=seed,
             module=module, optimizer=optimizer,
