@@ -142,9 +142,10 @@ class FutureQueue:
 
     def _take(self) -> _Job | None:
         with self._ready:
+            job = None
             while not self._closed and (job := self._next_job()) is None:
                 self._ready.wait()
-            if self._closed:
+            if job is None:  # closed
                 return None
             self._running += 1
             if job.lane is None:
