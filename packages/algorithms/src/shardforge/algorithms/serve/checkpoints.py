@@ -19,7 +19,7 @@ from shardforge.algorithms.serve.futures import UserError
 from shardforge.algorithms.serve.models import TrainingModel
 from shardforge.lora import LoRAConfig
 
-__all__ = ["checkpoint_dir", "load_state", "read_lora", "save_state"]
+__all__ = ["checkpoint_dir", "list_training_checkpoints", "load_state", "read_lora", "save_state"]
 
 _STATE_FILE = "state.pt"
 
@@ -59,6 +59,23 @@ def save_state(root: Path, model: TrainingModel, request: dict[str, Any]) -> dic
         if staging.exists():
             shutil.rmtree(staging)
     return {"type": "save_weights", "path": f"tinker://{model.model_id}/weights/{name}"}
+
+
+def list_training_checkpoints(root: Path, tenant: str, model_id: str) -> list[dict[str, Any]]:
+    """``save_state`` checkpoints of ``model_id`` on disk (also those of a previous service run), as the SDK's
+    ``Checkpoint`` JSON, oldest first; another tenant's model lists nothing."""
+    import datetime
+
+    folder = root / tenant / _check_name(model_id) / "weights"
+    out = []
+    for path in folder.glob(f"*/{_STATE_FILE}") if folder.is_dir() else ():
+        stat = path.stat()
+        out.append({
+            "checkpoint_id": f"weights/{path.parent.name}", "checkpoint_type": "training",
+            "time": datetime.datetime.fromtimestamp(stat.st_mtime, datetime.UTC).isoformat(),
+            "tinker_path": f"tinker://{model_id}/weights/{path.parent.name}", "size_bytes": stat.st_size,
+        })  # fmt: skip
+    return sorted(out, key=lambda c: c["time"])
 
 
 def _state_file(root: Path, tenant: str, path: str) -> Path:

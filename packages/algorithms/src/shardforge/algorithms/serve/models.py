@@ -74,6 +74,8 @@ class SamplerWeights:
     owner: str
     lora: LoRAConfig | None = None
     adapter: dict[str, torch.Tensor] | None = None
+    created: str | None = None
+    """When it was saved (ISO 8601, UTC)."""
 
 
 class ModelRegistry:

@@ -3,6 +3,7 @@ queue) and the validation every request passes before it is queued."""
 
 from __future__ import annotations
 
+import datetime
 import threading
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,10 @@ class TinkerService:
         def job() -> dict[str, Any]:
             label = name or self.registry.new_id("sampler")
             path = f"tinker://{model.model_id}/sampler_weights/{label}"
-            weights = SamplerWeights(path=path, owner=tenant, lora=model.lora, adapter=model.adapter_state())
+            weights = SamplerWeights(
+                path=path, owner=tenant, lora=model.lora, adapter=model.adapter_state(),
+                created=datetime.datetime.now(datetime.UTC).isoformat(),
+            )  # fmt: skip
             self.registry.samplers[path] = weights
             session = None if name is not None else self.registry.open_session(tenant, weights)
             return {"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session}
@@ -165,6 +169,26 @@ class TinkerService:
         model = self.registry.model(tenant, str(data.get("model_id")))
         root = Path(self.config.output_dir)
         return self.futures.submit(tenant, "SaveWeights", lambda: save_state(root, model, data), lane=model.model_id)
+
+    def list_checkpoints(self, tenant: str, model_id: str) -> dict[str, Any]:
+        """``RestClient.list_checkpoints``: the model's ``save_state`` checkpoints (on disk) and sampler weights (in
+        memory; they do not survive a restart). Unknown ids and another tenant's models: KeyError (404)."""
+        from shardforge.algorithms.serve.checkpoints import list_training_checkpoints
+
+        root = Path(self.config.output_dir)
+        checkpoints = list_training_checkpoints(root, tenant, model_id)
+        live = self.registry.models.get(model_id)
+        if not checkpoints and (live is None or live.owner != tenant):
+            raise KeyError(f"training run {model_id!r} is not a model of this API key")
+        now = datetime.datetime.now(datetime.UTC).isoformat()
+        prefix = f"tinker://{model_id}/sampler_weights/"
+        for path, weights in list(self.registry.samplers.items()):
+            if weights.owner == tenant and path.startswith(prefix):
+                checkpoints.append({
+                    "checkpoint_id": path.removeprefix(f"tinker://{model_id}/"), "checkpoint_type": "sampler",
+                    "time": weights.created or now, "tinker_path": path,
+                })  # fmt: skip
+        return {"checkpoints": checkpoints, "cursor": None}
 
     def load_state(self, tenant: str, data: dict[str, Any]) -> str:
         """Into a live model (``model_id``), or into a new one (``session_id`` + ``model_seq_id``: the SDK's
