@@ -158,6 +158,26 @@ def test_save_and_load_state(served) -> None:
     assert trainer.forward(datums, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(before, rel=1e-6)
 
 
+def test_rest_client_lists_a_models_checkpoints(served) -> None:
+    with tinker.ServiceClient(base_url=served["url"], api_key=ALICE) as service:
+        trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+        first = trainer.save_state("a").result().path
+        second = trainer.save_state("b").result().path
+        sampler = trainer.save_weights_for_sampler("s").result().path
+        rest = tinker.RestClient(base_url=served["url"], api_key=ALICE)
+        listed = rest.list_checkpoints(trainer.model_id).result().checkpoints
+        assert [(c.checkpoint_type, c.tinker_path) for c in listed] == [
+            ("training", first),
+            ("training", second),
+            ("sampler", sampler),
+        ]
+        assert [c.checkpoint_id for c in listed] == ["weights/a", "weights/b", "sampler_weights/s"]
+        assert all(c.size_bytes > 0 for c in listed[:2])
+    other = tinker.RestClient(base_url=served["url"], api_key=BOB)  # another tenant: an unknown run
+    with pytest.raises(tinker.NotFoundError):
+        other.list_checkpoints(trainer.model_id).result()
+
+
 def _post(url: str, path: str, key: str, **kw) -> httpx.Response:
     return httpx.post(f"{url}/api/v1/{path}", headers={"X-API-Key": key}, timeout=30, **kw)
 

@@ -36,3 +36,43 @@ def test_config_limits_are_checked() -> None:
 def test_cli_refuses_a_missing_model_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--model", str(tmp_path / "missing")]) != 0
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_future_lanes_run_at_once_in_order_and_lane_less_jobs_alone() -> None:
+    import threading
+    import time
+
+    from shardforge.algorithms.serve.futures import FutureQueue
+
+    queue = FutureQueue(workers=2)
+    log: list[str] = []
+    other_started = threading.Event()
+
+    def job(name: str, wait: threading.Event | None = None, started: threading.Event | None = None):
+        def run() -> dict[str, str]:
+            if started is not None:
+                started.set()
+            log.append(f"{name}+")
+            if wait is not None:
+                assert wait.wait(5), f"{name}: the other lane's job never ran alongside"
+            time.sleep(0.05)
+            log.append(f"{name}-")
+            return {"name": name}
+
+        return run
+
+    try:
+        # a1 waits for b1 to start: with one worker (or one lane for all) this would time out and fail a1
+        a1 = queue.submit("t", "X", job("a1", wait=other_started), lane="a")
+        a2 = queue.submit("t", "X", job("a2"), lane="a")  # same lane: after a1 even with a worker free
+        b1 = queue.submit("t", "X", job("b1", started=other_started), lane="b")
+        sample = queue.submit("t", "Sample", job("s"))  # no lane: alone, after everything queued before it
+        b2 = queue.submit("t", "X", job("b2"), lane="b")  # queued after the lane-less job: runs after it
+        results = [queue.get("t", rid, 10) for rid in (a1, a2, b1, sample, b2)]
+    finally:
+        queue.close()
+    assert all(r is not None and r.error is None for r in results), [r and r.error for r in results]
+    assert log.index("a1-") < log.index("a2+")
+    assert log.index("b1+") < log.index("a1-")  # b1 ran while a1 ran
+    assert log.index("s+") > max(log.index(x) for x in ("a1-", "a2-", "b1-"))
+    assert log.index("s-") + 1 == log.index("b2+")  # nothing ran beside the lane-less job

@@ -28,6 +28,9 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--api-keys", default=None, metavar="FILE", help='a JSON file {"tenant": "tml-...", ...}')
     parser.add_argument("--output-dir", default="runs/serve", help="where save_state writes checkpoints")
     parser.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens a sample request may ask")
+    parser.add_argument(
+        "--workers", type=int, default=2, help="worker threads: different training clients' requests run at once"
+    )
     parser.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha of every adapter")
     return parser
 
@@ -49,7 +52,7 @@ def serve(args: argparse.Namespace) -> int:
     keys = TenantKeys.parse(specs, args.api_keys)
     config = ServeConfig(
         model_dir=args.model, base_model=args.name, output_dir=args.output_dir, max_tokens=args.max_tokens,
-        lora_alpha=args.lora_alpha,
+        lora_alpha=args.lora_alpha, workers=args.workers,
     )  # fmt: skip
     server = ServiceServer(TinkerService(config, keys), host=args.host, port=args.port)
     log.info(

@@ -110,6 +110,18 @@ def build_app(service: TinkerService) -> FastAPI:
             service.check_session(who, str((await payload(request)).get("session_id")))
         return {"type": "session_heartbeat"}
 
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish_session(session_id: str, request: Request, who: str = Depends(tenant)) -> dict[str, Any]:
+        await payload(request)  # {"reason": ..., "detail": ...}: ServiceClient.close / leaving its `with` block
+        with _http_errors():
+            service.check_session(who, session_id)
+        return {}
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
+    async def list_checkpoints(model_id: str, who: str = Depends(tenant)) -> dict[str, Any]:
+        with _http_errors():
+            return service.list_checkpoints(who, model_id)
+
     @app.post("/api/v1/create_model")
     async def create_model(request: Request, who: str = Depends(tenant)) -> dict[str, Any]:
         data = await payload(request)

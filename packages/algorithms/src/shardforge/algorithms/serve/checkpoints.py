@@ -19,7 +19,7 @@ from shardforge.algorithms.serve.futures import UserError
 from shardforge.algorithms.serve.models import TrainingModel
 from shardforge.lora import LoRAConfig
 
-__all__ = ["checkpoint_dir", "load_state", "read_lora", "save_state"]
+__all__ = ["checkpoint_dir", "list_training_checkpoints", "load_state", "read_lora", "save_state"]
 
 _STATE_FILE = "state.pt"
 
@@ -46,8 +46,8 @@ def save_state(root: Path, model: TrainingModel, request: dict[str, Any]) -> dic
         state = {
             "adapter": model.adapter_state(),
             "optimizer": model.optimizer.state_dict(),
-            "rank": model.lora.r,
-            "target_modules": list(model.lora.target_modules),
+            "rank": None if model.lora is None else model.lora.r,  # None: full fine-tuning
+            "target_modules": [] if model.lora is None else list(model.lora.target_modules),
             "steps": model.steps,
             "base_model": model.base_model,
         }
@@ -61,6 +61,23 @@ def save_state(root: Path, model: TrainingModel, request: dict[str, Any]) -> dic
     return {"type": "save_weights", "path": f"tinker://{model.model_id}/weights/{name}"}
 
 
+def list_training_checkpoints(root: Path, tenant: str, model_id: str) -> list[dict[str, Any]]:
+    """``save_state`` checkpoints of ``model_id`` on disk (also those of a previous service run), as the SDK's
+    ``Checkpoint`` JSON, oldest first; another tenant's model lists nothing."""
+    import datetime
+
+    folder = root / tenant / _check_name(model_id) / "weights"
+    out = []
+    for path in folder.glob(f"*/{_STATE_FILE}") if folder.is_dir() else ():
+        stat = path.stat()
+        out.append({
+            "checkpoint_id": f"weights/{path.parent.name}", "checkpoint_type": "training",
+            "time": datetime.datetime.fromtimestamp(stat.st_mtime, datetime.UTC).isoformat(),
+            "tinker_path": f"tinker://{model_id}/weights/{path.parent.name}", "size_bytes": stat.st_size,
+        })  # fmt: skip
+    return sorted(out, key=lambda c: c["time"])
+
+
 def _state_file(root: Path, tenant: str, path: str) -> Path:
     parts = path.removeprefix("tinker://").split("/")
     if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights":
@@ -71,19 +88,23 @@ def _state_file(root: Path, tenant: str, path: str) -> Path:
     return file
 
 
-def read_lora(root: Path, tenant: str, request: dict[str, Any], *, alpha: float) -> LoRAConfig:
-    """The LoRA config of the checkpoint ``request["path"]`` (to create the model it is loaded into)."""
+def read_lora(root: Path, tenant: str, request: dict[str, Any], *, alpha: float) -> LoRAConfig | None:
+    """The LoRA config of the checkpoint ``request["path"]`` (to create the model it is loaded into); None: the
+    checkpoint is a full fine-tuning one."""
     state = torch.load(_state_file(root, tenant, str(request.get("path", ""))), map_location="cpu", weights_only=True)
+    if state["rank"] is None:
+        return None
     return LoRAConfig(r=int(state["rank"]), alpha=alpha, target_modules=tuple(state["target_modules"]))
 
 
 def load_state(root: Path, model: TrainingModel, request: dict[str, Any]) -> dict[str, Any]:
     path = str(request.get("path", ""))
     state = torch.load(_state_file(root, model.owner, path), map_location="cpu", weights_only=True)
-    if state["rank"] != model.lora.r or tuple(state["target_modules"]) != tuple(model.lora.target_modules):
+    rank, targets = (None, []) if model.lora is None else (model.lora.r, list(model.lora.target_modules))
+    if state["rank"] != rank or list(state["target_modules"]) != targets:
         raise UserError(
             f"checkpoint {path!r} has LoRA rank {state['rank']} on {state['target_modules']}; this model has rank "
-            f"{model.lora.r} on {list(model.lora.target_modules)}: create the training client with the same LoRA config"
+            f"{rank} on {targets} (rank None: full fine-tuning): create the training client with the same config"
         )
     params = dict(model.module.named_parameters())
     with torch.no_grad():

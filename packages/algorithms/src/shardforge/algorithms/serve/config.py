@@ -25,11 +25,13 @@ class ServeConfig:
     """The most tokens one forward_backward request may hold."""
     max_request_bytes: int = 64 * 1024**2
     """Larger request bodies are refused with 413."""
+    workers: int = 2
+    """Worker threads: jobs of different training models run at once (one model's jobs run in order)."""
     poll_wait_s: float = 5.0
     """How long ``retrieve_future`` waits for a pending result before answering ``try_again``."""
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "max_batch_tokens", "max_request_bytes"):
+        for name in ("max_tokens", "max_batch_tokens", "max_request_bytes", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.lora_alpha <= 0:

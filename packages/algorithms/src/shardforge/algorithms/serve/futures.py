@@ -1,15 +1,17 @@
 """The service's futures: every model-touching request is queued and answered later through
 ``/api/v1/retrieve_future``, as the Tinker SDK expects (it polls until the answer is not ``try_again``).
 
-One worker thread runs the queued work in arrival order: requests of one training client arrive in
-their ``seq_id`` order (the SDK takes turns before sending), and a single worker keeps the model, its
-optimizers and the sampling engine free of concurrent mutation. A failed job fails only its future.
+``workers`` threads run the queued work. A job has a lane (a training model's id) or none: jobs of one lane run
+one at a time in arrival order (a training client's requests arrive in their ``seq_id`` order: the SDK takes
+turns before sending), jobs of different lanes run at once (different tenants' models share only the frozen
+base weights, which training never writes), and a job without a lane (sampling: it folds adapters into the
+shared base weights while it runs) runs alone, after everything queued before it and before anything queued
+after it. A failed job fails only its future.
 """
 
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 import traceback
@@ -45,35 +47,58 @@ class FutureResult:
     queued_at: float = field(default_factory=time.perf_counter)
 
 
+@dataclass(slots=True)
+class _Job:
+    result: FutureResult
+    run: Callable[[], Any]
+    lane: str | None
+
+
 class FutureQueue:
-    """Queue jobs, run them on one worker thread, keep their results until retrieved.
+    """Queue jobs, run them on ``workers`` threads (lanes: see the module doc), keep their results until retrieved.
 
     Args:
+        workers: worker threads (jobs of different lanes running at once).
         max_kept: results kept at most; the oldest retrieved ones are dropped first.
         on_done: called after each job with ``(result, seconds waited in the queue, seconds it ran)``
             (the service's metrics); an exception in it is logged, never raised.
     """
 
     def __init__(
-        self, *, max_kept: int = 10000, on_done: Callable[[FutureResult, float, float], None] | None = None
+        self,
+        *,
+        workers: int = 1,
+        max_kept: int = 10000,
+        on_done: Callable[[FutureResult, float, float], None] | None = None,
     ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers={workers} must be >= 1")
         self._on_done = on_done
         self._ids = itertools.count(1)
         self._results: dict[str, FutureResult] = {}
         self._lock = threading.Lock()
-        self._jobs: queue.Queue[tuple[FutureResult, Callable[[], Any]] | None] = queue.Queue()
+        self._ready = threading.Condition(self._lock)
+        self._pending: list[_Job] = []
+        self._busy_lanes: set[str] = set()
+        self._running = 0
+        self._exclusive = False
+        self._closed = False
         self._max_kept = max_kept
-        self._worker = threading.Thread(target=self._run, name="shardforge-serve-worker", daemon=True)
-        self._worker.start()
+        self._workers = [
+            threading.Thread(target=self._run, name=f"shardforge-serve-worker-{i}", daemon=True) for i in range(workers)
+        ]
+        for worker in self._workers:
+            worker.start()
 
-    def submit(self, owner: str, kind: str, job: Callable[[], Any]) -> str:
-        """Queue ``job`` (returns a JSON dict or protobuf bytes); return its request id."""
+    def submit(self, owner: str, kind: str, job: Callable[[], Any], *, lane: str | None = None) -> str:
+        """Queue ``job`` (returns a JSON dict or protobuf bytes) in ``lane`` (None: runs alone); its request id."""
         request_id = f"req-{next(self._ids)}"
         result = FutureResult(owner=owner, kind=kind)
-        with self._lock:
+        with self._ready:
             self._results[request_id] = result
             self._evict()
-        self._jobs.put((result, job))
+            self._pending.append(_Job(result, job, lane))
+            self._ready.notify_all()
         return request_id
 
     def get(self, owner: str, request_id: str, wait_s: float) -> FutureResult | None:
@@ -87,11 +112,13 @@ class FutureQueue:
         return result if result.done.wait(wait_s) else None
 
     def close(self) -> None:
-        self._jobs.put(None)
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
 
     def depth(self) -> int:
         """Jobs queued and not started."""
-        return self._jobs.qsize()
+        return len(self._pending)
 
     def _evict(self) -> None:
         if len(self._results) <= self._max_kept:
@@ -100,26 +127,67 @@ class FutureQueue:
         for rid in done[: len(self._results) - self._max_kept]:
             del self._results[rid]
 
+    def _next_job(self) -> _Job | None:
+        """The first pending job that may start now (call with the lock held)."""
+        if self._exclusive:
+            return None
+        seen: set[str] = set()
+        for index, job in enumerate(self._pending):
+            if job.lane is None:  # runs alone, after all before it: nothing after it may pass it
+                return self._pending.pop(index) if index == 0 and self._running == 0 else None
+            if job.lane not in self._busy_lanes and job.lane not in seen:
+                return self._pending.pop(index)
+            seen.add(job.lane)
+        return None
+
+    def _take(self) -> _Job | None:
+        with self._ready:
+            job = None
+            while not self._closed and (job := self._next_job()) is None:
+                self._ready.wait()
+            if job is None:  # closed
+                return None
+            self._running += 1
+            if job.lane is None:
+                self._exclusive = True
+            else:
+                self._busy_lanes.add(job.lane)
+            return job
+
+    def _release(self, job: _Job) -> None:
+        with self._ready:
+            self._running -= 1
+            if job.lane is None:
+                self._exclusive = False
+            else:
+                self._busy_lanes.discard(job.lane)
+            self._ready.notify_all()
+
     def _run(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            result, job = item
-            started = time.perf_counter()
+        while (job := self._take()) is not None:
             try:
-                value = job()
-                if isinstance(value, bytes):
-                    result.proto = value
-                else:
-                    result.json = value
-            except UserError as exc:
-                result.error, result.category = str(exc), "user"
-            except (ValueError, TypeError, KeyError) as exc:
-                result.error, result.category = f"{type(exc).__name__}: {exc}", "user"
-            except Exception as exc:  # a crashed request must not take the worker (other tenants) down
-                log.error("%s request failed:\n%s", result.kind, traceback.format_exc())
-                result.error, result.category = f"{type(exc).__name__}: {exc}", "server"
+                self._execute(job.result, job.run)
             finally:
-                result.done.set()
-                self._report(result, started)
+                self._release(job)
+
+    def _execute(self, result: FutureResult, job: Callable[[], Any]) -> None:
+        started = time.perf_counter()
+        try:
+            value = job()
+            if isinstance(value, bytes):
+                result.proto = value
+            else:
+                result.json = value
+        except UserError as exc:
+            result.error, result.category = str(exc), "user"
+        except (ValueError, TypeError, KeyError) as exc:
+            result.error, result.category = f"{type(exc).__name__}: {exc}", "user"
+        except Exception as exc:  # a crashed request must not take the worker (other tenants) down
+            log.error("%s request failed:\n%s", result.kind, traceback.format_exc())
+            result.error, result.category = f"{type(exc).__name__}: {exc}", "server"
+        finally:
+            result.done.set()
+            self._report(result, started)
 
     def _report(self, result: FutureResult, started: float) -> None:
         if self._on_done is None:

@@ -1,7 +1,8 @@
 """The service's models: one base HF model loaded once, and per training client a LoRA module tree that
 shares the base weights by reference (`copy.deepcopy` with the base parameters in its memo), with its own
 adapters and its own AdamW. Different ranks and different tenants therefore coexist on one base model; the
-base weights are frozen and never copied.
+base weights are frozen and never copied. A full fine-tuning client (``lora_config`` absent) gets a full
+copy of the base weights of its own, all trainable, and an AdamW over all of them.
 
 First slice: a training client is trained with plain torch on that tree (`shardforge.lora` adapters), not
 through `shardforge.engine.TrainEngine`, whose step API (a whole packed batch, loss and optimizer step in
@@ -48,19 +49,20 @@ def lora_config_for(lora: dict[str, Any], *, alpha: float) -> LoRAConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainingModel:
-    """One training client's adapters and optimizer on the shared base model."""
+    """One training client's adapters and optimizer on the shared base model (``lora`` None: full fine-tuning,
+    ``module`` is a full copy of its own)."""
 
     model_id: str
     owner: str
     base_model: str
-    lora: LoRAConfig
+    lora: LoRAConfig | None
     seed: int
     module: nn.Module
     optimizer: torch.optim.AdamW
     steps: int = 0
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
-        """The adapter parameters (CPU copies), by their qualified names."""
+        """The trained parameters (CPU copies) by their qualified names: the adapters, or every weight (full FT)."""
         return {n: p.detach().cpu().clone() for n, p in self.module.named_parameters() if p.requires_grad}
 
 
@@ -72,6 +74,8 @@ class SamplerWeights:
     owner: str
     lora: LoRAConfig | None = None
     adapter: dict[str, torch.Tensor] | None = None
+    created: str | None = None
+    """When it was saved (ISO 8601, UTC)."""
 
 
 class ModelRegistry:
@@ -119,17 +123,29 @@ class ModelRegistry:
         memo: dict[int, Any] = {id(p): p for p in self.base.parameters()}
         return copy.deepcopy(self.base, memo)
 
-    def create_model(self, owner: str, model_id: str, lora: LoRAConfig, seed: int | None) -> TrainingModel:
-        """A new training model ``model_id`` (the SDK derives it: ``<session_id>:train:<model_seq_id>``)."""
+    def full_copy(self) -> nn.Module:
+        """A module tree with its own copy of every base weight, all trainable (full fine-tuning)."""
+        module = copy.deepcopy(self.base)
+        for param in module.parameters():
+            param.requires_grad_(True)
+        return module
+
+    def create_model(self, owner: str, model_id: str, lora: LoRAConfig | None, seed: int | None) -> TrainingModel:
+        """A new training model ``model_id`` (the SDK derives it: ``<session_id>:train:<model_seq_id>``);
+        ``lora`` None: full fine-tuning."""
         from shardforge.lora import apply_lora
 
         if model_id in self.models:
             raise UserError(f"model {model_id!r} exists: model_seq_id values must not repeat within a session")
         seed = seed if seed is not None else random.randrange(2**31)
-        module = self.shared_tree()
-        apply_lora(module, lora, seed=seed)
+        if lora is None:
+            module = self.full_copy()
+        else:
+            module = self.shared_tree()
+            apply_lora(module, lora, seed=seed)
         params = [p for p in module.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        # foreach: one fused kernel per step over all tensors (~2x faster than a loop over them on CPU)
+        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, foreach=True)
         model = TrainingModel(
             model_id=model_id, owner=owner, base_model=self.base_model, lora=lora, seed=seed,
             module=module, optimizer=optimizer,

@@ -70,7 +70,10 @@ class SamplerEngine:
         from shardforge.weight_sync import InProcessTransport, WeightPublisher
 
         tree = self.registry.shared_tree()
-        if weights.lora is not None and weights.adapter is not None:
+        if weights.lora is None and weights.adapter is not None:  # full fine-tuning: a full copy of the weights
+            tree = self.registry.full_copy()
+            tree.load_state_dict(weights.adapter, strict=False)
+        elif weights.lora is not None and weights.adapter is not None:
             apply_lora(tree, weights.lora, seed=0)
             missing = set(weights.adapter) - {n for n, _ in tree.named_parameters()}
             assert not missing, f"adapter names missing from the tree: {sorted(missing)[:4]}"

@@ -3,6 +3,7 @@ queue) and the validation every request passes before it is queued."""
 
 from __future__ import annotations
 
+import datetime
 import threading
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,9 @@ class TinkerService:
         self.registry = ModelRegistry(config.model_dir, base_model=name, lora_alpha=config.lora_alpha)
         self.sampler = SamplerEngine(self.registry, max_tokens=config.max_tokens)
         self.metrics = ServeMetrics()
-        self.futures = FutureQueue(on_done=self._job_done)
+        # Sample jobs have no lane (they run alone: the sampler folds adapters into the shared base weights);
+        # every other job runs in its training model's lane, concurrently with other models' jobs.
+        self.futures = FutureQueue(workers=config.workers, on_done=self._job_done)
         self._sessions: dict[str, str] = {}  # session id -> tenant
         self._lock = threading.Lock()
 
@@ -66,21 +69,21 @@ class TinkerService:
     def create_model(self, tenant: str, data: dict[str, Any]) -> str:
         self.check_session(tenant, str(data.get("session_id")))
         self.registry.check_base_model(data.get("base_model"))
-        lora_json = data.get("lora_config")
-        if not isinstance(lora_json, dict):
-            raise UserError("create_model needs lora_config {'rank': ...}: full fine-tuning is not served yet")
+        lora_json = data.get("lora_config")  # absent: full fine-tuning
+        if lora_json is not None and not isinstance(lora_json, dict):
+            raise UserError("lora_config must be an object {'rank': ...}, or absent for full fine-tuning")
         optimizer = (data.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise UserError(f"optimizer_config.type={optimizer!r} is not served; only 'adamw'")
-        lora = lora_config_for(lora_json, alpha=self.config.lora_alpha)
-        seed = lora_json.get("seed")
+        lora = None if lora_json is None else lora_config_for(lora_json, alpha=self.config.lora_alpha)
+        seed = None if lora_json is None else lora_json.get("seed")
         model_id = self._model_id(data)
 
         def job() -> dict[str, Any]:
             model = self.registry.create_model(tenant, model_id, lora, None if seed is None else int(seed))
             return {"type": "create_model", "model_id": model.model_id}
 
-        return self.futures.submit(tenant, "CreateModel", job)
+        return self.futures.submit(tenant, "CreateModel", job, lane=model_id)
 
     @staticmethod
     def _model_id(data: dict[str, Any]) -> str:
@@ -95,8 +98,8 @@ class TinkerService:
         arch = type(self.registry.base).__name__
         model_data = {"arch": arch, "model_name": model.base_model, "tokenizer_id": self.registry.model_dir}
         return {
-            "type": "get_info", "model_id": model_id, "model_data": model_data, "is_lora": True,
-            "lora_rank": model.lora.r, "model_name": model.base_model,
+            "type": "get_info", "model_id": model_id, "model_data": model_data, "is_lora": model.lora is not None,
+            "lora_rank": None if model.lora is None else model.lora.r, "model_name": model.base_model,
         }  # fmt: skip
 
     def forward_backward(self, tenant: str, request: FwdBwdRequest) -> str:
@@ -109,7 +112,7 @@ class TinkerService:
         )  # fmt: skip
         kind = "Forward" if request.forward_only else "ForwardBackward"
         self.metrics.tokens.labels(tenant, kind).inc(sum(len(datum.tokens) for datum in request.data))
-        return self.futures.submit(tenant, kind, lambda: forward_backward(model, request))
+        return self.futures.submit(tenant, kind, lambda: forward_backward(model, request), lane=model.model_id)
 
     def optim_step(self, tenant: str, data: dict[str, Any]) -> str:
         from shardforge.algorithms.serve.training import check_adam, optim_step
@@ -119,7 +122,7 @@ class TinkerService:
         if not isinstance(adam, dict):
             raise UserError("optim_step needs adam_params {'learning_rate': ..., ...}")
         check_adam(adam)
-        return self.futures.submit(tenant, "OptimStep", lambda: optim_step(model, adam))
+        return self.futures.submit(tenant, "OptimStep", lambda: optim_step(model, adam), lane=model.model_id)
 
     def save_for_sampler(self, tenant: str, data: dict[str, Any]) -> str:
         model = self.registry.model(tenant, str(data.get("model_id")))
@@ -130,12 +133,15 @@ class TinkerService:
         def job() -> dict[str, Any]:
             label = name or self.registry.new_id("sampler")
             path = f"tinker://{model.model_id}/sampler_weights/{label}"
-            weights = SamplerWeights(path=path, owner=tenant, lora=model.lora, adapter=model.adapter_state())
+            weights = SamplerWeights(
+                path=path, owner=tenant, lora=model.lora, adapter=model.adapter_state(),
+                created=datetime.datetime.now(datetime.UTC).isoformat(),
+            )  # fmt: skip
             self.registry.samplers[path] = weights
             session = None if name is not None else self.registry.open_session(tenant, weights)
             return {"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session}
 
-        return self.futures.submit(tenant, "SaveWeightsForSampler", job)
+        return self.futures.submit(tenant, "SaveWeightsForSampler", job, lane=model.model_id)
 
     def sampling_session(self, tenant: str, data: dict[str, Any]) -> str:
         self.check_session(tenant, str(data.get("session_id")))
@@ -162,7 +168,27 @@ class TinkerService:
 
         model = self.registry.model(tenant, str(data.get("model_id")))
         root = Path(self.config.output_dir)
-        return self.futures.submit(tenant, "SaveWeights", lambda: save_state(root, model, data))
+        return self.futures.submit(tenant, "SaveWeights", lambda: save_state(root, model, data), lane=model.model_id)
+
+    def list_checkpoints(self, tenant: str, model_id: str) -> dict[str, Any]:
+        """``RestClient.list_checkpoints``: the model's ``save_state`` checkpoints (on disk) and sampler weights (in
+        memory; they do not survive a restart). Unknown ids and another tenant's models: KeyError (404)."""
+        from shardforge.algorithms.serve.checkpoints import list_training_checkpoints
+
+        root = Path(self.config.output_dir)
+        checkpoints = list_training_checkpoints(root, tenant, model_id)
+        live = self.registry.models.get(model_id)
+        if not checkpoints and (live is None or live.owner != tenant):
+            raise KeyError(f"training run {model_id!r} is not a model of this API key")
+        now = datetime.datetime.now(datetime.UTC).isoformat()
+        prefix = f"tinker://{model_id}/sampler_weights/"
+        for path, weights in list(self.registry.samplers.items()):
+            if weights.owner == tenant and path.startswith(prefix):
+                checkpoints.append({
+                    "checkpoint_id": path.removeprefix(f"tinker://{model_id}/"), "checkpoint_type": "sampler",
+                    "time": weights.created or now, "tinker_path": path,
+                })  # fmt: skip
+        return {"checkpoints": checkpoints, "cursor": None}
 
     def load_state(self, tenant: str, data: dict[str, Any]) -> str:
         """Into a live model (``model_id``), or into a new one (``session_id`` + ``model_seq_id``: the SDK's
@@ -172,7 +198,9 @@ class TinkerService:
         root = Path(self.config.output_dir)
         if data.get("model_id"):
             model = self.registry.model(tenant, str(data["model_id"]))
-            return self.futures.submit(tenant, "LoadWeights", lambda: load_state(root, model, data))
+            return self.futures.submit(
+                tenant, "LoadWeights", lambda: load_state(root, model, data), lane=model.model_id
+            )
         self.check_session(tenant, str(data.get("session_id")))
         if data.get("base_model") is not None:
             self.registry.check_base_model(data["base_model"])
@@ -182,4 +210,4 @@ class TinkerService:
         def job() -> dict[str, Any]:
             return load_state(root, self.registry.create_model(tenant, model_id, lora, seed=0), data)
 
-        return self.futures.submit(tenant, "LoadWeights", job)
+        return self.futures.submit(tenant, "LoadWeights", job, lane=model_id)

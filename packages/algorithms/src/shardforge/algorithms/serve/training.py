@@ -59,14 +59,11 @@ def target_logprobs(module: torch.nn.Module, data: Sequence[WireDatum]) -> torch
     """[T] log pi(target_t | tokens_<=t) of every datum, packed (right padding, masked)."""
     lengths = [len(d.tokens) for d in data]
     width = max(lengths)
-    input_ids_BS = torch.zeros(len(data), width, dtype=torch.long)
-    mask_BS = torch.zeros(len(data), width, dtype=torch.long)
+    # one tensor for all rows (not one per datum): right padding, mask from the lengths
+    input_ids_BS = torch.tensor([d.tokens + [0] * (width - n) for d, n in zip(data, lengths, strict=True)])
+    mask_BS = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
     targets_BS = torch.zeros(len(data), width, dtype=torch.long)
-    for row, datum in enumerate(data):
-        n = lengths[row]
-        input_ids_BS[row, :n] = torch.tensor(datum.tokens)
-        mask_BS[row, :n] = 1
-        targets_BS[row, :n] = datum.inputs["target_tokens"].long()
+    targets_BS[mask_BS.bool()] = torch.cat([d.inputs["target_tokens"].long() for d in data])
     device = next(module.parameters()).device
     logits_BSV = module(input_ids=input_ids_BS.to(device), attention_mask=mask_BS.to(device)).logits.float()
     logprobs_BS = F.log_softmax(logits_BSV, dim=-1).gather(-1, targets_BS.to(device)[..., None])[..., 0]
