@@ -45,7 +45,9 @@ async def run(client: openai.AsyncOpenAI, row: dict) -> float:
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
         message = reply.choices[0].message
         if not message.tool_calls:
-            return float((message.content or "").strip() == row["reference"])
+            # Qwen3-style models open each answer with a <think> block; the answer is what follows it.
+            answer = (message.content or "").rsplit("</think>", 1)[-1].strip()
+            return float(answer == row["reference"])
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
             try:
