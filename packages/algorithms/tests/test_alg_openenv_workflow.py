@@ -172,6 +172,8 @@ def test_a_server_that_dies_fails_only_its_episodes(chat: dict[str, Any], tmp_pa
     monkeypatch.setenv("OPENENV_TEST_DIE", str(marker))
     records = _run(chat, tmp_path / "run", num_servers=2)
     assert not marker.exists()
-    # Step 1: one server died at its first reset: its group (2 episodes) failed, the other server's group trained.
-    assert [r["episodes_failed"] for r in records] == [2, 0], "step 2: the dead server was started again"
+    # Step 1: one server died at its first reset: its group's episodes failed (both, or one when the other asked for
+    # the server after it died and got it restarted), the other server's group trained. Step 2: the dead server was
+    # started again and nothing failed.
+    assert 1 <= records[0]["episodes_failed"] <= 2 and records[1]["episodes_failed"] == 0
     assert all(r["episode/stop/done"] == 1.0 for r in records), "the kept episodes ran to the environment's end"
