@@ -72,6 +72,12 @@ TINKER_SDK = ("tinker", "prometheus-client")
 # verifiers 0.4.0 (shardforge-rollout[verifiers]): test_alg_verifiers_workflow.py trains on a real verifiers
 # environment; it needs openai<3, hence openai==2.54.0 in constraints.txt. Only the tests session installs it.
 AGENT_ENVS = ("verifiers",)
+# openenv-core 0.3.0 (shardforge-rollout[openenv]): test_alg_openenv_workflow.py serves an OpenEnv environment with
+# its create_app and drives it with its client. It requires gradio, which no gradio release allows beside the
+# verifiers pins, so the tests session installs it --no-deps after what its server and client import (OPENENV_DEPS;
+# gradio is only its opt-in web UI). ~10 s of install.
+OPENENV_DEPS = ("fastmcp", "websockets")
+OPENENV = "openenv-core==0.3.0"
 # One intra-op thread per process by default (rank pools run several processes on few cores).
 # The suite must not depend on it: SHARDFORGE_TEST_THREADS=2 nox -s tests runs it with 2
 # threads, which changes the reduction order of CPU kernels (see docs/testing.md).
@@ -127,7 +133,8 @@ PARITY_AT_TWO_THREADS = (
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """All package unit tests and the integration suite in one venv."""
-    _install_workspace(session, *TRACKERS, *TINKER_SDK, *AGENT_ENVS)
+    _install_workspace(session, *TRACKERS, *TINKER_SDK, *AGENT_ENVS, *OPENENV_DEPS)
+    session.install(*CONSTRAINTS, "--no-deps", OPENENV)
     # `heavy` end-to-end launches stay out of CI's budget; `nox -s integration` runs them (docs/testing.md).
     # Two test processes: about half of the suite runs in one process on one thread, so one process left a
     # core of CI's two idle (user+sys ~= wall); the rank pools' tests use both cores either way.

@@ -12,7 +12,8 @@ Setup: the tiny chat model of the tests (`testing.tiny_chat_assets` with Qwen3's
 
 Both render the same prompt (checked) and sample with the same seeds, so they generate the same tokens
 (checked). Reported: generated tokens/s through the endpoint / in process, median of ``ROUNDS`` alternated
-rounds (target >= 0.8x). Run: ``python benchmarks/bench_agent_endpoint.py`` (~1 min).
+rounds (target >= 0.8x), and the same ratio per CPU second of this process (all threads: the openai clients, the
+endpoint's server thread, the engine), which a machine shared with other work distorts less than wall time. Run: ``python benchmarks/bench_agent_endpoint.py`` (~1 min).
 """
 
 from __future__ import annotations
@@ -73,11 +74,11 @@ def _run(s: dict[str, Any], workflow: str, seed: int) -> dict[str, Any]:
     from shardforge.rollout.workflows.runner import run_episodes
 
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=seed)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = run_episodes(s[workflow], s["engine"], s["rows"], 1, params, drop_failed=False)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(sum(t.loss_mask) for t in out)
-    return {"seconds": seconds, "tokens": tokens, "ids": [t.token_ids for t in out]}
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "tokens": tokens, "ids": [t.token_ids for t in out]}
 
 
 def main() -> int:
@@ -93,16 +94,21 @@ def main() -> int:
             results = {}
             for mode, workflow in order if index % 2 == 0 else reversed(order):
                 results[mode] = run = _run(s, workflow, seed=index)
-                runs[mode].append({"seconds": run["seconds"], "tokens": run["tokens"]})
+                runs[mode].append(
+                    {"seconds": run["seconds"], "cpu_seconds": run["cpu_seconds"], "tokens": run["tokens"]}
+                )
                 print(f"[{NAME}] round {index + 1} {mode}: {run['tokens'] / run['seconds']:,.0f} generated tok/s "
-                      f"({run['seconds']:.2f} s)", flush=True)  # fmt: skip
+                      f"({run['seconds']:.2f} s, {run['cpu_seconds']:.2f} CPU s)", flush=True)  # fmt: skip
             same = same and results["in_process"]["ids"] == results["endpoint"]["ids"]
     ratios = [
         e["tokens"] / e["seconds"] / (p["tokens"] / p["seconds"]) for e, p in zip(runs["endpoint"], runs["in_process"])
     ]
+    # CPU seconds of this process (all its threads): on a machine shared with other work, wall time also counts
+    # the waits for a core; the CPU ratio is the endpoint's own cost.
+    cpu_ratios = [p["cpu_seconds"] / e["cpu_seconds"] for e, p in zip(runs["endpoint"], runs["in_process"])]
     med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
     payload = {"benchmark": NAME, "episodes": EPISODES, "max_new_tokens": MAX_NEW_TOKENS, "hidden": HIDDEN,
-               "rounds": ROUNDS, "runs": runs, "median": med, "ratio": ratios, "same_tokens": same, "machine": info,
+               "rounds": ROUNDS, "runs": runs, "median": med, "ratio": ratios, "cpu_ratio": cpu_ratios, "same_tokens": same, "machine": info,
                "date": _common.today(), "seconds": time.perf_counter() - started}  # fmt: skip
     json_path = _common.write_json(NAME, payload)
     ratio = statistics.median(ratios)
@@ -114,12 +120,12 @@ def main() -> int:
         f"{ROUNDS} alternated rounds",
         ours=f"{med['endpoint']['tokens'] / med['endpoint']['seconds']:,.0f}",
         baseline=f"{med['in_process']['tokens'] / med['in_process']['seconds']:,.0f}",
-        ratio=f"{ratio:.2f} (min {min(ratios):.2f})",
+        ratio=f"{ratio:.2f} (min {min(ratios):.2f}; per CPU second {statistics.median(cpu_ratios):.2f})",
         target=_common.target_cell(">= 0.8x", ratio >= 0.8),
         machine=_common.machine_label(info),
     )
-    print(f"[{NAME}] endpoint / in process: {ratio:.2f}x generated tokens/s (target >= 0.8); same tokens: {same}; "
-          f"wrote {json_path}")  # fmt: skip
+    print(f"[{NAME}] endpoint / in process: {ratio:.2f}x generated tokens/s (target >= 0.8), "
+          f"{statistics.median(cpu_ratios):.2f}x per CPU second; same tokens: {same}; wrote {json_path}")  # fmt: skip
     return 0 if same else 1
 
 

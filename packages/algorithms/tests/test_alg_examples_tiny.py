@@ -46,6 +46,8 @@ def test_every_tiny_example_is_covered() -> None:
 def test_a_tiny_example_runs_as_shipped(name: str, prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if "verifiers" in name:  # shardforge-rollout[verifiers]; the tests session installs it
         pytest.importorskip("verifiers.v1")
+    if "openenv" in name:  # shardforge-rollout[openenv]; the tests session installs it
+        pytest.importorskip("openenv.core")
     monkeypatch.chdir(prepared)
     out = prepared / "runs" / name.removesuffix(".yaml")
     family = name.split("_")[0]

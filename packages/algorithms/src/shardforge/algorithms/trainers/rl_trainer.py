@@ -285,6 +285,9 @@ class RLTrainer(Trainer[C]):
             source.close()
         if hasattr(self, "reward_fn"):
             self.reward_fn.close()
+        close_workflow = getattr(getattr(self, "workflow", None), "close", None)
+        if callable(close_workflow):  # a workflow's servers (openenv's local environment servers)
+            close_workflow()
 
 
 A = TypeVar("A")

@@ -97,13 +97,22 @@ def chat_prompt_ids(tokenizer: Any, body: dict[str, Any]) -> list[int]:
         text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # the template's own error (jinja): the client's messages do not fit it
         raise APIError(400, f"the model's chat template refused the messages: {exc}", "messages") from exc
+    return encode(tokenizer, text)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """``tokenizer(text, add_special_tokens=False)["input_ids"]``, through the Rust tokenizer directly when the
+    tokenizer is a fast one (the same ids; transformers' ``__call__`` adds ~2 ms of Python per long prompt)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return list(backend.encode(text, add_special_tokens=False).ids)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def completion_prompt_ids(tokenizer: Any, body: dict[str, Any]) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
-        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return encode(tokenizer, prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
     raise APIError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request)", "prompt")

@@ -28,6 +28,7 @@ __all__ = [
     "WORKFLOWS",
     "AgentConfig",
     "MultiTurnConfig",
+    "OpenEnvConfig",
     "PromptRow",
     "ToolUseConfig",
     "VerifiersConfig",
@@ -126,6 +127,45 @@ class VerifiersConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class OpenEnvConfig:
+    """The ``openenv`` workflow's options (``workflow.openenv:``; docs/agents-openai.md)."""
+
+    url: str = ""
+    """A running OpenEnv environment server (``http://host:port``), or empty with ``app`` set."""
+    app: str = ""
+    """Instead of ``url``: the server's ASGI app, ``package.module:app`` or ``path/file.py:app`` (an OpenEnv
+    ``create_app(...)``), served by uvicorn in local subprocesses this workflow starts, restarts and stops."""
+    num_servers: int = 1
+    """Local servers of ``app`` per process; the episodes of row ``g`` use server ``g % num_servers``."""
+    action_field: str = "message"
+    """The action sent each step: ``{action_field: the model's reply}``."""
+    observation_field: str = "prompt"
+    """The observation's text shown to the model as the user turn (reset: the first one; absent or empty at reset:
+    the row's prompt)."""
+    reset_args: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of every reset (each reset also gets the row's ``prompt``, ``reference`` and the
+    group's ``seed``; the server passes on those its environment's ``reset`` accepts)."""
+    reward: str = "sum"
+    """The episode's reward from the steps' rewards: ``sum`` or ``last``."""
+    timeout_s: float = 300.0
+    """An episode that runs longer fails (that episode only); also each message's wait on the server."""
+    startup_timeout_s: float = 120.0
+    """Most seconds a local server may take to answer ``/health``."""
+
+    def __post_init__(self) -> None:
+        if self.url and self.app:
+            raise ValueError("workflow.openenv: set url (a running server) or app (served locally), not both")
+        if self.app and ":" not in self.app:
+            raise ValueError(f"workflow.openenv.app={self.app!r} must be 'package.module:app' or 'path/file.py:app'")
+        if self.num_servers < 1:
+            raise ValueError(f"workflow.openenv.num_servers={self.num_servers} must be >= 1")
+        if self.reward not in ("sum", "last"):
+            raise ValueError(f"workflow.openenv.reward={self.reward!r} must be 'sum' or 'last'")
+        if self.timeout_s <= 0 or self.startup_timeout_s <= 0:
+            raise ValueError("workflow.openenv.timeout_s and startup_timeout_s must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class WorkflowConfig:
     """Which workflow turns data rows into trajectories, and its options (YAML ``workflow:``). A variant's own
     options are a section named after it (``multi_turn``, ``tool_use``)."""
@@ -138,7 +178,7 @@ class WorkflowConfig:
     }
 
     name: str = "rlvr"
-    """A registered workflow (rlvr, multi_turn, tool_use, agent, verifiers) or a user class ``package.module:Class``."""
+    """A registered workflow (rlvr, multi_turn, tool_use, agent, verifiers, openenv) or a user class ``package.module:Class``."""
     max_turns: int = 1
     """Most model turns per episode (multi_turn: answers; tool_use: tool calls + the final answer)."""
     max_total_tokens: int | None = None
@@ -155,6 +195,8 @@ class WorkflowConfig:
     """The agent workflow's options: run (the agent function), timeout_s, model_name, max_tokens."""
     verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
     """The verifiers workflow's options: env (a verifiers environment), env_args, max_concurrent, timeout_s."""
+    openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)
+    """The openenv workflow's options: url or app (the environment server), action_field, observation_field, ..."""
     max_failed_fraction: float = 0.0
     """Fail the step when more than this fraction of the step's episodes crashed (a crash drops its whole group)."""
     options: dict[str, Any] = field(default_factory=dict)
@@ -238,6 +280,12 @@ WORKFLOWS.register_lazy(
     "verifiers",
     "shardforge.rollout.workflows.verifiers_env:VerifiersWorkflow",
     "A verifiers 0.4 environment (workflow.verifiers.env) generating through the endpoint; its rubric scores.",
+)
+
+WORKFLOWS.register_lazy(
+    "openenv",
+    "shardforge.rollout.workflows.openenv_env:OpenEnvWorkflow",
+    "An OpenEnv environment server (workflow.openenv) stepped with the policy's replies; its step rewards score.",
 )
 
 

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "exception", "timeout")
 """Tool error kinds counted in the metrics (see `shardforge.rollout.workflows.tools`)."""
-STOP_REASONS = ("eos", "max_new_tokens", "correct", "answer", "max_turns", "max_tokens")
+STOP_REASONS = ("eos", "max_new_tokens", "correct", "answer", "max_turns", "max_tokens", "done")
 """Episode stop reasons counted in the metrics (anything else counts as ``other``)."""
 
 
