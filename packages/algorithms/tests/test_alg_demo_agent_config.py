@@ -73,9 +73,8 @@ def test_openai_agent_variant_runs_an_sdk_only_agent_with_the_demo_settings() ->
     config = build_config(GRPOConfig, apply_overrides(base, demo_agent.OPENAI_AGENT_OVERRIDES))
     tool_use = build_config(GRPOConfig, base)
     assert config.workflow.name == "agent" and config.workflow.max_failed_fraction == 0.25
-    assert (config.steps, config.temperature, config.max_new_tokens) == (
-        tool_use.steps, tool_use.temperature, tool_use.max_new_tokens
-    )
+    same = ("steps", "temperature", "max_new_tokens", "prompts_per_step", "group_size")
+    assert [getattr(config, key) for key in same] == [getattr(tool_use, key) for key in same]
     assert inspect.iscoroutinefunction(import_path(config.workflow.agent.run))
     source = (DEMOS / "openai_calculator_agent.py").read_text()
     imports = re.findall(r"^(?:import|from) (\S+)", source, flags=re.M)
