@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardforge.algorithms.config_io import load_yaml
 from shardforge.algorithms.demos.demo import held_out_accuracy, prepare_demo
 from shardforge.algorithms.demos.demo_rl import _torchrun
 from shardforge.algorithms.testing.tiny import build_tiny_qwen3
@@ -31,11 +32,11 @@ __all__ = ["run_distill_demo"]
 logger = logging.getLogger(__name__)
 
 
-def _sft(nproc: int, model: Path, assets: dict[str, Any], out: Path, steps: int) -> Path:
+def _sft(nproc: int, model: Path, assets: dict[str, Any], out: Path, steps: int, *extra: str) -> Path:
     config = Path(__file__).parent / "demo_sft.yaml"
     _torchrun(nproc, "sft", config, [
         f"model={model}", f"train_file={assets['train']}", f"output_dir={out}", f"steps={steps}",
-        f"layout=d{nproc}", f"engine.scheduler.total_steps={steps}", "eval_every=0", "resume=never",
+        f"layout=d{nproc}", f"engine.scheduler.total_steps={steps}", "eval_every=0", "resume=never", *extra,
     ])  # fmt: skip
     return out / "hf"
 
@@ -73,9 +74,13 @@ def run_distill_demo(
     else:
         teacher = _sft(nproc, assets["model"], assets, out / "teacher", teacher_steps)
     student = _sft(nproc, student_init, assets, out / "student_sft", student_steps)
-    baseline = _sft(nproc, student, assets, out / "student_sft_more", extra_steps)
+    distill_config = Path(__file__).parent / "demo_distill.yaml"
+    continuation_lr = load_yaml(distill_config)["engine"]["optimizer"]["lr"]  # the same for both continuations
+    baseline = _sft(
+        nproc, student, assets, out / "student_sft_more", extra_steps, f"engine.optimizer.lr={continuation_lr}"
+    )
     distill_dir = out / "student_distill"
-    _torchrun(nproc, "distill", Path(__file__).parent / "demo_distill.yaml", [
+    _torchrun(nproc, "distill", distill_config, [
         f"model={student}", f"teacher_model={teacher}", f"train_file={assets['train']}",
         f"output_dir={distill_dir}", f"steps={extra_steps}", f"layout=d{nproc}", "resume=never",
         f"engine.scheduler.total_steps={extra_steps}",
