@@ -82,6 +82,27 @@ def test_grpo_trains_an_openai_client_agent(chat: dict[str, Any], tmp_path: Path
     assert max(r["reward_mean"] for r in records) > 0.05
 
 
+def test_an_agent_trains_under_async_partial_rollouts(chat: dict[str, Any], tmp_path: Path) -> None:
+    """The agent's requests go through the same request queue as every workflow's, so asynchronous rollouts with
+    partial rollouts on (new weights checked every 2 tokens) and the decoupled loss run it unchanged: 3 steps, every
+    episode trained, steps 2-3 trained on episodes sampled one version back (recorded per token). Whether a
+    generation is actually interrupted here depends on timing (6-token answers), so that is not asserted; the
+    partial-rollout tests prove the interruption itself."""
+    overrides = {
+        "steps": 3, "async_rollouts": True, "max_staleness": 1, "rollout.partial_rollouts": True,
+        "rollout.interrupt_chunk_tokens": 2,
+    }  # fmt: skip
+    _run(chat, tmp_path / "p", **overrides)
+    records = _records(tmp_path / "p")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert record["episodes_failed"] == 0
+    assert records[0]["behaviour_kl"] < 1e-4  # step 1: sampled under the weights it trains
+    assert [r["partial/token_staleness_max"] for r in records[1:]] == [1.0, 1.0]  # one version back, never more
+    assert 0 < records[-1]["behaviour_kl"] < 0.2  # stale tokens: the decoupled loss's proximal term is in use
+    assert records[-1]["grad_norm"] > 0
+
+
 def test_an_agent_returning_none_is_scored_by_the_runs_reward_function(chat: dict[str, Any], tmp_path: Path) -> None:
     _run(chat, tmp_path / "n", steps=1, **{"workflow.agent.run": "openai_agent_mod:scored_by_the_run"})
     assert _records(tmp_path / "n")[0]["reward/calls"] == 4.0  # exact_match over the 4 episodes
