@@ -220,7 +220,7 @@ def test_the_trainer_knobs_reach_the_embedded_engine(chat: dict[str, Any]) -> No
     from shardforge.algorithms.trainers.grpo import GRPOConfig
     from shardforge.rollout.factory import build_rollout_engine
 
-    data = {"model": chat["model"], "output_dir": "unused"}
+    data = {"model": chat["model"], "train_file": "unused.jsonl", "output_dir": "unused"}
     assert build_config(GRPOConfig, data).rollout.kv_reuse, "on by default"
     config = build_config(
         GRPOConfig, apply_overrides(data, ["rollout.kv_reuse=false", "rollout.kv_reuse_max_tokens=100"])

@@ -213,7 +213,8 @@ def test_a_missing_tracker_package_is_one_warning_with_the_pip_command(
     with caplog.at_level("WARNING", logger="shardforge.algorithms.loggers.registry"):
         summary = _sft(assets, tmp_path / "run", steps=2, save_every=0, loggers="[jsonl,wandb,mlflow]")
     assert summary["steps"] == 2
-    warnings = [r.getMessage() for r in caplog.records]
+    # Ours only: other libraries' clients alive in this worker process (the tinker SDK's heartbeats) log too.
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("shardforge.")]
     assert len(warnings) == 2, warnings
     assert "'wandb' failed to start (ImportError: wandb is not installed: pip install" in warnings[0]
     assert "'mlflow' failed to start (ImportError: mlflow is not installed: pip install" in warnings[1]

@@ -244,7 +244,7 @@ def test_a_users_engine_is_selected_from_yaml_by_import_path(
     model, tokenizer = tiny
     (tmp_path / "user_engines.py").write_text(USER_ENGINE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    text = f"model: {model}\noutput_dir: {tmp_path}/o\nrollout:\n  engine: user_engines:build\n  kv_reuse: false\n"
+    text = f"model: {model}\ntrain_file: unused.jsonl\noutput_dir: {tmp_path}/o\nrollout:\n  engine: user_engines:build\n  kv_reuse: false\n"
     config = build_config(GRPOConfig, yaml.safe_load(text))
     built = build_rollout(config.rollout, model, tokenizer, weights_root=tmp_path / "w")
     engine: Any = built.engine
