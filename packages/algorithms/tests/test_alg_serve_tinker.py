@@ -7,6 +7,7 @@ requests: 4xx answers, and the service keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -39,7 +40,17 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     tiny = tiny_model(root)
     config = ServeConfig(model_dir=tiny["model"], base_model="tiny", output_dir=str(root / "out"), max_tokens=32)
     server = ServiceServer(TinkerService(config, TenantKeys({ALICE: "alice", BOB: "bob"})), port=0).start()
-    yield {"url": server.url, "tokenizer": tiny["tokenizer"], "model": tiny["model"], "server": server}
+    clients: list = []
+
+    def client(key: str):  # closed before the server stops: no SDK heartbeat outlives the module
+        clients.append(tinker.ServiceClient(base_url=server.url, api_key=key))
+        return clients[-1]
+
+    yield {"url": server.url, "tokenizer": tiny["tokenizer"], "model": tiny["model"], "server": server,
+           "client": client}  # fmt: skip
+    for made in clients:
+        with contextlib.suppress(Exception):  # teardown: a client the test already broke need not finish cleanly
+            made.close("success").result(timeout=10)
     server.stop()
 
 
@@ -86,7 +97,7 @@ def _reference_losses(model_dir: str, datums: list[types.Datum], steps: int, see
 
 
 def test_sft_loop_matches_plain_torch(served) -> None:
-    service = tinker.ServiceClient(base_url=served["url"], api_key=ALICE)
+    service = served["client"](ALICE)
     trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
     datums = _datums(trainer.get_tokenizer())
     losses = []
@@ -104,7 +115,7 @@ def test_sft_loop_matches_plain_torch(served) -> None:
 
 
 def test_sampling_and_logprobs(served) -> None:
-    service = tinker.ServiceClient(base_url=served["url"], api_key=ALICE)
+    service = served["client"](ALICE)
     trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
     sampler = trainer.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints(served["tokenizer"]("12+")["input_ids"])
@@ -124,7 +135,7 @@ def test_sampling_and_logprobs(served) -> None:
 
 
 def test_rl_losses_are_tinkers(served) -> None:
-    service = tinker.ServiceClient(base_url=served["url"], api_key=ALICE)
+    service = served["client"](ALICE)
     trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=2).result()
     ids = served["tokenizer"]("12+34=46")["input_ids"]
     n = len(ids) - 1
@@ -143,7 +154,7 @@ def test_rl_losses_are_tinkers(served) -> None:
 
 
 def test_save_and_load_state(served) -> None:
-    service = tinker.ServiceClient(base_url=served["url"], api_key=ALICE)
+    service = served["client"](ALICE)
     trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
     datums = _datums(trainer.get_tokenizer())
     trainer.forward_backward(datums, "cross_entropy").result()
@@ -184,11 +195,11 @@ def _post(url: str, path: str, key: str, **kw) -> httpx.Response:
 
 def test_tenants_are_isolated(served) -> None:
     url = served["url"]
-    alice = tinker.ServiceClient(base_url=url, api_key=ALICE)
+    alice = served["client"](ALICE)
     trainer = alice.create_lora_training_client(base_model="tiny", rank=4, seed=4).result()
     path = trainer.save_weights_for_sampler("mine").result().path
     saved = trainer.save_state("mine").result().path
-    bob = tinker.ServiceClient(base_url=url, api_key=BOB)
+    bob = served["client"](BOB)
     with pytest.raises(Exception, match="not a saved sampler of this API key"):
         bob.create_sampling_client(model_path=path).result()
     model_id = trainer.model_id
@@ -213,7 +224,7 @@ def test_malformed_requests_get_4xx_and_service_keeps_serving(served) -> None:
     assert _post(url, "forward_backward", ALICE, content=b"\xff\x00garbage").status_code == 400
     answer = _post(url, "optim_step", ALICE, content=b"{not json")
     assert answer.status_code == 400 and "not JSON" in answer.json()["detail"]
-    service = tinker.ServiceClient(base_url=url, api_key=ALICE)
+    service = served["client"](ALICE)
     trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
     datum = _datums(trainer.get_tokenizer())[0]
     bad_tokens = types.Datum(
@@ -244,7 +255,7 @@ def test_state_survives_a_service_restart(served) -> None:
     """save_state on the running service; a second service over the same output_dir (a restart) creates a
     training client from that checkpoint (create_training_client_from_state_with_optimizer) that trains on
     exactly as the first would have."""
-    service = tinker.ServiceClient(base_url=served["url"], api_key=ALICE)
+    service = served["client"](ALICE)
     trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=6).result()
     datums = _datums(trainer.get_tokenizer())
     trainer.forward_backward(datums, "cross_entropy").result()
@@ -273,7 +284,7 @@ def test_state_survives_a_service_restart(served) -> None:
 def test_forward_backward_custom_matches_cross_entropy(served) -> None:
     """The SDK runs a custom loss client-side over the returned log-probs, then sends its gradient back as
     cross_entropy weights: a custom NLL trains exactly as cross_entropy does."""
-    service = tinker.ServiceClient(base_url=served["url"], api_key=ALICE)
+    service = served["client"](ALICE)
     builtin, custom = (service.create_lora_training_client(base_model="tiny", rank=4, seed=8).result() for _ in "ab")
     datums = _datums(builtin.get_tokenizer())
 
@@ -295,7 +306,7 @@ def test_concurrent_tenants_train_as_each_alone(served) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     def run(key: str) -> list[float]:
-        service = tinker.ServiceClient(base_url=served["url"], api_key=key)
+        service = served["client"](key)
         trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
         datums = _datums(trainer.get_tokenizer())
         losses = []
@@ -332,10 +343,10 @@ def test_cli_serves_a_model_directory(served, tmp_path) -> None:
             except httpx.TransportError:
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
                 time.sleep(0.3)
-        service = tinker.ServiceClient(base_url=url, api_key=ALICE)
-        trainer = service.create_lora_training_client(base_model="tiny-cli", rank=2).result()
-        datum = _datums(trainer.get_tokenizer())[0]
-        assert trainer.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+        with tinker.ServiceClient(base_url=url, api_key=ALICE) as service:
+            trainer = service.create_lora_training_client(base_model="tiny-cli", rank=2).result()
+            datum = _datums(trainer.get_tokenizer())[0]
+            assert trainer.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -358,7 +369,7 @@ def test_metrics_count_each_tenants_requests_tokens_and_errors(served) -> None:
     before = _metric(url, "shardforge_serve_requests_total", **ok)
     tokens_before = _metric(url, "shardforge_serve_trained_tokens_total", tenant="bob", kind="ForwardBackward")
     alice_tokens = _metric(url, "shardforge_serve_trained_tokens_total", tenant="alice", kind="ForwardBackward")
-    trainer = tinker.ServiceClient(base_url=url, api_key=BOB).create_lora_training_client(
+    trainer = served["client"](BOB).create_lora_training_client(
         base_model="tiny", rank=4, seed=6
     ).result()  # fmt: skip
     datums = _datums(trainer.get_tokenizer())
