@@ -267,10 +267,11 @@ def test_state_survives_a_service_restart(served) -> None:
 
     old = served["server"].service.config
     restarted = ServiceServer(TinkerService(old, TenantKeys({ALICE: "alice", BOB: "bob"})), port=0).start()
+    again = tinker.ServiceClient(base_url=restarted.url, api_key=ALICE)
+    bob = tinker.ServiceClient(base_url=restarted.url, api_key=BOB)
     try:
-        again = tinker.ServiceClient(base_url=restarted.url, api_key=ALICE)
         with pytest.raises(Exception, match="not a checkpoint of this API key"):
-            tinker.ServiceClient(base_url=restarted.url, api_key=BOB).create_training_client_from_state(path).result()
+            bob.create_training_client_from_state(path).result()
         resumed = again.create_training_client_from_state_with_optimizer(path).result()
         resumed.forward_backward(datums, "cross_entropy").result()
         resumed.optim_step(ADAM).result()
@@ -278,6 +279,9 @@ def test_state_survives_a_service_restart(served) -> None:
             expected, rel=1e-6
         )
     finally:
+        for client in (again, bob):  # before the restarted service goes: no heartbeat outlives it
+            with contextlib.suppress(Exception):
+                client.close("success").result(timeout=10)
         restarted.stop()
 
 
