@@ -24,7 +24,8 @@ import importlib, json, pkgutil, sys
 
 import shardforge.rollout
 
-OPTIONAL = {"vllm", "ray", "fastapi", "uvicorn"}  # extras: [vllm], [ray], [openai]
+# extras: [vllm], [ray], [openai], [verifiers], [openenv]
+OPTIONAL = {"vllm", "ray", "fastapi", "uvicorn", "openai", "verifiers", "openenv", "websockets", "fastmcp"}
 imported, skipped = [], []
 for info in pkgutil.walk_packages(shardforge.rollout.__path__, "shardforge.rollout.", onerror=lambda name: None):
     try:
