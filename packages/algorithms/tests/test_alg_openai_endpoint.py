@@ -10,11 +10,12 @@ import asyncio
 import json
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
 openai = pytest.importorskip("openai")
+
+import httpx  # noqa: E402  (a dependency of openai)
 
 from shardforge.algorithms.testing import QWEN3_TOOL_TEMPLATE, tiny_chat_assets  # noqa: E402
 from shardforge.rollout.factory import build_rollout_engine  # noqa: E402
