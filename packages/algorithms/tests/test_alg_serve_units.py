@@ -38,6 +38,17 @@ def test_cli_refuses_a_missing_model_dir(tmp_path: Path, capsys: pytest.CaptureF
     assert "is not a directory" in capsys.readouterr().err
 
 
+def test_cli_without_the_sdk_names_the_extra(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tinker" else real(name, *a))
+    assert main(["serve", "--model", str(tmp_path)]) != 0
+    assert "pip install 'shardforge-algorithms[serve]'" in capsys.readouterr().err
+
+
 def test_future_lanes_run_at_once_in_order_and_lane_less_jobs_alone() -> None:
     import threading
     import time

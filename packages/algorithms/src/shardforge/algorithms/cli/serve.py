@@ -36,15 +36,18 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
+    import importlib.util
     from pathlib import Path
 
+    if not Path(args.model).is_dir():
+        raise FileNotFoundError(f"--model {args.model!r} is not a directory (an HF model saved with save_pretrained)")
+    if importlib.util.find_spec("tinker") is None:  # the SDK's protobuf messages are the service's wire format
+        raise ModuleNotFoundError("shardforge serve needs the tinker SDK: pip install 'shardforge-algorithms[serve]'")
     from shardforge.algorithms.serve.config import ServeConfig
     from shardforge.algorithms.serve.server import ServiceServer
     from shardforge.algorithms.serve.service import TinkerService
     from shardforge.algorithms.serve.tenants import TenantKeys, generate_key
 
-    if not Path(args.model).is_dir():
-        raise FileNotFoundError(f"--model {args.model!r} is not a directory (an HF model saved with save_pretrained)")
     specs = list(args.api_key)
     if not specs and args.api_keys is None:
         specs = [f"default={generate_key()}"]
