@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import torch
 
+from shardforge.algorithms.testing.streaming_runs import check_lossless_stream, die_after_checkpoint_then_resume
+
 STEPS, PROMPTS, GROUP = 3, 4, 4
 STREAM = {"async_rollouts": True, "streaming_rollouts": True}
 REWARDS = textwrap.dedent(
@@ -145,10 +147,6 @@ def test_streaming_staleness_zero_on_two_ranks_equals_synchronous(
         ]
 
 
-class _Stop(Exception):
-    pass
-
-
 def test_streaming_bound_complete_groups_and_lossless_resume(
     assets: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -156,38 +154,11 @@ def test_streaming_bound_complete_groups_and_lossless_resume(
 
     out, steps, cut = tmp_path / "s1", 5, 2
     overrides = {"max_staleness": 1, "steps": steps, "save_every": cut, "resume": "auto", **STREAM}
-    train_step = GRPOTrainer.train_step
-    saved: list[dict[str, Any]] = []
-    extra_state = GRPOTrainer.extra_state
-
-    def stop_after_cut(self: GRPOTrainer, step: int) -> dict[str, float]:
-        if step == cut:  # the run dies after the step-2 checkpoint, with prompts in flight
-            raise _Stop
-        return train_step(self, step)
-
-    def recording(self: GRPOTrainer) -> dict[str, Any]:
-        state = extra_state(self)
-        saved.append(state)
-        return state
-
-    monkeypatch.setattr(GRPOTrainer, "train_step", stop_after_cut)
-    monkeypatch.setattr(GRPOTrainer, "extra_state", recording)
-    with pytest.raises(_Stop):
-        _run(assets, out, **overrides)
-    [state] = saved
-    [mine] = state["streaming_rollouts"]["ranks"]
-    assert mine["regenerate"], "prompts were in flight or finished-unused at the checkpoint"
-    monkeypatch.setattr(GRPOTrainer, "train_step", train_step)
-    resumed = _run(assets, out, **overrides)
+    _, resumed = die_after_checkpoint_then_resume(GRPOTrainer, lambda: _run(assets, out, **overrides), cut, monkeypatch)
     records = _records(out / "streaming", "rank0.jsonl")
-    assert [r["batch"] for r in records] == list(range(steps))
-    positions = [p for r in records for p in r["positions"]]
-    assert sorted(positions) == list(range(steps * PROMPTS)), "every prompt position trained exactly once"
+    check_lossless_stream(records, steps, PROMPTS, cut)
     for r in records:
         assert sorted(r["finish_order"]) == r["positions"]
-        assert all(r["batch"] - v <= 1 for v in r["start_versions"]), r
-        if r["batch"] >= cut:  # regenerated or new after the resume: the checkpoint's weights or newer
-            assert min(r["start_versions"]) >= cut, r
     assert resumed["groups"] == [[GROUP] * PROMPTS] * (steps - cut), "whole groups only"
     train = [r for r in _records(out) if r["split"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
