@@ -63,19 +63,9 @@ def _reference(model_dir: str, datums: list[types.Datum], steps: int) -> tuple[l
         model.parameters(), lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps,
         weight_decay=ADAM.weight_decay,
     )  # fmt: skip
-    losses = []
-    for _ in range(steps):
-        total = torch.zeros(())
-        for d in datums:
-            ids = torch.tensor([d.model_input.to_ints()])
-            targets = torch.tensor(d.loss_fn_inputs["target_tokens"].tolist())
-            weights = torch.tensor(d.loss_fn_inputs["weights"].tolist())
-            logp = torch.log_softmax(model(input_ids=ids).logits.float()[0], -1).gather(-1, targets[:, None])[:, 0]
-            total = total - (logp * weights).sum()
-        total.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(total.detach()))
+    from shardforge.algorithms.testing.reference import weighted_nll_adamw_losses
+
+    losses = weighted_nll_adamw_losses(model, opt, datums, steps)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

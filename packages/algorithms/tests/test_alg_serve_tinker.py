@@ -80,19 +80,9 @@ def _reference_losses(model_dir: str, datums: list[types.Datum], steps: int, see
     opt = torch.optim.AdamW(
         params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps, weight_decay=ADAM.weight_decay
     )
-    losses = []
-    for _ in range(steps):
-        total = torch.zeros(())
-        for d in datums:
-            ids = torch.tensor([d.model_input.to_ints()])
-            targets = torch.tensor(d.loss_fn_inputs["target_tokens"].tolist())
-            weights = torch.tensor(d.loss_fn_inputs["weights"].tolist())
-            logp = torch.log_softmax(model(input_ids=ids).logits.float()[0], -1).gather(-1, targets[:, None])[:, 0]
-            total = total - (logp * weights).sum()
-        total.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(total.detach()))
+    from shardforge.algorithms.testing.reference import weighted_nll_adamw_losses
+
+    losses = weighted_nll_adamw_losses(model, opt, datums, steps)
     return losses
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -19,7 +20,7 @@ from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
 from shardforge.rewards import RewardFn
 from shardforge.rollout import Rollout
 
-__all__ = ["rollouts_to_batch", "score_rollouts"]
+__all__ = ["rollouts_to_batch", "score_rollouts", "weighted_nll_adamw_losses"]
 
 
 def score_rollouts(
@@ -75,3 +76,24 @@ def rollouts_to_batch(rollouts: Sequence[Rollout], advantages: torch.Tensor) -> 
         behaviour[start:end] = torch.tensor(rollout.logprobs, dtype=torch.float32)
     batch.extras = {ADVANTAGES: adv, OLD_LOGPROBS: behaviour.clone(), BEHAVIOUR_LOGPROBS: behaviour}
     return batch
+
+
+def weighted_nll_adamw_losses(model: torch.nn.Module, optimizer: torch.optim.Optimizer, datums: Sequence[Any],
+                              steps: int) -> list[float]:  # fmt: skip
+    """What Tinker's ``cross_entropy`` forward_backward + ``optim_step`` do, in plain torch: per step the
+    sum-reduced, weighted NLL of every datum (a tinker ``Datum``: ``model_input`` ids, ``target_tokens``,
+    ``weights``) backpropagated, then one ``optimizer`` step; the per-step losses."""
+    losses = []
+    for _ in range(steps):
+        total = torch.zeros(())
+        for d in datums:
+            ids = torch.tensor([d.model_input.to_ints()])
+            targets = torch.tensor(d.loss_fn_inputs["target_tokens"].tolist())
+            weights = torch.tensor(d.loss_fn_inputs["weights"].tolist())
+            logp = torch.log_softmax(model(input_ids=ids).logits.float()[0], -1).gather(-1, targets[:, None])[:, 0]
+            total = total - (logp * weights).sum()
+        total.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(total.detach()))
+    return losses
