@@ -291,8 +291,9 @@ def _build_wheels(session: nox.Session, names: list[str]) -> Path:
 
 @nox.session(python=PYTHON)
 def isolation_imports(session: nox.Session) -> None:
-    """What CI runs of `isolation`: every wheel installed alone (with its declared dependencies only) in a
-    fresh venv and imported; the packages' tests are not run (that is `nox -s isolation`, ~20 min).
+    """The light variant of `isolation`: every wheel installed alone (with its declared dependencies only) in a
+    fresh venv and imported; the packages' tests are not run (that is `nox -s isolation`, ~20 min). Not in CI
+    (~5-12 min); CI runs integration_tests/test_packages_import_alone.py, the same check without new venvs.
 
     The pinned torch is installed once into a folder of its own (torch and its dependencies, nothing else)
     that the venvs of the packages declaring torch see through a ``.pth`` file: pip counts it as installed,
