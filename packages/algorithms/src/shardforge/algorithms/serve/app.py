@@ -117,6 +117,11 @@ def build_app(service: TinkerService) -> FastAPI:
             service.check_session(who, session_id)
         return {}
 
+    @app.get("/api/v1/training_runs/{model_id}")
+    async def get_training_run(model_id: str, who: str = Depends(tenant)) -> dict[str, Any]:
+        with _http_errors():  # the SDK's access_scope query ("owned" / "accessible"): a tenant sees only its own
+            return service.training_run(who, model_id)
+
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
     async def list_checkpoints(model_id: str, who: str = Depends(tenant)) -> dict[str, Any]:
         with _http_errors():
