@@ -161,6 +161,8 @@ def test_rl_basic_recipe_trains_from_the_sft_checkpoint(served, sl_run: Path) ->
             "model_name": served["model"], "renderer_name": RENDERER, "dataset_builder": data,
             "base_url": served["server"].url, "log_path": str(log_path), "load_checkpoint_path": start,
             "learning_rate": 3e-4, "max_tokens": 16, "save_every": 2,
+            # rolling checkpoints at steps 1 and 3, each deleted (RestClient.delete_checkpoint) once the next is saved
+            "rolling_save_every": 1,
         })
         .make()
     )  # fmt: skip
@@ -180,8 +182,14 @@ def test_rl_basic_recipe_trains_from_the_sft_checkpoint(served, sl_run: Path) ->
     assert all(row["grad_norm:mean"] == 0 for row in steps if row["env/all/by_group/frac_mixed"] == 0)
 
     checkpoints = _rows(log_path / "checkpoints.jsonl")
-    assert [c["name"] for c in checkpoints] == ["000002", "000004", "final"]
+    rolling = sorted(c["name"] for c in checkpoints if c.get("rolling"))
+    kept = [c for c in checkpoints if not c.get("rolling")]
+    assert rolling == ["000001", "000003"] and [c["name"] for c in kept] == ["000002", "000004", "final"]
     model_id = _model_id(checkpoints[-1]["state_path"])
+    rest = tinker.RestClient(base_url=served["server"].url, api_key=KEY)
+    listed = {c.tinker_path for c in rest.list_checkpoints(model_id).result().checkpoints}
+    assert {c["state_path"] for c in kept} <= listed
+    assert not {c["state_path"] for c in checkpoints if c.get("rolling")} & listed  # the recipe deleted them
     assert model_id != _model_id(start)  # a new training run, created from the SFT state
     model = served["service"].registry.models[model_id]
     assert model.steps == RL_STEPS and model.user_metadata["renderer_name"] == RENDERER

@@ -20,7 +20,8 @@ from shardforge.algorithms.serve.models import TrainingModel
 from shardforge.lora import LoRAConfig
 
 __all__ = [
-    "checkpoint_dir", "list_training_checkpoints", "load_state", "read_checkpoint_info", "read_lora", "save_state",
+    "checkpoint_dir", "delete_checkpoint", "list_training_checkpoints", "load_state", "read_checkpoint_info",
+    "read_lora", "save_state",
 ]  # fmt: skip
 
 _STATE_FILE = "state.pt"
@@ -79,6 +80,17 @@ def list_training_checkpoints(root: Path, tenant: str, model_id: str) -> list[di
             "tinker_path": f"tinker://{model_id}/weights/{path.parent.name}", "size_bytes": stat.st_size,
         })  # fmt: skip
     return sorted(out, key=lambda c: c["time"])
+
+
+def delete_checkpoint(root: Path, tenant: str, model_id: str, name: str) -> None:
+    """Remove the ``save_state`` checkpoint ``tinker://<model_id>/weights/<name>`` of ``tenant`` (KeyError when it
+    has none such). Renamed out of place first, so a concurrent load sees it whole or not at all."""
+    target = checkpoint_dir(root, tenant, model_id, name)
+    if not (target / _STATE_FILE).is_file():
+        raise KeyError(f"checkpoint tinker://{model_id}/weights/{name} is not a checkpoint of this API key")
+    trash = target.parent / f".tmp-deleted-{target.name}-{uuid.uuid4().hex[:8]}"
+    os.replace(target, trash)
+    shutil.rmtree(trash)
 
 
 def _state_file(root: Path, tenant: str, path: str) -> Path:

@@ -192,6 +192,22 @@ class TinkerService:
                 })  # fmt: skip
         return {"checkpoints": checkpoints, "cursor": None}
 
+    def delete_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> None:
+        """``RestClient.delete_checkpoint[_from_tinker_path]`` (``checkpoint_id``: ``weights/<name>``, a
+        ``save_state`` checkpoint on disk, or ``sampler_weights/<name>``, sampler weights in memory; sampling clients
+        already made from them keep working). tinker-cookbook deletes its rolling checkpoints with it."""
+        from shardforge.algorithms.serve.checkpoints import delete_checkpoint
+
+        kind, _, name = checkpoint_id.partition("/")
+        if kind == "weights":
+            delete_checkpoint(Path(self.config.output_dir), tenant, model_id, name)
+        elif kind == "sampler_weights":
+            path = f"tinker://{model_id}/{checkpoint_id}"
+            self.registry.sampler(tenant, path)  # KeyError (404) unless the tenant's
+            self.registry.samplers.pop(path, None)
+        else:
+            raise UserError(f"checkpoint_id {checkpoint_id!r} must be weights/<name> or sampler_weights/<name>")
+
     def training_run(self, tenant: str, model_id: str) -> dict[str, Any]:
         """``RestClient.get_training_run``: the run's base model, LoRA rank, ``user_metadata`` and newest
         checkpoints (`serve.runs`); KeyError (404) for unknown ids and other tenants' runs."""
