@@ -14,6 +14,7 @@ without ``tinker`` or ``tinker_cookbook`` (the tests session installs the cookbo
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -55,7 +56,19 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     # The recipes build their own ServiceClient(base_url=config.base_url): the key comes from the environment.
     saved = {name: os.environ.get(name) for name in ("TINKER_API_KEY", "TINKER_TELEMETRY")}
     os.environ.update(TINKER_API_KEY=KEY, TINKER_TELEMETRY="0")
+    # The recipes replace the root logger's handlers (a console and a log file) and set its level: put them back
+    # after this module, for the tests that run after it in the same process.
+    root_logger = logging.getLogger()
+    handlers, level = root_logger.handlers[:], root_logger.level
     yield {"root": root, "model": str(model_dir), "server": server, "service": server.service}
+    for handler in root_logger.handlers[:]:
+        if handler not in handlers:
+            root_logger.removeHandler(handler)
+            handler.close()
+    for handler in handlers:
+        if handler not in root_logger.handlers:
+            root_logger.addHandler(handler)
+    root_logger.setLevel(level)
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)
