@@ -78,6 +78,12 @@ AGENT_ENVS = ("verifiers",)
 # gradio is only its opt-in web UI). ~10 s of install.
 OPENENV_DEPS = ("fastmcp", "websockets")
 OPENENV = "openenv-core==0.3.0"
+# tinker-cookbook 0.6.1: test_alg_serve_cookbook.py runs its sl_basic and rl_basic recipes unchanged against
+# `shardforge serve`. It requires tml-renderers>=0.4.1, which no index we build against has (0.2.1 at most) and which
+# it imports only for Inkling / Kimi K3 models, so it is installed --no-deps after what those recipes import
+# (COOKBOOK_DEPS; its other requirements are already here: tinker, transformers, datasets, math-verify, ...).
+COOKBOOK_DEPS = ("chz", "blobfile", "termcolor", "pylatexenc")
+COOKBOOK = "tinker-cookbook==0.6.1"
 # One intra-op thread per process by default (rank pools run several processes on few cores).
 # The suite must not depend on it: SHARDFORGE_TEST_THREADS=2 nox -s tests runs it with 2
 # threads, which changes the reduction order of CPU kernels (see docs/testing.md).
@@ -133,8 +139,8 @@ PARITY_AT_TWO_THREADS = (
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """All package unit tests and the integration suite in one venv."""
-    _install_workspace(session, *TRACKERS, *TINKER_SDK, *AGENT_ENVS, *OPENENV_DEPS)
-    session.install(*CONSTRAINTS, "--no-deps", OPENENV)
+    _install_workspace(session, *TRACKERS, *TINKER_SDK, *AGENT_ENVS, *OPENENV_DEPS, *COOKBOOK_DEPS)
+    session.install(*CONSTRAINTS, "--no-deps", OPENENV, COOKBOOK)
     # `heavy` end-to-end launches stay out of CI's budget; `nox -s integration` runs them (docs/testing.md).
     # Two test processes: about half of the suite runs in one process on one thread, so one process left a
     # core of CI's two idle (user+sys ~= wall); the rank pools' tests use both cores either way.

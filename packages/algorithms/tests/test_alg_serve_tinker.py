@@ -179,6 +179,63 @@ def test_rest_client_lists_a_models_checkpoints(served) -> None:
         other.list_checkpoints(trainer.model_id).result()
 
 
+def test_rest_client_reads_a_training_run_live_and_after_a_restart(served) -> None:
+    """``RestClient.get_training_run_by_tinker_path`` (tinker-cookbook reads the run's ``renderer_name`` with it
+    before loading a checkpoint): the live model's rank and ``user_metadata``, and after a restart the same from
+    its newest checkpoint on disk; another tenant's run is unknown (404), malformed metadata a 400."""
+    metadata = {"renderer_name": "role_colon", "recipe": "test"}
+    with tinker.ServiceClient(base_url=served["url"], api_key=ALICE) as service:
+        trainer = service.create_lora_training_client(
+            base_model="tiny", rank=4, seed=7, user_metadata=metadata
+        ).result()
+        path = trainer.save_state("run").result().path
+        sampler = trainer.save_weights_for_sampler("run").result().path
+        run = tinker.RestClient(base_url=served["url"], api_key=ALICE).get_training_run_by_tinker_path(path).result()
+        assert (run.training_run_id, run.base_model, run.model_owner) == (trainer.model_id, "tiny", "alice")
+        assert (run.is_lora, run.lora_rank, run.user_metadata) == (True, 4, metadata)
+        assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == path
+        assert run.last_sampler_checkpoint is not None and run.last_sampler_checkpoint.tinker_path == sampler
+    with pytest.raises(tinker.NotFoundError):
+        tinker.RestClient(base_url=served["url"], api_key=BOB).get_training_run(trainer.model_id).result()
+    session = _post(served["url"], "create_session", ALICE, json={}).json()["session_id"]
+    bad = {"session_id": session, "model_seq_id": 0, "base_model": "tiny", "user_metadata": {"n": 1}}
+    answer = _post(served["url"], "create_model", ALICE, json=bad)
+    assert answer.status_code == 400 and "user_metadata must be an object of strings" in answer.json()["detail"]
+    restarted = ServiceServer(TinkerService(served["server"].service.config, TenantKeys({ALICE: "alice"})), port=0)
+    restarted.start()
+    try:
+        again = tinker.RestClient(base_url=restarted.url, api_key=ALICE).get_training_run(trainer.model_id).result()
+        assert (again.lora_rank, again.user_metadata, again.last_checkpoint.tinker_path) == (4, metadata, path)
+        assert again.last_sampler_checkpoint is None  # sampler weights live in memory only
+    finally:
+        restarted.stop()
+
+
+def test_rest_client_deletes_checkpoints(served) -> None:
+    """``RestClient.delete_checkpoint_from_tinker_path`` (tinker-cookbook's rolling checkpoints): a state checkpoint
+    leaves the disk and the listing, sampler weights the listing; another tenant's key and unknown ids get 404."""
+    with tinker.ServiceClient(base_url=served["url"], api_key=ALICE) as service:
+        trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=8).result()
+        keep, gone = trainer.save_state("keep").result().path, trainer.save_state("gone").result().path
+        sampler = trainer.save_weights_for_sampler("gone").result().path
+        rest, other = (tinker.RestClient(base_url=served["url"], api_key=key) for key in (ALICE, BOB))
+        with pytest.raises(tinker.NotFoundError):
+            other.delete_checkpoint_from_tinker_path(gone).result()
+        rest.delete_checkpoint_from_tinker_path(gone).result()
+        rest.delete_checkpoint_from_tinker_path(sampler).result()
+        assert [c.tinker_path for c in rest.list_checkpoints(trainer.model_id).result().checkpoints] == [keep]
+        for path in (gone, sampler):  # deleted: unknown now
+            with pytest.raises(tinker.NotFoundError):
+                rest.delete_checkpoint_from_tinker_path(path).result()
+        with pytest.raises(Exception, match="not a checkpoint of this API key"):
+            service.create_training_client_from_state(gone).result()
+    answer = httpx.delete(
+        f"{served['url']}/api/v1/training_runs/{trainer.model_id}/checkpoints/other/keep",
+        headers={"X-API-Key": ALICE}, timeout=30,
+    )  # fmt: skip
+    assert answer.status_code == 400 and "weights/<name> or sampler_weights/<name>" in answer.json()["detail"]
+
+
 def _post(url: str, path: str, key: str, **kw) -> httpx.Response:
     return httpx.post(f"{url}/api/v1/{path}", headers={"X-API-Key": key}, timeout=30, **kw)
 

@@ -117,10 +117,21 @@ def build_app(service: TinkerService) -> FastAPI:
             service.check_session(who, session_id)
         return {}
 
+    @app.get("/api/v1/training_runs/{model_id}")
+    async def get_training_run(model_id: str, who: str = Depends(tenant)) -> dict[str, Any]:
+        with _http_errors():  # the SDK's access_scope query ("owned" / "accessible"): a tenant sees only its own
+            return service.training_run(who, model_id)
+
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
     async def list_checkpoints(model_id: str, who: str = Depends(tenant)) -> dict[str, Any]:
         with _http_errors():
             return service.list_checkpoints(who, model_id)
+
+    @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
+    async def delete_checkpoint(model_id: str, checkpoint_id: str, who: str = Depends(tenant)) -> Response:
+        with _http_errors():
+            service.delete_checkpoint(who, model_id, checkpoint_id)
+        return Response(status_code=204)
 
     @app.post("/api/v1/create_model")
     async def create_model(request: Request, who: str = Depends(tenant)) -> dict[str, Any]:

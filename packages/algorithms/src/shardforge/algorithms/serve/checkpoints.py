@@ -19,7 +19,10 @@ from shardforge.algorithms.serve.futures import UserError
 from shardforge.algorithms.serve.models import TrainingModel
 from shardforge.lora import LoRAConfig
 
-__all__ = ["checkpoint_dir", "list_training_checkpoints", "load_state", "read_lora", "save_state"]
+__all__ = [
+    "checkpoint_dir", "delete_checkpoint", "list_training_checkpoints", "load_state", "read_checkpoint_info",
+    "read_lora", "save_state",
+]  # fmt: skip
 
 _STATE_FILE = "state.pt"
 
@@ -50,6 +53,7 @@ def save_state(root: Path, model: TrainingModel, request: dict[str, Any]) -> dic
             "target_modules": [] if model.lora is None else list(model.lora.target_modules),
             "steps": model.steps,
             "base_model": model.base_model,
+            "user_metadata": dict(model.user_metadata),
         }
         torch.save(state, staging / _STATE_FILE)
         if target.exists():
@@ -78,6 +82,17 @@ def list_training_checkpoints(root: Path, tenant: str, model_id: str) -> list[di
     return sorted(out, key=lambda c: c["time"])
 
 
+def delete_checkpoint(root: Path, tenant: str, model_id: str, name: str) -> None:
+    """Remove the ``save_state`` checkpoint ``tinker://<model_id>/weights/<name>`` of ``tenant`` (KeyError when it
+    has none such). Renamed out of place first, so a concurrent load sees it whole or not at all."""
+    target = checkpoint_dir(root, tenant, model_id, name)
+    if not (target / _STATE_FILE).is_file():
+        raise KeyError(f"checkpoint tinker://{model_id}/weights/{name} is not a checkpoint of this API key")
+    trash = target.parent / f".tmp-deleted-{target.name}-{uuid.uuid4().hex[:8]}"
+    os.replace(target, trash)
+    shutil.rmtree(trash)
+
+
 def _state_file(root: Path, tenant: str, path: str) -> Path:
     parts = path.removeprefix("tinker://").split("/")
     if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights":
@@ -86,6 +101,14 @@ def _state_file(root: Path, tenant: str, path: str) -> Path:
     if not file.is_file():  # another tenant's checkpoint reads as missing: it is not under this tenant's folder
         raise KeyError(f"checkpoint {path!r} is not a checkpoint of this API key")
     return file
+
+
+def read_checkpoint_info(root: Path, tenant: str, path: str) -> dict[str, Any]:
+    """What a ``save_state`` checkpoint says about its run, without its tensors: ``base_model``, ``rank`` (None:
+    full fine-tuning), ``steps`` and ``user_metadata`` (empty in checkpoints saved before it was kept)."""
+    state = torch.load(_state_file(root, tenant, path), map_location="cpu", weights_only=True)
+    keys = ("base_model", "rank", "steps")
+    return {key: state.get(key) for key in keys} | {"user_metadata": dict(state.get("user_metadata") or {})}
 
 
 def read_lora(root: Path, tenant: str, request: dict[str, Any], *, alpha: float) -> LoRAConfig | None:

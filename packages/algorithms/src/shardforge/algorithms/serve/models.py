@@ -16,7 +16,7 @@ import itertools
 import random
 import secrets
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,11 @@ class TrainingModel:
     module: nn.Module
     optimizer: torch.optim.AdamW
     steps: int = 0
+    user_metadata: dict[str, str] = field(default_factory=dict)
+    """The client's ``user_metadata`` (e.g. tinker-cookbook's ``renderer_name``), shown by ``get_training_run``
+    and kept in its checkpoints."""
+    created: str = ""
+    """When it was created (ISO 8601, UTC)."""
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """The trained parameters (CPU copies) by their qualified names: the adapters, or every weight (full FT)."""
@@ -130,9 +135,18 @@ class ModelRegistry:
             param.requires_grad_(True)
         return module
 
-    def create_model(self, owner: str, model_id: str, lora: LoRAConfig | None, seed: int | None) -> TrainingModel:
+    def create_model(
+        self,
+        owner: str,
+        model_id: str,
+        lora: LoRAConfig | None,
+        seed: int | None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> TrainingModel:
         """A new training model ``model_id`` (the SDK derives it: ``<session_id>:train:<model_seq_id>``);
         ``lora`` None: full fine-tuning."""
+        import datetime
+
         from shardforge.lora import apply_lora
 
         if model_id in self.models:
@@ -148,7 +162,8 @@ class ModelRegistry:
         optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, foreach=True)
         model = TrainingModel(
             model_id=model_id, owner=owner, base_model=self.base_model, lora=lora, seed=seed,
-            module=module, optimizer=optimizer,
+            module=module, optimizer=optimizer, user_metadata=dict(user_metadata or {}),
+            created=datetime.datetime.now(datetime.UTC).isoformat(),
         )  # fmt: skip
         with self._lock:
             self.models[model.model_id] = model

@@ -12,6 +12,7 @@ from shardforge.algorithms.serve.codecs import FwdBwdRequest
 from shardforge.algorithms.serve.config import ServeConfig
 from shardforge.algorithms.serve.futures import FutureQueue, UserError
 from shardforge.algorithms.serve.models import ModelRegistry, SamplerWeights, lora_config_for
+from shardforge.algorithms.serve.runs import check_user_metadata
 from shardforge.algorithms.serve.tenants import TenantKeys
 
 __all__ = ["TinkerService"]
@@ -77,10 +78,11 @@ class TinkerService:
             raise UserError(f"optimizer_config.type={optimizer!r} is not served; only 'adamw'")
         lora = None if lora_json is None else lora_config_for(lora_json, alpha=self.config.lora_alpha)
         seed = None if lora_json is None else lora_json.get("seed")
+        metadata = check_user_metadata(data.get("user_metadata"))
         model_id = self._model_id(data)
 
         def job() -> dict[str, Any]:
-            model = self.registry.create_model(tenant, model_id, lora, None if seed is None else int(seed))
+            model = self.registry.create_model(tenant, model_id, lora, None if seed is None else int(seed), metadata)
             return {"type": "create_model", "model_id": model.model_id}
 
         return self.futures.submit(tenant, "CreateModel", job, lane=model_id)
@@ -190,6 +192,29 @@ class TinkerService:
                 })  # fmt: skip
         return {"checkpoints": checkpoints, "cursor": None}
 
+    def delete_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> None:
+        """``RestClient.delete_checkpoint[_from_tinker_path]`` (``checkpoint_id``: ``weights/<name>``, a
+        ``save_state`` checkpoint on disk, or ``sampler_weights/<name>``, sampler weights in memory; sampling clients
+        already made from them keep working). tinker-cookbook deletes its rolling checkpoints with it."""
+        from shardforge.algorithms.serve.checkpoints import delete_checkpoint
+
+        kind, _, name = checkpoint_id.partition("/")
+        if kind == "weights":
+            delete_checkpoint(Path(self.config.output_dir), tenant, model_id, name)
+        elif kind == "sampler_weights":
+            path = f"tinker://{model_id}/{checkpoint_id}"
+            self.registry.sampler(tenant, path)  # KeyError (404) unless the tenant's
+            self.registry.samplers.pop(path, None)
+        else:
+            raise UserError(f"checkpoint_id {checkpoint_id!r} must be weights/<name> or sampler_weights/<name>")
+
+    def training_run(self, tenant: str, model_id: str) -> dict[str, Any]:
+        """``RestClient.get_training_run``: the run's base model, LoRA rank, ``user_metadata`` and newest
+        checkpoints (`serve.runs`); KeyError (404) for unknown ids and other tenants' runs."""
+        from shardforge.algorithms.serve.runs import training_run
+
+        return training_run(Path(self.config.output_dir), self.registry, tenant, model_id)
+
     def load_state(self, tenant: str, data: dict[str, Any]) -> str:
         """Into a live model (``model_id``), or into a new one (``session_id`` + ``model_seq_id``: the SDK's
         ``create_training_client_from_state*``, which also resumes a checkpoint after a service restart)."""
@@ -206,8 +231,9 @@ class TinkerService:
             self.registry.check_base_model(data["base_model"])
         model_id = self._model_id(data)
         lora = read_lora(root, tenant, data, alpha=self.config.lora_alpha)
+        metadata = check_user_metadata(data.get("user_metadata"))
 
         def job() -> dict[str, Any]:
-            return load_state(root, self.registry.create_model(tenant, model_id, lora, seed=0), data)
+            return load_state(root, self.registry.create_model(tenant, model_id, lora, 0, metadata), data)
 
         return self.futures.submit(tenant, "LoadWeights", job, lane=model_id)

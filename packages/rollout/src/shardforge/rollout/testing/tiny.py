@@ -9,23 +9,28 @@ a fixed seed. For testing code that drives a rollout engine (a workflow, an agen
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHARS", "SPECIALS", "build_char_tokenizer", "build_tiny_qwen3", "tiny_model"]
+__all__ = ["CHARS", "PRINTABLE_CHARS", "SPECIALS", "build_char_tokenizer", "build_tiny_qwen3", "tiny_model"]
 
 CHARS = list("0123456789+-*=? ")
+PRINTABLE_CHARS = [chr(code) for code in range(32, 127)] + ["\n"]
+"""Printable ASCII and the newline: enough for chat text rendered by a template (``User: ...\\n\\nAssistant:``)."""
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
-def build_char_tokenizer(out_dir: str | Path) -> Any:
-    """A character-level HF fast tokenizer, saved with `save_pretrained`."""
+def build_char_tokenizer(out_dir: str | Path, *, chars: Sequence[str] = tuple(CHARS)) -> Any:
+    """A character-level HF fast tokenizer over ``chars`` (after the `SPECIALS`), saved with `save_pretrained`.
+    The default, `CHARS`, covers arithmetic; `PRINTABLE_CHARS` covers chat text (letters, punctuation, newline)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(chars))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # every character its own token; [\s\S], not ".": the regex's "." does not match a newline
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     # BOS first, as training feeds it (`data.sft` prepends bos_token_id): a plain `tok(prompt)` +
     # `model.generate` on an export then sees the same ids as training and our evaluation.
@@ -39,8 +44,11 @@ def build_char_tokenizer(out_dir: str | Path) -> Any:
     return tokenizer
 
 
-def build_tiny_qwen3(out_dir: str | Path, tokenizer: Any, *, hidden: int = 256, layers: int = 4, seed: int = 0) -> int:
-    """Save a randomly initialised small Qwen3 with `save_pretrained`; return its parameter count."""
+def build_tiny_qwen3(
+    out_dir: str | Path, tokenizer: Any, *, hidden: int = 256, layers: int = 4, seed: int = 0, max_positions: int = 64
+) -> int:
+    """Save a randomly initialised small Qwen3 with `save_pretrained` (a context of ``max_positions`` tokens);
+    return its parameter count."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -52,7 +60,7 @@ def build_tiny_qwen3(out_dir: str | Path, tokenizer: Any, *, hidden: int = 256, 
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=hidden // 4,
-        max_position_embeddings=64,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
