@@ -6,7 +6,8 @@
 
 1. The RL demo's model and data (`prepare_demo`, seed 0, 500 held-out pairs) and its SFT stage (450 steps at
    lr 3e-3: a model part way, `demos/demo_rl.py`), once; reused when ``<out>/sft/hf`` exists.
-2. For each mode, PPO from that SFT model with the same settings (``PPO_SETTINGS`` below, FSDP on 2 ranks):
+2. For each mode, PPO from that SFT model with the same settings (``examples/ppo_tiny.yaml`` with
+   ``PPO_SETTINGS`` below, FSDP on 2 ranks):
    ``sync`` (``async_rollouts=false``) and ``streaming`` (``async_rollouts=true streaming_rollouts=true
    max_staleness=1``, token-level MIS capped at 5 as AReaL). Both train on ``steps x prompts_per_step`` prompts.
 3. Greedy held-out exact match of each run's exported model, its standard error (binomial, 500 pairs) and the
@@ -31,6 +32,7 @@ from typing import Any
 from shardforge.algorithms.demos.demo import held_out_accuracy, prepare_demo
 
 SFT_STEPS = 450
+PPO_BASE = Path(__file__).resolve().parents[1] / "examples" / "ppo_tiny.yaml"  # gamma, lam; the rest is overridden
 PPO_SETTINGS = [
     "prompts_per_step=64", "group_size=2", "max_new_tokens=6", "temperature=0.7", "reward_fn=exact_match",
     "kl_coef=0.0", "update_epochs=2", "eval_every=0", "save_every=0", "seed=0", "resume=never",
@@ -76,7 +78,7 @@ def _sft(out: Path) -> tuple[dict[str, Any], Path]:
 def _ppo(out: Path, assets: dict[str, Any], model: Path, mode: str, steps: int) -> dict[str, Any]:
     run_dir = out / mode
     seconds = _torchrun([
-        "ppo", f"model={model}", f"train_file={assets['train']}", f"eval_file={assets['eval']}",
+        "ppo", "--config", str(PPO_BASE), f"model={model}", f"train_file={assets['train']}", f"eval_file={assets['eval']}",
         f"output_dir={run_dir}", f"steps={steps}", "layout=d2", *PPO_SETTINGS, *MODES[mode],
     ])  # fmt: skip
     accuracy = held_out_accuracy(run_dir / "hf", assets["eval"])
