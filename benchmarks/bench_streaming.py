@@ -15,7 +15,13 @@ again and again (``regenerated``); every position must still be trained once, so
 positions' full decode (``last_wait_s``, about one longest response), a one-off cost per run that a 24-step run
 does not amortise. ``idle_frac_before_last`` is the idle fraction up to the last batch (also for async/partial).
 
-Run: ``python benchmarks/bench_streaming.py`` from the repo root (about 1.5 minutes).
+Streaming + partial rollouts (``streaming_partial``): the real `StreamingSource` with a chunked simulated engine
+(chunks of ``CHUNK`` tokens as `bench_partial_rollouts`; at each boundary a publish interrupts the calls in flight,
+which switch weights together and continue, and a call whose group was released stops there). ``steps``: ``ROWS``
+workers, one group per call; ``rows``: ``ROWS`` workers too, but a chunk decodes only under a global lock (one
+request at a time, per row-token, as the plain streaming row), so the total decode work is the same.
+
+Run: ``python benchmarks/bench_streaming.py`` from the repo root (about 2 minutes).
 """
 
 from __future__ import annotations
@@ -72,6 +78,71 @@ def run_streaming(cost: str) -> dict[str, float]:
             "regenerated": batch.stats["stream/regenerated"], "staleness_mean": sum(staleness) / len(staleness)}  # fmt: skip
 
 
+class ChunkedGroups:
+    """The simulated engine of ``streaming_partial``: a group = one response, decoded ``CHUNK`` tokens at a time."""
+
+    def __init__(self, cost: str) -> None:
+        from shardforge.rollout.chunked import ChunkedGeneration
+
+        self.cost, self.version, self.chunks = cost, 0, ChunkedGeneration(partial.CHUNK)
+        self.lock, self.interrupted, self.stopped, self.groups_made = threading.Lock(), 0, 0, 0
+
+    def update_weights(self, version: int | None = None) -> int:
+        self.version = self.version if version is None else version
+        return self.version
+
+    def groups(self, positions: list[int]) -> list[tuple[list[Any], Any]]:
+        import torch
+
+        out = []
+        for q in positions:
+            n, done, seen = partial.lengths(q // partial.ROWS)[q % partial.ROWS], 0, {self.version}
+            while done < n:
+                step = min(partial.CHUNK, n - done)
+                if self.cost == "rows":
+                    with self.lock:
+                        time.sleep(partial.UNIT_S["rows"] * step)
+                else:
+                    time.sleep(partial.UNIT_S["steps"] * step)
+                done += step
+                if done < n and self.chunks.between_chunks():
+                    self.stopped += 1
+                    break
+                seen.add(self.version)
+            self.interrupted += len(seen) > 1
+            self.groups_made += 1
+            out.append(([], torch.zeros(1)))
+        return out
+
+
+def run_streaming_partial(cost: str) -> dict[str, float]:
+    from shardforge.algorithms.trainers.rl.streaming_source import StreamingSource
+
+    engine = ChunkedGroups(cost)
+    source = StreamingSource(
+        rollout=engine, groups_fn=engine.groups, publish_fn=lambda v: 0 if v is None else v,  # type: ignore[arg-type]
+        prompts_per_step=partial.ROWS, max_staleness=1, num_batches=partial.STEPS, start=0, dp_rank=0, dp_size=1,
+        workers=partial.ROWS, chunks=engine.chunks,
+    )  # fmt: skip
+    waited, staleness = 0.0, []
+    started = time.perf_counter()
+    for k in range(partial.STEPS):
+        if k == partial.STEPS - 1:
+            before_last, waited_before_last = time.perf_counter() - started, waited
+        batch = source.batch(k)
+        waited += batch.wait_s
+        staleness.append(batch.stats["staleness_sum"] / batch.stats["groups"])  # this rank's raw stream_stats
+        time.sleep(partial.TRAIN_S)
+        source.publish(k + 1)
+    wall = time.perf_counter() - started
+    source.close()
+    return {"idle_frac": waited / wall, "steps_per_hour": partial.STEPS / wall * 3600, "wall_s": wall,
+            "idle_frac_before_last": waited_before_last / before_last, "last_wait_s": batch.wait_s,
+            "regenerated": batch.stats["regenerated"], "staleness_mean": sum(staleness) / len(staleness),
+            "interrupted_frac": engine.interrupted / max(engine.groups_made, 1),
+            "stopped_calls": float(engine.stopped)}  # fmt: skip
+
+
 def main() -> int:
     started = time.perf_counter()
     info = _common.machine_info()
@@ -79,6 +150,7 @@ def main() -> int:
     for cost in partial.UNIT_S:
         results[cost] = {mode: partial.run(mode, cost) for mode in ("sync", "async", "partial")}
         results[cost]["streaming"] = run_streaming(cost)
+        results[cost]["streaming_partial"] = run_streaming_partial(cost)
     payload = {"machine": info, "steps": partial.STEPS, "rows": partial.ROWS, "train_s": partial.TRAIN_S,
                "results": results, "seconds": time.perf_counter() - started}  # fmt: skip
     path = _common.write_json(NAME, payload)
@@ -104,6 +176,30 @@ def main() -> int:
             f"{part['idle_frac']:.2f} ({part['steps_per_hour']:.0f}/h); sync {sync['idle_frac']:.2f} "
             f"({sync['steps_per_hour']:.0f}/h)",
             ratio=f"idle x{idle_ratio:.2f}, steps/h x{speed:.2f} vs sync",
+            target=_common.target_cell(target, met),
+            machine=_common.machine_label(info),
+        )
+    for cost, r in results.items():
+        sp, stream, plain, part, sync = r["streaming_partial"], r["streaming"], r["async"], r["partial"], r["sync"]
+        idle_ratio = sp["idle_frac"] / max(plain["idle_frac"], 1e-9)
+        speed = sp["steps_per_hour"] / sync["steps_per_hour"]
+        if cost == "steps":
+            met = idle_ratio <= 0.5 and speed >= 1.5
+            target = "idle <= 0.5x async and steps/h >= 1.5x sync"
+        else:
+            met = sp["steps_per_hour"] >= part["steps_per_hour"] * 0.97
+            target = "steps/h no worse than partial (3% noise)"
+        _common.upsert_result_row(
+            benchmark=f"streaming_partial_rollouts ({cost} cost)",
+            metric=f"trainer idle fraction (steps/hour), GRPO loop, Pareto(1.3) lengths, {cost}-proportional simulated "
+            f"decode in chunks of {partial.CHUNK}, max_staleness 1",
+            ours=f"streaming+partial {sp['idle_frac']:.2f} ({sp['steps_per_hour']:.0f}/h); before the last batch "
+            f"{sp['idle_frac_before_last']:.2f}, last batch waits {sp['last_wait_s']:.2f} s; "
+            f"{sp['interrupted_frac']:.2f} of groups interrupted",
+            baseline=f"streaming {stream['idle_frac']:.2f} ({stream['steps_per_hour']:.0f}/h); async "
+            f"{plain['idle_frac']:.2f} ({plain['steps_per_hour']:.0f}/h); partial {part['idle_frac']:.2f} "
+            f"({part['steps_per_hour']:.0f}/h); sync {sync['idle_frac']:.2f} ({sync['steps_per_hour']:.0f}/h)",
+            ratio=f"idle x{idle_ratio:.2f} vs async, steps/h x{speed:.2f} vs sync",
             target=_common.target_cell(target, met),
             machine=_common.machine_label(info),
         )
