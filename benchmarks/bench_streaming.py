@@ -15,11 +15,16 @@ again and again (``regenerated``); every position must still be trained once, so
 positions' full decode (``last_wait_s``, about one longest response), a one-off cost per run that a 24-step run
 does not amortise. ``idle_frac_before_last`` is the idle fraction up to the last batch (also for async/partial).
 
-Streaming + partial rollouts (``streaming_partial``): the real `StreamingSource` with a chunked simulated engine
-(chunks of ``CHUNK`` tokens as `bench_partial_rollouts`; at each boundary a publish interrupts the calls in flight,
-which switch weights together and continue, and a call whose group was released stops there). ``steps``: ``ROWS``
-workers, one group per call; ``rows``: ``ROWS`` workers too, but a chunk decodes only under a global lock (one
-request at a time, per row-token, as the plain streaming row), so the total decode work is the same.
+``streaming`` drives `StreamingRollouts` alone: every request keeps the weights it started with while newer ones
+load for the next (an engine holding several versions at once). A real engine serves one version at a time, which
+the real `StreamingSource` enforces; two more modes run it over `ChunkedGroups` (a group = one response, decoded
+``CHUNK`` tokens at a time; ``steps``: ``ROWS`` workers, one group per call; ``rows``: ``ROWS`` workers too, but a
+chunk decodes only under a global lock, so the total decode work equals the plain streaming row's):
+
+- ``streaming_engine`` (no partial rollouts): a worker that needs newer weights waits until no call is in flight;
+- ``streaming_partial`` (``rollout.partial_rollouts``): a publish interrupts the calls in flight at their next chunk
+  boundary (all switch together, then continue under the new weights), and a call whose group was released stops
+  there.
 
 Run: ``python benchmarks/bench_streaming.py`` from the repo root (about 2 minutes).
 """
@@ -81,10 +86,11 @@ def run_streaming(cost: str) -> dict[str, float]:
 class ChunkedGroups:
     """The simulated engine of ``streaming_partial``: a group = one response, decoded ``CHUNK`` tokens at a time."""
 
-    def __init__(self, cost: str) -> None:
+    def __init__(self, cost: str, chunked: bool) -> None:
         from shardforge.rollout.chunked import ChunkedGeneration
 
-        self.cost, self.version, self.chunks = cost, 0, ChunkedGeneration(partial.CHUNK)
+        self.cost, self.version = cost, 0
+        self.chunks = ChunkedGeneration(partial.CHUNK) if chunked else None
         self.lock, self.interrupted, self.stopped, self.groups_made = threading.Lock(), 0, 0, 0
 
     def update_weights(self, version: int | None = None) -> int:
@@ -105,7 +111,7 @@ class ChunkedGroups:
                 else:
                     time.sleep(partial.UNIT_S["steps"] * step)
                 done += step
-                if done < n and self.chunks.between_chunks():
+                if done < n and self.chunks is not None and self.chunks.between_chunks():
                     self.stopped += 1
                     break
                 seen.add(self.version)
@@ -115,10 +121,13 @@ class ChunkedGroups:
         return out
 
 
-def run_streaming_partial(cost: str) -> dict[str, float]:
+def run_streaming_source(cost: str, chunked: bool) -> dict[str, float]:
+    """The real `StreamingSource` (one weight version per engine) over `ChunkedGroups`: with ``chunked`` (partial
+    rollouts) a publish interrupts the calls in flight at their next chunk boundary; without, a worker that needs the
+    new weights waits until no call is in flight."""
     from shardforge.algorithms.trainers.rl.streaming_source import StreamingSource
 
-    engine = ChunkedGroups(cost)
+    engine = ChunkedGroups(cost, chunked)
     source = StreamingSource(
         rollout=engine, groups_fn=engine.groups, publish_fn=lambda v: 0 if v is None else v,  # type: ignore[arg-type]
         prompts_per_step=partial.ROWS, max_staleness=1, num_batches=partial.STEPS, start=0, dp_rank=0, dp_size=1,
@@ -150,7 +159,8 @@ def main() -> int:
     for cost in partial.UNIT_S:
         results[cost] = {mode: partial.run(mode, cost) for mode in ("sync", "async", "partial")}
         results[cost]["streaming"] = run_streaming(cost)
-        results[cost]["streaming_partial"] = run_streaming_partial(cost)
+        results[cost]["streaming_engine"] = run_streaming_source(cost, chunked=False)
+        results[cost]["streaming_partial"] = run_streaming_source(cost, chunked=True)
     payload = {"machine": info, "steps": partial.STEPS, "rows": partial.ROWS, "train_s": partial.TRAIN_S,
                "results": results, "seconds": time.perf_counter() - started}  # fmt: skip
     path = _common.write_json(NAME, payload)
@@ -181,6 +191,7 @@ def main() -> int:
         )
     for cost, r in results.items():
         sp, stream, plain, part, sync = r["streaming_partial"], r["streaming"], r["async"], r["partial"], r["sync"]
+        engine = r["streaming_engine"]
         idle_ratio = sp["idle_frac"] / max(plain["idle_frac"], 1e-9)
         speed = sp["steps_per_hour"] / sync["steps_per_hour"]
         if cost == "steps":
@@ -196,7 +207,8 @@ def main() -> int:
             ours=f"streaming+partial {sp['idle_frac']:.2f} ({sp['steps_per_hour']:.0f}/h); before the last batch "
             f"{sp['idle_frac_before_last']:.2f}, last batch waits {sp['last_wait_s']:.2f} s; "
             f"{sp['interrupted_frac']:.2f} of groups interrupted",
-            baseline=f"streaming {stream['idle_frac']:.2f} ({stream['steps_per_hour']:.0f}/h); async "
+            baseline=f"streaming on one engine {engine['idle_frac']:.2f} ({engine['steps_per_hour']:.0f}/h); "
+            f"streaming, each request its own version {stream['idle_frac']:.2f} ({stream['steps_per_hour']:.0f}/h); async "
             f"{plain['idle_frac']:.2f} ({plain['steps_per_hour']:.0f}/h); partial {part['idle_frac']:.2f} "
             f"({part['steps_per_hour']:.0f}/h); sync {sync['idle_frac']:.2f} ({sync['steps_per_hour']:.0f}/h)",
             ratio=f"idle x{idle_ratio:.2f} vs async, steps/h x{speed:.2f} vs sync",
