@@ -139,7 +139,9 @@ def test_streaming_with_partial_rollouts_at_staleness_zero_equals_synchronous(
     # Nothing is published while a group generates (s=0), so chunked generation samples what one call would.
     stream = _run(assets, tmp_path / "p0", max_staleness=0, **STREAM, **PARTIAL)
     _assert_same_as_sync(sync_d1, stream)
-    assert all(r["partial/interrupted_frac"] == 0.0 and r["partial/token_staleness_max"] == 0.0 for r in stream["train"])
+    assert all(
+        r["partial/interrupted_frac"] == 0.0 and r["partial/token_staleness_max"] == 0.0 for r in stream["train"]
+    )
 
 
 def test_streaming_staleness_zero_on_two_ranks_equals_synchronous(
