@@ -26,7 +26,9 @@ chunk decodes only under a global lock, so the total decode work equals the plai
   boundary (all switch together, then continue under the new weights), and a call whose group was released stops
   there.
 
-Run: ``python benchmarks/bench_streaming.py`` from the repo root (about 2 minutes).
+``chunk_sweep_steps`` (JSON only) reruns ``streaming_partial`` on the steps model with chunks of 4, 8 and 32 tokens.
+
+Run: ``python benchmarks/bench_streaming.py`` from the repo root (about 2.5 minutes).
 """
 
 from __future__ import annotations
@@ -161,8 +163,17 @@ def main() -> int:
         results[cost]["streaming"] = run_streaming(cost)
         results[cost]["streaming_engine"] = run_streaming_source(cost, chunked=False)
         results[cost]["streaming_partial"] = run_streaming_source(cost, chunked=True)
+    # Sensitivity to the chunk size (steps model): the synchronised switch costs up to one chunk per worker per
+    # publish. The simulation charges nothing per chunk; a real engine pays a request (vLLM) or a prefill per chunk.
+    sweep, default = {}, partial.CHUNK
+    try:
+        for chunk in (4, 8, 32):
+            partial.CHUNK = chunk
+            sweep[str(chunk)] = run_streaming_source("steps", chunked=True)
+    finally:
+        partial.CHUNK = default
     payload = {"machine": info, "steps": partial.STEPS, "rows": partial.ROWS, "train_s": partial.TRAIN_S,
-               "results": results, "seconds": time.perf_counter() - started}  # fmt: skip
+               "results": results, "chunk_sweep_steps": sweep, "seconds": time.perf_counter() - started}  # fmt: skip
     path = _common.write_json(NAME, payload)
     print(json.dumps(payload, indent=2))
     for cost, r in results.items():

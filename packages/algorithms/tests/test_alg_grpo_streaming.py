@@ -9,7 +9,9 @@
 - dynamic sampling drops each group with equal rewards as it finishes; every step still trains on whole groups
   with a learning signal, and every prompt position is trained or dropped once;
 - with partial rollouts (chunked generation that a weight update interrupts): ``max_staleness=0`` still equals
-  synchronous, and at ``max_staleness=1`` the bound, whole groups, per-token staleness and a lossless resume hold;
+  synchronous (1 and 2 ranks); at ``max_staleness=1`` the bound, whole groups, per-token staleness and a lossless
+  resume hold, and with a deterministic interruption every later group keeps its start version while its later
+  tokens come from the newer policy (``partial/*``, rollout correction);
 - the settings streaming does not support yet (ReMax's baseline, ...) are refused with one line.
 """
 
