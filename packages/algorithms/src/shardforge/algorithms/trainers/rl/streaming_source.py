@@ -30,6 +30,7 @@ What it adds to `StreamingRollouts` (which knows neither engines nor ranks):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Callable
@@ -121,10 +122,9 @@ class StreamingSource:
             restored=_decode(restored, dp_rank, dp_size), groups_fn=self._groups, workers=workers,
             groups_per_call=-(-self.local // workers), keep_fn=keep_fn, max_rounds=max_rounds,
         )  # fmt: skip
-        self._refreshing = None
+        self._hooks = contextlib.ExitStack()
         if chunks is not None:  # for the source's lifetime: every worker's calls (an evaluation's are not interrupted)
-            self._refreshing = chunks.refreshing(self._between_chunks)
-            self._refreshing.__enter__()
+            self._hooks.enter_context(chunks.refreshing(self._between_chunks))
 
     def global_position(self, q: int) -> int:
         """This rank's prompt number ``q`` as a global prompt position (``batch * prompts_per_step + slot``)."""
@@ -181,9 +181,7 @@ class StreamingSource:
 
     def close(self) -> None:
         self.stream.close()
-        if self._refreshing is not None:
-            self._refreshing.__exit__(None, None, None)
-            self._refreshing = None
+        self._hooks.close()
 
     # ------------------------------------------------------------------ internals
     def _publish(self, policy_step: int) -> None:  # main thread, collective
