@@ -8,14 +8,21 @@
   train grpo`` process killed with SIGKILL at some point after its step-2 checkpoint;
 - dynamic sampling drops each group with equal rewards as it finishes; every step still trains on whole groups
   with a learning signal, and every prompt position is trained or dropped once;
-- the settings streaming does not support yet (partial rollouts, ...) are refused with one line.
+- with partial rollouts (chunked generation that a weight update interrupts): ``max_staleness=0`` still equals
+  synchronous (1 and 2 ranks); at ``max_staleness=1`` the bound, whole groups, per-token staleness and a lossless
+  resume hold, and with a deterministic interruption every later group keeps its start version while its later
+  tokens come from the newer policy (``partial/*``, rollout correction);
+- the settings streaming does not support yet (ReMax's baseline, ...) are refused with one line.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import textwrap
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,9 +31,11 @@ import pytest
 import torch
 
 from shardforge.algorithms.testing.streaming_runs import check_lossless_stream, die_after_checkpoint_then_resume
+from shardforge.algorithms.trainers.rl.streaming_source import StreamingSource
 
 STEPS, PROMPTS, GROUP = 3, 4, 4
 STREAM = {"async_rollouts": True, "streaming_rollouts": True}
+PARTIAL = {"rollout.partial_rollouts": True, "rollout.interrupt_chunk_tokens": 2}
 REWARDS = textwrap.dedent(
     """
     def has_seven(prompt, response, reference):
@@ -130,13 +139,28 @@ def test_streaming_staleness_zero_equals_synchronous(
     assert stream["groups"] == [[GROUP] * PROMPTS] * STEPS
 
 
-def test_streaming_staleness_zero_on_two_ranks_equals_synchronous(
+def test_streaming_with_partial_rollouts_at_staleness_zero_equals_synchronous(
     assets: dict[str, Any], sync_d1: dict[str, Any], tmp_path: Path
+) -> None:
+    # Nothing is published while a group generates (s=0), so chunked generation samples what one call would.
+    stream = _run(assets, tmp_path / "p0", max_staleness=0, **STREAM, **PARTIAL)
+    _assert_same_as_sync(sync_d1, stream)
+    assert all(
+        r["partial/interrupted_frac"] == 0.0 and r["partial/token_staleness_max"] == 0.0 for r in stream["train"]
+    )
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+def test_streaming_staleness_zero_on_two_ranks_equals_synchronous(
+    assets: dict[str, Any], sync_d1: dict[str, Any], tmp_path: Path, partial: bool
 ) -> None:
     from shardforge.mesh.testing import get_rank_pool
 
     # FSDP 2: each rank streams its half of every batch (global positions rank, rank + 2) with the same seeds.
-    runs = get_rank_pool(2).run(_run, assets, tmp_path / "d2", layout="d2", max_staleness=0, **STREAM, timeout_s=240)
+    extra = PARTIAL if partial else {}
+    runs = get_rank_pool(2).run(
+        _run, assets, tmp_path / "d2", layout="d2", max_staleness=0, **STREAM, **extra, timeout_s=240
+    )
     _assert_same_as_sync(sync_d1, runs[0])
     assert all(run["groups"] == [[GROUP] * (PROMPTS // 2)] * STEPS for run in runs)
     records = [_records(tmp_path / "d2" / "streaming", f"rank{r}.jsonl") for r in range(2)]
@@ -167,6 +191,62 @@ def test_streaming_bound_complete_groups_and_lossless_resume(
         assert 0.0 <= r["stream/trainer_idle_frac"] <= 1.0 and r["stream/in_flight"] >= 0.0
         assert r["stream/staleness_0_frac"] + r["stream/staleness_1_frac"] == pytest.approx(1.0)
     assert any(r["stream/staleness_1_frac"] > 0 for r in train), "the generator ran ahead of the trainer"
+
+
+def test_streaming_with_partial_rollouts_bound_complete_groups_and_lossless_resume(
+    assets: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardforge.algorithms.trainers.grpo import GRPOTrainer
+
+    # A group interrupted mid-generation at the checkpoint is regenerated from scratch by the resumed run (streaming.py,
+    # "Checkpoints"): every position is still trained exactly once, none more than 1 version stale.
+    out, steps, cut = tmp_path / "p1", 5, 2
+    overrides = {"max_staleness": 1, "steps": steps, "save_every": cut, "resume": "auto", "max_new_tokens": 8}
+    run = lambda: _run(assets, out, **overrides, **STREAM, **PARTIAL)  # noqa: E731
+    _, resumed = die_after_checkpoint_then_resume(GRPOTrainer, run, cut, monkeypatch)
+    check_lossless_stream(_records(out / "streaming", "rank0.jsonl"), steps, PROMPTS, cut)
+    assert resumed["groups"] == [[GROUP] * PROMPTS] * (steps - cut), "whole groups only"
+    train = [r for r in _records(out) if r["split"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    for r in train:  # no token older than its group's start version: the per-token lag is bounded the same way
+        assert r["stream/staleness_max"] <= 1.0 and 0.0 <= r["partial/token_staleness_max"] <= 1.0, r
+        assert 0.0 <= r["partial/interrupted_frac"] <= 1.0 and 0.0 <= r["partial/fresher_token_frac"] <= 1.0, r
+
+
+def _interrupt_every_later_call(self: Any) -> bool:
+    """A deterministic stand-in for "the trainer published while the group generated": at the first chunk boundary of
+    every call after the first batch's, wait until the policy after the call's start version is published (the trainer
+    needs only the previous call's groups to get there), then do what the source does there."""
+    groups = self.stream._call.groups
+    if groups and groups[0].position >= self.local and _GATED.get(threading.get_ident()) is not groups:
+        _GATED[threading.get_ident()] = groups
+        deadline = time.monotonic() + 120  # a guard against a hang, not a timed assertion
+        while max(self._versions) <= groups[0].start_version:
+            assert time.monotonic() < deadline, "the trainer never published"
+            time.sleep(0.005)
+    return bool(_BETWEEN_CHUNKS(self))
+
+
+_GATED: dict[int, Any] = {}
+_BETWEEN_CHUNKS = StreamingSource._between_chunks
+
+
+def test_streaming_with_partial_rollouts_continues_groups_under_the_new_policy(
+    assets: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every call after the first generates its first chunk under policy k - 1 and the rest under policy k (the gate),
+    # so batch k (k >= 1) holds groups that started under k - 1 (staleness 1) whose later tokens are on-policy.
+    monkeypatch.setattr(StreamingSource, "_between_chunks", _interrupt_every_later_call)
+    steps, out = 4, tmp_path / "gated"
+    train = _run(assets, out, max_staleness=1, steps=steps, max_new_tokens=8, **STREAM, **PARTIAL)["train"]
+    records = _records(out / "streaming", "rank0.jsonl")
+    assert [r["start_versions"] for r in records] == [[0] * PROMPTS] + [[k - 1] * PROMPTS for k in range(1, steps)]
+    assert train[0]["partial/interrupted_frac"] == 0.0 and train[0]["partial/token_staleness_max"] == 0.0
+    for r in train[1:]:
+        assert r["stream/staleness_mean"] == 1.0 and r["partial/token_staleness_max"] == 1.0, r
+        assert r["partial/interrupted_frac"] > 0.0 and r["partial/fresher_token_frac"] > 0.0, r
+        assert r["partial/token_staleness_mean"] < 1.0, "tokens after the first chunk came from the newer policy"
+        assert math.isfinite(r["loss"]) and r["rollout_corr/kl_k1"] != 0.0, r
 
 
 def test_streaming_run_killed_with_sigkill_resumes_without_dropping_or_repeating_a_prompt(
@@ -223,7 +303,6 @@ def test_streaming_run_killed_with_sigkill_resumes_without_dropping_or_repeating
             {"streaming_rollouts": True},
             "streaming_rollouts=true is a mode of asynchronous rollouts: set async_rollouts",
         ),
-        ({**STREAM, "rollout.partial_rollouts": True}, "partial_rollouts=true with streaming_rollouts=true is not"),
         ({**STREAM, "advantage": "remax"}, "advantage=remax with streaming_rollouts=true is not supported"),
         ({**STREAM, "rollout.streaming_workers": 0}, r"rollout.streaming_workers=0 must be >= 1 \(generator threads"),
         ({"rollout.streaming_workers": 2}, "streaming_workers=2 sets the generator threads of streaming rollouts: set"),

@@ -452,3 +452,24 @@ def test_chunked_requests_continue_from_the_returned_ids_under_new_weights() -> 
     assert engine.calls[1][2] == (request_seed(200, 3), request_seed(201, 3))
     assert out[2].response_ids[:3] == [200 % 97 + t for t in range(3)]
     assert out[2].response_ids[3:6] == [request_seed(200, 3) % 97 + t for t in range(3)]
+
+
+def test_chunked_generation_stops_when_the_hook_says_so() -> None:
+    """`between_chunks` answering True (the streaming source's released call) ends the generation at that boundary:
+    the unfinished responses keep their tokens so far and are not finished; finished ones are unaffected."""
+    from shardforge.rollout import SamplingParams
+    from shardforge.rollout.chunked import ChunkedGeneration, chunked_requests
+
+    engine, chunks, asked = _RequestEngine({5: 2, 6: 7}), ChunkedGeneration(3), []
+
+    def stop() -> bool:
+        asked.append(engine.version)
+        return True
+
+    params = SamplingParams(n=1, max_new_tokens=7, temperature=1.0, seeds=(100, 200))
+    with chunks.refreshing(stop):
+        out = chunked_requests(engine.generate, [[5, 9], [6, 9]], params, 3, chunks.between_chunks, str)
+    assert asked == [1] and len(engine.calls) == 1, "one chunk, then stopped"
+    assert [len(r.response_ids) for r in out] == [2, 3] and [r.finished for r in out] == [True, False]
+    assert out[1].token_versions == [1, 1, 1]
+    assert chunks.between_chunks() is False, "outside `refreshing` the hook never stops a generation"

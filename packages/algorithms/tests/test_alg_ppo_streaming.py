@@ -189,7 +189,7 @@ def test_ppo_streaming_bound_and_lossless_resume(
             {"streaming_rollouts": True},
             "streaming_rollouts=true is a mode of asynchronous rollouts: set async_rollouts",
         ),
-        ({**STREAM, "rollout.partial_rollouts": True}, "partial_rollouts=true with streaming_rollouts=true is not"),
+        ({**STREAM, "rollout.partial_rollouts": True}, "partial_rollouts=true is not supported by ppo"),
         ({"async_rollouts": True, "rollout.partial_rollouts": True}, "partial_rollouts=true is not supported by ppo"),
     ],
 )

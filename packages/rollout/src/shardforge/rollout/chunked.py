@@ -5,7 +5,9 @@
 continue from their prompt + generated ids under whatever weights the engine serves, and rows that
 finished leave the batch. Every token keeps the weight version and behaviour log-prob of the chunk
 that produced it (`Rollout.token_versions`), which the decoupled loss and rollout correction use token
-by token. The embedded HF engine and both vLLM engines (in-process: the engine's weights are swapped
+by token. ``between_chunks`` may also answer True: stop here (the streaming source's groups that no batch can
+take any more), and the unfinished rows end as they are (``finished=False``, like a length cut). The embedded HF
+engine and both vLLM engines (in-process: the engine's weights are swapped
 between two ``generate`` calls; server: each chunk is a completion request that a weight update can
 follow) share this loop; each supplies how to generate one chunk for the rows still active.
 """
@@ -27,7 +29,7 @@ class ChunkedGeneration:
     """Partial rollouts' side of an engine: built with one, an engine generates ``chunk_tokens`` new tokens at a
     time and calls `between_chunks` after each chunk. What happens there belongs to whoever drives the generation
     (the asynchronous batch source switches to newer weights): it says so for the length of a batch with
-    `refreshing`. The same object is handed to the engine's constructor and to the batch source, so nothing sets
+    `refreshing`, and may stop the generation there (see `between_chunks`). The same object is handed to the engine's constructor and to the batch source, so nothing sets
     an attribute of the engine from outside.
 
     Args:
@@ -42,11 +44,12 @@ class ChunkedGeneration:
             )
         self.chunk_tokens = chunk_tokens
         self._lock = threading.Lock()
-        self._refresh: Callable[[], None] | None = None
+        self._refresh: Callable[[], bool | None] | None = None
 
     @contextmanager
-    def refreshing(self, fn: Callable[[], None]) -> Iterator[None]:
-        """While active, `between_chunks` calls ``fn`` (e.g. load the newest weights this batch may use)."""
+    def refreshing(self, fn: Callable[[], bool | None]) -> Iterator[None]:
+        """While active, `between_chunks` calls ``fn`` (e.g. load the newest weights this batch may use); ``fn``
+        returns True to stop the generation at this chunk boundary."""
         with self._lock:
             self._refresh = fn
         try:
@@ -61,12 +64,12 @@ class ChunkedGeneration:
         with self._lock:
             return self._refresh is not None
 
-    def between_chunks(self) -> None:
-        """Called by the engine after each chunk that left unfinished rows."""
+    def between_chunks(self) -> bool:
+        """Called by the engine after each chunk that left unfinished rows; True: stop generating (the unfinished
+        rows end as they are)."""
         with self._lock:
             fn = self._refresh
-        if fn is not None:
-            fn()
+        return bool(fn()) if fn is not None else False
 
 
 ChunkFn = Callable[[list[int], list[tuple[int, list[int]]], int, int], list[Rollout]]
@@ -80,10 +83,11 @@ def generate_in_chunks(
     max_new_tokens: int,
     chunk_tokens: int,
     chunk: ChunkFn,
-    between_chunks: Callable[[], None] | None,
+    between_chunks: Callable[[], bool | None] | None,
     decode: Callable[[list[int]], str],
 ) -> list[Rollout]:
-    """``rows``: (prompt index, prompt ids), one per response. Returns one `Rollout` per row, in order."""
+    """``rows``: (prompt index, prompt ids), one per response. Returns one `Rollout` per row, in order.
+    ``between_chunks`` answering True stops the generation: the unfinished rows keep what they have."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
     ids: list[list[int]] = [[] for _ in rows]
@@ -103,8 +107,8 @@ def generate_in_chunks(
             versions[i] += [part.version] * len(part.response_ids)
             finished[i] = part.finished
         active, remaining = [i for i in active if not finished[i]], remaining - budget
-        if active and remaining > 0 and between_chunks is not None:
-            between_chunks()
+        if active and remaining > 0 and between_chunks is not None and between_chunks():
+            break
     return [
         Rollout(
             prompt_index=prompt_index,
@@ -125,7 +129,7 @@ def chunked_requests(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams,
     chunk_tokens: int,
-    between_chunks: Callable[[], None] | None,
+    between_chunks: Callable[[], bool | None] | None,
     decode: Callable[[list[int]], str],
 ) -> list[Rollout]:
     """`generate_in_chunks` for an engine that takes whole requests with per-prompt seeds (vLLM, in-process or

@@ -160,8 +160,9 @@ class RolloutConfig:
     batch_size: int = 256
     """engine=hf: most rows (prompts x samples) per ``generate`` call; larger calls are split."""
     partial_rollouts: bool = False
-    """Asynchronous rollouts (GRPO's async_rollouts): interrupt in-flight generations when new weights are published
-    and continue them under the new weights (every token records its version and behaviour log-prob)."""
+    """Asynchronous rollouts (GRPO's async_rollouts, also with streaming_rollouts): interrupt in-flight generations when
+    new weights are published and continue them under the new weights (every token records its version and behaviour
+    log-prob)."""
     interrupt_chunk_tokens: int = 16
     """partial_rollouts: tokens generated between two checks for newer weights (smaller: fresher, more recompute)."""
     streaming_workers: int = 1

@@ -60,6 +60,7 @@ from shardforge.algorithms.trainers.rl.workflow_eval import evaluate_held_out
 from shardforge.algorithms.trainers.rl.workflow_stats import check_failed_episodes
 from shardforge.algorithms.trainers.run.profiling import phase
 from shardforge.engine.objectives.kl_control import KLController, build_kl_controller
+from shardforge.rollout.chunked import ChunkedGeneration
 from shardforge.rollout.factory import PublishedRolloutEngine
 
 if TYPE_CHECKING:  # imported where built: the launching process reads the configs without the engine
@@ -159,7 +160,7 @@ class RLTrainer(Trainer[C]):
             self.source = SyncRollouts(self.rollout, sample_fn, publish)
             return self.source
         if streaming:
-            self.source = self._streaming_source(start, restored, publish, max_staleness, baseline)
+            self.source = self._streaming_source(start, restored, publish, max_staleness, baseline, built.chunks)
             return self.source
         if StreamingSource.checkpoint_key in restored:
             raise ValueError(
@@ -180,8 +181,10 @@ class RLTrainer(Trainer[C]):
         publish: PublishFn,
         max_staleness: int,
         baseline: GreedyBaseline | None,
+        chunks: ChunkedGeneration | None,
     ) -> StreamingSource:
-        """The streaming source over this rank's share of every batch, group by group (`workflow_groups_fn`)."""
+        """The streaming source over this rank's share of every batch, group by group (`workflow_groups_fn`);
+        ``chunks``: partial rollouts (the policy engine's chunked generation, which a weight update interrupts)."""
         config, engine = self.config, self.engine
         if baseline is not None:
             raise ValueError(
@@ -199,6 +202,7 @@ class RLTrainer(Trainer[C]):
             dp_size=engine.dp_size, restored=restored.get(StreamingSource.checkpoint_key), device=engine.device,
             record_dir=self.out / "streaming", workers=config.rollout.streaming_workers,
             keep_fn=group_filter_reason if dynamic.enabled else None, max_rounds=dynamic.max_rounds,
+            chunks=chunks if rollout is self.rollout else None,
         )  # fmt: skip
 
     def update(self, sampled: SampledBatch, metrics: StepMetrics) -> dict[str, float]:

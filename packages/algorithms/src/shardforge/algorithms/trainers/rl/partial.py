@@ -4,7 +4,10 @@ With ``rollout.partial_rollouts=true`` the rollout engine (embedded HF, or vLLM 
 `rollout.chunked`) generates ``rollout.interrupt_chunk_tokens`` tokens at a time;
 between chunks the background generator loads the newest weights the batch may use, and unfinished
 responses continue under them (`AsyncRollouts`, `HFRolloutEngine`). Every token keeps its weight version
-and behaviour log-prob, which the decoupled loss and rollout correction use token by token.
+and behaviour log-prob, which the decoupled loss and rollout correction use token by token. With
+``streaming_rollouts=true`` a weight update interrupts the streamed groups still generating in the same way
+(`streaming_source.StreamingSource`); there ``max_staleness=0`` is allowed (nothing is ever interrupted: the
+synchronous baseline of a staleness sweep).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def check_partial_rollouts(config: Any) -> None:
             "while generating in the background: set async_rollouts=true (with max_staleness >= 1) or "
             "rollout.partial_rollouts=false"
         )
-    if config.max_staleness < 1:
+    if config.max_staleness < 1 and not config.streaming_rollouts:  # streaming at 0: the synchronous baseline
         raise ValueError(
             "rollout.partial_rollouts=true with max_staleness=0 never overlaps generation with training, so no newer weights "
             "arrive mid-generation: set max_staleness >= 1 or rollout.partial_rollouts=false"

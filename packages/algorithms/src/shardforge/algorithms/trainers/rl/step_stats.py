@@ -173,7 +173,8 @@ def add_stream_stats(metrics: StepMetrics, local: Mapping[str, float]) -> None:
     ranks), ``stream/generator_idle_frac``, ``stream/regenerated`` (too-stale groups generated again, cumulative); with
     dynamic sampling ``stream/filtered_all_pass|all_fail`` (groups dropped, cumulative, all ranks) and
     ``stream/cap_hit_frac`` (share of ranks whose batch was short: the max_rounds cap)."""
-    metrics.add("stream", local, _stream_view)
+    partial = {*STALENESS_COUNTS, "lag_max"}  # with partial rollouts: reduced by add_partial_rollout_stats
+    metrics.add("stream", {k: v for k, v in local.items() if k not in partial}, _stream_view)
 
 
 def add_source_stats(metrics: StepMetrics, sampled: Any, config: Any) -> None:

@@ -15,7 +15,9 @@ step loaded when its generation began):
   that finished too late) is discarded and its prompt regenerated (counted in ``stream/regenerated``), so
   no trained group is ever more than ``max_staleness`` steps stale and no prompt is dropped. A group still in
   flight once no later batch may take it (start version < k + 1 - max_staleness after batch k) is released at once:
-  its prompt is regenerated now and the late result dropped, so it stops holding a place in flight.
+  its prompt is regenerated now and the late result dropped, so it stops holding a place in flight. With partial
+  rollouts the generate call of such groups stops at its next chunk boundary (`call_released`) instead of running to
+  its end.
 - Dynamic sampling (``keep_fn``): a group is judged when it finishes; a dropped one (no learning signal) frees its
   place in flight at once, so a fresh prompt starts, and the trainer waits for ``prompts_per_step`` KEPT groups.
   Generation is capped at ``max_rounds`` x the admission limit (every prompt started, kept or not); when the cap
@@ -29,7 +31,11 @@ Checkpoints (`checkpoint_state`): the prompt positions in flight or finished-but
 their tokens) together with the next prompt position; a resumed run regenerates them first with the
 checkpoint's weights, so no prompt is dropped or repeated. What a resumed run trains on is the same SET of
 prompts in the same recorded order of positions; the tokens of regenerated groups differ from the ones the
-killed run had in flight unless generation is seeded per prompt.
+killed run had in flight unless generation is seeded per prompt. With partial rollouts the same holds: a group
+interrupted mid-generation is regenerated from scratch on restore rather than resumed, because its tokens so far came
+from weights older than the checkpoint (a resumed process has only the checkpoint's) and live inside an episode
+(multi-turn state, tool and environment sessions) that cannot be saved in general; regenerated, it starts under the
+checkpoint's weights, staleness 0 (``docs/packages/algorithms-grpo.md``, streaming).
 """
 
 from __future__ import annotations
@@ -156,6 +162,7 @@ class StreamingRollouts:
         self._trainer_first: float | None = None  # when the first batch() call began
         self.infos: list[StreamBatchInfo] = []
         self._load_lock = threading.Lock()
+        self._call = threading.local()  # a generator thread's groups in flight (`call_released`)
         self._threads = [
             threading.Thread(target=self._run, name=f"stream-generator-{i}", daemon=True) for i in range(workers)
         ]
@@ -267,6 +274,17 @@ class StreamingRollouts:
             positions = sorted([*self._groups, *self._queue])
             return {"regenerate": positions, "next_position": self._next_position}
 
+    def in_call(self) -> bool:
+        """Whether the calling thread is a generator thread inside a generate call (partial rollouts' chunk hook)."""
+        return bool(getattr(self._call, "groups", None))
+
+    def call_released(self) -> bool:
+        """Whether every group of the calling generator thread's call was released (too stale for any later batch):
+        its result will be dropped, so partial rollouts stop the call at the next chunk boundary."""
+        groups: list[_Group] = getattr(self._call, "groups", None) or []
+        with self._cond:
+            return bool(groups) and all(self._groups.get(g.position) is not g for g in groups)
+
     def close(self) -> None:
         with self._cond:
             self._stop = True
@@ -311,6 +329,7 @@ class StreamingRollouts:
                 self._gen_idle_s += time.perf_counter() - idle
             busy = time.perf_counter()
             error: BaseException | None = None
+            self._call.groups = groups
             try:
                 with self._load_lock:
                     if self._loaded is None or self._loaded < version:  # versions only move forward
@@ -325,6 +344,8 @@ class StreamingRollouts:
                 dropped = {g.position: self.keep_fn(g.rollouts) for g in groups} if self.keep_fn is not None else {}
             except BaseException as exc:  # reported to the trainer by batch()
                 error, dropped = exc, {}
+            finally:
+                self._call.groups = None
             with self._cond:
                 self._gen_busy_s += time.perf_counter() - busy
                 for g in groups:

@@ -36,11 +36,6 @@ def check_streaming_config(config: Any) -> None:
         raise ValueError(
             f"streaming_rollouts=true is a mode of asynchronous rollouts: set async_rollouts=true ({VALID_MODES})"
         )
-    if config.rollout.partial_rollouts:
-        raise ValueError(
-            "rollout.partial_rollouts=true with streaming_rollouts=true is not supported yet (a streamed group finishes "
-            "under the weights it started with): set rollout.partial_rollouts=false, or streaming_rollouts=false"
-        )
     if _has_greedy_baseline(getattr(config, "advantage", "")):
         raise ValueError(
             f"advantage={config.advantage} with streaming_rollouts=true is not supported yet (its greedy baseline episodes "

@@ -8,6 +8,13 @@ What it adds to `StreamingRollouts` (which knows neither engines nor ranks):
   (weights only move forward, as vLLM and `AsyncRollouts`' partial mode require), so every trajectory is at least
   as fresh as its recorded start version and its tokens carry the versions that sampled them (the decoupled loss
   and the rollout correction use those, exactly as with `AsyncRollouts`).
+- Partial rollouts (``rollout.partial_rollouts``, the engine generates in chunks: `rollout.chunked`): at every chunk
+  boundary a generate call switches to the newest published weights (AReaL's interruption at a weight update) and its
+  unfinished responses continue under them; with several workers the switch waits until every call in flight is at a
+  chunk boundary (or done), so no chunk runs under two versions. A group keeps its start version (the staleness bound
+  counts from it); every token keeps the version that sampled it (``partial/*``: per-token staleness, the share of
+  responses continued under newer weights). A call whose groups were all released (too stale for any later batch)
+  stops at its next chunk boundary.
 - Held-out evaluation on the main thread, between two generate calls (none in flight), with the newest weights.
 - Generator workers (``workers``, ``rollout.streaming_workers``): each has one generate call in flight, of up to
   ``ceil(local / workers)`` prompts; calls overlap (for an engine that serves concurrent requests), but a weight
@@ -23,6 +30,7 @@ What it adds to `StreamingRollouts` (which knows neither engines nor ranks):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Callable
@@ -32,9 +40,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from shardforge.algorithms.trainers.rl.partial_stats import token_staleness_counts
 from shardforge.algorithms.trainers.rl.sources import PublishFn, SampledBatch, raise_if_any_rank_failed
 from shardforge.algorithms.trainers.rl.streaming import GroupsFn, KeepFn, StreamBatchInfo, StreamingRollouts
 from shardforge.rollout import RolloutEngine
+from shardforge.rollout.chunked import ChunkedGeneration
 
 __all__ = ["StreamingSource", "stream_stats"]
 
@@ -59,6 +69,8 @@ class StreamingSource:
         workers: generator threads (``rollout.streaming_workers``); ``groups_fn`` must then be safe to call from
             several threads at once (see the module docstring).
         keep_fn, max_rounds: dynamic sampling (`StreamingRollouts`): each rank judges its own finished groups.
+        chunks: partial rollouts: the `ChunkedGeneration` the engine was built with (see the module docstring);
+            None: every generate call runs under one weight version.
     """
 
     checkpoint_key = "streaming_rollouts"
@@ -82,6 +94,7 @@ class StreamingSource:
         workers: int = 1,
         keep_fn: KeepFn | None = None,
         max_rounds: int = 1,
+        chunks: ChunkedGeneration | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers} must be >= 1 (generator threads of the streaming source)")
@@ -93,7 +106,10 @@ class StreamingSource:
         self._active = 0  # generate calls in flight
         self._exclusive = False  # an evaluation holds the engine
         self.max_active = 0  # the most generate calls that were in flight at once (observed; tests)
+        self._paused = 0  # partial rollouts: calls waiting at a chunk boundary for a weight switch
         self._versions = {start: publish_fn(None)}  # policy step -> weight-sync version
+        self._newest = self._versions[start]  # the newest published weight-sync version (read between chunks)
+        self.chunks = chunks
         self._wanted = start  # the newest policy step the generator may serve (it only grows)
         self._record = None
         if record_dir is not None:
@@ -106,6 +122,9 @@ class StreamingSource:
             restored=_decode(restored, dp_rank, dp_size), groups_fn=self._groups, workers=workers,
             groups_per_call=-(-self.local // workers), keep_fn=keep_fn, max_rounds=max_rounds,
         )  # fmt: skip
+        self._hooks = contextlib.ExitStack()
+        if chunks is not None:  # for the source's lifetime: every worker's calls (an evaluation's are not interrupted)
+            self._hooks.enter_context(chunks.refreshing(self._between_chunks))
 
     def global_position(self, q: int) -> int:
         """This rank's prompt number ``q`` as a global prompt position (``batch * prompts_per_step + slot``)."""
@@ -124,6 +143,9 @@ class StreamingSource:
         raise_if_any_rank_failed(error, f"batch {index}", self.device)
         info = self.stream.infos[-1]
         batch.stats = stream_stats(batch.stats, info, index, self.max_staleness)
+        if self.chunks is not None:  # per-token staleness (partial/*): the policy step behind each token's version
+            steps = {version: step for step, version in self._versions.items()}
+            batch.stats |= token_staleness_counts(batch.rollouts, index, steps)
         if self._record is not None:
             self._record.parent.mkdir(parents=True, exist_ok=True)
             with self._record.open("a") as f:
@@ -159,11 +181,13 @@ class StreamingSource:
 
     def close(self) -> None:
         self.stream.close()
+        self._hooks.close()
 
     # ------------------------------------------------------------------ internals
     def _publish(self, policy_step: int) -> None:  # main thread, collective
         version = self.publish_fn(self._versions[max(self._versions)] + 1)
         self._versions[policy_step] = version
+        self._newest = version
 
     def _load(self, policy_step: int) -> None:  # generator thread: remembered, applied before the next group
         self._wanted = max(self._wanted, policy_step)
@@ -183,6 +207,24 @@ class StreamingSource:
             with self._engine:
                 self._active -= 1
                 self._engine.notify_all()
+
+    def _between_chunks(self) -> bool:  # inside a generate call, after a chunk that left unfinished rows
+        """Partial rollouts: stop a call no batch can use any more; otherwise switch to the newest published weights
+        once every call in flight is at a chunk boundary (the interruption), and continue."""
+        if not self.stream.in_call():  # an evaluation on the main thread: never interrupted
+            return False
+        if self.stream.call_released():
+            return True
+        with self._engine:
+            if self.rollout.version >= self._newest:
+                return False
+            self._paused += 1
+            self._engine.notify_all()
+            self._engine.wait_for(lambda: self.rollout.version >= self._newest or self._paused == self._active)
+            self._serve(self._newest)
+            self._paused -= 1
+            self._engine.notify_all()
+        return False
 
     def _target(self) -> int:
         return self._versions[self._wanted]
