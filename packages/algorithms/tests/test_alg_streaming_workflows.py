@@ -3,7 +3,8 @@ group function as the synchronous and asynchronous sources, one group at a time.
 
 - ``workflow.name: multi_turn`` (chat template, several turns per episode): at ``max_staleness: 0`` the streamed
   batches are the synchronous ones (the same episodes, rewards and turns; loss within rounding); at
-  ``max_staleness: 1`` every step trains whole groups none more than one step stale, with no failed episode.
+  ``max_staleness: 1`` every step trains whole groups none more than one step stale, with no failed episode, with
+  and without partial rollouts.
 - ``workflow.name: agent`` (an agent written against the real ``openai`` client, through the endpoint): streams
   with the staleness bound kept, every episode trained.
 """
@@ -78,8 +79,12 @@ def test_multi_turn_streaming_at_staleness_zero_is_the_synchronous_run(chat: dic
     assert max(r["episode/turns"] for r in sync) > 1  # several turns per episode: the multi-turn path ran
 
 
-def test_multi_turn_streams_under_the_staleness_bound(chat: dict[str, Any], tmp_path: Path) -> None:
-    records = _multi_turn(chat, tmp_path / "s1", max_staleness=1, **STREAM)
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+def test_multi_turn_streams_under_the_staleness_bound(chat: dict[str, Any], tmp_path: Path, partial: bool) -> None:
+    """With ``rollout.partial_rollouts`` a weight update may interrupt an episode between 2-token chunks (whether
+    one does here depends on timing; test_alg_streaming_partial.py proves the interruption itself)."""
+    more = {"rollout.partial_rollouts": True, "rollout.interrupt_chunk_tokens": 2} if partial else {}
+    records = _multi_turn(chat, tmp_path / "s1", max_staleness=1, **STREAM, **more)
     _assert_streamed(records, 3, 1)
     assert max(r["grad_norm"] for r in records) > 0  # some group had mixed rewards: a learning signal
 
