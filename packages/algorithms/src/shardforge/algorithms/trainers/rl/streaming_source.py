@@ -21,7 +21,8 @@ What it adds to `StreamingRollouts` (which knows neither engines nor ranks):
   switch waits until no call is in flight, so every call runs under one weight version.
 - Ranks: each data-parallel rank streams its own share of every global batch (`sampling.workflow_group_fn`) and
   trains on its own first finished groups; a failing generator raises on every rank (`raise_if_any_rank_failed`).
-  Checkpoint state is every dp rank's, gathered (a resumed run needs the same data-parallel size).
+  Checkpoint state is every dp rank's, gathered; a resumed run with another data-parallel size shares the
+  positions out again (`streaming_resume.rank_share`).
 - Records: each rank appends what each batch trained on (global prompt positions, in training and in finish order,
   and start versions) to ``output_dir/streaming/rank{R}.jsonl``; lines of batches at or after a resumed run's start
   are dropped first, so the file is the run's history. A global prompt position is ``batch * prompts_per_step +
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from shardforge.algorithms.trainers.rl.partial_stats import token_staleness_counts
 from shardforge.algorithms.trainers.rl.sources import PublishFn, SampledBatch, raise_if_any_rank_failed
 from shardforge.algorithms.trainers.rl.streaming import GroupsFn, KeepFn, StreamBatchInfo, StreamingRollouts
+from shardforge.algorithms.trainers.rl.streaming_resume import rank_share
 from shardforge.rollout import RolloutEngine
 from shardforge.rollout.chunked import ChunkedGeneration
 
@@ -116,10 +118,15 @@ class StreamingSource:
             rank = dist.get_rank() if dist.is_initialized() else 0
             self._record = record_dir / f"rank{rank}.jsonl"
             _truncate_records(self._record, start)
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            if rank == 0:  # a run saved with more ranks: their files lose the batches this run trains again too
+                for path in record_dir.glob("rank*.jsonl"):
+                    if path.stem[4:].isdigit() and int(path.stem[4:]) >= world:
+                        _truncate_records(path, start)
         self.stream = StreamingRollouts(
             group_fn=_unused, load_weights=self._load, publish_fn=self._publish, prompts_per_step=self.local,
             max_staleness=max_staleness, num_batches=num_batches, start=start,
-            restored=_decode(restored, dp_rank, dp_size), groups_fn=self._groups, workers=workers,
+            restored=rank_share(restored, dp_rank, dp_size, prompts_per_step), groups_fn=self._groups, workers=workers,
             groups_per_call=-(-self.local // workers), keep_fn=keep_fn, max_rounds=max_rounds,
         )  # fmt: skip
         self._hooks = contextlib.ExitStack()
@@ -270,19 +277,6 @@ def stream_stats(base: dict[str, float], info: StreamBatchInfo, index: int, max_
 
 def _unused(position: int) -> tuple[list[Any], torch.Tensor]:
     raise AssertionError("StreamingSource generates through groups_fn")
-
-
-def _decode(state: dict[str, Any] | None, dp_rank: int, dp_size: int) -> dict[str, Any] | None:
-    if not state:
-        return None
-    if state.get("dp_size") != dp_size:
-        raise ValueError(
-            f"the checkpoint's streaming rollouts were made by {state.get('dp_size')} data-parallel ranks, this run has "
-            f"{dp_size}: each rank's in-flight prompts are its own, so resume with the same data-parallel size (or start "
-            "a new run: resume=never)"
-        )
-    mine: dict[str, Any] = state["ranks"][dp_rank]
-    return mine
 
 
 def _truncate_records(path: Path, start: int) -> None:
