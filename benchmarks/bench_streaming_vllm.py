@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
 
 NAME = "streaming_vllm"
-SFT_STEPS, STEPS, PROMPTS, WARMUP, LAST_K, EVAL = 250, 40, 16, 3, 10, 200
+SFT_STEPS, STEPS, PROMPTS, WARMUP, LAST_K, EVAL, LR = 600, 60, 16, 3, 10, 200, 1e-3
 ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
        "RAY_USAGE_STATS_ENABLED": "0", "RAY_agent_register_timeout_ms": "300000"}  # fmt: skip
 MODES = {
@@ -84,7 +84,7 @@ def run(assets: dict[str, Any], out: Path, mode: str, launcher: str, steps: int)
         sys.executable, "-m", "shardforge.algorithms.cli", "train", "grpo", "--config", str(config),
         "--nproc-per-node", "1", "--launcher", launcher,
         f"model={assets['model']}", f"train_file={assets['train']}", f"eval_file={assets['eval']}",
-        f"output_dir={out}", f"steps={steps}", f"prompts_per_step={PROMPTS}", "layout=d1", "resume=never",
+        f"output_dir={out}", f"steps={steps}", f"prompts_per_step={PROMPTS}", "layout=d1", "resume=never", f"engine.optimizer.lr={LR}",
         "export_hf_at_end=false", "progress=false", "eval_every=0", "save_every=0",
         "rollout.engine=vllm", "rollout.vllm.mode=server", "rollout.vllm.max_num_seqs=128", *placement, *MODES[mode],
     ]  # fmt: skip
@@ -149,6 +149,9 @@ def main() -> int:
     _plot(runs)
     if "sync" in summary and "streaming" in summary:
         sync, stream = summary["sync"], summary["streaming"]
+        baseline = f"sync {sync['steps_per_hour']:.0f}/h, reward {sync['reward']}, held-out {sync['accuracy']}"
+        if "async" in summary:
+            baseline += f"; async {summary['async']['steps_per_hour']:.0f}/h, reward {summary['async']['reward']}"
         where = "vLLM server as a Ray rollout actor" if args.launcher == "ray" else "vLLM server (colocated)"
         _common.upsert_result_row(
             benchmark=f"streaming_vllm ({args.launcher})",
@@ -156,9 +159,7 @@ def main() -> int:
             f"{PROMPTS} prompts x 8, max_staleness 1, {args.repeats} runs each",
             ours=f"streaming {stream['steps_per_hour']:.0f}/h, last {LAST_K} reward {stream['reward']}, held-out "
             f"{stream['accuracy']}",
-            baseline=f"sync {sync['steps_per_hour']:.0f}/h, reward {sync['reward']}, held-out {sync['accuracy']}"
-            + (f"; async {summary['async']['steps_per_hour']:.0f}/h, reward {summary['async']['reward']}"
-               if "async" in summary else ""),  # fmt: skip
+            baseline=baseline,
             ratio=f"steps/h x{stream['steps_per_hour'] / sync['steps_per_hour']:.2f} vs sync",
             target="report (load " + ", ".join(f"{r['load_before']:.1f}" for rs in runs.values() for r in rs) + ")",
             machine=_common.machine_label(info),
@@ -184,7 +185,9 @@ def _plot(runs: dict[str, list[dict[str, Any]]]) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for (mode, results), color in zip(runs.items(), ["C0", "C1", "C2"], strict=False):
         for i, r in enumerate(results):
-            ax.plot(range(1, len(r["rewards"]) + 1), r["rewards"], color=color, alpha=0.6, label=mode if i == 0 else None)
+            ax.plot(
+                range(1, len(r["rewards"]) + 1), r["rewards"], color=color, alpha=0.6, label=mode if i == 0 else None
+            )
     ax.set_xlabel("GRPO step (same samples per step in every mode)")
     ax.set_ylabel("mean exact-match reward")
     ax.legend()

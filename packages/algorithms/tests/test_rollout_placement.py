@@ -51,11 +51,14 @@ def test_disaggregated_under_ray_gives_the_actors_spec(cls):
         ({"rollout.engine": "vllm"}, "ray", "runs vLLM as a server actor: set rollout.vllm.mode=server"),
         ({"async_rollouts": True}, "ray", "with rollout.engine=hf serves the newest weights only"),
         (
-            {"async_rollouts": True, "rollout.engine": "vllm",
-             "rollout.vllm": {"mode": "server", "weight_transport": "collective"}},
+            {
+                "async_rollouts": True,
+                "rollout.engine": "vllm",
+                "rollout.vllm": {"mode": "server", "weight_transport": "collective"},
+            },
             "ray",
             "set rollout.vllm.weight_transport=auto or disk",
-        ),  # fmt: skip
+        ),
         ({"rollout.partial_rollouts": True, "async_rollouts": False}, "ray", "set rollout.partial_rollouts=false"),
         ({"engine": {"router_replay": True}}, "ray", "set engine.router_replay=false"),
         ({"rollout.num_actors": 0}, "ray", "rollout.num_actors=0 must be >= 1"),

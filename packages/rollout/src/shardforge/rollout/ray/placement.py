@@ -123,7 +123,9 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
             "rollout.vllm.mode=server (its server loads disk versions)",
         ),
         (
-            bool(getattr(config, "async_rollouts", False)) and engine == "vllm" and vllm.weight_transport == "collective",
+            bool(getattr(config, "async_rollouts", False))
+            and engine == "vllm"
+            and vllm.weight_transport == "collective",
             "with async_rollouts loads weight versions from disk when its generator needs them; "
             "rollout.vllm.weight_transport=collective switches the server at every publish: set "
             "rollout.vllm.weight_transport=auto or disk",
