@@ -310,6 +310,15 @@ def test_streaming_run_killed_with_sigkill_resumes_without_dropping_or_repeating
             {**STREAM, "rollout.streaming_workers": 2},
             "streaming_workers=2 needs a rollout engine that serves concurrent",
         ),
+        (
+            {
+                **STREAM,
+                "rollout.engine": "vllm",
+                "rollout.streaming_workers": 2,
+                "rollout.vllm": {"mode": "server", "on_server_failure": "restart"},
+            },
+            "on_server_failure=restart with rollout.streaming_workers=2 is not supported yet",
+        ),
     ],
 )
 def test_streaming_refuses_what_it_does_not_support(

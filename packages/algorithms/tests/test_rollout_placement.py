@@ -49,7 +49,16 @@ def test_disaggregated_under_ray_gives_the_actors_spec(cls):
         ({}, "local", "only --launcher ray starts (this run's launcher: local)"),
         ({}, "external", "add --launcher ray, or set rollout.placement=colocated"),
         ({"rollout.engine": "vllm"}, "ray", "runs vLLM as a server actor: set rollout.vllm.mode=server"),
-        ({"async_rollouts": True}, "ray", "set async_rollouts=false"),
+        ({"async_rollouts": True}, "ray", "with rollout.engine=hf serves the newest weights only"),
+        (
+            {
+                "async_rollouts": True,
+                "rollout.engine": "vllm",
+                "rollout.vllm": {"mode": "server", "weight_transport": "collective"},
+            },
+            "ray",
+            "set rollout.vllm.weight_transport=auto or disk",
+        ),
         ({"rollout.partial_rollouts": True, "async_rollouts": False}, "ray", "set rollout.partial_rollouts=false"),
         ({"engine": {"router_replay": True}}, "ray", "set engine.router_replay=false"),
         ({"rollout.num_actors": 0}, "ray", "rollout.num_actors=0 must be >= 1"),
@@ -60,6 +69,16 @@ def test_unsupported_combinations_are_refused_with_the_fix(entries, launcher, fr
     with pytest.raises(ValueError, match=r"disaggregated|rollout\.num_actors") as error:
         rollout_actor_spec(_config(**({"rollout.placement": "disaggregated"} | entries)), launcher)
     assert fragment in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_vllm_server_actor_takes_asynchronous_and_streaming_rollouts(streaming):
+    """Issue 41: the server actor loads disk versions when the generator asks (tests_vllm/test_vllm_streaming.py runs
+    it); the embedded-HF actors still refuse (above)."""
+    entries = {"rollout.placement": "disaggregated", "rollout.engine": "vllm", "rollout.vllm": {"mode": "server"},
+               "async_rollouts": True, "streaming_rollouts": streaming, "rollout.streaming_workers": 2 if streaming else 1}  # fmt: skip
+    spec = rollout_actor_spec(_config(**entries), "ray")
+    assert spec is not None and spec.engine == "vllm"
 
 
 def test_dropping_dead_actors_needs_two_and_disaggregated_rollouts():

@@ -123,8 +123,9 @@ def build_rollout(
     chunks = ChunkedGeneration(config.interrupt_chunk_tokens) if config.partial_rollouts else None
     if config.placement == "disaggregated":
         engine = _ray_client(
-            config, model_dir, tokenizer, weights_root=weights_root, seed=seed, timeout_s=actor_timeout_s
-        )
+            config, model_dir, tokenizer, weights_root=weights_root, seed=seed, timeout_s=actor_timeout_s,
+            asynchronous=asynchronous,
+        )  # fmt: skip
     else:
         if config.sleep and config.engine == "vllm":  # vLLM allocates differently with sleep mode on
             config = dataclasses.replace(config, vllm=dataclasses.replace(config.vllm, enable_sleep_mode=True))
@@ -176,16 +177,22 @@ def _ray_client(
     weights_root: str | os.PathLike[str] | None,
     seed: int,
     timeout_s: float,
+    asynchronous: bool = False,
 ) -> PublishedRolloutEngine:
-    """placement=disaggregated: this rank's client of the rollout actors the Ray launcher started."""
+    """placement=disaggregated: this rank's client of the rollout actors the Ray launcher started. ``asynchronous``:
+    the vLLM server actor loads disk versions (``weight_transport: auto`` -> ``disk``) when the generator thread
+    asks for them, since a collective send would switch the server under the generator's requests."""
     from shardforge.rollout.ray.placement import rollout_actor_names_from_env
 
     names = rollout_actor_names_from_env(config.num_actors)  # refuses a rank not started by --launcher ray
     if config.engine == "vllm":
         from shardforge.rollout.ray.vllm_server import RayVLLMServerEngine
 
+        options = config.vllm
+        if asynchronous and options.weight_transport == "auto":
+            options = dataclasses.replace(options, weight_transport="disk")
         return RayVLLMServerEngine(
-            names[0], model_dir, tokenizer, options=config.vllm, weights_root=weights_root, dtype=config.dtype,
+            names[0], model_dir, tokenizer, options=options, weights_root=weights_root, dtype=config.dtype,
             seed=seed,
         )  # fmt: skip
     from shardforge.rollout.ray.hf_actor import RayRolloutClient

@@ -117,9 +117,18 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
             "rollout.on_actor_failure=error",
         ),
         (
-            bool(getattr(config, "async_rollouts", False)),
-            "serves the newest weights only: asynchronous rollouts (which may need an older version) are not "
-            "supported yet; set async_rollouts=false",
+            bool(getattr(config, "async_rollouts", False)) and engine == "hf",
+            "with rollout.engine=hf serves the newest weights only: asynchronous rollouts (which may need an older "
+            "version) are not supported there yet; set async_rollouts=false, or use rollout.engine=vllm with "
+            "rollout.vllm.mode=server (its server loads disk versions)",
+        ),
+        (
+            bool(getattr(config, "async_rollouts", False))
+            and engine == "vllm"
+            and vllm.weight_transport == "collective",
+            "with async_rollouts loads weight versions from disk when its generator needs them; "
+            "rollout.vllm.weight_transport=collective switches the server at every publish: set "
+            "rollout.vllm.weight_transport=auto or disk",
         ),
         (
             rollout.partial_rollouts,

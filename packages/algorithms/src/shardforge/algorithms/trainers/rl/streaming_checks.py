@@ -32,6 +32,12 @@ def check_streaming_config(config: Any) -> None:
             f"engine (rollout.engine={config.rollout.engine}, placement {config.rollout.placement}) generates one call "
             "at a time: set rollout.streaming_workers=1"
         )
+    if workers > 1 and config.rollout.engine == "vllm" and config.rollout.vllm.on_server_failure == "restart":
+        raise ValueError(
+            f"rollout.vllm.on_server_failure=restart with rollout.streaming_workers={workers} is not supported yet (each "
+            "worker that finds the server down would restart it): set rollout.streaming_workers=1, or "
+            "rollout.vllm.on_server_failure=error"
+        )
     if not config.async_rollouts:
         raise ValueError(
             f"streaming_rollouts=true is a mode of asynchronous rollouts: set async_rollouts=true ({VALID_MODES})"

