@@ -27,6 +27,9 @@ class ServeConfig:
     """Larger request bodies are refused with 413."""
     workers: int = 2
     """Worker threads: jobs of different training models run at once (one model's jobs run in order)."""
+    batch_window_s: float = 0.02
+    """How long a batch of LoRA tenants' forward_backward requests waits for the next request of tenants that are
+    stepping (0: batch only what is already queued; a lone tenant never waits)."""
     poll_wait_s: float = 5.0
     """How long ``retrieve_future`` waits for a pending result before answering ``try_again``."""
 
@@ -34,5 +37,7 @@ class ServeConfig:
         for name in ("max_tokens", "max_batch_tokens", "max_request_bytes", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.batch_window_s < 0:
+            raise ValueError(f"batch_window_s={self.batch_window_s} must be >= 0 (0: no waiting)")
         if self.lora_alpha <= 0:
             raise ValueError(f"lora_alpha={self.lora_alpha} must be > 0")

@@ -10,7 +10,7 @@ from typing import Any
 
 from shardforge.algorithms.serve.codecs import FwdBwdRequest
 from shardforge.algorithms.serve.config import ServeConfig
-from shardforge.algorithms.serve.futures import FutureQueue, UserError
+from shardforge.algorithms.serve.futures import BatchGroup, FutureQueue, UserError
 from shardforge.algorithms.serve.models import ModelRegistry, SamplerWeights, lora_config_for
 from shardforge.algorithms.serve.tenants import TenantKeys
 
@@ -26,6 +26,7 @@ class TinkerService:
     """
 
     def __init__(self, config: ServeConfig, keys: TenantKeys) -> None:
+        from shardforge.algorithms.serve.batching import LoRABatcher
         from shardforge.algorithms.serve.metrics import ServeMetrics
         from shardforge.algorithms.serve.sampling import SamplerEngine
 
@@ -38,6 +39,16 @@ class TinkerService:
         # Sample jobs have no lane (they run alone: the sampler folds adapters into the shared base weights);
         # every other job runs in its training model's lane, concurrently with other models' jobs.
         self.futures = FutureQueue(workers=config.workers, on_done=self._job_done)
+        # LoRA models' forward(_backward) jobs of different tenants that are queued at once run as one batch
+        # over the shared base (`LoRABatcher`); forward-only and training batches apart.
+        batcher = LoRABatcher(self.registry)
+        self._groups = {
+            forward_only: BatchGroup(
+                name="Forward" if forward_only else "ForwardBackward", run_batch=batcher.run,
+                max_weight=config.max_batch_tokens, window_s=config.batch_window_s,
+            )  # fmt: skip
+            for forward_only in (False, True)
+        }
         self._sessions: dict[str, str] = {}  # session id -> tenant
         self._lock = threading.Lock()
 
@@ -46,7 +57,7 @@ class TinkerService:
 
     def _job_done(self, result: Any, waited_s: float, ran_s: float) -> None:
         outcome = "ok" if result.error is None else f"{result.category}_error"
-        self.metrics.job_done(result.owner, result.kind, outcome, waited_s, ran_s)
+        self.metrics.job_done(result.owner, result.kind, outcome, waited_s, ran_s, batch_size=result.batch_size)
 
     def render_metrics(self) -> bytes:
         """The ``/metrics`` body (Prometheus text format)."""
@@ -111,8 +122,13 @@ class TinkerService:
             max_context=self.registry.max_context, max_tokens=self.config.max_batch_tokens,
         )  # fmt: skip
         kind = "Forward" if request.forward_only else "ForwardBackward"
-        self.metrics.tokens.labels(tenant, kind).inc(sum(len(datum.tokens) for datum in request.data))
-        return self.futures.submit(tenant, kind, lambda: forward_backward(model, request), lane=model.model_id)
+        tokens = sum(len(datum.tokens) for datum in request.data)
+        self.metrics.tokens.labels(tenant, kind).inc(tokens)
+        group = None if model.lora is None else self._groups[request.forward_only]  # full FT: weights of its own
+        return self.futures.submit(
+            tenant, kind, lambda: forward_backward(model, request), lane=model.model_id,
+            group=group, item=(model, request), weight=tokens,
+        )  # fmt: skip
 
     def optim_step(self, tenant: str, data: dict[str, Any]) -> str:
         from shardforge.algorithms.serve.training import check_adam, optim_step
