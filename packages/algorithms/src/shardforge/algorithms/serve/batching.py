@@ -99,8 +99,8 @@ class LoRABatcher:
                 self._plan = None
             tokens = [sum(len(datum.tokens) for datum in request.data) for _, request in items]
             outcomes: list[tuple[torch.Tensor, object] | Exception] = []
-            losses = []
-            for (_, request), logprobs in zip(items, logprobs_T.split(tokens), strict=True):
+            losses, params = [], []
+            for (model, request), logprobs in zip(items, logprobs_T.split(tokens), strict=True):
                 try:
                     result = request_loss(request, logprobs)
                 except Exception as exc:  # this tenant's loss only: the others still train
@@ -108,9 +108,12 @@ class LoRABatcher:
                     continue
                 outcomes.append((logprobs, result))
                 losses.append(result.loss)
+                params += [p for p in model.module.parameters() if p.requires_grad]
             if train and losses:
                 try:
-                    torch.stack(losses).sum().backward()
+                    # only into the adapters of tenants whose loss ran: a failed tenant's adapters are in the graph
+                    # too (its rows share the batch's tensors) and would get zero gradients instead of none
+                    torch.autograd.backward(torch.stack(losses).sum(), inputs=params)
                 except Exception as exc:  # gradients may be partly written: fail the batch, never rerun it
                     return [RuntimeError(f"the batched backward failed: {exc}") for _ in items]
         return [

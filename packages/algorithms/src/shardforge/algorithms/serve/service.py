@@ -44,9 +44,11 @@ class TinkerService:
         batcher = LoRABatcher(self.registry)
         self._groups = {
             forward_only: BatchGroup(
-                name="Forward" if forward_only else "ForwardBackward", run_batch=batcher.run,
-                max_weight=config.max_batch_tokens, window_s=config.batch_window_s,
-            )  # fmt: skip
+                name="Forward" if forward_only else "ForwardBackward",
+                run_batch=batcher.run,
+                max_weight=config.max_batch_tokens,
+                window_s=config.batch_window_s,
+            )
             for forward_only in (False, True)
         }
         self._sessions: dict[str, str] = {}  # session id -> tenant
