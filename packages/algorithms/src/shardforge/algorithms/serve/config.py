@@ -27,6 +27,9 @@ class ServeConfig:
     """Larger request bodies are refused with 413."""
     workers: int = 2
     """Worker threads: jobs of different training models run at once (one model's jobs run in order)."""
+    batch_tenants: bool = True
+    """Run different LoRA tenants' queued forward(_backward) requests as one batch over the shared base (False:
+    each request runs alone, different tenants' in parallel on the worker threads)."""
     batch_window_s: float = 0.02
     """How long a batch of LoRA tenants' forward_backward requests waits for the next request of tenants that are
     stepping (0: batch only what is already queued; a lone tenant never waits)."""

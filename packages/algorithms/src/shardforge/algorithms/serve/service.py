@@ -126,7 +126,8 @@ class TinkerService:
         kind = "Forward" if request.forward_only else "ForwardBackward"
         tokens = sum(len(datum.tokens) for datum in request.data)
         self.metrics.tokens.labels(tenant, kind).inc(tokens)
-        group = None if model.lora is None else self._groups[request.forward_only]  # full FT: weights of its own
+        # a full fine-tuning model has weights of its own: nothing to share a batch over
+        group = self._groups[request.forward_only] if model.lora is not None and self.config.batch_tenants else None
         return self.futures.submit(
             tenant, kind, lambda: forward_backward(model, request), lane=model.model_id,
             group=group, item=(model, request), weight=tokens,
