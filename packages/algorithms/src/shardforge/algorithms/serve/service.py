@@ -27,6 +27,7 @@ class TinkerService:
 
     def __init__(self, config: ServeConfig, keys: TenantKeys) -> None:
         from shardforge.algorithms.serve.batching import LoRABatcher
+        from shardforge.algorithms.serve.export import DownloadSigner
         from shardforge.algorithms.serve.metrics import ServeMetrics
         from shardforge.algorithms.serve.sampling import SamplerEngine
 
@@ -51,6 +52,7 @@ class TinkerService:
             )
             for forward_only in (False, True)
         }
+        self.downloads = DownloadSigner(Path(config.output_dir))
         self._sessions: dict[str, str] = {}  # session id -> tenant
         self._lock = threading.Lock()
 
@@ -162,6 +164,25 @@ class TinkerService:
 
         return self.futures.submit(tenant, "SaveWeightsForSampler", job, lane=model.model_id)
 
+    def save_external(self, tenant: str, data: dict[str, Any]) -> str:
+        """``save_weights_external``: a PEFT adapter (LoRA) or an HF model directory (full fine-tuning)."""
+        from shardforge.algorithms.serve.export import export_dir, save_external
+
+        model = self.registry.model(tenant, str(data.get("model_id")))
+        name = data.get("path")
+        if not isinstance(name, str):
+            raise UserError(f"path={name!r} must be the export's name (a string without '/')")
+        root = Path(self.config.output_dir)
+        export_dir(root, tenant, model.model_id, name)  # checks the name now: a bad one is a 400, not a failed job
+        if data.get("age_encryption_recipients"):
+            raise UserError("age_encryption_recipients: encrypted exports are not supported by shardforge serve")
+
+        def job() -> dict[str, Any]:
+            registry = self.registry
+            return save_external(root, model, name, tokenizer=registry.tokenizer, base_model=registry.model_dir)
+
+        return self.futures.submit(tenant, "SaveWeightsExternal", job, lane=model.model_id)
+
     def sampling_session(self, tenant: str, data: dict[str, Any]) -> str:
         self.check_session(tenant, str(data.get("session_id")))
         path = data.get("model_path")
@@ -190,12 +211,14 @@ class TinkerService:
         return self.futures.submit(tenant, "SaveWeights", lambda: save_state(root, model, data), lane=model.model_id)
 
     def list_checkpoints(self, tenant: str, model_id: str) -> dict[str, Any]:
-        """``RestClient.list_checkpoints``: the model's ``save_state`` checkpoints (on disk) and sampler weights (in
-        memory; they do not survive a restart). Unknown ids and another tenant's models: KeyError (404)."""
+        """``RestClient.list_checkpoints``: the model's ``save_state`` checkpoints and ``save_weights_external``
+        exports (on disk) and sampler weights (in memory; they do not survive a restart). Unknown ids and another
+        tenant's models: KeyError (404)."""
         from shardforge.algorithms.serve.checkpoints import list_training_checkpoints
+        from shardforge.algorithms.serve.export import list_exports
 
         root = Path(self.config.output_dir)
-        checkpoints = list_training_checkpoints(root, tenant, model_id)
+        checkpoints = list_training_checkpoints(root, tenant, model_id) + list_exports(root, tenant, model_id)
         live = self.registry.models.get(model_id)
         if not checkpoints and (live is None or live.owner != tenant):
             raise KeyError(f"training run {model_id!r} is not a model of this API key")
