@@ -1,7 +1,7 @@
 """Checkpoint download through the tinker SDK: ``save_weights_external`` + ``RestClient.get_external_weights_urls``
 + plain GETs. A LoRA export loads with ``peft`` onto the base model, a full fine-tuning export with
 ``transformers``, and both give the service's own ``forward`` log-probs (1e-4). Only the owner gets the URLs; a
-tampered URL is refused."""
+tampered URL is refused. And the per-tenant step metrics the service writes through our jsonl logger."""
 
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     os.environ["TINKER_TELEMETRY"] = "0"
     root = tmp_path_factory.mktemp("serve_export")
     tiny = tiny_model(root)
-    config = ServeConfig(model_dir=tiny["model"], base_model="tiny", output_dir=str(root / "out"))
+    config = ServeConfig(model_dir=tiny["model"], base_model="tiny", output_dir=str(root / "out"), loggers=("jsonl",))
     server = ServiceServer(TinkerService(config, TenantKeys({ALICE: "alice", BOB: "bob"})), port=0).start()
-    yield {"url": server.url, "model": tiny["model"], "tokenizer": tiny["tokenizer"]}
+    yield {"url": server.url, "model": tiny["model"], "tokenizer": tiny["tokenizer"], "out": root / "out"}
     server.stop()
 
 
@@ -134,3 +134,33 @@ def test_full_fine_tuning_export_is_an_hf_model(served, tmp_path: Path) -> None:
             assert got == pytest.approx(want, abs=1e-4)
         with pytest.raises(Exception, match="must be non-empty, without '/'"):
             trainer.save_weights_external("../escape").result()
+
+
+def test_each_tenants_steps_are_logged_through_the_jsonl_logger(served) -> None:
+    """Two tenants; per optim_step one row per training client under out/<tenant>/<model_id>/metrics.jsonl with
+    the step's summed loss (two forward_backward calls), tokens, datums, timings, learning rate, grad norm."""
+    from shardforge.algorithms.loggers import read_metrics
+
+    datums = _datums(served["tokenizer"])
+    tokens = sum(len(d.model_input.to_ints()) for d in datums)
+    expected: dict[str, tuple[str, list[float]]] = {}
+    for key, tenant in ((ALICE, "alice"), (BOB, "bob")):
+        with tinker.ServiceClient(base_url=served["url"], api_key=key) as client:
+            trainer = client.create_lora_training_client(base_model="tiny", rank=4, seed=2).result()
+            losses = []
+            for step in range(2):
+                first = trainer.forward_backward(datums, "cross_entropy").result().metrics["loss:sum"]
+                second = trainer.forward_backward(datums[:1], "cross_entropy").result().metrics["loss:sum"]
+                trainer.forward(datums, "cross_entropy").result()  # forward only: not a training step's loss
+                trainer.optim_step(types.AdamParams(learning_rate=1e-2 * (step + 1))).result()
+                losses.append(first + second)
+            expected[tenant] = (trainer.model_id, losses)
+    for tenant, (model_id, losses) in expected.items():
+        rows = read_metrics(served["out"] / tenant / model_id / "metrics.jsonl")
+        assert [row["step"] for row in rows] == [1, 2]
+        assert [row["loss"] for row in rows] == pytest.approx(losses, rel=1e-6)
+        assert [row["learning_rate"] for row in rows] == pytest.approx([1e-2, 2e-2])
+        for row in rows:
+            assert row["tokens"] == tokens + len(datums[0].model_input.to_ints()) and row["datums"] == 4
+            assert row["grad_norm"] > 0 and 0 < row["forward_backward_s"] <= row["step_s"]
+            assert 0 < row["optim_step_s"] <= row["step_s"]

@@ -125,6 +125,14 @@ def test_sampling_and_logprobs(served) -> None:
     assert logprobs[0] is None and all(lp is not None and lp < 0 for lp in logprobs[1:])
     base = service.create_sampling_client(base_model="tiny").result()
     assert len(base.sample(prompt, 1, params).result().sequences[0].tokens) >= 1
+    # top_k: 1 leaves only the most likely token, so any seed at temperature 1 samples the greedy sequence
+    greedy = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])).result()
+    top1 = types.SamplingParams(max_tokens=6, temperature=1.0, top_k=1, seed=5, stop=[])
+    assert [s.tokens for s in sampler.sample(prompt, 3, top1).result().sequences] == [greedy.sequences[0].tokens] * 3
+    top3 = types.SamplingParams(max_tokens=6, temperature=1.0, top_k=3, seed=5, stop=[])
+    assert len({tuple(s.tokens) for s in sampler.sample(prompt, 8, top3).result().sequences}) > 1
+    with pytest.raises(Exception, match="top_k=-2 must be -1"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, top_k=-2)).result()
 
 
 def test_rl_losses_are_tinkers(served) -> None:

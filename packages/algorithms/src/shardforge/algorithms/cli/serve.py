@@ -32,6 +32,11 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         "--workers", type=int, default=2, help="worker threads: different training clients' requests run at once"
     )
     parser.add_argument(
+        "--logger", action="append", default=[], metavar="NAME",
+        help="log each training client's step metrics with this logger (jsonl, tensorboard, wandb, mlflow; repeat "
+        "for several) under --output-dir/<tenant>/<model_id>/",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-batch-tenants", dest="batch_tenants", action="store_false",
         help="run each LoRA tenant's forward_backward alone instead of batching queued ones over the shared base",
     )  # fmt: skip
@@ -64,7 +69,7 @@ def serve(args: argparse.Namespace) -> int:
     config = ServeConfig(
         model_dir=args.model, base_model=args.name, output_dir=args.output_dir, max_tokens=args.max_tokens,
         lora_alpha=args.lora_alpha, workers=args.workers, batch_window_s=args.batch_window_ms / 1000,
-        batch_tenants=args.batch_tenants,
+        batch_tenants=args.batch_tenants, loggers=tuple(args.logger),
     )  # fmt: skip
     server = ServiceServer(TinkerService(config, keys), host=args.host, port=args.port)
     log.info(

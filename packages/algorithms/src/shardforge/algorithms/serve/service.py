@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from shardforge.algorithms.serve.codecs import FwdBwdRequest
 from shardforge.algorithms.serve.config import ServeConfig
 from shardforge.algorithms.serve.futures import BatchGroup, FutureQueue, UserError
-from shardforge.algorithms.serve.models import ModelRegistry, SamplerWeights, lora_config_for
+from shardforge.algorithms.serve.models import ModelRegistry, SamplerWeights, TrainingModel, lora_config_for
 from shardforge.algorithms.serve.tenants import TenantKeys
 
 __all__ = ["TinkerService"]
@@ -30,6 +31,7 @@ class TinkerService:
         from shardforge.algorithms.serve.export import DownloadSigner
         from shardforge.algorithms.serve.metrics import ServeMetrics
         from shardforge.algorithms.serve.sampling import SamplerEngine
+        from shardforge.algorithms.serve.step_logs import TenantStepLogs
 
         self.config = config
         self.keys = keys
@@ -42,22 +44,44 @@ class TinkerService:
         self.futures = FutureQueue(workers=config.workers, on_done=self._job_done)
         # LoRA models' forward(_backward) jobs of different tenants that are queued at once run as one batch
         # over the shared base (`LoRABatcher`); forward-only and training batches apart.
-        batcher = LoRABatcher(self.registry)
+        self._batcher = LoRABatcher(self.registry)
         self._groups = {
             forward_only: BatchGroup(
                 name="Forward" if forward_only else "ForwardBackward",
-                run_batch=batcher.run,
+                run_batch=self._run_batch,
                 max_weight=config.max_batch_tokens,
                 window_s=config.batch_window_s,
             )
             for forward_only in (False, True)
         }
         self.downloads = DownloadSigner(Path(config.output_dir))
+        self.step_logs = TenantStepLogs(Path(config.output_dir), config.loggers) if config.loggers else None
         self._sessions: dict[str, str] = {}  # session id -> tenant
         self._lock = threading.Lock()
 
     def close(self) -> None:
         self.futures.close()
+        if self.step_logs is not None:
+            self.step_logs.close()
+
+    def _log_forward_backward(
+        self, model: TrainingModel, request: FwdBwdRequest, output: bytes, started: float
+    ) -> None:
+        if self.step_logs is None or request.forward_only:
+            return
+        from tinker.proto import tinker_public_pb2 as pb
+
+        loss = pb.ForwardBackwardOutput.FromString(output).metrics["loss:sum"]
+        tokens = sum(len(datum.tokens) for datum in request.data)
+        self.step_logs.forward_backward(model, tokens, len(request.data), loss, started)
+
+    def _run_batch(self, items: list[tuple[TrainingModel, FwdBwdRequest]]) -> list[bytes | Exception]:
+        started = time.perf_counter()
+        outcomes = self._batcher.run(items)
+        for (model, request), outcome in zip(items, outcomes, strict=True):
+            if isinstance(outcome, bytes):
+                self._log_forward_backward(model, request, outcome, started)
+        return outcomes
 
     def _job_done(self, result: Any, waited_s: float, ran_s: float) -> None:
         outcome = "ok" if result.error is None else f"{result.category}_error"
@@ -130,10 +154,16 @@ class TinkerService:
         self.metrics.tokens.labels(tenant, kind).inc(tokens)
         # a full fine-tuning model has weights of its own: nothing to share a batch over
         group = self._groups[request.forward_only] if model.lora is not None and self.config.batch_tenants else None
+
+        def job() -> bytes:  # alone (a batch runs `_run_batch` instead)
+            started = time.perf_counter()
+            output = forward_backward(model, request)
+            self._log_forward_backward(model, request, output, started)
+            return output
+
         return self.futures.submit(
-            tenant, kind, lambda: forward_backward(model, request), lane=model.model_id,
-            group=group, item=(model, request), weight=tokens,
-        )  # fmt: skip
+            tenant, kind, job, lane=model.model_id, group=group, item=(model, request), weight=tokens
+        )
 
     def optim_step(self, tenant: str, data: dict[str, Any]) -> str:
         from shardforge.algorithms.serve.training import check_adam, optim_step
@@ -143,7 +173,15 @@ class TinkerService:
         if not isinstance(adam, dict):
             raise UserError("optim_step needs adam_params {'learning_rate': ..., ...}")
         check_adam(adam)
-        return self.futures.submit(tenant, "OptimStep", lambda: optim_step(model, adam), lane=model.model_id)
+
+        def job() -> dict[str, Any]:
+            started = time.perf_counter()
+            result = optim_step(model, adam)
+            if self.step_logs is not None:
+                self.step_logs.optim_step(model, adam, result, started)
+            return result
+
+        return self.futures.submit(tenant, "OptimStep", job, lane=model.model_id)
 
     def save_for_sampler(self, tenant: str, data: dict[str, Any]) -> str:
         model = self.registry.model(tenant, str(data.get("model_id")))
