@@ -19,6 +19,7 @@ from shardforge.algorithms.serve.codecs import FwdBwdRequest, WireDatum
 from shardforge.algorithms.serve.futures import BatchGroup, FutureQueue
 from shardforge.algorithms.serve.models import ModelRegistry, TrainingModel, lora_config_for
 from shardforge.algorithms.serve.training import forward_backward
+from shardforge.lora import lora_modules
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +69,19 @@ def _grads(model: TrainingModel) -> dict[str, torch.Tensor]:
     return grads
 
 
-def test_batched_tenants_get_what_each_gets_alone(registry: ModelRegistry) -> None:
+def test_batched_tenants_get_what_each_gets_alone(registry: ModelRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three tenants with different ranks, targets, data lengths and losses: batched == alone (1e-5), and every
-    adapter got a non-zero gradient (a test that would pass with rows swapped or adapters ignored cannot)."""
+    adapter got a non-zero gradient (a test that would pass with rows swapped or adapters ignored cannot). Both
+    ways of adding the adapters run (stacked, and tenant by tenant for adapters with dropout)."""
     models = [
         _model(registry, "alice", {"rank": 4}, seed=1),
         _model(registry, "bob", {"rank": 8, "train_mlp": False}, seed=2),
         _model(registry, "carol", {"rank": 2, "train_attn": False, "train_unembed": True}, seed=3),
     ]
+    # carol's adapters have a dropout module (in eval mode: deterministic): the Linears she adapts (MLP, LM head)
+    # take the tenant-by-tenant path, the attention ones (alice and bob only) the stacked one
+    for _, module in lora_modules(models[2].module):
+        module.lora_dropout = torch.nn.Dropout(0.1).eval()
     requests = [
         _request(models[0], ["12+34=46", "7*8=56"], "cross_entropy"),
         _request(models[1], ["99-9=90", "1+1=2", "123+456=579"], "importance_sampling"),
@@ -84,7 +90,15 @@ def test_batched_tenants_get_what_each_gets_alone(registry: ModelRegistry) -> No
     alone = []
     for model, request in zip(models, requests, strict=True):
         alone.append((_decode(forward_backward(model, request)), _grads(model)))
+    from shardforge.algorithms.serve import batching
+
+    calls = {"_stacked_delta": 0, "_per_tenant_delta": 0}
+    for fn in calls:
+        original = getattr(batching, fn)
+        monkeypatch.setattr(batching, fn, lambda *a, _fn=fn, _original=original: calls.__setitem__(_fn, calls[_fn] + 1)
+                            or _original(*a))  # fmt: skip
     batched = LoRABatcher(registry).run(list(zip(models, requests, strict=True)))
+    assert calls["_stacked_delta"] > 0 and calls["_per_tenant_delta"] > 0, calls
     for (model, (loss, logprobs)), ((alone_loss, alone_lp), alone_grads) in zip(
         zip(models, [_decode(b) for b in batched if isinstance(b, bytes)], strict=True), alone, strict=True
     ):

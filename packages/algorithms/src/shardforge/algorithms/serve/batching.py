@@ -3,18 +3,21 @@ shared base weights, each row through its own tenant's adapters.
 
 The batch runs on a module tree of its own that shares the base parameters (`ModelRegistry.shared_tree`) and has
 no adapters. A forward hook on each of its Linears adds, for each tenant's rows, that tenant's LoRA term
-``scaling * B(A(dropout(x_rows)))`` computed with the tenant's own ``lora_A`` / ``lora_B`` modules (the same
-operation order as `shardforge.lora.LoRALinear`), so the adapter gradients land in each tenant's own parameters.
-Tenants with different ranks or different target modules batch together: each tenant's rows get their own small
-matmuls (no grouping by rank, no padding of ranks); what is batched is everything else: the base projections,
-attention, the LM head and the log-softmax, which is where the time goes.
+``scaling * B(A(x_rows))`` computed from the tenant's own ``lora_A`` / ``lora_B`` weights, so the adapter
+gradients land in each tenant's own parameters. The tenants' adapters of one Linear run as two matmuls over the
+whole batch (`_stacked_delta`: A's stacked along the rank, a per-row mask keeps each row's own tenant's columns),
+so tenants with different ranks or different target modules batch together with no grouping by rank and no
+padding of ranks, and the number of ops does not grow with the number of tenants. (Adapters with dropout, drawn
+per tenant, take one small matmul pair per tenant instead.) The base projections, attention, the LM head and
+the log-softmax run once for the batch.
 
 Rows never mix in a transformer (no op reduces across the batch dim), and a tenant's loss depends only on its
 rows, so the backward of the sum of the tenants' losses gives each adapter exactly the gradient of its own loss,
 as when the tenant runs alone (up to float rounding of larger matmuls). A tenant whose loss fails (bad loss
 config) gets its error; the others' losses are still backpropagated.
 
-Legend: R = rows of the batch (all tenants' datums), S = padded length, O = a Linear's output features.
+Legend: R = rows of the batch (all tenants' datums), S = padded length, I / O = a Linear's input / output features,
+K = the batch's tenants' LoRA ranks summed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shardforge.algorithms.serve.codecs import FwdBwdRequest
@@ -43,6 +47,38 @@ class _Rows:
     adapters: dict[str, LoRALinear]
 
 
+def _stacked_delta(x_RSI: torch.Tensor, plan: list[_Rows], loras: list[LoRALinear | None]) -> torch.Tensor:
+    """Every tenant's LoRA term in two matmuls: the tenants' A stacked ([K, I], K = the sum of their ranks), the
+    rows' activations through all of them, each row's columns other than its tenant's zeroed (and its own scaled),
+    then through the tenants' B stacked ([O, K]). Zeroed columns contribute exact zeros, so each row (and, in the
+    backward, each tenant's A and B) gets only its own tenant's term."""
+    a_KI = torch.cat([lora.lora_A.weight for lora in loras if lora is not None])
+    b_OK = torch.cat([lora.lora_B.weight for lora in loras if lora is not None], dim=1)
+    scale_RK = x_RSI.new_zeros((x_RSI.shape[0], a_KI.shape[0]))
+    column = 0
+    for rows, lora in zip(plan, loras, strict=True):
+        if lora is not None:
+            rank = lora.lora_A.weight.shape[0]
+            scale_RK[rows.start : rows.stop, column : column + rank] = lora.lora_scaling
+            column += rank
+    return F.linear(F.linear(x_RSI, a_KI) * scale_RK[:, None, :], b_OK)
+
+
+def _per_tenant_delta(
+    x_RSI: torch.Tensor, plan: list[_Rows], loras: list[LoRALinear | None], out_RSO: torch.Tensor
+) -> torch.Tensor:
+    """The LoRA term tenant by tenant (for adapters with dropout, which is drawn per tenant)."""
+    parts = []
+    # one split (its backward is one cat), not a slice per tenant (each slice's backward writes a zero-filled
+    # gradient of the whole input)
+    for rows, lora, x in zip(plan, loras, x_RSI.split([rows.stop - rows.start for rows in plan]), strict=True):
+        if lora is None:  # this tenant does not adapt this Linear
+            parts.append(out_RSO.new_zeros((rows.stop - rows.start, *out_RSO.shape[1:])))
+        else:
+            parts.append(lora.lora_B(lora.lora_A(lora.lora_dropout(x))) * lora.lora_scaling)
+    return torch.cat(parts)
+
+
 class LoRABatcher:
     """Runs batches of ``(model, request)`` items of LoRA training models on ``registry``'s base model.
 
@@ -60,18 +96,15 @@ class LoRABatcher:
     def _hook(self, name: str):  # type: ignore[no-untyped-def]
         def add_adapters(module: nn.Module, args: tuple[torch.Tensor, ...], out_RSO: torch.Tensor) -> torch.Tensor:
             plan = self._plan
-            if plan is None or not any(name in rows.adapters for rows in plan):
+            if plan is None:
                 return out_RSO
-            x = args[0]
-            parts = []
-            for rows in plan:
-                lora = rows.adapters.get(name)
-                if lora is None:  # this tenant does not adapt this Linear
-                    parts.append(out_RSO.new_zeros((rows.stop - rows.start, *out_RSO.shape[1:])))
-                else:
-                    part = x[rows.start : rows.stop]
-                    parts.append(lora.lora_B(lora.lora_A(lora.lora_dropout(part))) * lora.lora_scaling)
-            return out_RSO + torch.cat(parts)
+            loras = [rows.adapters.get(name) for rows in plan]
+            present = [lora for lora in loras if lora is not None]
+            if not present:
+                return out_RSO
+            if all(isinstance(lora.lora_dropout, nn.Identity) for lora in present):
+                return out_RSO + _stacked_delta(args[0], plan, loras)
+            return out_RSO + _per_tenant_delta(args[0], plan, loras, out_RSO)
 
         return add_adapters
 
