@@ -206,3 +206,32 @@ def test_batch_window_waits_for_stepping_lanes_only() -> None:
     finally:
         queue.close()
     assert batches == [[1, 2]] and [r.batch_size for r in results] == [2, 2]  # type: ignore[union-attr]
+
+
+def test_spread_gives_each_worker_its_share_of_the_stepping_lanes() -> None:
+    """Four stepping lanes (queued while both workers are busy), two workers, ``spread``: two batches of two, run
+    at once (both are inside ``run_batch`` together), instead of one batch of four."""
+    batches: list[list[int]] = []
+    inside, both = threading.Semaphore(0), threading.Event()
+
+    def run_batch(items: list) -> list:
+        batches.append(list(items))
+        inside.release()
+        if len(batches) == 2:
+            both.set()
+        both.wait(10)  # the first batch is still running when the second starts
+        return [{"item": item} for item in items]
+
+    group = BatchGroup(name="g", run_batch=run_batch, max_weight=99, window_s=5.0, spread=True)
+    queue = FutureQueue(workers=2)
+    gate = threading.Event()
+    try:
+        blockers = [queue.submit("t", "Block", lambda: gate.wait(10) and {}, lane=f"x{i}") for i in range(2)]
+        ids = [queue.submit("t", "Fb", lambda: {}, lane=lane, group=group, item=i) for i, lane in enumerate("abcd")]
+        gate.set()
+        results = [queue.get("t", rid, 10) for rid in [*blockers, *ids]]
+    finally:
+        gate.set()
+        queue.close()
+    assert both.is_set() and all(r is not None and r.error is None for r in results)
+    assert sorted(sorted(b) for b in batches) == [[0, 1], [2, 3]], batches

@@ -38,10 +38,12 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     os.environ["TINKER_TELEMETRY"] = "0"
     root = tmp_path_factory.mktemp("serve")
     tiny = tiny_model(root)
-    # a long batch window: tenants stepping at once always meet in one batch (the concurrent-tenants test)
+    # a long batch window, no spreading over the workers: tenants stepping at once always meet in one batch (the
+    # concurrent-tenants test)
     config = ServeConfig(
-        model_dir=tiny["model"], base_model="tiny", output_dir=str(root / "out"), max_tokens=32, batch_window_s=0.5
-    )
+        model_dir=tiny["model"], base_model="tiny", output_dir=str(root / "out"), max_tokens=32, batch_window_s=0.5,
+        batch_spread=False,
+    )  # fmt: skip
     server = ServiceServer(TinkerService(config, TenantKeys({ALICE: "alice", BOB: "bob"})), port=0).start()
     clients: list = []
 

@@ -79,23 +79,19 @@ def _per_tenant_delta(
     return torch.cat(parts)
 
 
-class LoRABatcher:
-    """Runs batches of ``(model, request)`` items of LoRA training models on ``registry``'s base model.
+class _BatchTree:
+    """A module tree sharing the base parameters, whose Linears add the adapters of the running batch's rows."""
 
-    One batch at a time (a lock): the tree's hooks read the running batch's row plan.
-    """
-
-    def __init__(self, registry: ModelRegistry) -> None:
-        self._tree = registry.shared_tree()
-        self._plan: list[_Rows] | None = None
-        self._lock = threading.Lock()
-        for name, module in self._tree.named_modules():
+    def __init__(self, tree: nn.Module) -> None:
+        self.tree = tree
+        self.plan: list[_Rows] | None = None
+        for name, module in tree.named_modules():
             if isinstance(module, nn.Linear):
                 module.register_forward_hook(self._hook(name))
 
     def _hook(self, name: str):  # type: ignore[no-untyped-def]
         def add_adapters(module: nn.Module, args: tuple[torch.Tensor, ...], out_RSO: torch.Tensor) -> torch.Tensor:
-            plan = self._plan
+            plan = self.plan
             if plan is None:
                 return out_RSO
             loras = [rows.adapters.get(name) for rows in plan]
@@ -107,6 +103,29 @@ class LoRABatcher:
             return out_RSO + _per_tenant_delta(args[0], plan, loras, out_RSO)
 
         return add_adapters
+
+
+class LoRABatcher:
+    """Runs batches of ``(model, request)`` items of LoRA training models on ``registry``'s base model.
+
+    Batches may run at once (the queue's workers): each takes a `_BatchTree` of its own from a pool (made on
+    demand, at most one per concurrent batch; a tree costs module objects, no weights).
+    """
+
+    def __init__(self, registry: ModelRegistry) -> None:
+        self._registry = registry
+        self._free: list[_BatchTree] = []
+        self._lock = threading.Lock()
+
+    def _take_tree(self) -> _BatchTree:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            return _BatchTree(self._registry.shared_tree())
+
+    def _give_back(self, tree: _BatchTree) -> None:
+        with self._lock:
+            self._free.append(tree)
 
     def run(self, items: Sequence[tuple[TrainingModel, FwdBwdRequest]]) -> list[bytes | Exception]:
         """Each item's ForwardBackwardOutput protobuf, or the exception its loss failed with.
@@ -124,31 +143,43 @@ class LoRABatcher:
             plan.append(_Rows(start, start + len(request.data), dict(lora_modules(model.module))))
             start += len(request.data)
         train = not forward_only.pop()
-        with self._lock, torch.set_grad_enabled(train):
-            self._plan = plan
+        batch_tree = self._take_tree()
+        try:
+            with torch.set_grad_enabled(train):
+                batch_tree.plan = plan
+                try:
+                    datums = [datum for _, request in items for datum in request.data]
+                    logprobs_T = target_logprobs(batch_tree.tree, datums)
+                finally:
+                    batch_tree.plan = None
+                return LoRABatcher._losses(items, logprobs_T, train)
+        finally:
+            self._give_back(batch_tree)
+
+    @staticmethod
+    def _losses(
+        items: Sequence[tuple[TrainingModel, FwdBwdRequest]], logprobs_T: torch.Tensor, train: bool
+    ) -> list[bytes | Exception]:
+        """Each item's loss on its rows, one backward of their sum; the items' outputs or errors."""
+        tokens = [sum(len(datum.tokens) for datum in request.data) for _, request in items]
+        outcomes: list[tuple[torch.Tensor, object] | Exception] = []
+        losses, params = [], []
+        for (model, request), logprobs in zip(items, logprobs_T.split(tokens), strict=True):
             try:
-                logprobs_T = target_logprobs(self._tree, [datum for _, request in items for datum in request.data])
-            finally:
-                self._plan = None
-            tokens = [sum(len(datum.tokens) for datum in request.data) for _, request in items]
-            outcomes: list[tuple[torch.Tensor, object] | Exception] = []
-            losses, params = [], []
-            for (model, request), logprobs in zip(items, logprobs_T.split(tokens), strict=True):
-                try:
-                    result = request_loss(request, logprobs)
-                except Exception as exc:  # this tenant's loss only: the others still train
-                    outcomes.append(exc)
-                    continue
-                outcomes.append((logprobs, result))
-                losses.append(result.loss)
-                params += [p for p in model.module.parameters() if p.requires_grad]
-            if train and losses:
-                try:
-                    # only into the adapters of tenants whose loss ran: a failed tenant's adapters are in the graph
-                    # too (its rows share the batch's tensors) and would get zero gradients instead of none
-                    torch.autograd.backward(torch.stack(losses).sum(), inputs=params)
-                except Exception as exc:  # gradients may be partly written: fail the batch, never rerun it
-                    return [RuntimeError(f"the batched backward failed: {exc}") for _ in items]
+                result = request_loss(request, logprobs)
+            except Exception as exc:  # this tenant's loss only: the others still train
+                outcomes.append(exc)
+                continue
+            outcomes.append((logprobs, result))
+            losses.append(result.loss)
+            params += [p for p in model.module.parameters() if p.requires_grad]
+        if train and losses:
+            try:
+                # only into the adapters of tenants whose loss ran: a failed tenant's adapters are in the graph
+                # too (its rows share the batch's tensors) and would get zero gradients instead of none
+                torch.autograd.backward(torch.stack(losses).sum(), inputs=params)
+            except Exception as exc:  # gradients may be partly written: fail the batch, never rerun it
+                return [RuntimeError(f"the batched backward failed: {exc}") for _ in items]
         return [
             outcome if isinstance(outcome, Exception) else encode_result(request, *outcome)  # type: ignore[arg-type]
             for (_, request), outcome in zip(items, outcomes, strict=True)

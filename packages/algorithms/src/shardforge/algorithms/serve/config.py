@@ -33,6 +33,9 @@ class ServeConfig:
     batch_window_s: float = 0.02
     """How long a batch of LoRA tenants' forward_backward requests waits for the next request of tenants that are
     stepping (0: batch only what is already queued; a lone tenant never waits)."""
+    batch_spread: bool | None = None
+    """Split the stepping tenants' requests over the workers, a batch each, instead of one batch (None: on CPU,
+    where each worker's batch runs on its own core; not on an accelerator, where one bigger batch saves time)."""
     loggers: tuple[str, ...] = ()
     """Loggers (`shardforge.algorithms.loggers.LOGGERS`: jsonl, tensorboard, wandb, mlflow) that get each training
     client's step metrics under ``output_dir/<tenant>/<model_id>/`` (empty: only ``/metrics``)."""

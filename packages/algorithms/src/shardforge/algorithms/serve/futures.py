@@ -12,7 +12,9 @@ Batching: a job may belong to a `BatchGroup` (LoRA tenants' ``forward_backward``
 that starts such a job also takes every other job of the group that may start now (the first pending job of a free
 lane, queued before any job that runs alone) and runs them all with the group's ``run_batch``. When other lanes
 submitted to the group recently, it waits up to the group's ``window_s`` for their next job, so tenants that step
-in turn meet in one batch instead of racing past each other; a lone tenant never waits. A job in a batch of one
+in turn meet in one batch instead of racing past each other; a lone tenant never waits. With ``spread`` (CPU)
+each batch takes only its share of the stepping lanes (their number over the workers), so every worker gets a
+batch and the batches run at once. A job in a batch of one
 runs its own ``run``; if ``run_batch`` raises, every job of the batch runs alone instead.
 """
 
@@ -70,6 +72,9 @@ class BatchGroup:
     """The most total weight (tokens) in one batch; a job heavier than this still runs (alone)."""
     window_s: float = 0.0
     """How long a batch waits for the next job of lanes that recently submitted to the group."""
+    spread: bool = False
+    """Split the stepping lanes' jobs evenly over the workers (a batch per worker, e.g. per CPU core: batches on
+    different threads run at once) instead of gathering them all into one batch (one device)."""
 
 
 @dataclass(slots=True)
@@ -188,12 +193,12 @@ class FutureQueue:
             seen.add(job.lane)
         return None
 
-    def _collect(self, group: BatchGroup, weight: int) -> list[_Job]:
-        """Take the pending jobs of ``group`` that may start now, while their weight fits (lock held)."""
+    def _collect(self, group: BatchGroup, weight: int, limit: int) -> list[_Job]:
+        """Take up to ``limit`` pending jobs of ``group`` that may start now, while their weight fits (lock held)."""
         taken: list[_Job] = []
         seen: set[str] = set()
         for job in self._pending:
-            if job.lane is None:  # nothing queued after a job that runs alone may pass it
+            if job.lane is None or len(taken) >= limit:  # nothing queued after a job that runs alone may pass it
                 break
             if job.group is group and job.lane not in self._busy_lanes and job.lane not in seen:
                 if weight + job.weight <= group.max_weight:
@@ -211,13 +216,14 @@ class FutureQueue:
         now = time.monotonic()
         recent = self._recent.get(group.name, {})
         stepping = sum(1 for when in recent.values() if now - when < _RECENT_S)
+        wanted = -(-stepping // len(self._workers)) if group.spread else stepping  # ceil: a share per worker
         deadline = now + group.window_s
         self._gathering.add(group.name)
         try:
             while True:
-                jobs += self._collect(group, sum(job.weight for job in jobs))
+                jobs += self._collect(group, sum(job.weight for job in jobs), max(wanted, 1) - len(jobs))
                 left = deadline - time.monotonic()
-                if len(jobs) >= stepping or left <= 0 or self._closed:
+                if len(jobs) >= wanted or left <= 0 or self._closed:
                     return jobs
                 self._ready.wait(left)
         finally:

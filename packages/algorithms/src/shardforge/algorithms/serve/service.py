@@ -45,12 +45,18 @@ class TinkerService:
         # LoRA models' forward(_backward) jobs of different tenants that are queued at once run as one batch
         # over the shared base (`LoRABatcher`); forward-only and training batches apart.
         self._batcher = LoRABatcher(self.registry)
+        # On CPU each worker's batch runs on its own core, so the tenants are spread over the workers; an
+        # accelerator gets one batch (one device, where a bigger batch is what saves time).
+        spread = config.batch_spread
+        if spread is None:
+            spread = next(self.registry.base.parameters()).device.type == "cpu"
         self._groups = {
             forward_only: BatchGroup(
                 name="Forward" if forward_only else "ForwardBackward",
                 run_batch=self._run_batch,
                 max_weight=config.max_batch_tokens,
                 window_s=config.batch_window_s,
+                spread=spread,
             )
             for forward_only in (False, True)
         }
