@@ -38,7 +38,12 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     os.environ["TINKER_TELEMETRY"] = "0"
     root = tmp_path_factory.mktemp("serve")
     tiny = tiny_model(root)
-    config = ServeConfig(model_dir=tiny["model"], base_model="tiny", output_dir=str(root / "out"), max_tokens=32)
+    # a long batch window, no spreading over the workers: tenants stepping at once always meet in one batch (the
+    # concurrent-tenants test)
+    config = ServeConfig(
+        model_dir=tiny["model"], base_model="tiny", output_dir=str(root / "out"), max_tokens=32, batch_window_s=0.5,
+        batch_spread=False,
+    )  # fmt: skip
     server = ServiceServer(TinkerService(config, TenantKeys({ALICE: "alice", BOB: "bob"})), port=0).start()
     clients: list = []
 
@@ -54,9 +59,9 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
-def _datums(tokenizer) -> list[types.Datum]:
+def _datums(tokenizer, texts: list[str] = TEXTS) -> list[types.Datum]:
     out = []
-    for text in TEXTS:
+    for text in texts:
         ids = tokenizer(text)["input_ids"]
         weights = [0.0] * 2 + [1.0] * (len(ids) - 3)  # no loss on the first targets, as a prompt mask would
         out.append(
@@ -68,14 +73,14 @@ def _datums(tokenizer) -> list[types.Datum]:
     return out
 
 
-def _reference_losses(model_dir: str, datums: list[types.Datum], steps: int, seed: int) -> list[float]:
+def _reference_losses(model_dir: str, datums: list[types.Datum], steps: int, seed: int, rank: int = 4) -> list[float]:
     """Plain torch: the base model, our LoRA with the same config and seed, sum-reduced weighted NLL, AdamW."""
     from transformers import AutoModelForCausalLM
 
     from shardforge.lora import apply_lora
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    apply_lora(model, lora_config_for({"rank": 4}, alpha=32.0), seed=seed)
+    apply_lora(model, lora_config_for({"rank": rank}, alpha=32.0), seed=seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
         params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps, weight_decay=ADAM.weight_decay
@@ -122,6 +127,14 @@ def test_sampling_and_logprobs(served) -> None:
     assert logprobs[0] is None and all(lp is not None and lp < 0 for lp in logprobs[1:])
     base = service.create_sampling_client(base_model="tiny").result()
     assert len(base.sample(prompt, 1, params).result().sequences[0].tokens) >= 1
+    # top_k: 1 leaves only the most likely token, so any seed at temperature 1 samples the greedy sequence
+    greedy = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])).result()
+    top1 = types.SamplingParams(max_tokens=6, temperature=1.0, top_k=1, seed=5, stop=[])
+    assert [s.tokens for s in sampler.sample(prompt, 3, top1).result().sequences] == [greedy.sequences[0].tokens] * 3
+    top3 = types.SamplingParams(max_tokens=6, temperature=1.0, top_k=3, seed=5, stop=[])
+    assert len({tuple(s.tokens) for s in sampler.sample(prompt, 8, top3).result().sequences}) > 1
+    with pytest.raises(Exception, match="top_k=-2 must be -1"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, top_k=-2)).result()
 
 
 def test_rl_losses_are_tinkers(served) -> None:
@@ -352,14 +365,24 @@ def test_forward_backward_custom_matches_cross_entropy(served) -> None:
 
 
 def test_concurrent_tenants_train_as_each_alone(served) -> None:
-    """Alice and Bob train at the same time (two threads, requests interleaved in the queue); each gets the
-    losses of the plain torch loop, i.e. what it would get alone."""
+    """Alice (rank 4) and Bob (rank 8, other texts, other seed) train at the same time: their forward_backward
+    requests run as one batch over the shared base (the batch-size metric says so), and each gets the losses of
+    the plain torch loop with its own rank, seed and data, i.e. what it would get alone."""
     from concurrent.futures import ThreadPoolExecutor
 
+    def batched_requests() -> float:
+        registry = served["server"].service.metrics.registry
+        labels = {"kind": "ForwardBackward"}
+        count = registry.get_sample_value("shardforge_serve_batch_size_count", labels) or 0.0
+        return count - (registry.get_sample_value("shardforge_serve_batch_size_bucket", labels | {"le": "1.0"}) or 0)
+
+    tenants = {ALICE: (4, 9, TEXTS), BOB: (8, 11, ["5+5=10", "81/9=9", "2*21=42", "100-1=99"])}
+
     def run(key: str) -> list[float]:
+        rank, seed, texts = tenants[key]
         service = served["client"](key)
-        trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
-        datums = _datums(trainer.get_tokenizer())
+        trainer = service.create_lora_training_client(base_model="tiny", rank=rank, seed=seed).result()
+        datums = _datums(trainer.get_tokenizer(), texts)
         losses = []
         for _ in range(3):
             fwdbwd, step = trainer.forward_backward(datums, "cross_entropy"), trainer.optim_step(ADAM)
@@ -367,10 +390,13 @@ def test_concurrent_tenants_train_as_each_alone(served) -> None:
             step.result()
         return losses
 
+    before = batched_requests()
     with ThreadPoolExecutor(2) as pool:
         alice, bob = pool.map(run, [ALICE, BOB])
-    reference = _reference_losses(served["model"], _datums(served["tokenizer"]), 3, seed=9)
-    assert alice == pytest.approx(reference, rel=1e-5) and bob == pytest.approx(reference, rel=1e-5)
+    assert batched_requests() - before >= 2, "no forward_backward ran in a batch of two tenants"
+    for (rank, seed, texts), losses in zip(tenants.values(), (alice, bob), strict=True):
+        reference = _reference_losses(served["model"], _datums(served["tokenizer"], texts), 3, seed=seed, rank=rank)
+        assert losses == pytest.approx(reference, rel=1e-5)
 
 
 def test_cli_serves_a_model_directory(served, tmp_path) -> None:

@@ -31,6 +31,8 @@ def test_keys_name_tenants_and_must_start_with_tml(tmp_path: Path) -> None:
 def test_config_limits_are_checked() -> None:
     with pytest.raises(ValueError, match="max_tokens=0 must be >= 1"):
         ServeConfig(model_dir="m", max_tokens=0)
+    with pytest.raises(ValueError, match=r"batch_window_s=-0.1 must be >= 0 \(0: no waiting\)"):
+        ServeConfig(model_dir="m", batch_window_s=-0.1)
 
 
 def test_cli_refuses_a_missing_model_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -71,7 +71,12 @@ def test_a_vllm_server_actor_is_accepted_under_ray() -> None:
         ({"rollout.vllm": {"mode": "server", "server_url": "http://h:1"}}, "ray", 2, "remove rollout.vllm.server_url"),
         ({"rollout.num_actors": 2}, "ray", 2, "set rollout.num_actors=1"),
         ({"rollout.on_actor_failure": "drop"}, "ray", 2, "set rollout.on_actor_failure=error (it is drop)"),
-        ({"async_rollouts": True}, "ray", 1, "set async_rollouts=false"),
+        (
+            {"async_rollouts": True, "rollout.vllm": {"mode": "server", "weight_transport": "collective"}},
+            "ray",
+            1,
+            "set rollout.vllm.weight_transport=auto or disk",
+        ),
         ({"rollout.partial_rollouts": True}, "ray", 1, "set rollout.partial_rollouts=false"),
     ],
 )

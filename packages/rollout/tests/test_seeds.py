@@ -55,16 +55,21 @@ def test_a_request_samples_the_same_in_any_call(tiny: dict[str, Any]) -> None:
         engine.generate(ids, SamplingParams(n=2, seeds=seeds[:2]))
     with pytest.raises(ValueError, match=r"seeds\[0\]=-1 must be in \[0, 2\*\*63 - n\)"):
         SamplingParams(seeds=(-1,))
+    with pytest.raises(ValueError, match=r"top_k=-1 must be >= 0 \(0 = off\)"):
+        SamplingParams(top_k=-1)
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.5])
-def test_the_row_sampler_draws_from_the_tempered_softmax(tiny: dict[str, Any], tmp_path: Path, top_p: float) -> None:
+@pytest.mark.parametrize(("top_p", "top_k"), [(1.0, 0), (0.5, 0), (1.0, 3)])
+def test_the_row_sampler_draws_from_the_tempered_softmax(
+    tiny: dict[str, Any], tmp_path: Path, top_p: float, top_k: int
+) -> None:
     from transformers import AutoModelForCausalLM
 
     engine = _engine(tiny)
     prompt = tiny["tokenizer"]("12+5=", add_special_tokens=False)["input_ids"]
     num = 3000
-    out = engine.generate([prompt], SamplingParams(n=num, max_new_tokens=1, temperature=0.7, top_p=top_p, seed=1))
+    params = SamplingParams(n=num, max_new_tokens=1, temperature=0.7, top_p=top_p, top_k=top_k, seed=1)
+    out = engine.generate([prompt], params)
     model = AutoModelForCausalLM.from_pretrained(tiny["model"])
     with torch.no_grad():
         probs = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].double() / 0.7, dim=-1)
@@ -73,8 +78,14 @@ def test_the_row_sampler_draws_from_the_tempered_softmax(tiny: dict[str, Any], t
         keep = order[: int((ordered.cumsum(0) < top_p).sum()) + 1]
         probs = torch.zeros_like(probs).index_fill_(0, keep, 1.0) * probs
         probs /= probs.sum()
+    if top_k > 0:  # the top_k most likely tokens, renormalised
+        keep = probs.topk(top_k).indices
+        probs = torch.zeros_like(probs).index_fill_(0, keep, 1.0) * probs
+        probs /= probs.sum()
     counts = torch.bincount(torch.tensor([r.response_ids[0] for r in out]), minlength=probs.numel()).double()
-    assert counts[probs == 0].sum() == 0, "no token outside the nucleus"
+    assert counts[probs == 0].sum() == 0, "no token outside the nucleus / the top k"
+    if top_k > 0:
+        assert (counts > 0).sum() == top_k
     # A fixed seed makes this deterministic; the bound is 5 binomial standard deviations per token.
     bound = 5 * (probs * (1 - probs) / num).sqrt() + 1e-3
     assert ((counts / num - probs).abs() <= bound).all(), (counts / num - probs).abs().max()

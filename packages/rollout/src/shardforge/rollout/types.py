@@ -81,6 +81,9 @@ class SamplingParams:
     top_p: float = 1.0
     """Nucleus sampling mass (1.0 = off). Behaviour log-probs are those of the full softmax at
     ``temperature``; keep top_p = 1 for unbiased PPO ratios."""
+    top_k: int = 0
+    """Sample among the ``top_k`` most likely tokens only (0 = off; applied before top_p, as HF's warpers). As
+    with top_p, behaviour log-probs stay those of the full softmax."""
     seed: int | None = None
     """Seed of this generation call (None = the engine's running generator): prompt ``i``'s samples draw from
     ``rollout.seeds.request_seed(seed, i, n) + j``, so they depend on the prompt's position in the call."""
@@ -97,6 +100,8 @@ class SamplingParams:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
         for i, seed in enumerate(self.seeds or ()):
             if not 0 <= seed < 2**63 - self.n:
                 raise ValueError(f"seeds[{i}]={seed} must be in [0, 2**63 - n) (n={self.n}: seed + sample index)")

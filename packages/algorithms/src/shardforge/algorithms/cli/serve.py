@@ -31,6 +31,19 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--workers", type=int, default=2, help="worker threads: different training clients' requests run at once"
     )
+    parser.add_argument(
+        "--logger", action="append", default=[], metavar="NAME",
+        help="log each training client's step metrics with this logger (jsonl, tensorboard, wandb, mlflow; repeat "
+        "for several) under --output-dir/<tenant>/<model_id>/",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-batch-tenants", dest="batch_tenants", action="store_false",
+        help="run each LoRA tenant's forward_backward alone instead of batching queued ones over the shared base",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batch-window-ms", type=float, default=20.0,
+        help="how long a batch of LoRA tenants' forward_backward waits for the other stepping tenants (0: no wait)",
+    )  # fmt: skip
     parser.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha of every adapter")
     return parser
 
@@ -55,7 +68,8 @@ def serve(args: argparse.Namespace) -> int:
     keys = TenantKeys.parse(specs, args.api_keys)
     config = ServeConfig(
         model_dir=args.model, base_model=args.name, output_dir=args.output_dir, max_tokens=args.max_tokens,
-        lora_alpha=args.lora_alpha, workers=args.workers,
+        lora_alpha=args.lora_alpha, workers=args.workers, batch_window_s=args.batch_window_ms / 1000,
+        batch_tenants=args.batch_tenants, loggers=tuple(args.logger),
     )  # fmt: skip
     server = ServiceServer(TinkerService(config, keys), host=args.host, port=args.port)
     log.info(

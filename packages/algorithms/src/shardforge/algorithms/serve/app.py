@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
 
 from shardforge.algorithms.serve.codecs import PROTO_CONTENT_TYPE, decode_forward_backward
 from shardforge.algorithms.serve.futures import UserError
@@ -132,6 +132,29 @@ def build_app(service: TinkerService) -> FastAPI:
         with _http_errors():
             service.delete_checkpoint(who, model_id, checkpoint_id)
         return Response(status_code=204)
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+    async def external_weights_urls(
+        model_id: str, checkpoint_id: str, request: Request, who: str = Depends(tenant)
+    ) -> dict[str, Any]:
+        with _http_errors():
+            return service.downloads.urls(who, model_id, checkpoint_id, str(request.base_url))
+
+    @app.get("/api/v1/external_weights_files/{owner}/{model_id}/{name}/{file:path}")
+    def external_weights_file(owner: str, model_id: str, name: str, file: str, expires: int, sig: str) -> Response:
+        # No API key: the URL is the credential (signed for this file, owner and expiry), as a signed URL is.
+        try:
+            with _http_errors():
+                path = service.downloads.file(owner, model_id, name, file, expires, sig)
+        except PermissionError as exc:
+            raise HTTPException(403, str(exc)) from exc
+        return FileResponse(path)
+
+    @app.post("/api/v1/save_weights_external")
+    async def save_weights_external(request: Request, who: str = Depends(tenant)) -> dict[str, Any]:
+        data = await payload(request)
+        with _http_errors():
+            return {"request_id": service.save_external(who, data), "model_id": data.get("model_id")}
 
     @app.post("/api/v1/create_model")
     async def create_model(request: Request, who: str = Depends(tenant)) -> dict[str, Any]:

@@ -7,10 +7,20 @@ turns before sending), jobs of different lanes run at once (different tenants' m
 base weights, which training never writes), and a job without a lane (sampling: it folds adapters into the
 shared base weights while it runs) runs alone, after everything queued before it and before anything queued
 after it. A failed job fails only its future.
+
+Batching: a job may belong to a `BatchGroup` (LoRA tenants' ``forward_backward`` on the shared base). The worker
+that starts such a job also takes every other job of the group that may start now (the first pending job of a free
+lane, queued before any job that runs alone) and runs them all with the group's ``run_batch``. When other lanes
+submitted to the group recently, it waits up to the group's ``window_s`` for their next job, so tenants that step
+in turn meet in one batch instead of racing past each other; a lone tenant never waits. With ``spread`` (CPU)
+each batch takes only its share of the stepping lanes (their number over the workers), so every worker gets a
+batch and the batches run at once. A job in a batch of one
+runs its own ``run``; if ``run_batch`` raises, every job of the batch runs alone instead.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -21,7 +31,10 @@ from typing import Any
 
 from shardforge.core.log import get_logger
 
-__all__ = ["FutureQueue", "FutureResult", "UserError"]
+__all__ = ["BatchGroup", "FutureQueue", "FutureResult", "UserError"]
+
+_RECENT_S = 2.0
+"""A lane counts as stepping in a group (worth waiting for) this long after its last submit there."""
 
 log = get_logger(__name__)
 
@@ -45,6 +58,24 @@ class FutureResult:
     error: str | None = None
     category: str = "user"
     queued_at: float = field(default_factory=time.perf_counter)
+    batch_size: int = 1
+    """How many jobs ran together with it (itself included)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchGroup:
+    """Jobs that may run as one batch (see the module doc)."""
+
+    name: str
+    run_batch: Callable[[list[Any]], list[Any]]
+    """Items of the jobs -> per item its result (JSON dict or protobuf bytes) or the exception it failed with."""
+    max_weight: int
+    """The most total weight (tokens) in one batch; a job heavier than this still runs (alone)."""
+    window_s: float = 0.0
+    """How long a batch waits for the next job of lanes that recently submitted to the group."""
+    spread: bool = False
+    """Split the stepping lanes' jobs evenly over the workers (a batch per worker, e.g. per CPU core: batches on
+    different threads run at once) instead of gathering them all into one batch (one device)."""
 
 
 @dataclass(slots=True)
@@ -52,6 +83,9 @@ class _Job:
     result: FutureResult
     run: Callable[[], Any]
     lane: str | None
+    group: BatchGroup | None = None
+    item: Any = None
+    weight: int = 0
 
 
 class FutureQueue:
@@ -83,6 +117,8 @@ class FutureQueue:
         self._running = 0
         self._exclusive = False
         self._closed = False
+        self._gathering: set[str] = set()  # groups a worker is collecting a batch of
+        self._recent: dict[str, dict[str, float]] = {}  # group -> lane -> when it last submitted there
         self._max_kept = max_kept
         self._workers = [
             threading.Thread(target=self._run, name=f"shardforge-serve-worker-{i}", daemon=True) for i in range(workers)
@@ -90,14 +126,31 @@ class FutureQueue:
         for worker in self._workers:
             worker.start()
 
-    def submit(self, owner: str, kind: str, job: Callable[[], Any], *, lane: str | None = None) -> str:
-        """Queue ``job`` (returns a JSON dict or protobuf bytes) in ``lane`` (None: runs alone); its request id."""
+    def submit(
+        self,
+        owner: str,
+        kind: str,
+        job: Callable[[], Any],
+        *,
+        lane: str | None = None,
+        group: BatchGroup | None = None,
+        item: Any = None,
+        weight: int = 0,
+    ) -> str:
+        """Queue ``job`` (returns a JSON dict or protobuf bytes) in ``lane`` (None: runs alone); its request id.
+
+        With ``group`` (needs a lane) it may instead run with other jobs of the group: ``group.run_batch`` gets
+        their ``item``s; ``weight`` counts against ``group.max_weight``."""
+        if group is not None and lane is None:
+            raise ValueError("a batched job needs a lane")
         request_id = f"req-{next(self._ids)}"
         result = FutureResult(owner=owner, kind=kind)
         with self._ready:
             self._results[request_id] = result
             self._evict()
-            self._pending.append(_Job(result, job, lane))
+            self._pending.append(_Job(result, job, lane, group, item, weight))
+            if group is not None and lane is not None:
+                self._recent.setdefault(group.name, {})[lane] = time.monotonic()
             self._ready.notify_all()
         return request_id
 
@@ -135,43 +188,101 @@ class FutureQueue:
         for index, job in enumerate(self._pending):
             if job.lane is None:  # runs alone, after all before it: nothing after it may pass it
                 return self._pending.pop(index) if index == 0 and self._running == 0 else None
-            if job.lane not in self._busy_lanes and job.lane not in seen:
+            gathered = job.group is not None and job.group.name in self._gathering  # that worker will take it
+            if job.lane not in self._busy_lanes and job.lane not in seen and not gathered:
                 return self._pending.pop(index)
             seen.add(job.lane)
         return None
 
-    def _take(self) -> _Job | None:
+    def _collect(self, group: BatchGroup, weight: int, limit: int) -> list[_Job]:
+        """Take up to ``limit`` pending jobs of ``group`` that may start now, while their weight fits (lock held)."""
+        taken: list[_Job] = []
+        seen: set[str] = set()
+        for job in self._pending:
+            if job.lane is None or len(taken) >= limit:  # nothing queued after a job that runs alone may pass it
+                break
+            if job.group is group and job.lane not in self._busy_lanes and job.lane not in seen:
+                if weight + job.weight <= group.max_weight:
+                    taken.append(job)
+                    weight += job.weight
+                    self._busy_lanes.add(job.lane)
+            seen.add(job.lane)
+        for job in taken:
+            self._pending.remove(job)
+        return taken
+
+    def _gather(self, first: _Job, group: BatchGroup) -> list[_Job]:
+        """``first`` and the jobs of its group that join it, waiting up to the group's window (lock held)."""
+        jobs = [first]
+        now = time.monotonic()
+        recent = self._recent.get(group.name, {})
+        stepping = sum(1 for when in recent.values() if now - when < _RECENT_S)
+        wanted = -(-stepping // len(self._workers)) if group.spread else stepping  # ceil: a share per worker
+        deadline = now + group.window_s
+        self._gathering.add(group.name)
+        try:
+            while True:
+                jobs += self._collect(group, sum(job.weight for job in jobs), max(wanted, 1) - len(jobs))
+                left = deadline - time.monotonic()
+                if len(jobs) >= wanted or left <= 0 or self._closed:
+                    return jobs
+                self._ready.wait(left)
+        finally:
+            self._gathering.discard(group.name)
+
+    def _take(self) -> list[_Job]:
         with self._ready:
             job = None
             while not self._closed and (job := self._next_job()) is None:
                 self._ready.wait()
             if job is None:  # closed
-                return None
+                return []
             self._running += 1
             if job.lane is None:
                 self._exclusive = True
-            else:
-                self._busy_lanes.add(job.lane)
-            return job
+                return [job]
+            self._busy_lanes.add(job.lane)
+            return [job] if job.group is None else self._gather(job, job.group)
 
-    def _release(self, job: _Job) -> None:
+    def _release(self, jobs: list[_Job]) -> None:
         with self._ready:
             self._running -= 1
-            if job.lane is None:
-                self._exclusive = False
-            else:
-                self._busy_lanes.discard(job.lane)
+            for job in jobs:
+                if job.lane is None:
+                    self._exclusive = False
+                else:
+                    self._busy_lanes.discard(job.lane)
             self._ready.notify_all()
 
     def _run(self) -> None:
-        while (job := self._take()) is not None:
+        while jobs := self._take():
             try:
-                self._execute(job.result, job.run)
+                if len(jobs) == 1:
+                    self._execute(jobs[0].result, jobs[0].run)
+                else:
+                    self._execute_batch(jobs)
             finally:
-                self._release(job)
+                self._release(jobs)
 
-    def _execute(self, result: FutureResult, job: Callable[[], Any]) -> None:
+    def _execute_batch(self, jobs: list[_Job]) -> None:
+        group = jobs[0].group
+        assert group is not None
         started = time.perf_counter()
+        try:
+            outcomes = group.run_batch([job.item for job in jobs])
+            assert len(outcomes) == len(jobs), f"{group.name}: {len(outcomes)} outcomes for {len(jobs)} jobs"
+        except Exception:  # nothing was written yet (run_batch's contract): each job runs alone instead
+            log.warning("%s batch of %d failed; running its jobs alone:\n%s", group.name, len(jobs),
+                        traceback.format_exc())  # fmt: skip
+            for job in jobs:
+                self._execute(job.result, job.run)
+            return
+        for job, outcome in zip(jobs, outcomes, strict=True):
+            job.result.batch_size = len(jobs)
+            self._execute(job.result, functools.partial(_unwrap, outcome), started=started)
+
+    def _execute(self, result: FutureResult, job: Callable[[], Any], started: float | None = None) -> None:
+        started = time.perf_counter() if started is None else started
         try:
             value = job()
             if isinstance(value, bytes):
@@ -196,3 +307,10 @@ class FutureQueue:
             self._on_done(result, started - result.queued_at, time.perf_counter() - started)
         except Exception:  # metrics must never fail a request
             log.warning("serve metrics: %s", traceback.format_exc())
+
+
+def _unwrap(outcome: Any) -> Any:
+    """A batch's outcome for one job: its value, or raise what it failed with."""
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome

@@ -3,8 +3,8 @@
 What is counted: every queued request by tenant, kind (``ForwardBackward``, ``OptimStep``, ``Sample``, ...)
 and outcome (``ok``, ``user_error``, ``server_error``); the tokens each tenant trained on (forward and
 forward_backward datums) and the sequences it sampled; how long each kind of job ran and waited in the
-queue; the queue's depth and each tenant's live training clients. The registry is the service's own, so two
-services in one process (tests) do not share counters.
+queue; the size of the batch each forward(_backward) ran in; the queue's depth and each tenant's live training
+clients. The registry is the service's own, so two services in one process (tests) do not share counters.
 """
 
 from __future__ import annotations
@@ -45,14 +45,22 @@ class ServeMetrics:
             "shardforge_serve_queue_wait_seconds", "Seconds a job waited in the queue before it ran, by kind.",
             ["kind"], buckets=_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self.batch_size = Histogram(
+            "shardforge_serve_batch_size", "Size of the batch (LoRA tenants over the shared base) each request ran in, by kind.",
+            ["kind"], buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=self.registry,
+        )  # fmt: skip
         self.queue_depth = Gauge("shardforge_serve_queue_depth", "Jobs queued and not started.", registry=self.registry)
         self.training_clients = Gauge(
             "shardforge_serve_training_clients", "Live training clients (LoRA models), by tenant.", ["tenant"],
             registry=self.registry,
         )  # fmt: skip
 
-    def job_done(self, tenant: str, kind: str, outcome: str, waited_s: float, ran_s: float) -> None:
+    def job_done(
+        self, tenant: str, kind: str, outcome: str, waited_s: float, ran_s: float, *, batch_size: int = 1
+    ) -> None:
         self.requests.labels(tenant, kind, outcome).inc()
+        if kind in ("Forward", "ForwardBackward"):
+            self.batch_size.labels(kind).observe(batch_size)
         self.wait_seconds.labels(kind).observe(waited_s)
         self.run_seconds.labels(kind).observe(ran_s)
 

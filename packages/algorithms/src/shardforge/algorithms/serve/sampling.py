@@ -100,8 +100,9 @@ class SamplerEngine:
             raise UserError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceed the context of {context}"
             )
-        if int(params.get("top_k", -1)) not in (-1, 0):
-            raise UserError("sampling_params.top_k is not supported yet; leave it at -1")
+        top_k = int(params.get("top_k", -1))
+        if top_k < -1:
+            raise UserError(f"sampling_params.top_k={top_k} must be -1 (no limit) or >= 1")
         for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
             if int(request.get(key) or 0):
                 raise UserError(f"{key} is not supported yet; leave it at 0")
@@ -114,6 +115,7 @@ class SamplerEngine:
             max_new_tokens=max_tokens,
             temperature=float(params.get("temperature", 1.0)),
             top_p=float(params.get("top_p", 1.0)),
+            top_k=max(top_k, 0),  # Tinker's -1 (no limit) is our 0 (off)
             seed=None if seed is None else int(seed) % (2**62),
         )
         return SampleJob(

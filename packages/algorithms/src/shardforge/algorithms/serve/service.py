@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from shardforge.algorithms.serve.codecs import FwdBwdRequest
 from shardforge.algorithms.serve.config import ServeConfig
-from shardforge.algorithms.serve.futures import FutureQueue, UserError
-from shardforge.algorithms.serve.models import ModelRegistry, SamplerWeights, lora_config_for
+from shardforge.algorithms.serve.futures import BatchGroup, FutureQueue, UserError
+from shardforge.algorithms.serve.models import ModelRegistry, SamplerWeights, TrainingModel, lora_config_for
 from shardforge.algorithms.serve.runs import check_user_metadata
 from shardforge.algorithms.serve.tenants import TenantKeys
 
@@ -27,8 +28,11 @@ class TinkerService:
     """
 
     def __init__(self, config: ServeConfig, keys: TenantKeys) -> None:
+        from shardforge.algorithms.serve.batching import LoRABatcher
+        from shardforge.algorithms.serve.export import DownloadSigner
         from shardforge.algorithms.serve.metrics import ServeMetrics
         from shardforge.algorithms.serve.sampling import SamplerEngine
+        from shardforge.algorithms.serve.step_logs import TenantStepLogs
 
         self.config = config
         self.keys = keys
@@ -39,15 +43,56 @@ class TinkerService:
         # Sample jobs have no lane (they run alone: the sampler folds adapters into the shared base weights);
         # every other job runs in its training model's lane, concurrently with other models' jobs.
         self.futures = FutureQueue(workers=config.workers, on_done=self._job_done)
+        # LoRA models' forward(_backward) jobs of different tenants that are queued at once run as one batch
+        # over the shared base (`LoRABatcher`); forward-only and training batches apart.
+        self._batcher = LoRABatcher(self.registry)
+        # On CPU each worker's batch runs on its own core, so the tenants are spread over the workers; an
+        # accelerator gets one batch (one device, where a bigger batch is what saves time).
+        spread = config.batch_spread
+        if spread is None:
+            spread = next(self.registry.base.parameters()).device.type == "cpu"
+        self._groups = {
+            forward_only: BatchGroup(
+                name="Forward" if forward_only else "ForwardBackward",
+                run_batch=self._run_batch,
+                max_weight=config.max_batch_tokens,
+                window_s=config.batch_window_s,
+                spread=spread,
+            )
+            for forward_only in (False, True)
+        }
+        self.downloads = DownloadSigner(Path(config.output_dir))
+        self.step_logs = TenantStepLogs(Path(config.output_dir), config.loggers) if config.loggers else None
         self._sessions: dict[str, str] = {}  # session id -> tenant
         self._lock = threading.Lock()
 
     def close(self) -> None:
         self.futures.close()
+        if self.step_logs is not None:
+            self.step_logs.close()
+
+    def _log_forward_backward(
+        self, model: TrainingModel, request: FwdBwdRequest, output: bytes, started: float
+    ) -> None:
+        if self.step_logs is None or request.forward_only:
+            return
+        from tinker.proto import tinker_public_pb2 as pb
+
+        loss = pb.ForwardBackwardOutput.FromString(output).metrics["loss:sum"]
+        tokens = sum(len(datum.tokens) for datum in request.data)
+        self.step_logs.forward_backward(model, tokens, len(request.data), loss, started)
+
+    def _run_batch(self, items: list[tuple[TrainingModel, FwdBwdRequest]]) -> list[bytes | Exception]:
+        started = time.perf_counter()
+        outcomes = self._batcher.run(items)
+        for (model, request), outcome in zip(items, outcomes, strict=True):
+            if isinstance(outcome, bytes):
+                self._log_forward_backward(model, request, outcome, started)
+        return outcomes
 
     def _job_done(self, result: Any, waited_s: float, ran_s: float) -> None:
         outcome = "ok" if result.error is None else f"{result.category}_error"
-        self.metrics.job_done(result.owner, result.kind, outcome, waited_s, ran_s)
+        self.metrics.job_done(result.owner, result.kind, outcome, waited_s, ran_s, batch_size=result.batch_size)
 
     def render_metrics(self) -> bytes:
         """The ``/metrics`` body (Prometheus text format)."""
@@ -113,8 +158,20 @@ class TinkerService:
             max_context=self.registry.max_context, max_tokens=self.config.max_batch_tokens,
         )  # fmt: skip
         kind = "Forward" if request.forward_only else "ForwardBackward"
-        self.metrics.tokens.labels(tenant, kind).inc(sum(len(datum.tokens) for datum in request.data))
-        return self.futures.submit(tenant, kind, lambda: forward_backward(model, request), lane=model.model_id)
+        tokens = sum(len(datum.tokens) for datum in request.data)
+        self.metrics.tokens.labels(tenant, kind).inc(tokens)
+        # a full fine-tuning model has weights of its own: nothing to share a batch over
+        group = self._groups[request.forward_only] if model.lora is not None and self.config.batch_tenants else None
+
+        def job() -> bytes:  # alone (a batch runs `_run_batch` instead)
+            started = time.perf_counter()
+            output = forward_backward(model, request)
+            self._log_forward_backward(model, request, output, started)
+            return output
+
+        return self.futures.submit(
+            tenant, kind, job, lane=model.model_id, group=group, item=(model, request), weight=tokens
+        )
 
     def optim_step(self, tenant: str, data: dict[str, Any]) -> str:
         from shardforge.algorithms.serve.training import check_adam, optim_step
@@ -124,7 +181,15 @@ class TinkerService:
         if not isinstance(adam, dict):
             raise UserError("optim_step needs adam_params {'learning_rate': ..., ...}")
         check_adam(adam)
-        return self.futures.submit(tenant, "OptimStep", lambda: optim_step(model, adam), lane=model.model_id)
+
+        def job() -> dict[str, Any]:
+            started = time.perf_counter()
+            result = optim_step(model, adam)
+            if self.step_logs is not None:
+                self.step_logs.optim_step(model, adam, result, started)
+            return result
+
+        return self.futures.submit(tenant, "OptimStep", job, lane=model.model_id)
 
     def save_for_sampler(self, tenant: str, data: dict[str, Any]) -> str:
         model = self.registry.model(tenant, str(data.get("model_id")))
@@ -144,6 +209,25 @@ class TinkerService:
             return {"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session}
 
         return self.futures.submit(tenant, "SaveWeightsForSampler", job, lane=model.model_id)
+
+    def save_external(self, tenant: str, data: dict[str, Any]) -> str:
+        """``save_weights_external``: a PEFT adapter (LoRA) or an HF model directory (full fine-tuning)."""
+        from shardforge.algorithms.serve.export import export_dir, save_external
+
+        model = self.registry.model(tenant, str(data.get("model_id")))
+        name = data.get("path")
+        if not isinstance(name, str):
+            raise UserError(f"path={name!r} must be the export's name (a string without '/')")
+        root = Path(self.config.output_dir)
+        export_dir(root, tenant, model.model_id, name)  # checks the name now: a bad one is a 400, not a failed job
+        if data.get("age_encryption_recipients"):
+            raise UserError("age_encryption_recipients: encrypted exports are not supported by shardforge serve")
+
+        def job() -> dict[str, Any]:
+            registry = self.registry
+            return save_external(root, model, name, tokenizer=registry.tokenizer, base_model=registry.model_dir)
+
+        return self.futures.submit(tenant, "SaveWeightsExternal", job, lane=model.model_id)
 
     def sampling_session(self, tenant: str, data: dict[str, Any]) -> str:
         self.check_session(tenant, str(data.get("session_id")))
@@ -173,12 +257,14 @@ class TinkerService:
         return self.futures.submit(tenant, "SaveWeights", lambda: save_state(root, model, data), lane=model.model_id)
 
     def list_checkpoints(self, tenant: str, model_id: str) -> dict[str, Any]:
-        """``RestClient.list_checkpoints``: the model's ``save_state`` checkpoints (on disk) and sampler weights (in
-        memory; they do not survive a restart). Unknown ids and another tenant's models: KeyError (404)."""
+        """``RestClient.list_checkpoints``: the model's ``save_state`` checkpoints and ``save_weights_external``
+        exports (on disk) and sampler weights (in memory; they do not survive a restart). Unknown ids and another
+        tenant's models: KeyError (404)."""
         from shardforge.algorithms.serve.checkpoints import list_training_checkpoints
+        from shardforge.algorithms.serve.export import list_exports
 
         root = Path(self.config.output_dir)
-        checkpoints = list_training_checkpoints(root, tenant, model_id)
+        checkpoints = list_training_checkpoints(root, tenant, model_id) + list_exports(root, tenant, model_id)
         live = self.registry.models.get(model_id)
         if not checkpoints and (live is None or live.owner != tenant):
             raise KeyError(f"training run {model_id!r} is not a model of this API key")

@@ -15,10 +15,12 @@ import torch.nn.functional as F
 
 from shardforge.algorithms.serve.codecs import FwdBwdRequest, WireDatum, encode_forward_backward_output
 from shardforge.algorithms.serve.futures import UserError
-from shardforge.algorithms.serve.losses import OPTIONAL_INPUTS, SERVE_LOSSES, required_inputs
+from shardforge.algorithms.serve.losses import OPTIONAL_INPUTS, SERVE_LOSSES, LossResult, required_inputs
 from shardforge.algorithms.serve.models import TrainingModel
 
-__all__ = ["check_adam", "check_datums", "forward_backward", "optim_step", "target_logprobs"]
+__all__ = [
+    "check_adam", "check_datums", "encode_result", "forward_backward", "optim_step", "request_loss", "target_logprobs",
+]  # fmt: skip
 
 _ADAM_KEYS = {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm", "type"}
 
@@ -72,16 +74,27 @@ def target_logprobs(module: torch.nn.Module, data: Sequence[WireDatum]) -> torch
 
 def forward_backward(model: TrainingModel, request: FwdBwdRequest) -> bytes:
     """Run the loss (and its backward unless ``forward_only``); the ForwardBackwardOutput protobuf."""
-    data = request.data
-    lengths = [len(d.tokens) for d in data]
-    optional = [n for n in OPTIONAL_INPUTS.get(request.loss_fn, ()) if all(n in d.inputs for d in data)]
-    names = [*required_inputs(request.loss_fn), *optional]
     with torch.set_grad_enabled(not request.forward_only):
-        logprobs_T = target_logprobs(model.module, data)
-        inputs = {name: torch.cat([d.inputs[name] for d in data]).to(logprobs_T.device) for name in names}
-        result = SERVE_LOSSES.get(request.loss_fn)(logprobs_T, inputs, lengths, request.loss_fn_config)
+        logprobs_T = target_logprobs(model.module, request.data)
+        result = request_loss(request, logprobs_T)
         if not request.forward_only:
             result.loss.backward()
+    return encode_result(request, logprobs_T, result)
+
+
+def request_loss(request: FwdBwdRequest, logprobs_T: torch.Tensor) -> LossResult:
+    """The request's loss over its datums' target log-probs ``logprobs_T`` (packed in datum order)."""
+    data = request.data
+    optional = [n for n in OPTIONAL_INPUTS.get(request.loss_fn, ()) if all(n in d.inputs for d in data)]
+    names = [*required_inputs(request.loss_fn), *optional]
+    inputs = {name: torch.cat([d.inputs[name] for d in data]).to(logprobs_T.device) for name in names}
+    lengths = [len(d.tokens) for d in data]
+    return SERVE_LOSSES.get(request.loss_fn)(logprobs_T, inputs, lengths, request.loss_fn_config)
+
+
+def encode_result(request: FwdBwdRequest, logprobs_T: torch.Tensor, result: LossResult) -> bytes:
+    """The ForwardBackwardOutput protobuf: per datum its log-probs and loss terms, and the summed loss."""
+    lengths = [len(d.tokens) for d in request.data]
     per_datum_lp = logprobs_T.detach().cpu().split(lengths)
     per_datum_loss = result.elementwise.cpu().split(lengths)
     outputs = [{"logprobs": lp, "elementwise_loss": el} for lp, el in zip(per_datum_lp, per_datum_loss, strict=True)]

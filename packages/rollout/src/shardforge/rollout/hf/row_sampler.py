@@ -11,7 +11,7 @@ cache (`rollout.kv_reuse`: the step index counts the cached columns too).
 from __future__ import annotations
 
 import torch
-from transformers import LogitsProcessor, TopPLogitsWarper
+from transformers import LogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from shardforge.rollout.seeds import SEED_LIMIT, prompt_seeds
 from shardforge.rollout.types import SamplingParams
@@ -36,16 +36,19 @@ def row_uniforms(params: SamplingParams, num_prompts: int) -> torch.Tensor:
 
 
 class RowSampler(LogitsProcessor):
-    """Samples each row's next token by inverting the CDF of its own softmax(scores / temperature) (top-p as HF's
-    warper) at the row's uniform for this position, and leaves only that token finite (greedy search picks it).
+    """Samples each row's next token by inverting the CDF of its own softmax(scores / temperature) (top-k, top-p as
+    HF's warpers) at the row's uniform for this position, and leaves only that token finite (greedy search picks it).
     A row's sample depends on its logits and its uniform alone, never on the batch's other rows."""
 
     def __init__(self, uniforms: torch.Tensor, width: int, params: SamplingParams) -> None:
         self.uniforms, self.width, self.temperature = uniforms, width, params.temperature
+        self.top_k = TopKLogitsWarper(params.top_k) if params.top_k > 0 else None
         self.top_p = TopPLogitsWarper(params.top_p) if params.top_p < 1 else None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         scaled = scores.float() / self.temperature
+        if self.top_k is not None:
+            scaled = self.top_k(input_ids, scaled)
         if self.top_p is not None:
             scaled = self.top_p(input_ids, scaled)
         cdf = torch.softmax(scaled, dim=-1).double().cumsum(dim=-1)

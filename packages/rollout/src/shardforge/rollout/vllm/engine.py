@@ -256,7 +256,7 @@ class VLLMRolloutEngine:
                         n=params.n,
                         temperature=params.temperature,
                         top_p=params.top_p,
-                        top_k=0,  # off, as in the embedded engine
+                        top_k=params.top_k,  # 0: off, as in the embedded engine
                         max_tokens=params.max_new_tokens,
                         stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
                         logprobs=0,  # the sampled token's log-prob only

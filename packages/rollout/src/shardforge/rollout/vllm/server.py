@@ -321,7 +321,7 @@ class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
                 {
                     "model": SERVED_NAME, "prompt": list(prompt), "n": params.n,
                     "max_tokens": params.max_new_tokens, "temperature": params.temperature,
-                    "top_p": params.top_p, "top_k": 0, "logprobs": 0, "return_token_ids": True,
+                    "top_p": params.top_p, "top_k": params.top_k, "logprobs": 0, "return_token_ids": True,
                     "stop_token_ids": [self.eos_id] if self.eos_id is not None else [],
                     "skip_special_tokens": False,
                     "seed": None if seeds is None else seeds[i],
