@@ -12,8 +12,11 @@ about 9 tokens each), AdamW.
    at once) and LoRA tenants' queued ``forward_backward`` requests batched into one forward/backward over the
    shared base (``batch_window_s`` 0.02; on CPU spread over the workers: two batches of two). Target >= 2x.
 
-Median of ``ROUNDS`` alternated rounds of ``STEPS`` steps after ``WARMUP`` steps. Run:
-``python benchmarks/bench_serve.py`` (~2 min; needs ``tinker``, ``fastapi``, ``uvicorn``, ``prometheus-client``).
+The service runs as ``shardforge serve`` in a process of its own, as it is deployed (the SDK's client runs elsewhere);
+``--in-process`` runs it in the benchmark's process instead (one interpreter for the client's HTTP work and the
+service's training, as the rows before 2026-11-29 evening were measured). Median of ``ROUNDS`` alternated rounds of
+``STEPS`` steps after ``WARMUP`` steps. Run: ``python benchmarks/bench_serve.py [--in-process]`` (~2 min; needs
+``tinker``, ``fastapi``, ``uvicorn``, ``prometheus-client``).
 """
 
 from __future__ import annotations
@@ -124,6 +127,39 @@ def _engine_steps(model_dir: str, tokenizer: Any, steps: int, seed: int) -> tupl
     return tokens, time.perf_counter() - start
 
 
+class _ServiceProcess:
+    """`shardforge serve` in a process of its own, as users run it (the SDK's client on another machine or
+    process): the client's HTTP and serialisation work and the service's training do not share one interpreter."""
+
+    def __init__(self, model: str, keys: dict[str, str], out: Path) -> None:
+        import subprocess
+
+        import httpx
+
+        from shardforge.mesh import free_port
+
+        port = free_port()
+        command = [sys.executable, "-m", "shardforge.algorithms.cli", "serve", "--model", model, "--port", str(port),
+                   "--name", "tiny", "--output-dir", str(out)]  # fmt: skip
+        for key, tenant in keys.items():
+            command += ["--api-key", f"{tenant}={key}"]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        self.url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
+        while True:
+            try:
+                httpx.get(f"{self.url}/api/v1/healthz", timeout=2).raise_for_status()
+                return
+            except httpx.TransportError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"shardforge serve did not start (exit code {self.proc.poll()})") from None
+                time.sleep(0.3)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
 def main() -> None:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     from shardforge.algorithms.serve.config import ServeConfig
@@ -132,11 +168,15 @@ def main() -> None:
     from shardforge.algorithms.serve.tenants import TenantKeys
     from shardforge.rollout.testing.tiny import tiny_model
 
+    separate = "--in-process" not in sys.argv  # default: the service in its own process, as it is deployed
     keys = {f"tml-bench-tenant-{i}-0123456789": f"tenant{i}" for i in range(TENANTS)}
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
         tiny = tiny_model(Path(tmp), hidden=HIDDEN, layers=2)
-        config = ServeConfig(model_dir=tiny["model"], base_model="tiny", output_dir=str(Path(tmp) / "out"))
-        server = ServiceServer(TinkerService(config, TenantKeys(keys)), port=0).start()
+        if separate:
+            server: Any = _ServiceProcess(tiny["model"], keys, Path(tmp) / "out")
+        else:
+            config = ServeConfig(model_dir=tiny["model"], base_model="tiny", output_dir=str(Path(tmp) / "out"))
+            server = ServiceServer(TinkerService(config, TenantKeys(keys)), port=0).start()
         try:
             first_key = next(iter(keys))
             served, engine, alone, together = [], [], [], []
@@ -154,14 +194,15 @@ def main() -> None:
     tenants = statistics.median(t / a for t, a in zip(together, alone, strict=True))
     payload = {
         "machine": info, "batch": BATCH, "steps": STEPS, "rounds": ROUNDS, "lora_rank": RANK, "hidden": HIDDEN,
-        "service_tokens_s": served, "engine_tokens_s": engine, "one_tenant_tokens_s": alone,
+        "service_process": "separate" if separate else "in-process", "service_tokens_s": served, "engine_tokens_s": engine, "one_tenant_tokens_s": alone,
         f"{TENANTS}_tenants_tokens_s": together, "ratio_vs_trainer": vs_trainer, "ratio_tenants": tenants,
     }  # fmt: skip
     _common.write_json("serve", payload)
     _common.upsert_result_row(
         benchmark=NAME_VS_TRAINER,
         metric=f"LoRA r{RANK} training tokens/s, tiny Qwen3, {BATCH} rows/step: forward_backward + optim_step "
-        f"through `shardforge serve` (tinker SDK over HTTP) vs TrainEngine.train_batch, 1 process; median of {ROUNDS}",
+        f"through `shardforge serve` ({'its own process' if separate else 'in the client process'}; tinker SDK over HTTP) "
+        f"vs TrainEngine.train_batch, 1 process; median of {ROUNDS}",
         ours=f"{statistics.median(served):,.0f}",
         baseline=f"{statistics.median(engine):,.0f}",
         ratio=f"{vs_trainer:.2f}",
@@ -171,6 +212,7 @@ def main() -> None:
     _common.upsert_result_row(
         benchmark=NAME_TENANTS,
         metric=f"total training tokens/s of {TENANTS} tenants at once vs 1 alone through `shardforge serve` "
+        f"({'its own process' if separate else 'in the client process'}) "
         f"(2 worker threads; tenants' forward_backward batched over the shared base, spread over the 2 workers, 20 ms "
         f"window); median of {ROUNDS}",
         ours=f"{statistics.median(together):,.0f}",
