@@ -34,7 +34,10 @@ from shardforge.core.log import get_logger
 __all__ = ["BatchGroup", "FutureQueue", "FutureResult", "UserError"]
 
 _RECENT_S = 2.0
-"""A lane counts as stepping in a group (worth waiting for) this long after its last submit there."""
+"""A lane counts as stepping in a group (worth waiting for) at most this long after its last submit there..."""
+_MISSED_PERIODS = 3.0
+"""... and no longer once it has missed this many of its own submit periods (the time between its last two submits
+there): a client that stopped stops being waited for after a few of its steps, not after ``_RECENT_S``."""
 
 log = get_logger(__name__)
 
@@ -118,7 +121,7 @@ class FutureQueue:
         self._exclusive = False
         self._closed = False
         self._gathering: set[str] = set()  # groups a worker is collecting a batch of
-        self._recent: dict[str, dict[str, float]] = {}  # group -> lane -> when it last submitted there
+        self._recent: dict[str, dict[str, tuple[float, float]]] = {}  # group -> lane -> (last submit, its period)
         self._max_kept = max_kept
         self._workers = [
             threading.Thread(target=self._run, name=f"shardforge-serve-worker-{i}", daemon=True) for i in range(workers)
@@ -150,7 +153,9 @@ class FutureQueue:
             self._evict()
             self._pending.append(_Job(result, job, lane, group, item, weight))
             if group is not None and lane is not None:
-                self._recent.setdefault(group.name, {})[lane] = time.monotonic()
+                lanes, now = self._recent.setdefault(group.name, {}), time.monotonic()
+                last = lanes.get(lane)
+                lanes[lane] = (now, now - last[0] if last is not None else _RECENT_S)
             self._ready.notify_all()
         return request_id
 
@@ -216,7 +221,7 @@ class FutureQueue:
         jobs = [first]
         now = time.monotonic()
         recent = self._recent.get(group.name, {})
-        stepping = sum(1 for when in recent.values() if now - when < _RECENT_S)
+        stepping = sum(1 for last, period in recent.values() if now - last < min(_RECENT_S, _MISSED_PERIODS * period))
         wanted = -(-stepping // len(self._workers)) if group.spread else stepping  # ceil: a share per worker
         deadline = now + group.window_s
         self._gathering.add(group.name)
