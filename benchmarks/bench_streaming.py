@@ -154,6 +154,16 @@ def run_streaming_source(cost: str, chunked: bool) -> dict[str, float]:
             "stopped_calls": float(engine.stopped)}  # fmt: skip
 
 
+def _judge(cost: str, mode: dict[str, Any], r: dict[str, Any]) -> tuple[float, float, bool, str]:
+    """A streaming mode's idle ratio vs async, steps/hour ratio vs sync, and the issue's target for ``cost``."""
+    idle_ratio = mode["idle_frac"] / max(r["async"]["idle_frac"], 1e-9)
+    speed = mode["steps_per_hour"] / r["sync"]["steps_per_hour"]
+    if cost == "steps":
+        return idle_ratio, speed, idle_ratio <= 0.5 and speed >= 1.5, "idle <= 0.5x async and steps/h >= 1.5x sync"
+    met = mode["steps_per_hour"] >= r["partial"]["steps_per_hour"] * 0.97
+    return idle_ratio, speed, met, "steps/h no worse than partial (3% noise)"
+
+
 def main() -> int:
     started = time.perf_counter()
     info = _common.machine_info()
@@ -178,14 +188,7 @@ def main() -> int:
     print(json.dumps(payload, indent=2))
     for cost, r in results.items():
         stream, plain, part, sync = r["streaming"], r["async"], r["partial"], r["sync"]
-        idle_ratio = stream["idle_frac"] / max(plain["idle_frac"], 1e-9)
-        speed = stream["steps_per_hour"] / sync["steps_per_hour"]
-        if cost == "steps":
-            met = idle_ratio <= 0.5 and speed >= 1.5
-            target = "idle <= 0.5x async and steps/h >= 1.5x sync"
-        else:
-            met = stream["steps_per_hour"] >= part["steps_per_hour"] * 0.97
-            target = "steps/h no worse than partial (3% noise)"
+        idle_ratio, speed, met, target = _judge(cost, stream, r)
         _common.upsert_result_row(
             benchmark=f"{NAME} ({cost} cost)",
             metric=f"trainer idle fraction (steps/hour), GRPO loop, Pareto(1.3) lengths, {cost}-proportional simulated "
@@ -203,14 +206,7 @@ def main() -> int:
     for cost, r in results.items():
         sp, stream, plain, part, sync = r["streaming_partial"], r["streaming"], r["async"], r["partial"], r["sync"]
         engine = r["streaming_engine"]
-        idle_ratio = sp["idle_frac"] / max(plain["idle_frac"], 1e-9)
-        speed = sp["steps_per_hour"] / sync["steps_per_hour"]
-        if cost == "steps":
-            met = idle_ratio <= 0.5 and speed >= 1.5
-            target = "idle <= 0.5x async and steps/h >= 1.5x sync"
-        else:
-            met = sp["steps_per_hour"] >= part["steps_per_hour"] * 0.97
-            target = "steps/h no worse than partial (3% noise)"
+        idle_ratio, speed, met, target = _judge(cost, sp, r)
         _common.upsert_result_row(
             benchmark=f"streaming_partial_rollouts ({cost} cost)",
             metric=f"trainer idle fraction (steps/hour), GRPO loop, Pareto(1.3) lengths, {cost}-proportional simulated "

@@ -20,21 +20,22 @@ from shardforge.algorithms.serve.models import TrainingModel
 from shardforge.lora import LoRAConfig
 
 __all__ = [
-    "checkpoint_dir", "delete_checkpoint", "list_training_checkpoints", "load_state", "read_checkpoint_info",
+    "check_name", "checkpoint_dir", "delete_checkpoint", "list_training_checkpoints", "load_state", "read_checkpoint_info",
     "read_lora", "save_state",
 ]  # fmt: skip
 
 _STATE_FILE = "state.pt"
 
 
-def _check_name(name: str) -> str:
+def check_name(name: str, what: str = "checkpoint name") -> str:
+    """``name`` if it is safe as one folder name under the service's output directory, else a UserError."""
     if not name or "/" in name or name.startswith(".") or ".." in name:
-        raise UserError(f"checkpoint name {name!r} must be non-empty, without '/' or '..', not starting with '.'")
+        raise UserError(f"{what} {name!r} must be non-empty, without '/' or '..', not starting with '.'")
     return name
 
 
 def checkpoint_dir(root: Path, tenant: str, model_id: str, name: str) -> Path:
-    return root / tenant / _check_name(model_id) / "weights" / _check_name(name)
+    return root / tenant / check_name(model_id) / "weights" / check_name(name)
 
 
 def save_state(root: Path, model: TrainingModel, request: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +71,7 @@ def list_training_checkpoints(root: Path, tenant: str, model_id: str) -> list[di
     ``Checkpoint`` JSON, oldest first; another tenant's model lists nothing."""
     import datetime
 
-    folder = root / tenant / _check_name(model_id) / "weights"
+    folder = root / tenant / check_name(model_id) / "weights"
     out = []
     for path in folder.glob(f"*/{_STATE_FILE}") if folder.is_dir() else ():
         stat = path.stat()

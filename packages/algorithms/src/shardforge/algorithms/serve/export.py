@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from shardforge.algorithms.serve.checkpoints import check_name
 from shardforge.algorithms.serve.futures import UserError
 from shardforge.algorithms.serve.models import TrainingModel
 
@@ -35,14 +36,8 @@ URL_TTL_S = 3600
 """How long a download URL is valid."""
 
 
-def _check_name(name: str) -> str:
-    if not name or "/" in name or name.startswith(".") or ".." in name:
-        raise UserError(f"name {name!r} must be non-empty, without '/' or '..', not starting with '.'")
-    return name
-
-
 def export_dir(root: Path, tenant: str, model_id: str, name: str) -> Path:
-    return root / tenant / _check_name(model_id) / "external_weights" / _check_name(name)
+    return root / tenant / check_name(model_id, "model id") / "external_weights" / check_name(name, "name")
 
 
 def save_external(root: Path, model: TrainingModel, name: str, *, tokenizer: Any, base_model: str) -> dict[str, Any]:
@@ -71,7 +66,7 @@ def save_external(root: Path, model: TrainingModel, name: str, *, tokenizer: Any
 
 def list_exports(root: Path, tenant: str, model_id: str) -> list[dict[str, Any]]:
     """``save_weights_external`` exports of ``model_id`` on disk, as the SDK's ``Checkpoint`` JSON, oldest first."""
-    folder = root / tenant / _check_name(model_id) / "external_weights"
+    folder = root / tenant / check_name(model_id, "model id") / "external_weights"
     out = []
     for path in folder.iterdir() if folder.is_dir() else ():
         if path.name.startswith(".") or not path.is_dir():  # a staging folder of an export being written
