@@ -154,6 +154,19 @@ def test_rl_losses_are_tinkers(served) -> None:
     ppo_loss = trainer.forward([datum], "ppo", loss_fn_config=config).result().metrics["loss:sum"]
     clipped = torch.minimum(ratio * advantages, ratio.clamp(0.9, 1.1) * advantages)
     assert ppo_loss == pytest.approx(float(-clipped.sum()), rel=1e-5)
+    # gspo: the PPO clip on the datum's geometric-mean ratio over its sequence_ratio_mask tokens (the sampled part,
+    # as tinker-cookbook's rl_loop sends it); tokens outside the mask add nothing.
+    mask = torch.tensor([0.0] * 3 + [1.0] * (n - 3))
+    masked = types.Datum(model_input=datum.model_input, loss_fn_inputs={**inputs, "sequence_ratio_mask": mask})
+    gspo_loss = trainer.forward([masked], "gspo", loss_fn_config=config).result().metrics["loss:sum"]
+    seq_ratio = torch.exp(((lp - behaviour) * mask).sum() / mask.sum())
+    per_token = torch.minimum(seq_ratio * advantages, seq_ratio.clamp(0.9, 1.1) * advantages) * mask
+    assert gspo_loss == pytest.approx(float(-per_token.sum()), rel=1e-5)
+    unmasked = trainer.forward([datum], "gspo", loss_fn_config=config).result().metrics["loss:sum"]
+    seq_ratio = torch.exp((lp - behaviour).mean())
+    assert unmasked == pytest.approx(
+        float(-torch.minimum(seq_ratio * advantages, seq_ratio.clamp(0.9, 1.1) * advantages).sum()), rel=1e-5
+    )
 
 
 def test_save_and_load_state(served) -> None:

@@ -9,6 +9,8 @@ trainers:
     importance_sampling  l = sum_t reinforce_t = -sum_t (pi/q)_t A_t           inputs: target_tokens, logprobs (q), advantages
     ppo                  l = sum_t vanilla_t (PPO clip, eps = 1 - clip_low_threshold, clip_high_threshold - 1)
     cispo                l = sum_t cispo_t (the same clip thresholds)
+    gspo                 l = sum_t gspo_t (PPO clip on each datum's geometric-mean ratio over its
+                         ``sequence_ratio_mask`` tokens, default all; tokens outside the mask add nothing)
 
 Legend: T = the datums' tokens packed end to end.
 """
@@ -44,10 +46,12 @@ _INPUTS = {
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
+    "gspo": ("target_tokens", "logprobs", "advantages"),
 }
 
-OPTIONAL_INPUTS = {"cross_entropy": ("weights",)}
-"""Inputs a loss uses when every datum has them (cross_entropy's ``weights`` default to 1)."""
+OPTIONAL_INPUTS = {"cross_entropy": ("weights",), "gspo": ("sequence_ratio_mask",)}
+"""Inputs a loss uses when every datum has them (cross_entropy's ``weights`` and gspo's ``sequence_ratio_mask``
+default to 1)."""
 
 
 def required_inputs(loss_fn: str) -> tuple[str, ...]:
@@ -82,8 +86,16 @@ def _policy_loss(name: str, eps_from_config: bool) -> ServeLossFn:
         cu_seqlens = torch.tensor([0, *torch.tensor(list(lengths)).cumsum(0).tolist()], dtype=torch.int32)
         old = inputs["logprobs"].to(logprobs.dtype)
         advantages = inputs["advantages"].to(logprobs.dtype)
-        terms = POLICY_LOSSES.get(name)(logprobs, old, advantages, torch.ones_like(logprobs), cu_seqlens, actor)
-        return LossResult(loss=terms.pg.sum(), elementwise=terms.pg.detach())
+        mask = inputs.get("sequence_ratio_mask")
+        if mask is None:
+            terms = POLICY_LOSSES.get(name)(logprobs, old, advantages, torch.ones_like(logprobs), cu_seqlens, actor)
+            return LossResult(loss=terms.pg.sum(), elementwise=terms.pg.detach())
+        on = mask != 0  # POLICY_LOSSES take off-mask values zeroed and leave their terms there to the caller
+        zero = logprobs.new_zeros(())
+        lp, old, advantages = (torch.where(on, x, zero) for x in (logprobs, old, advantages))
+        terms = POLICY_LOSSES.get(name)(lp, old, advantages, on.to(logprobs.dtype), cu_seqlens, actor)
+        pg = torch.where(on, terms.pg, zero)
+        return LossResult(loss=pg.sum(), elementwise=pg.detach())
 
     loss_fn.__doc__ = f"Our registered {name!r} policy-gradient term, summed over tokens."
     return loss_fn
@@ -92,3 +104,4 @@ def _policy_loss(name: str, eps_from_config: bool) -> ServeLossFn:
 SERVE_LOSSES.add("importance_sampling", _policy_loss("reinforce", eps_from_config=False))
 SERVE_LOSSES.add("ppo", _policy_loss("vanilla", eps_from_config=True))
 SERVE_LOSSES.add("cispo", _policy_loss("cispo", eps_from_config=True))
+SERVE_LOSSES.add("gspo", _policy_loss("gspo", eps_from_config=True))
