@@ -239,18 +239,21 @@ def test_rest_client_reads_a_training_run_live_and_after_a_restart(served) -> No
 
 def test_rest_client_deletes_checkpoints(served) -> None:
     """``RestClient.delete_checkpoint_from_tinker_path`` (tinker-cookbook's rolling checkpoints): a state checkpoint
-    leaves the disk and the listing, sampler weights the listing; another tenant's key and unknown ids get 404."""
+    or an export leaves the disk and the listing, sampler weights the listing; another tenant's key and unknown ids
+    get 404."""
     with tinker.ServiceClient(base_url=served["url"], api_key=ALICE) as service:
         trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=8).result()
         keep, gone = trainer.save_state("keep").result().path, trainer.save_state("gone").result().path
         sampler = trainer.save_weights_for_sampler("gone").result().path
+        export = trainer.save_weights_external("gone").result().path
         rest, other = (tinker.RestClient(base_url=served["url"], api_key=key) for key in (ALICE, BOB))
         with pytest.raises(tinker.NotFoundError):
             other.delete_checkpoint_from_tinker_path(gone).result()
         rest.delete_checkpoint_from_tinker_path(gone).result()
         rest.delete_checkpoint_from_tinker_path(sampler).result()
+        rest.delete_checkpoint_from_tinker_path(export).result()
         assert [c.tinker_path for c in rest.list_checkpoints(trainer.model_id).result().checkpoints] == [keep]
-        for path in (gone, sampler):  # deleted: unknown now
+        for path in (gone, sampler, export):  # deleted: unknown now
             with pytest.raises(tinker.NotFoundError):
                 rest.delete_checkpoint_from_tinker_path(path).result()
         with pytest.raises(Exception, match="not a checkpoint of this API key"):
@@ -259,7 +262,7 @@ def test_rest_client_deletes_checkpoints(served) -> None:
         f"{served['url']}/api/v1/training_runs/{trainer.model_id}/checkpoints/other/keep",
         headers={"X-API-Key": ALICE}, timeout=30,
     )  # fmt: skip
-    assert answer.status_code == 400 and "weights/<name> or sampler_weights/<name>" in answer.json()["detail"]
+    assert answer.status_code == 400 and "sampler_weights/<name> or external_weights/<name>" in answer.json()["detail"]
 
 
 def _post(url: str, path: str, key: str, **kw) -> httpx.Response:

@@ -133,11 +133,20 @@ def build_app(service: TinkerService) -> FastAPI:
             service.delete_checkpoint(who, model_id, checkpoint_id)
         return Response(status_code=204)
 
+    @app.put("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
+    async def set_checkpoint_ttl(
+        model_id: str, checkpoint_id: str, request: Request, who: str = Depends(tenant)
+    ) -> Response:
+        with _http_errors():
+            service.set_checkpoint_ttl(who, model_id, checkpoint_id, (await payload(request)).get("ttl_seconds"))
+        return Response(status_code=204)
+
     @app.get("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
     async def external_weights_urls(
         model_id: str, checkpoint_id: str, request: Request, who: str = Depends(tenant)
     ) -> dict[str, Any]:
         with _http_errors():
+            service.sweep_path(who, f"tinker://{model_id}")  # an expired export has no URLs
             return service.downloads.urls(who, model_id, checkpoint_id, str(request.base_url))
 
     @app.get("/api/v1/external_weights_files/{owner}/{model_id}/{name}/{file:path}")

@@ -30,7 +30,7 @@ from shardforge.algorithms.serve.checkpoints import check_name
 from shardforge.algorithms.serve.futures import UserError
 from shardforge.algorithms.serve.models import TrainingModel
 
-__all__ = ["DownloadSigner", "export_dir", "list_exports", "save_external"]
+__all__ = ["DownloadSigner", "delete_export", "export_dir", "list_exports", "save_external"]
 
 URL_TTL_S = 3600
 """How long a download URL is valid."""
@@ -62,6 +62,17 @@ def save_external(root: Path, model: TrainingModel, name: str, *, tokenizer: Any
     size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
     path = f"tinker://{model.model_id}/external_weights/{name}"
     return {"type": "save_weights_external", "path": path, "size_bytes": size}
+
+
+def delete_export(root: Path, tenant: str, model_id: str, name: str) -> None:
+    """Remove the export ``tinker://<model_id>/external_weights/<name>`` of ``tenant`` (KeyError when it has none
+    such); renamed out of place first, so a download in progress never reads a half-deleted folder's file list."""
+    target = export_dir(root, tenant, model_id, name)
+    if not target.is_dir():
+        raise KeyError(f"tinker://{model_id}/external_weights/{name} is not an export of this API key")
+    trash = target.parent / f".tmp-deleted-{target.name}-{uuid.uuid4().hex[:8]}"
+    os.replace(target, trash)
+    shutil.rmtree(trash)
 
 
 def list_exports(root: Path, tenant: str, model_id: str) -> list[dict[str, Any]]:

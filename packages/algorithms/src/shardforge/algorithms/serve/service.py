@@ -3,20 +3,26 @@ queue) and the validation every request passes before it is queued."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from shardforge.algorithms.serve.checkpoints import check_name
 from shardforge.algorithms.serve.codecs import FwdBwdRequest
 from shardforge.algorithms.serve.config import ServeConfig
+from shardforge.algorithms.serve.expiry import check_ttl
 from shardforge.algorithms.serve.futures import BatchGroup, FutureQueue, UserError
 from shardforge.algorithms.serve.models import ModelRegistry, SamplerWeights, TrainingModel, lora_config_for
 from shardforge.algorithms.serve.runs import check_user_metadata
 from shardforge.algorithms.serve.tenants import TenantKeys
 
 __all__ = ["TinkerService"]
+
+log = logging.getLogger(__name__)
 
 
 class TinkerService:
@@ -29,6 +35,7 @@ class TinkerService:
 
     def __init__(self, config: ServeConfig, keys: TenantKeys) -> None:
         from shardforge.algorithms.serve.batching import LoRABatcher
+        from shardforge.algorithms.serve.expiry import ExpiryBook
         from shardforge.algorithms.serve.export import DownloadSigner
         from shardforge.algorithms.serve.metrics import ServeMetrics
         from shardforge.algorithms.serve.sampling import SamplerEngine
@@ -65,9 +72,36 @@ class TinkerService:
         self.step_logs = TenantStepLogs(Path(config.output_dir), config.loggers) if config.loggers else None
         self._sessions: dict[str, str] = {}  # session id -> tenant
         self._lock = threading.Lock()
+        self.expiry = ExpiryBook(Path(config.output_dir), self.delete_checkpoint)
+        self._closed = threading.Event()
+        threading.Thread(target=self._sweep_expired, name="serve-expiry", daemon=True).start()
 
     def close(self) -> None:
+        self._closed.set()
         self.futures.close()
+
+    def _sweep_expired(self) -> None:
+        from shardforge.algorithms.serve.expiry import SWEEP_EVERY_S
+
+        while True:
+            try:
+                self.expiry.sweep()
+            except Exception:  # a full disk or a file removed by hand must not stop the sweeps
+                log.exception("deleting expired checkpoints failed; retrying in %.0f s", SWEEP_EVERY_S)
+            if self._closed.wait(SWEEP_EVERY_S):
+                return
+
+    def sweep_path(self, tenant: str, tinker_path: object) -> None:
+        """Delete the expired checkpoints of the model a ``tinker://<model_id>/...`` path names, before it is read."""
+        if isinstance(tinker_path, str) and tinker_path.startswith("tinker://"):
+            model_id = tinker_path.removeprefix("tinker://").split("/", 1)[0]
+            with contextlib.suppress(UserError):  # a malformed id: the read that follows says what is wrong
+                self.expiry.sweep_model(tenant, model_id)
+
+    def _expire(self, tenant: str, model_id: str, result: dict[str, Any], ttl_s: int | None) -> dict[str, Any]:
+        """Record the TTL of the checkpoint a save job just wrote (None clears an overwritten one's)."""
+        self.expiry.set(tenant, model_id, str(result["path"]).removeprefix(f"tinker://{model_id}/"), ttl_s)
+        return result
         if self.step_logs is not None:
             self.step_logs.close()
 
@@ -196,6 +230,7 @@ class TinkerService:
         name = data.get("path")
         if name is not None and (not isinstance(name, str) or not name or "/" in name):
             raise UserError(f"path={name!r} must be a non-empty name without '/'")
+        ttl_s = check_ttl(data.get("ttl_seconds"))
 
         def job() -> dict[str, Any]:
             label = name or self.registry.new_id("sampler")
@@ -206,7 +241,8 @@ class TinkerService:
             )  # fmt: skip
             self.registry.samplers[path] = weights
             session = None if name is not None else self.registry.open_session(tenant, weights)
-            return {"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session}
+            result = {"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session}
+            return self._expire(tenant, model.model_id, result, ttl_s)
 
         return self.futures.submit(tenant, "SaveWeightsForSampler", job, lane=model.model_id)
 
@@ -222,16 +258,19 @@ class TinkerService:
         export_dir(root, tenant, model.model_id, name)  # checks the name now: a bad one is a 400, not a failed job
         if data.get("age_encryption_recipients"):
             raise UserError("age_encryption_recipients: encrypted exports are not supported by shardforge serve")
+        ttl_s = check_ttl(data.get("ttl_seconds"))
 
         def job() -> dict[str, Any]:
             registry = self.registry
-            return save_external(root, model, name, tokenizer=registry.tokenizer, base_model=registry.model_dir)
+            result = save_external(root, model, name, tokenizer=registry.tokenizer, base_model=registry.model_dir)
+            return self._expire(tenant, model.model_id, result, ttl_s)
 
         return self.futures.submit(tenant, "SaveWeightsExternal", job, lane=model.model_id)
 
     def sampling_session(self, tenant: str, data: dict[str, Any]) -> str:
         self.check_session(tenant, str(data.get("session_id")))
         path = data.get("model_path")
+        self.sweep_path(tenant, path)
         if path:
             return self.registry.open_session(tenant, self.registry.sampler(tenant, str(path)))
         self.registry.check_base_model(data.get("base_model"))
@@ -241,6 +280,7 @@ class TinkerService:
         if data.get("sampling_session_id"):
             weights = self.registry.session(tenant, str(data["sampling_session_id"]))
         elif data.get("model_path"):
+            self.sweep_path(tenant, data["model_path"])
             weights = self.registry.sampler(tenant, str(data["model_path"]))
         else:
             self.registry.check_base_model(data.get("base_model"))
@@ -254,7 +294,12 @@ class TinkerService:
 
         model = self.registry.model(tenant, str(data.get("model_id")))
         root = Path(self.config.output_dir)
-        return self.futures.submit(tenant, "SaveWeights", lambda: save_state(root, model, data), lane=model.model_id)
+        ttl_s = check_ttl(data.get("ttl_seconds"))
+
+        def job() -> dict[str, Any]:
+            return self._expire(tenant, model.model_id, save_state(root, model, data), ttl_s)
+
+        return self.futures.submit(tenant, "SaveWeights", job, lane=model.model_id)
 
     def list_checkpoints(self, tenant: str, model_id: str) -> dict[str, Any]:
         """``RestClient.list_checkpoints``: the model's ``save_state`` checkpoints and ``save_weights_external``
@@ -264,6 +309,7 @@ class TinkerService:
         from shardforge.algorithms.serve.export import list_exports
 
         root = Path(self.config.output_dir)
+        self.expiry.sweep_model(tenant, check_name(model_id, "model id"))
         checkpoints = list_training_checkpoints(root, tenant, model_id) + list_exports(root, tenant, model_id)
         live = self.registry.models.get(model_id)
         if not checkpoints and (live is None or live.owner != tenant):
@@ -276,29 +322,48 @@ class TinkerService:
                     "checkpoint_id": path.removeprefix(f"tinker://{model_id}/"), "checkpoint_type": "sampler",
                     "time": weights.created or now, "tinker_path": path,
                 })  # fmt: skip
+        expires = self.expiry.expires_at(tenant, model_id)
+        for checkpoint in checkpoints:
+            checkpoint["expires_at"] = expires.get(checkpoint["checkpoint_id"])
         return {"checkpoints": checkpoints, "cursor": None}
+
+    def set_checkpoint_ttl(self, tenant: str, model_id: str, checkpoint_id: str, ttl_seconds: object) -> None:
+        """``RestClient.set_checkpoint_ttl_from_tinker_path``: expire one of the tenant's checkpoints ``ttl_seconds``
+        from now (None: never); KeyError (404) for another tenant's or a missing checkpoint."""
+        ttl_s = check_ttl(ttl_seconds)
+        listed = {c["checkpoint_id"] for c in self.list_checkpoints(tenant, model_id)["checkpoints"]}
+        if checkpoint_id not in listed:
+            raise KeyError(f"tinker://{model_id}/{checkpoint_id} is not a checkpoint of this API key")
+        self.expiry.set(tenant, model_id, checkpoint_id, ttl_s)
 
     def delete_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> None:
         """``RestClient.delete_checkpoint[_from_tinker_path]`` (``checkpoint_id``: ``weights/<name>``, a
         ``save_state`` checkpoint on disk, or ``sampler_weights/<name>``, sampler weights in memory; sampling clients
         already made from them keep working). tinker-cookbook deletes its rolling checkpoints with it."""
         from shardforge.algorithms.serve.checkpoints import delete_checkpoint
+        from shardforge.algorithms.serve.export import delete_export
 
         kind, _, name = checkpoint_id.partition("/")
         if kind == "weights":
             delete_checkpoint(Path(self.config.output_dir), tenant, model_id, name)
+        elif kind == "external_weights":
+            delete_export(Path(self.config.output_dir), tenant, model_id, name)
         elif kind == "sampler_weights":
             path = f"tinker://{model_id}/{checkpoint_id}"
             self.registry.sampler(tenant, path)  # KeyError (404) unless the tenant's
             self.registry.samplers.pop(path, None)
         else:
-            raise UserError(f"checkpoint_id {checkpoint_id!r} must be weights/<name> or sampler_weights/<name>")
+            raise UserError(
+                f"checkpoint_id {checkpoint_id!r} must be weights/<name>, sampler_weights/<name> or "
+                "external_weights/<name>"
+            )
 
     def training_run(self, tenant: str, model_id: str) -> dict[str, Any]:
         """``RestClient.get_training_run``: the run's base model, LoRA rank, ``user_metadata`` and newest
         checkpoints (`serve.runs`); KeyError (404) for unknown ids and other tenants' runs."""
         from shardforge.algorithms.serve.runs import training_run
 
+        self.sweep_path(tenant, f"tinker://{model_id}")
         return training_run(Path(self.config.output_dir), self.registry, tenant, model_id)
 
     def load_state(self, tenant: str, data: dict[str, Any]) -> str:
@@ -307,6 +372,7 @@ class TinkerService:
         from shardforge.algorithms.serve.checkpoints import load_state, read_lora
 
         root = Path(self.config.output_dir)
+        self.sweep_path(tenant, data.get("path"))
         if data.get("model_id"):
             model = self.registry.model(tenant, str(data["model_id"]))
             return self.futures.submit(
