@@ -1,7 +1,7 @@
 """tinker-cookbook's basic recipes, unchanged, against `shardforge serve` on 127.0.0.1.
 
-``tinker_cookbook.recipes.sl_basic`` and ``rl_basic`` are run through their own entry points (``main(config)``,
-the config from their ``build_config_blueprint()`` with overrides, as their command line would apply them).
+``tinker_cookbook.recipes.sl_basic`` and ``rl_basic`` (synchronous and asynchronous) are run through their own entry
+points (``main(config)``, the config from their ``build_config_blueprint()`` with overrides, as their command line would apply them).
 What is swapped goes through the recipes' own hooks: the model is the directory of a tiny local Qwen3 (the
 cookbook's ``get_tokenizer`` loads a local directory's tokenizer; the service accepts the directory as
 ``base_model``), the renderer is the cookbook's generic ``role_colon``, the SFT data is a local JSONL file through
@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +243,47 @@ def test_rl_basic_recipe_with_kl_penalty_ppo_and_substeps(served, sl_run: Path) 
     assert all(row["kl_pre_post_v2"] > 0 for row in steps if row["grad_norm:mean"] > 0)
     model_id = _model_id(_rows(log_path / "checkpoints.jsonl")[-1]["state_path"])
     assert served["service"].registry.models[model_id].steps == 4
+
+
+def test_rl_basic_recipe_asynchronous(served, sl_run: Path) -> None:
+    """The recipe's asynchronous mode (``AsyncConfig``): sampling for the next steps runs while the service trains,
+    at most one step off policy, with the ``ppo`` loss (the mode's default ``stable_reinforce`` is not served)."""
+    from tinker_cookbook.recipes import rl_basic
+    from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
+    from tinker_cookbook.rl.train import AsyncConfig
+
+    log_path = served["root"] / "rl_basic_async"
+    data = ArithmeticDatasetBuilder(
+        batch_size=2, group_size=4, n_batches=RL_STEPS, renderer_name=RENDERER, model_name_for_tokenizer=served["model"]
+    )
+    config = (
+        rl_basic.build_config_blueprint()
+        .apply({
+            "model_name": served["model"], "renderer_name": RENDERER, "dataset_builder": data,
+            "base_url": served["server"].url, "log_path": str(log_path), "save_every": 0,
+            "load_checkpoint_path": _rows(sl_run / "checkpoints.jsonl")[-1]["state_path"],
+            "learning_rate": 3e-4, "max_tokens": 16,
+            "async_config": AsyncConfig(max_steps_off_policy=1, groups_per_batch=2, loss_fn="ppo"),
+        })
+        .make()
+    )  # fmt: skip
+    rl_basic.main(config)
+    steps = [row for row in _rows(log_path / "metrics.jsonl") if "env/all/reward/total" in row]
+    assert [row["step"] for row in steps] == list(range(RL_STEPS)) and all(_finite(row) for row in steps)
+    # Every batch was sampled at most one optimizer step before it was trained, and some were: the sampling
+    # clients of older weights kept serving while the service trained.
+    assert all(row["async/staleness_max"] <= 1 for row in steps)
+    assert any(row["async/staleness_max"] == 1 for row in steps)
+    assert steps[-1]["training_client/step"] == RL_STEPS - 1
+    mixed = [row for row in steps if row["env/all/by_group/frac_mixed"] > 0]
+    assert all(row["grad_norm:mean"] > 0 for row in mixed)
+    # The asynchronous loop saves its first checkpoint with the recipe's ttl_seconds (7 days), the final one
+    # without: the service keeps both as asked.
+    saved = {row["name"]: row["state_path"] for row in _rows(log_path / "checkpoints.jsonl")}
+    rest = tinker.RestClient(base_url=served["server"].url, api_key=KEY)
+    listed = {
+        c.tinker_path: c.expires_at for c in rest.list_checkpoints(_model_id(saved["final"])).result().checkpoints
+    }
+    first = listed[saved["000000"]]
+    assert first is not None and abs(first.timestamp() - time.time() - 7 * 24 * 3600) < 600
+    assert listed[saved["final"]] is None
