@@ -167,6 +167,12 @@ def test_rl_losses_are_tinkers(served) -> None:
     assert unmasked == pytest.approx(
         float(-torch.minimum(seq_ratio * advantages, seq_ratio.clamp(0.9, 1.1) * advantages).sum()), rel=1e-5
     )
+    # dro, as Tinker's docs write it: -sum(lp A - beta/2 (lp - q)^2); beta is required (no documented default).
+    dro_loss = trainer.forward([datum], "dro", loss_fn_config={"beta": 0.05}).result().metrics["loss:sum"]
+    expected = -(lp * advantages - 0.025 * (lp - behaviour) ** 2).sum()
+    assert dro_loss == pytest.approx(float(expected), rel=1e-5)
+    with pytest.raises(Exception, match=r"needs loss_fn_config=\{'beta'"):
+        trainer.forward([datum], "dro").result()
 
 
 def test_save_and_load_state(served) -> None:

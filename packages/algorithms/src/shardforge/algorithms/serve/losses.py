@@ -11,6 +11,8 @@ trainers:
     cispo                l = sum_t cispo_t (the same clip thresholds)
     gspo                 l = sum_t gspo_t (PPO clip on each datum's geometric-mean ratio over its
                          ``sequence_ratio_mask`` tokens, default all; tokens outside the mask add nothing)
+    dro                  l = -sum_t (log pi_t A_t - beta/2 (log pi_t - log q_t)^2)  (Tinker's docs; ``beta`` from
+                         loss_fn_config, required: the hosted default is not documented)
 
 Legend: T = the datums' tokens packed end to end.
 """
@@ -47,6 +49,7 @@ _INPUTS = {
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
     "gspo": ("target_tokens", "logprobs", "advantages"),
+    "dro": ("target_tokens", "logprobs", "advantages"),
 }
 
 OPTIONAL_INPUTS = {"cross_entropy": ("weights",), "gspo": ("sequence_ratio_mask",)}
@@ -105,3 +108,20 @@ SERVE_LOSSES.add("importance_sampling", _policy_loss("reinforce", eps_from_confi
 SERVE_LOSSES.add("ppo", _policy_loss("vanilla", eps_from_config=True))
 SERVE_LOSSES.add("cispo", _policy_loss("cispo", eps_from_config=True))
 SERVE_LOSSES.add("gspo", _policy_loss("gspo", eps_from_config=True))
+
+
+@SERVE_LOSSES.register("dro")
+def dro(
+    logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], lengths: Sequence[int], config: Mapping[str, float]
+) -> LossResult:
+    """DRO (Richemond et al. 2024) as Tinker documents it: the policy-gradient term with a quadratic penalty on the
+    log-ratio to the sampler, summed over tokens."""
+    if "beta" not in config:
+        raise ValueError("loss 'dro' needs loss_fn_config={'beta': <float > 0>} (the weight of the quadratic penalty)")
+    beta = config["beta"]
+    if not beta > 0:
+        raise ValueError(f"loss 'dro': loss_fn_config beta={beta} must be > 0")
+    old = inputs["logprobs"].to(logprobs.dtype)
+    advantages = inputs["advantages"].to(logprobs.dtype)
+    per_token = -(logprobs * advantages - 0.5 * beta * (logprobs - old) ** 2)
+    return LossResult(loss=per_token.sum(), elementwise=per_token.detach())
