@@ -1,7 +1,8 @@
 """tinker-cookbook's basic recipes, unchanged, against `shardforge serve` on 127.0.0.1.
 
 ``tinker_cookbook.recipes.sl_basic`` and ``rl_basic`` (synchronous and asynchronous) are run through their own entry
-points (``main(config)``, the config from their ``build_config_blueprint()`` with overrides, as their command line would apply them).
+points (``main(config)``, the config from their ``build_config_blueprint()`` with overrides, as their command line
+would apply them).
 What is swapped goes through the recipes' own hooks: the model is the directory of a tiny local Qwen3 (the
 cookbook's ``get_tokenizer`` loads a local directory's tokenizer; the service accepts the directory as
 ``base_model``), the renderer is the cookbook's generic ``role_colon``, the SFT data is a local JSONL file through
