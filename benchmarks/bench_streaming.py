@@ -123,7 +123,7 @@ class ChunkedGroups:
         return out
 
 
-def run_streaming_source(cost: str, chunked: bool) -> dict[str, float]:
+def run_streaming_source(cost: str, chunked: bool, late_groups: str = "defer") -> dict[str, float]:
     """The real `StreamingSource` (one weight version per engine) over `ChunkedGroups`: with ``chunked`` (partial
     rollouts) a publish interrupts the calls in flight at their next chunk boundary; without, a worker that needs the
     new weights waits until no call is in flight."""
@@ -133,7 +133,7 @@ def run_streaming_source(cost: str, chunked: bool) -> dict[str, float]:
     source = StreamingSource(
         rollout=engine, groups_fn=engine.groups, publish_fn=lambda v: 0 if v is None else v,  # type: ignore[arg-type]
         prompts_per_step=partial.ROWS, max_staleness=1, num_batches=partial.STEPS, start=0, dp_rank=0, dp_size=1,
-        workers=partial.ROWS, chunks=engine.chunks,
+        workers=partial.ROWS, chunks=engine.chunks, late_groups=late_groups,
     )  # fmt: skip
     waited, staleness = 0.0, []
     started = time.perf_counter()
