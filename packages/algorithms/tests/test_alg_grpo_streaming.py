@@ -12,7 +12,8 @@
   synchronous (1 and 2 ranks); at ``max_staleness=1`` the bound, whole groups, per-token staleness and a lossless
   resume hold, and with a deterministic interruption every later group keeps its start version while its later
   tokens come from the newer policy (``partial/*``, rollout correction);
-- the settings streaming does not support yet (ReMax's baseline, ...) are refused with one line.
+- the settings streaming does not support yet are refused with one line (ReMax streams:
+  test_alg_grpo_streaming_remax.py).
 """
 
 from __future__ import annotations
@@ -303,7 +304,6 @@ def test_streaming_run_killed_with_sigkill_resumes_without_dropping_or_repeating
             {"streaming_rollouts": True},
             "streaming_rollouts=true is a mode of asynchronous rollouts: set async_rollouts",
         ),
-        ({**STREAM, "advantage": "remax"}, "advantage=remax with streaming_rollouts=true is not supported"),
         ({**STREAM, "rollout.streaming_workers": 0}, r"rollout.streaming_workers=0 must be >= 1 \(generator threads"),
         ({"rollout.streaming_workers": 2}, "streaming_workers=2 sets the generator threads of streaming rollouts: set"),
         (

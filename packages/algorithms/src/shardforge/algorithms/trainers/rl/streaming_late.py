@@ -25,10 +25,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from shardforge.rollout.config import STREAMING_LATE_GROUPS
+
 __all__ = ["LATE_GROUPS", "PromptOrder", "check_late_groups"]
 
-LATE_GROUPS = ("wait", "defer", "regenerate")
-"""The valid ``late_groups`` policies (the module docstring)."""
+LATE_GROUPS = STREAMING_LATE_GROUPS
+"""The valid ``late_groups`` policies (the module docstring; ``rollout.streaming_late_groups``)."""
 
 
 def check_late_groups(late_groups: str) -> None:
