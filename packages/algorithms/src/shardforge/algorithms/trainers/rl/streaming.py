@@ -10,14 +10,14 @@ step loaded when its generation began):
   otherwise the submission waits for the next publish. At most ``(max_staleness + 1) * prompts_per_step``
   prompts are therefore in flight or finished-but-unused at any time.
 - Consumption: batch k takes finished groups with start version ``k - max_staleness`` first (they would
-  break the bound at step k + 1), then the earliest finished; it never waits for a particular group. A
-  finished group whose staleness ``k - start_version`` already exceeds the bound (a long-tail response
-  that finished too late) is discarded and its prompt regenerated (counted in ``stream/regenerated``), so
-  no trained group is ever more than ``max_staleness`` steps stale and no prompt is dropped. A group still in
-  flight once no later batch may take it (start version < k + 1 - max_staleness after batch k) is released at once:
-  its prompt is regenerated now and the late result dropped, so it stops holding a place in flight. With partial
-  rollouts the generate call of such groups stops at its next chunk boundary (`call_released`) instead of running to
-  its end.
+  break the bound at step k + 1), then the earliest finished. A group still generating when batch k is the last one
+  its bound allows (start version ``k - max_staleness``) is LATE; ``late_groups`` (`streaming_late`) decides: the
+  batch waits for it (``wait``, and ``defer``'s second attempt), or it is released: its prompt is started again
+  (``defer``: together with the other deferred ones, later; ``regenerate``: at once) and the late result dropped
+  (``stream/regenerated``), so it stops holding a place in flight. With partial rollouts the generate call of released
+  groups stops at its next chunk boundary (`call_released`). A finished group whose staleness already exceeds the
+  bound (only possible when a short batch broke the room the admission rule leaves) is released the same way, so no
+  trained group is ever more than ``max_staleness`` steps stale and no prompt is dropped.
 - Dynamic sampling (``keep_fn``): a group is judged when it finishes; a dropped one (no learning signal) frees its
   place in flight at once, so a fresh prompt starts, and the trainer waits for ``prompts_per_step`` KEPT groups.
   Generation is capped at ``max_rounds`` x the admission limit (every prompt started, kept or not); when the cap

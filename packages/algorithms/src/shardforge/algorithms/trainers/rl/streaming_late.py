@@ -1,23 +1,28 @@
-"""What streaming rollouts do with a LATE group: one started under policy ``v`` that has not finished when batch
-``v + max_staleness`` (the last batch the staleness bound lets take it) is assembled (``rollout.streaming_late_groups``).
+"""What streaming rollouts do with a LATE group (``rollout.streaming_late_groups``): one started under policy ``v``
+that is still generating when batch ``v + max_staleness``, the last one its staleness bound allows, is assembled.
 
-- ``wait`` (the default): batch ``v + max_staleness`` waits for it. The admission rule guarantees room: the
-  unconsumed groups started at or before ``k - max_staleness`` are never more than one batch (prompts started under
-  policy <= v number at most ``(max_staleness + v + 1) * prompts_per_step``; batches ``< v + max_staleness`` took
-  ``(v + max_staleness) * prompts_per_step``), so batch k can take all of them. Nothing generated is thrown away and
-  nothing piles up at the end of a run; the trainer's wait is the late group's remaining decode.
-- ``defer``: the group is released (its late result dropped, a partial-rollout call stops at its next chunk
-  boundary) and its prompt is started again only after the run's last fresh prompt. Long tails then run together
-  at the end of the run, where the last batches wait once for all of them; until then their places in flight go to
-  fresh prompts. The deferred prompts are the run's slowest, so they cluster in its last steps.
-- ``regenerate``: released, and its prompt started again at once under newer weights (the behaviour before this
-  option). If the prompt's response is long every time, it is released again and again and holds a place in flight
-  until the last batch needs it.
+- ``defer`` (the default): the group is released (its late result dropped; with partial rollouts its call stops at
+  the next chunk boundary) and its prompt waits; the deferred prompts start again all together once a batch's worth
+  (``prompts_per_step`` per rank) is deferred or the run's fresh prompts are all started, and this second attempt
+  is never released: the batch its bound ends at waits for it. A long tail then costs the trainer one wait per
+  batch's worth of late prompts (the longest of them), instead of one per late prompt, and until then its place in
+  flight goes to a fresh prompt. Price: a late prompt is generated twice (the first attempt only up to its release)
+  and trained some steps later than its position (at most about a batch's worth of late prompts later, or in the
+  run's last steps).
+- ``wait``: never released; batch ``v + max_staleness`` waits for it. Nothing generated is thrown away, but the
+  trainer waits for each late group on its own.
+- ``regenerate``: released and started again at once under newer weights (the only behaviour before this option).
+  A prompt whose responses are always long is released again and again, holds a place in flight all run, and the
+  run's last batch waits for it.
 
-AReaL bounds only admission and never discards a late trajectory: it trains it whenever it finishes, so a group can
-be more stale than the bound. All three policies here keep the bound strict (no trained group more than
-``max_staleness`` steps stale, counted from its start version); ``wait`` is the closest to AReaL's "never discard"
-(benchmarks/bench_streaming.py compares them; ``docs/packages/algorithms-grpo.md``, streaming).
+Room for the waits: prompts started under policy <= v number at most ``(max_staleness + v + 1) * prompts_per_step``
+(the admission rule) and batches before ``v + max_staleness`` took ``(v + max_staleness) * prompts_per_step``, so
+the unconsumed groups that batch ``v + max_staleness`` must take are never more than one batch.
+
+AReaL bounds only admission and never discards a late trajectory: it trains it whenever it finishes, so a trained
+group can be more stale than the bound. Here every policy keeps the bound strict (no trained group more than
+``max_staleness`` steps stale, counted from its start version); ``wait`` is the closest to AReaL's "never discard".
+Measured (benchmarks/bench_streaming.py, ``late_groups_steps``; ``docs/packages/algorithms-grpo.md``, streaming).
 """
 
 from __future__ import annotations
