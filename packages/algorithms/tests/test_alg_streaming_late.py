@@ -22,9 +22,7 @@ from shardforge.rollout.episodes.trajectory import Trajectory
 GROUP, SLOW_S, TRAIN_S = 2, 0.4, 0.02
 
 
-def _stream(
-    late_groups: str, slow: set[int], b: int, n: int
-) -> tuple[StreamingRollouts, dict[int, int], list[int]]:
+def _stream(late_groups: str, slow: set[int], b: int, n: int) -> tuple[StreamingRollouts, dict[int, int], list[int]]:
     """The source; each position's generate count; the positions in the order their generation started."""
     attempts: dict[int, int] = {}
     starts: list[int] = []
