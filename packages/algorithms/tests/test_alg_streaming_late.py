@@ -140,3 +140,12 @@ def test_a_checkpoint_keeps_the_deferred_prompts() -> None:
         src.close()
     assert starts.count(1) == 1 and 1 not in [t for k in range(3) for t in src.infos[k].positions]
     assert 1 in state["regenerate"], state  # deferred, not started again yet: a resumed run regenerates it first
+
+
+def test_the_config_names_the_policy_and_refuses_an_unknown_one() -> None:
+    from shardforge.rollout.config import RolloutConfig
+
+    assert RolloutConfig().streaming_late_groups == "defer"
+    assert RolloutConfig(streaming_late_groups="wait").streaming_late_groups == "wait"
+    with pytest.raises(ValueError, match=r"rollout.streaming_late_groups='drop' is not one of \('defer', 'wait'"):
+        RolloutConfig(streaming_late_groups="drop")  # type: ignore[arg-type]
