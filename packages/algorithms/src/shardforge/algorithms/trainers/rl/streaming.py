@@ -151,7 +151,6 @@ class StreamingRollouts:
             next_position=int(restored.get("next_position", start * prompts_per_step)),
             end=num_batches * prompts_per_step, flush_at=prompts_per_step,
         )  # fmt: skip
-        self.late_groups = late_groups
         self._submitted = 0  # prompts started by this process and not dropped (admission counter)
         self.keep_fn, self.max_rounds = keep_fn, max_rounds
         self._started = 0  # prompts started by this process, dropped ones included (the dynamic-sampling cap)
@@ -187,7 +186,7 @@ class StreamingRollouts:
             while True:
                 self._raise_failed()
                 stale = [g for g in self._groups.values() if g.finished >= 0 and g.start_version < bound]
-                for g in stale:  # would break the bound: regenerate the prompt
+                for g in stale:  # would break the bound: released, its prompt started again (`streaming_late`)
                     self._release(g)
                 if stale:
                     self._cond.notify_all()
@@ -215,8 +214,9 @@ class StreamingRollouts:
             for g in chosen:
                 del self._groups[g.position]
                 self._order.done(g.position)
-            # In flight but started too early for any later batch: regenerate the prompt now (its call's result will
-            # be dropped) instead of holding its place until it finishes stale.
+            # In flight but started too early for any later batch (a late group this batch did not wait for): released,
+            # its prompt started again (`streaming_late`) and its call's result dropped, instead of holding its place
+            # until it finishes stale.
             too_old = index + 1 - self.max_staleness
             for g in [g for g in self._groups.values() if g.finished < 0 and g.start_version < too_old]:
                 self._release(g)
@@ -306,9 +306,10 @@ class StreamingRollouts:
         self._regenerated += 1
 
     def _late_in_flight(self, bound: int, need: int) -> bool:
-        """With ``late_groups="wait"``: whether batch ``bound + max_staleness`` must still wait for groups in flight
-        that started under ``bound`` (no later batch may take them). The admission rule leaves room for all of them in
-        this batch; should there be more (dynamic sampling's cap trained a short batch), the extra are released."""
+        """Whether batch ``bound + max_staleness`` must still wait for a late group: one in flight that started under
+        ``bound`` (no later batch may take it) and that the policy waits for (``wait``: every one; ``defer``: a second
+        attempt). The admission rule leaves room for all of them in this batch; should there be more (dynamic
+        sampling's cap trained a short batch), none is waited for and the extra are released."""
         late = [g for g in self._groups.values() if g.start_version <= bound]
         return len(late) <= need and any(g.finished < 0 and self._order.waits_for(g.position) for g in late)
 
