@@ -3,12 +3,15 @@ its group's generate call, under the same weights, and travels with the group.
 
 - ``max_staleness=0``: the same per-step rewards, baselines, losses and final weights as synchronous ReMax;
 - ``max_staleness=1``: no trained group is more than 1 step stale, and every group's greedy episode ran under the
-  weight version its samples ran under (recorded at collection).
+  weight version its samples ran under (recorded at collection);
+- with partial rollouts (greedy episodes interrupted like the samples): the bound, per-token staleness, every position
+  once.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import textwrap
 from pathlib import Path
@@ -101,3 +104,16 @@ def test_streaming_remax_keeps_the_bound_and_each_greedy_episode_runs_with_its_g
     records = [json.loads(x) for x in (out / "streaming" / "rank0.jsonl").read_text().splitlines()]
     positions = sorted(p for r in records for p in r["positions"])
     assert positions == list(range(5 * PROMPTS)), "every prompt position trained once"
+
+
+def test_streaming_remax_with_partial_rollouts(assets: dict[str, Any], tmp_path: Path) -> None:
+    # The greedy episodes run in the group's call, so a weight update interrupts them like the samples.
+    partial = {"rollout.partial_rollouts": True, "rollout.interrupt_chunk_tokens": 2, "max_new_tokens": 8}
+    out = tmp_path / "p1"
+    train = _run(assets, out, max_staleness=1, steps=4, **STREAM, **partial)["train"]
+    assert [r["step"] for r in train] == list(range(1, 5))
+    for r in train:
+        assert r["stream/staleness_max"] <= 1.0 and r["partial/token_staleness_max"] <= 1.0, r
+        assert math.isfinite(r["remax/baseline_mean"]) and math.isfinite(r["loss"]), r
+    records = [json.loads(x) for x in (out / "streaming" / "rank0.jsonl").read_text().splitlines()]
+    assert sorted(p for r in records for p in r["positions"]) == list(range(4 * PROMPTS))
