@@ -9,11 +9,18 @@ per response (``prompts_per_step = ROWS``):
   ``ROWS`` generator workers, each request sleeps ``UNIT_S * its length`` independently;
 - ``rows`` (CPU, cost per row-token): one request decodes at a time (a global lock), no padding.
 
-Where streaming's trainer idle goes (``steps``): the response length is a function of the prompt position here, so
-a response longer than about two training steps can never finish inside ``max_staleness=1`` and is regenerated
-again and again (``regenerated``); every position must still be trained once, so the LAST batch waits for those
-positions' full decode (``last_wait_s``, about one longest response), a one-off cost per run that a 24-step run
-does not amortise. ``idle_frac_before_last`` is the idle fraction up to the last batch (also for async/partial).
+Late groups (``late_groups``, `streaming_late`): the response length is a function of the prompt position here, so
+a response longer than about one training step can never finish inside ``max_staleness=1`` unless the trainer waits
+for it. Every position must still be trained once, so some batch waits for each such prompt's full decode. With
+``defer`` (the default) a late group is released once and its prompt started again together with the other deferred
+ones (after a batch's worth, or once the run's fresh prompts are all started) and waited for, so the run waits about
+one longest response per batch's worth of long prompts (``last_wait_s``: in a 24-step run that wait is the last
+batch's). ``regenerate`` restarts a released prompt at once: a long one is released again and again, holds a place in
+flight all run, and the last batch still waits for it; ``wait`` never releases: the last batch its bound allows waits
+for it, once per long prompt. ``late_groups_steps`` (JSON) compares the three on ``streaming_partial`` (steps model),
+also over 72 steps (``late_groups_steps_72``). ``idle_frac_before_last`` is the idle fraction up to the last batch
+(also for async/partial). The simulation charges nothing per chunk or per request (no prefill, no scheduling), as
+before.
 
 ``streaming`` drives `StreamingRollouts` alone: every request keeps the weights it started with while newer ones
 load for the next (an engine holding several versions at once). A real engine serves one version at a time, which
@@ -28,7 +35,7 @@ chunk decodes only under a global lock, so the total decode work equals the plai
 
 ``chunk_sweep_steps`` (JSON only) reruns ``streaming_partial`` on the steps model with chunks of 4, 8 and 32 tokens.
 
-Run: ``python benchmarks/bench_streaming.py`` from the repo root (about 2.5 minutes).
+Run: ``python benchmarks/bench_streaming.py`` from the repo root (about 3.5 minutes).
 """
 
 from __future__ import annotations
@@ -123,7 +130,7 @@ class ChunkedGroups:
         return out
 
 
-def run_streaming_source(cost: str, chunked: bool) -> dict[str, float]:
+def run_streaming_source(cost: str, chunked: bool, late_groups: str = "defer") -> dict[str, float]:
     """The real `StreamingSource` (one weight version per engine) over `ChunkedGroups`: with ``chunked`` (partial
     rollouts) a publish interrupts the calls in flight at their next chunk boundary; without, a worker that needs the
     new weights waits until no call is in flight."""
@@ -133,7 +140,7 @@ def run_streaming_source(cost: str, chunked: bool) -> dict[str, float]:
     source = StreamingSource(
         rollout=engine, groups_fn=engine.groups, publish_fn=lambda v: 0 if v is None else v,  # type: ignore[arg-type]
         prompts_per_step=partial.ROWS, max_staleness=1, num_batches=partial.STEPS, start=0, dp_rank=0, dp_size=1,
-        workers=partial.ROWS, chunks=engine.chunks,
+        workers=partial.ROWS, chunks=engine.chunks, late_groups=late_groups,
     )  # fmt: skip
     waited, staleness = 0.0, []
     started = time.perf_counter()
@@ -152,6 +159,16 @@ def run_streaming_source(cost: str, chunked: bool) -> dict[str, float]:
             "regenerated": batch.stats["regenerated"], "staleness_mean": sum(staleness) / len(staleness),
             "interrupted_frac": engine.interrupted / max(engine.groups_made, 1),
             "stopped_calls": float(engine.stopped)}  # fmt: skip
+
+
+def _late_cell(late: dict[str, dict[str, float]]) -> str:
+    """The late-group policies' idle fractions (steps model), for the results row."""
+    d, w, g = late[f"defer_{partial.STEPS}"], late[f"wait_{partial.STEPS}"], late[f"regenerate_{partial.STEPS}"]
+    return (
+        f"late groups regenerated at once (the old behaviour) {g['idle_frac']:.2f} ({g['steps_per_hour']:.0f}/h), "
+        f"waited for {w['idle_frac']:.2f} ({w['steps_per_hour']:.0f}/h), deferred in a second run {d['idle_frac']:.2f}; "
+        f"72 steps: deferred {late['defer_72']['idle_frac']:.2f}, regenerated {late['regenerate_72']['idle_frac']:.2f}; "
+    )
 
 
 def _judge(cost: str, mode: dict[str, Any], r: dict[str, Any]) -> tuple[float, float, bool, str]:
@@ -173,6 +190,15 @@ def main() -> int:
         results[cost]["streaming"] = run_streaming(cost)
         results[cost]["streaming_engine"] = run_streaming_source(cost, chunked=False)
         results[cost]["streaming_partial"] = run_streaming_source(cost, chunked=True)
+    late: dict[str, dict[str, float]] = {}  # the late-group policies on streaming_partial, steps model
+    default_steps = partial.STEPS
+    try:
+        for steps, policies in ((default_steps, ("defer", "wait", "regenerate")), (72, ("defer", "regenerate"))):
+            partial.STEPS = steps
+            for policy in policies:
+                late[f"{policy}_{steps}"] = run_streaming_source("steps", chunked=True, late_groups=policy)
+    finally:
+        partial.STEPS = default_steps
     # Sensitivity to the chunk size (steps model): the synchronised switch costs up to one chunk per worker per
     # publish. The simulation charges nothing per chunk; a real engine pays a request (vLLM) or a prefill per chunk.
     sweep, default = {}, partial.CHUNK
@@ -183,7 +209,8 @@ def main() -> int:
     finally:
         partial.CHUNK = default
     payload = {"machine": info, "steps": partial.STEPS, "rows": partial.ROWS, "train_s": partial.TRAIN_S,
-               "results": results, "chunk_sweep_steps": sweep, "seconds": time.perf_counter() - started}  # fmt: skip
+               "results": results, "chunk_sweep_steps": sweep, "late_groups_steps": late,
+               "seconds": time.perf_counter() - started}  # fmt: skip
     path = _common.write_json(NAME, payload)
     print(json.dumps(payload, indent=2))
     for cost, r in results.items():
@@ -192,7 +219,7 @@ def main() -> int:
         _common.upsert_result_row(
             benchmark=f"{NAME} ({cost} cost)",
             metric=f"trainer idle fraction (steps/hour), GRPO loop, Pareto(1.3) lengths, {cost}-proportional simulated "
-            "decode, max_staleness 1",
+            "decode, max_staleness 1, late groups deferred",
             ours=f"streaming {stream['idle_frac']:.2f} ({stream['steps_per_hour']:.0f}/h); before the last batch "
             f"{stream['idle_frac_before_last']:.2f} (async {plain['idle_frac_before_last']:.2f}), last batch waits "
             f"{stream['last_wait_s']:.2f} s",
@@ -210,11 +237,12 @@ def main() -> int:
         _common.upsert_result_row(
             benchmark=f"streaming_partial_rollouts ({cost} cost)",
             metric=f"trainer idle fraction (steps/hour), GRPO loop, Pareto(1.3) lengths, {cost}-proportional simulated "
-            f"decode in chunks of {partial.CHUNK}, max_staleness 1",
+            f"decode in chunks of {partial.CHUNK}, max_staleness 1, late groups deferred",
             ours=f"streaming+partial {sp['idle_frac']:.2f} ({sp['steps_per_hour']:.0f}/h); before the last batch "
             f"{sp['idle_frac_before_last']:.2f}, last batch waits {sp['last_wait_s']:.2f} s; "
             f"{sp['interrupted_frac']:.2f} of groups interrupted",
-            baseline=f"streaming on one engine {engine['idle_frac']:.2f} ({engine['steps_per_hour']:.0f}/h); "
+            baseline=(_late_cell(late) if cost == "steps" else "")
+            + f"streaming on one engine {engine['idle_frac']:.2f} ({engine['steps_per_hour']:.0f}/h); "
             f"streaming, each request its own version {stream['idle_frac']:.2f} ({stream['steps_per_hour']:.0f}/h); async "
             f"{plain['idle_frac']:.2f} ({plain['steps_per_hour']:.0f}/h); partial {part['idle_frac']:.2f} "
             f"({part['steps_per_hour']:.0f}/h); sync {sync['idle_frac']:.2f} ({sync['steps_per_hour']:.0f}/h)",

@@ -12,7 +12,8 @@
   synchronous (1 and 2 ranks); at ``max_staleness=1`` the bound, whole groups, per-token staleness and a lossless
   resume hold, and with a deterministic interruption every later group keeps its start version while its later
   tokens come from the newer policy (``partial/*``, rollout correction);
-- the settings streaming does not support yet (ReMax's baseline, ...) are refused with one line.
+- the settings streaming does not support yet are refused with one line (ReMax streams:
+  test_alg_grpo_streaming_remax.py).
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ import json
 import math
 import sys
 import textwrap
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,11 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.testing.streaming_runs import check_lossless_stream, die_after_checkpoint_then_resume
+from shardforge.algorithms.testing.streaming_runs import (
+    check_lossless_stream,
+    die_after_checkpoint_then_resume,
+    interrupt_every_later_call,
+)
 from shardforge.algorithms.trainers.rl.streaming_source import StreamingSource
 
 STEPS, PROMPTS, GROUP = 3, 4, 4
@@ -213,30 +216,13 @@ def test_streaming_with_partial_rollouts_bound_complete_groups_and_lossless_resu
         assert 0.0 <= r["partial/interrupted_frac"] <= 1.0 and 0.0 <= r["partial/fresher_token_frac"] <= 1.0, r
 
 
-def _interrupt_every_later_call(self: Any) -> bool:
-    """A deterministic stand-in for "the trainer published while the group generated": at the first chunk boundary of
-    every call after the first batch's, wait until the policy after the call's start version is published (the trainer
-    needs only the previous call's groups to get there), then do what the source does there."""
-    groups = self.stream._call.groups
-    if groups and groups[0].position >= self.local and _GATED.get(threading.get_ident()) is not groups:
-        _GATED[threading.get_ident()] = groups
-        deadline = time.monotonic() + 120  # a guard against a hang, not a timed assertion
-        while max(self._versions) <= groups[0].start_version:
-            assert time.monotonic() < deadline, "the trainer never published"
-            time.sleep(0.005)
-    return bool(_BETWEEN_CHUNKS(self))
-
-
-_GATED: dict[int, Any] = {}
-_BETWEEN_CHUNKS = StreamingSource._between_chunks
-
-
 def test_streaming_with_partial_rollouts_continues_groups_under_the_new_policy(
     assets: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every call after the first generates its first chunk under policy k - 1 and the rest under policy k (the gate),
     # so batch k (k >= 1) holds groups that started under k - 1 (staleness 1) whose later tokens are on-policy.
-    monkeypatch.setattr(StreamingSource, "_between_chunks", _interrupt_every_later_call)
+    gate = interrupt_every_later_call(StreamingSource._between_chunks)
+    monkeypatch.setattr(StreamingSource, "_between_chunks", gate)
     steps, out = 4, tmp_path / "gated"
     train = _run(assets, out, max_staleness=1, steps=steps, max_new_tokens=8, **STREAM, **PARTIAL)["train"]
     records = _records(out / "streaming", "rank0.jsonl")
@@ -303,7 +289,6 @@ def test_streaming_run_killed_with_sigkill_resumes_without_dropping_or_repeating
             {"streaming_rollouts": True},
             "streaming_rollouts=true is a mode of asynchronous rollouts: set async_rollouts",
         ),
-        ({**STREAM, "advantage": "remax"}, "advantage=remax with streaming_rollouts=true is not supported"),
         ({**STREAM, "rollout.streaming_workers": 0}, r"rollout.streaming_workers=0 must be >= 1 \(generator threads"),
         ({"rollout.streaming_workers": 2}, "streaming_workers=2 sets the generator threads of streaming rollouts: set"),
         (

@@ -7,6 +7,12 @@
   at training time (finite, per step), and a run stopped after its step-2 checkpoint and resumed trains every prompt
   position exactly once;
 - dynamic sampling with streaming: groups with equal rewards are dropped as they finish, none trained twice;
+- partial rollouts (chunked generation that a weight update interrupts; the critic's values and GAE come from the
+  trainer on the finished trajectory, every token keeps the version and behaviour log-prob that sampled it, so PPO
+  needs nothing of its own): streamed at ``max_staleness=0`` equal to synchronous; at 1 the bound, whole groups,
+  per-token staleness and a lossless resume hold; with a deterministic interruption later groups keep their start
+  version while their later tokens come from the newer policy (critic, GAE and rollout correction finite); whole
+  async batches with partial rollouts train too;
 - the settings PPO's streaming does not support are refused with one line.
 """
 
@@ -23,10 +29,16 @@ from typing import Any
 import pytest
 import torch
 
-from shardforge.algorithms.testing.streaming_runs import check_lossless_stream, die_after_checkpoint_then_resume
+from shardforge.algorithms.testing.streaming_runs import (
+    check_lossless_stream,
+    die_after_checkpoint_then_resume,
+    interrupt_every_later_call,
+)
+from shardforge.algorithms.trainers.rl.streaming_source import StreamingSource
 
 STEPS, PROMPTS, GROUP = 3, 4, 2
 STREAM = {"async_rollouts": True, "streaming_rollouts": True}
+PARTIAL = {"rollout.partial_rollouts": True, "rollout.interrupt_chunk_tokens": 2}
 REWARDS = textwrap.dedent(
     """
     def has_seven(prompt, response, reference):
@@ -189,8 +201,6 @@ def test_ppo_streaming_bound_and_lossless_resume(
             {"streaming_rollouts": True},
             "streaming_rollouts=true is a mode of asynchronous rollouts: set async_rollouts",
         ),
-        ({**STREAM, "rollout.partial_rollouts": True}, "partial_rollouts=true is not supported by ppo"),
-        ({"async_rollouts": True, "rollout.partial_rollouts": True}, "partial_rollouts=true is not supported by ppo"),
     ],
 )
 def test_ppo_streaming_refuses_what_it_does_not_support(
@@ -222,3 +232,71 @@ def test_ppo_streaming_with_dynamic_sampling(assets: dict[str, Any], tmp_path: P
         assert r["stream/staleness_max"] <= 1.0 and math.isfinite(r["critic/loss"])
         if r["stream/cap_hit_frac"] == 0.0:  # a full batch of kept groups: rewards differ within every group
             assert r["reward_std"] > 0.0, r
+
+
+def test_ppo_streaming_with_partial_rollouts_at_staleness_zero_equals_synchronous(
+    assets: dict[str, Any], sync_d1: dict[str, Any], tmp_path: Path
+) -> None:
+    # Nothing is published while a group generates (s=0), so chunked generation samples what one call would.
+    run = _run(assets, tmp_path / "p0", max_staleness=0, **STREAM, **PARTIAL)
+    _assert_same_as_sync(sync_d1, run, True)
+    assert all(r["partial/interrupted_frac"] == 0.0 and r["partial/token_staleness_max"] == 0.0 for r in run["train"])
+
+
+def test_ppo_streaming_with_partial_rollouts_bound_and_lossless_resume(
+    assets: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardforge.algorithms.trainers.ppo import PPOTrainer
+
+    out, steps, cut = tmp_path / "p1", 5, 2
+    overrides = {"max_staleness": 1, "steps": steps, "save_every": cut, "resume": "auto", "max_new_tokens": 8}
+    run = lambda: _run(assets, out, **overrides, **STREAM, **PARTIAL)  # noqa: E731
+    _, resumed = die_after_checkpoint_then_resume(PPOTrainer, run, cut, monkeypatch)
+    check_lossless_stream(_records(out / "streaming", "rank0.jsonl"), steps, PROMPTS, cut)
+    assert resumed["groups"] == [[GROUP] * PROMPTS] * (steps - cut), "whole groups only"
+    train = [r for r in _records(out) if r["split"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    for r in train:  # no token older than its group's start version: the per-token lag is bounded the same way
+        assert r["stream/staleness_max"] <= 1.0 and 0.0 <= r["partial/token_staleness_max"] <= 1.0, r
+        assert 0.0 <= r["partial/interrupted_frac"] <= 1.0, r
+        for key in ("critic/loss", "explained_variance", "value_mean", "advantage_std", "loss"):
+            assert math.isfinite(r[key]), (key, r)
+
+
+def test_ppo_streaming_with_partial_rollouts_continues_groups_under_the_new_policy(
+    assets: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every call after the first generates its first chunk under policy k - 1 and the rest under policy k (the gate),
+    # so batch k (k >= 1) holds groups that started under k - 1 (staleness 1) whose later tokens are on-policy.
+    monkeypatch.setattr(StreamingSource, "_between_chunks", interrupt_every_later_call(StreamingSource._between_chunks))
+    steps, out = 4, tmp_path / "gated"
+    train = _run(assets, out, max_staleness=1, steps=steps, max_new_tokens=8, **STREAM, **PARTIAL)["train"]
+    records = _records(out / "streaming", "rank0.jsonl")
+    assert [r["start_versions"] for r in records] == [[0] * PROMPTS] + [[k - 1] * PROMPTS for k in range(1, steps)]
+    assert train[0]["partial/interrupted_frac"] == 0.0 and train[0]["partial/token_staleness_max"] == 0.0
+    for r in train[1:]:
+        assert r["stream/staleness_mean"] == 1.0 and r["partial/token_staleness_max"] == 1.0, r
+        assert r["partial/interrupted_frac"] > 0.0 and r["partial/fresher_token_frac"] > 0.0, r
+        assert r["partial/token_staleness_mean"] < 1.0, "tokens after the first chunk came from the newer policy"
+        assert r["rollout_corr/kl_k1"] != 0.0, r
+        for key in ("critic/loss", "explained_variance", "value_mean", "advantage_std", "loss", "kl_ref"):
+            assert math.isfinite(r[key]), (key, r)
+
+
+def test_ppo_async_batches_with_partial_rollouts(assets: dict[str, Any], tmp_path: Path) -> None:
+    train = _run(assets, tmp_path / "ab", max_staleness=1, async_rollouts=True, max_new_tokens=8, **PARTIAL)["train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    for r in train:
+        assert r["staleness"] <= 1.0 and 0.0 <= r["partial/token_staleness_max"] <= 1.0, r
+        assert 0.0 <= r["partial/interrupted_frac"] <= 1.0, r
+        assert math.isfinite(r["critic/loss"]) and math.isfinite(r["loss"]), r
+
+
+def test_ppo_partial_rollouts_keep_their_own_refusals(assets: dict[str, Any], tmp_path: Path) -> None:
+    from shardforge.algorithms.trainers.rl.partial import check_partial_rollouts
+
+    check_partial_rollouts(_config(assets, tmp_path, max_staleness=1, async_rollouts=True, **PARTIAL))
+    with pytest.raises(ValueError, match=r"partial_rollouts=true interrupts generations .* set async_rollouts=true"):
+        check_partial_rollouts(_config(assets, tmp_path, **PARTIAL))
+    with pytest.raises(ValueError, match="partial_rollouts=true with max_staleness=0 never overlaps"):
+        check_partial_rollouts(_config(assets, tmp_path, max_staleness=0, async_rollouts=True, **PARTIAL))

@@ -14,7 +14,7 @@ from typing import Literal
 
 from shardforge.rollout.engines import ROLLOUT_ENGINES
 
-__all__ = ["RolloutConfig", "RolloutOnActorFailure", "RolloutPlacement", "VLLMOptions"]
+__all__ = ["STREAMING_LATE_GROUPS", "RolloutConfig", "RolloutOnActorFailure", "RolloutPlacement", "VLLMOptions"]
 
 PLACEMENTS = ("rank0", "each_rank")
 MODES = ("in_process", "server")
@@ -23,6 +23,9 @@ WEIGHT_TRANSPORTS = ("auto", "disk", "collective")
 RolloutPlacement = Literal["colocated", "disaggregated"]
 """Where the rollout engine runs: in every trainer process, or in Ray actors of its own."""
 RolloutOnActorFailure = Literal["error", "drop"]
+StreamingLateGroups = Literal["defer", "wait", "regenerate"]
+STREAMING_LATE_GROUPS: tuple[str, ...] = ("defer", "wait", "regenerate")
+"""The values of ``rollout.streaming_late_groups`` (what they do: ``shardforge.algorithms.trainers.rl.streaming_late``)."""
 """What the ranks do when an HF rollout actor dies: end the run with a one-line error, or drop it from the pool
 and regenerate the lost rounds on a surviving actor (`shardforge.rollout.ray.actor_pool`)."""
 
@@ -169,6 +172,11 @@ class RolloutConfig:
     """Streaming rollouts (streaming_rollouts=true): generator threads per rank, each with one generate call in flight
     (a rank's share of a batch split between them); > 1 needs an engine that serves concurrent requests (engine=vllm
     with vllm.mode=server, or placement=disaggregated). A weight switch waits until no call is in flight."""
+    streaming_late_groups: StreamingLateGroups = "defer"
+    """Streaming rollouts: a group still generating when the last step its staleness bound allows takes its batch.
+    'defer': released, its prompt started again once a batch's worth is deferred (or the run's other prompts are all
+    started), and that second attempt is waited for; 'wait': that step waits for it (nothing generated is thrown
+    away); 'regenerate': released and started again at once. Every mode keeps the bound strict."""
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     """vLLM options (engine=vllm only): in process or a server, placement, timeouts, memory, weight transport."""
 
@@ -183,6 +191,12 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.streaming_workers={self.streaming_workers} must be >= 1 (generator threads per rank with "
                 "streaming_rollouts=true; 1 is the default)"
+            )
+        if self.streaming_late_groups not in STREAMING_LATE_GROUPS:
+            raise ValueError(
+                f"rollout.streaming_late_groups={self.streaming_late_groups!r} is not one of {STREAMING_LATE_GROUPS} "
+                "(what a streamed group unfinished at the last step its staleness bound allows does; 'defer' is the "
+                "default)"
             )
         if self.interrupt_chunk_tokens < 1:
             raise ValueError(

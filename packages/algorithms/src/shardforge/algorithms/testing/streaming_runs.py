@@ -1,12 +1,15 @@
-"""Shared pieces of the streaming-rollout resume tests (GRPO and PPO): a run that dies right after a checkpoint
-with prompts in flight, its resume, and the checks on the per-rank stream records that make the resume lossless."""
+"""Shared pieces of the streaming-rollout tests (GRPO and PPO): a run that dies right after a checkpoint with
+prompts in flight, its resume, and the checks on the per-rank stream records that make the resume lossless; a
+deterministic partial-rollout interruption (`interrupt_every_later_call`)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["check_lossless_stream", "die_after_checkpoint_then_resume"]
+__all__ = ["check_lossless_stream", "die_after_checkpoint_then_resume", "interrupt_every_later_call"]
 
 
 class _Stop(Exception):
@@ -59,3 +62,23 @@ def check_lossless_stream(records: list[dict[str, Any]], steps: int, prompts: in
         assert all(r["batch"] - v <= 1 for v in r["start_versions"]), r
         if r["batch"] >= cut:  # regenerated or new after the resume: the checkpoint's weights or newer
             assert min(r["start_versions"]) >= cut, r
+
+
+def interrupt_every_later_call(between_chunks: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """A `StreamingSource._between_chunks` (``between_chunks``: the original) that makes "the trainer published while
+    the group generated" deterministic: at the first chunk boundary of every call after the first batch's, it waits
+    until the policy after the call's start version is published (the trainer needs only the previous call's groups
+    to get there), then does what the source does there. Monkeypatch it onto `StreamingSource`."""
+    gated: dict[int, Any] = {}
+
+    def gate(self: Any) -> bool:
+        groups = self.stream._call.groups
+        if groups and groups[0].position >= self.local and gated.get(threading.get_ident()) is not groups:
+            gated[threading.get_ident()] = groups
+            deadline = time.monotonic() + 120  # a guard against a hang, not a timed assertion
+            while max(self._versions) <= groups[0].start_version:
+                assert time.monotonic() < deadline, "the trainer never published"
+                time.sleep(0.005)
+        return bool(between_chunks(self))
+
+    return gate

@@ -12,7 +12,10 @@ of the actor's batch (``rollout_correction``, as GRPO) -> actor steps (PPO clip)
 Batches come synchronously (default), ``async_rollouts`` (whole batches up to ``max_staleness`` steps ahead) or
 ``streaming_rollouts`` (groups streamed under the staleness bound, `rl.streaming_source`): a stale batch's values and
 GAE are the critic's at the step that trains it, its old log-probs the actor's (the proximal policy), and the rollout
-correction weighs it by trainer / behaviour log-probs, as in GRPO's decoupled loss.
+correction weighs it by trainer / behaviour log-probs, as in GRPO's decoupled loss. With ``rollout.partial_rollouts``
+(either mode) a weight update interrupts the responses still generating, which continue under the new weights; every
+token keeps the version and behaviour log-prob that sampled it, and values and GAE are computed on the finished
+trajectory as above, so the path is GRPO's (`rl.partial`).
 The shared fields (layout applies to the actor, critic and reference engines; no pp for the
 critic) and the run loop are `shardforge.algorithms.trainers.base`.
 """
@@ -37,6 +40,7 @@ from shardforge.algorithms.trainers.rl.common import (
     check_rollout_batch,
 )
 from shardforge.algorithms.trainers.rl.metrics import StepMetrics
+from shardforge.algorithms.trainers.rl.partial import check_partial_rollouts
 from shardforge.algorithms.trainers.rl.ppo_update import (
     ShiftedCriticLossFn,
     correct_actor_batch,
@@ -102,11 +106,6 @@ class PPOConfig(RLTrainerConfig):
     def __post_init__(self) -> None:
         TrainerConfig.__post_init__(self)
         check_streaming_config(self)
-        if self.rollout.partial_rollouts:
-            raise ValueError(
-                "rollout.partial_rollouts=true is not supported by ppo yet (never run with a critic): set "
-                "rollout.partial_rollouts=false (async_rollouts and streaming_rollouts work without it), or use grpo"
-            )
 
 
 def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
@@ -141,6 +140,7 @@ def _validate(config: PPOConfig, prompts: PromptSet, dp_size: int) -> None:
             )
     if config.max_staleness < 0:
         raise ValueError(f"max_staleness={config.max_staleness} must be >= 0 (0 = on-policy, no overlap)")
+    check_partial_rollouts(config)
     check_streaming_layout(config, dp_size)
     check_async_recompute(config)
     if config.actor.behav_weight_cap is not None:

@@ -183,17 +183,13 @@ class RLTrainer(Trainer[C]):
         baseline: GreedyBaseline | None,
         chunks: ChunkedGeneration | None,
     ) -> StreamingSource:
-        """The streaming source over this rank's share of every batch, group by group (`workflow_groups_fn`);
+        """The streaming source over this rank's share of every batch, group by group (`workflow_groups_fn`, with
+        ReMax's greedy episodes in each group's call);
         ``chunks``: partial rollouts (the policy engine's chunked generation, which a weight update interrupts)."""
         config, engine = self.config, self.engine
-        if baseline is not None:
-            raise ValueError(
-                "a greedy-baseline advantage (ReMax) with streaming_rollouts=true is not supported yet (its baseline "
-                "episodes are collected per batch): use another advantage estimator, or streaming_rollouts=false"
-            )
         sampler = partial(self.prompt_data.sampler, config.prompts_per_step)
         rollout = self.sampling_rollout(self.rollout)
-        groups_fn = workflow_groups_fn(config, rollout, self.prompts, self.workflow, engine, sampler)
+        groups_fn = workflow_groups_fn(config, rollout, self.prompts, self.workflow, engine, sampler, baseline)
         dynamic = config.dynamic_sampling
         self.dynamic = None  # streaming filters each group as it finishes (stream/filtered_*), not per batch
         return StreamingSource(
@@ -202,7 +198,7 @@ class RLTrainer(Trainer[C]):
             dp_size=engine.dp_size, restored=restored.get(StreamingSource.checkpoint_key), device=engine.device,
             record_dir=self.out / "streaming", workers=config.rollout.streaming_workers,
             keep_fn=group_filter_reason if dynamic.enabled else None, max_rounds=dynamic.max_rounds,
-            chunks=chunks if rollout is self.rollout else None,
+            chunks=chunks if rollout is self.rollout else None, late_groups=config.rollout.streaming_late_groups,
         )  # fmt: skip
 
     def update(self, sampled: SampledBatch, metrics: StepMetrics) -> dict[str, float]:

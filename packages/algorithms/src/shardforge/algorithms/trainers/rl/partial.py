@@ -1,4 +1,4 @@
-"""Partial (interruptible) rollouts for asynchronous GRPO: the settings' checks and the staleness metrics.
+"""Partial (interruptible) rollouts for asynchronous GRPO and PPO: the settings' checks and the staleness metrics.
 
 With ``rollout.partial_rollouts=true`` the rollout engine (embedded HF, or vLLM in-process / server through
 `rollout.chunked`) generates ``rollout.interrupt_chunk_tokens`` tokens at a time;
@@ -20,7 +20,7 @@ __all__ = ["check_partial_rollouts"]
 
 
 def check_partial_rollouts(config: Any) -> None:
-    """Refuse settings that partial rollouts cannot honour (``config``: a `GRPOConfig`)."""
+    """Refuse settings that partial rollouts cannot honour (``config``: a `GRPOConfig` or `PPOConfig`)."""
     if not config.rollout.partial_rollouts:
         return
     if not config.async_rollouts:

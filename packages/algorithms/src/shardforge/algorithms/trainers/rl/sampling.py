@@ -107,13 +107,16 @@ def workflow_groups_fn(
     workflow: Workflow,
     engine: TrainEngine,
     make_sampler: Callable[[int], IndexSampler] | None = None,
+    baseline: GreedyBaseline | None = None,
 ) -> Callable[[list[int]], list[tuple[list[Any], torch.Tensor]]]:
     """The streaming source's groups function (`rl.streaming.GroupsFn`): this rank's prompt numbers -> each one's
     ``group_size`` trajectories and (shaped) rewards, generated in one round. Prompt ``q`` is row ``q % local`` of
     this rank's share of global batch ``q // local`` (``local = prompts_per_step / dp_size``), with exactly the seed
     round 0 of that batch gives it (`workflow_round_fn`; every request carries its own seed, so prompts of several
     batches may share a call): with the same weights a group is the synchronous trainer's, so ``max_staleness=0``
-    trains on the synchronous batches. Its trajectories' ``group`` is ``q`` (unique in a batch)."""
+    trains on the synchronous batches. Its trajectories' ``group`` is ``q`` (unique in a batch). ``baseline``:
+    ReMax's greedy episodes, generated in the same call (under the same weights) and carried on the group's
+    trajectories (``baseline_reward``), as `workflow_round_fn` collects them per round."""
     dp_rank, dp_size = engine.dp_rank, engine.dp_size
     local = config.prompts_per_step // dp_size
     if make_sampler is not None:
@@ -140,9 +143,14 @@ def workflow_groups_fn(
         with rows_lock:
             rows = [row_of(q) for q in positions]
         _, params = _round_params(config, positions[0] // local, 0)  # the rows' own seeds decide the samples
-        trajectories = generation_round(
-            rollout, lambda: run_episodes(workflow, rollout, rows, config.group_size, params, drop_failed=drop)
-        )
+
+        def episodes() -> EpisodeList:
+            trajectories = run_episodes(workflow, rollout, rows, config.group_size, params, drop_failed=drop)
+            if baseline is not None:  # ReMax: each prompt's greedy episode, with its group
+                baseline.collect(workflow, rollout, rows, params, trajectories)
+            return trajectories
+
+        trajectories = generation_round(rollout, episodes)
         out = []
         for q in positions:  # a failed episode dropped (workflow.max_failed_fraction > 0) leaves its group short
             mine = [t for t in trajectories if t.group == q]

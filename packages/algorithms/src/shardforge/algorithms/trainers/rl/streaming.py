@@ -10,14 +10,14 @@ step loaded when its generation began):
   otherwise the submission waits for the next publish. At most ``(max_staleness + 1) * prompts_per_step``
   prompts are therefore in flight or finished-but-unused at any time.
 - Consumption: batch k takes finished groups with start version ``k - max_staleness`` first (they would
-  break the bound at step k + 1), then the earliest finished; it never waits for a particular group. A
-  finished group whose staleness ``k - start_version`` already exceeds the bound (a long-tail response
-  that finished too late) is discarded and its prompt regenerated (counted in ``stream/regenerated``), so
-  no trained group is ever more than ``max_staleness`` steps stale and no prompt is dropped. A group still in
-  flight once no later batch may take it (start version < k + 1 - max_staleness after batch k) is released at once:
-  its prompt is regenerated now and the late result dropped, so it stops holding a place in flight. With partial
-  rollouts the generate call of such groups stops at its next chunk boundary (`call_released`) instead of running to
-  its end.
+  break the bound at step k + 1), then the earliest finished. A group still generating when batch k is the last one
+  its bound allows (start version ``k - max_staleness``) is LATE; ``late_groups`` (`streaming_late`) decides: the
+  batch waits for it (``wait``, and ``defer``'s second attempt), or it is released: its prompt is started again
+  (``defer``: together with the other deferred ones, later; ``regenerate``: at once) and the late result dropped
+  (``stream/regenerated``), so it stops holding a place in flight. With partial rollouts the generate call of released
+  groups stops at its next chunk boundary (`call_released`). A finished group whose staleness already exceeds the
+  bound (only possible when a short batch broke the room the admission rule leaves) is released the same way, so no
+  trained group is ever more than ``max_staleness`` steps stale and no prompt is dropped.
 - Dynamic sampling (``keep_fn``): a group is judged when it finishes; a dropped one (no learning signal) frees its
   place in flight at once, so a fresh prompt starts, and the trainer waits for ``prompts_per_step`` KEPT groups.
   Generation is capped at ``max_rounds`` x the admission limit (every prompt started, kept or not); when the cap
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +49,7 @@ from typing import Any
 import torch
 
 from shardforge.algorithms.trainers.rl.sources import SampledBatch
+from shardforge.algorithms.trainers.rl.streaming_late import PromptOrder
 from shardforge.rollout.episodes.trajectory import Trajectory
 
 __all__ = ["GroupFn", "GroupsFn", "KeepFn", "StreamBatchInfo", "StreamingRollouts"]
@@ -108,6 +108,8 @@ class StreamingRollouts:
         groups_per_call: see ``groups_fn``.
         keep_fn: dynamic sampling: judges each finished group (see the module docstring); None keeps every group.
         max_rounds: with ``keep_fn``, prompts started are capped at ``max_rounds`` x the admission limit.
+        late_groups: what happens to a group that has not finished when the last batch the bound allows is assembled
+            (`streaming_late`: ``wait``, ``defer`` or ``regenerate``).
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class StreamingRollouts:
         groups_per_call: int = 1,
         keep_fn: KeepFn | None = None,
         max_rounds: int = 1,
+        late_groups: str = "defer",
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
@@ -143,8 +146,11 @@ class StreamingRollouts:
         self._version = start  # newest published policy step
         self._loaded: int | None = None  # generator thread only
         restored = restored or {}
-        self._queue: deque[int] = deque(restored.get("regenerate", []))  # prompt positions to (re)generate first
-        self._next_position = int(restored.get("next_position", start * prompts_per_step))
+        self._order = PromptOrder(
+            late_groups=late_groups, restored=restored.get("regenerate", []),
+            next_position=int(restored.get("next_position", start * prompts_per_step)),
+            end=num_batches * prompts_per_step, flush_at=prompts_per_step,
+        )  # fmt: skip
         self._submitted = 0  # prompts started by this process and not dropped (admission counter)
         self.keep_fn, self.max_rounds = keep_fn, max_rounds
         self._started = 0  # prompts started by this process, dropped ones included (the dynamic-sampling cap)
@@ -180,18 +186,14 @@ class StreamingRollouts:
             while True:
                 self._raise_failed()
                 stale = [g for g in self._groups.values() if g.finished >= 0 and g.start_version < bound]
-                for g in stale:  # would break the bound: regenerate the prompt
-                    del self._groups[g.position]
-                    self._queue.appendleft(g.position)
-                    self._submitted -= 1
-                    self._started -= 1  # not a new prompt: outside the dynamic-sampling cap
-                    self._regenerated += 1
+                for g in stale:  # would break the bound: released, its prompt started again (`streaming_late`)
+                    self._release(g)
                 if stale:
                     self._cond.notify_all()
                 done = [g for g in self._groups.values() if g.finished >= 0]
                 urgent = [g for g in done if g.start_version == bound]  # would break the bound at step index + 1
                 need = self.prompts_per_step
-                if len(done) >= need:
+                if len(done) >= need and not self._late_in_flight(bound, need):
                     break
                 cap_hit = self._cap_hit(len(done))
                 if cap_hit:
@@ -211,15 +213,13 @@ class StreamingRollouts:
             chosen += rest[: need - len(chosen)]
             for g in chosen:
                 del self._groups[g.position]
-            # In flight but started too early for any later batch: regenerate the prompt now (its call's result will
-            # be dropped) instead of holding its place until it finishes stale.
+                self._order.done(g.position)
+            # In flight but started too early for any later batch (a late group this batch did not wait for): released,
+            # its prompt started again (`streaming_late`) and its call's result dropped, instead of holding its place
+            # until it finishes stale.
             too_old = index + 1 - self.max_staleness
             for g in [g for g in self._groups.values() if g.finished < 0 and g.start_version < too_old]:
-                del self._groups[g.position]
-                self._queue.appendleft(g.position)
-                self._submitted -= 1
-                self._started -= 1
-                self._regenerated += 1
+                self._release(g)
             in_flight = sum(1 for g in self._groups.values() if g.finished < 0)
             gen_busy, gen_idle = self._gen_busy_s, self._gen_idle_s
             regenerated = self._regenerated
@@ -271,8 +271,8 @@ class StreamingRollouts:
     def checkpoint_state(self) -> dict[str, Any]:
         """Prompt positions in flight or finished-unused (regenerated on resume) and the next new position."""
         with self._cond:
-            positions = sorted([*self._groups, *self._queue])
-            return {"regenerate": positions, "next_position": self._next_position}
+            positions = sorted([*self._groups, *self._order.pending()])
+            return {"regenerate": positions, "next_position": self._order.next_position}
 
     def in_call(self) -> bool:
         """Whether the calling thread is a generator thread inside a generate call (partial rollouts' chunk hook)."""
@@ -297,6 +297,22 @@ class StreamingRollouts:
         limit = (self.max_staleness + self._version - self.start + 1) * self.prompts_per_step
         return self._submitted < min(limit, self._total) and self._started < self.max_rounds * limit
 
+    def _release(self, g: _Group) -> None:
+        """Give up ``g`` (too stale for any later batch): its prompt is started again (`streaming_late`)."""
+        del self._groups[g.position]
+        self._order.release(g.position)
+        self._submitted -= 1
+        self._started -= 1  # not a new prompt: outside the dynamic-sampling cap
+        self._regenerated += 1
+
+    def _late_in_flight(self, bound: int, need: int) -> bool:
+        """Whether batch ``bound + max_staleness`` must still wait for a late group: one in flight that started under
+        ``bound`` (no later batch may take it) and that the policy waits for (``wait``: every one; ``defer``: a second
+        attempt). The admission rule leaves room for all of them in this batch; should there be more (dynamic
+        sampling's cap trained a short batch), none is waited for and the extra are released."""
+        late = [g for g in self._groups.values() if g.start_version <= bound]
+        return len(late) <= need and any(g.finished < 0 and self._order.waits_for(g.position) for g in late)
+
     def _cap_hit(self, done: int) -> bool:
         """Dynamic sampling's cap stops the generator with fewer kept groups than a batch and none in flight."""
         if self.keep_fn is None or self._capacity_left():
@@ -316,11 +332,7 @@ class StreamingRollouts:
                 version = self._version
                 groups: list[_Group] = []
                 while self._capacity_left() and len(groups) < self.groups_per_call:
-                    if self._queue:
-                        position = self._queue.popleft()
-                    else:
-                        position = self._next_position
-                        self._next_position += 1
+                    position = self._order.take()
                     group = _Group(position=position, start_version=version)
                     self._groups[position] = group
                     self._submitted += 1
@@ -354,6 +366,7 @@ class StreamingRollouts:
                     reason = dropped.get(g.position)
                     if reason is not None:  # no learning signal: its place in flight goes to a fresh prompt
                         del self._groups[g.position]
+                        self._order.done(g.position)
                         self._submitted -= 1
                         self._filtered[reason] = self._filtered.get(reason, 0) + 1
                         self._filtered_positions.append(g.position)

@@ -3,7 +3,6 @@ yet, refused with one line each that says what is valid. Imported by the config 
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 __all__ = ["check_async_recompute", "check_streaming_config", "check_streaming_layout"]
@@ -42,11 +41,6 @@ def check_streaming_config(config: Any) -> None:
         raise ValueError(
             f"streaming_rollouts=true is a mode of asynchronous rollouts: set async_rollouts=true ({VALID_MODES})"
         )
-    if _has_greedy_baseline(getattr(config, "advantage", "")):
-        raise ValueError(
-            f"advantage={config.advantage} with streaming_rollouts=true is not supported yet (its greedy baseline episodes "
-            "are collected per batch): use another estimator (grpo, rloo, dr_grpo), or streaming_rollouts=false"
-        )
 
 
 def check_streaming_layout(config: Any, world_size: int) -> None:
@@ -83,12 +77,3 @@ def _serves_concurrent_requests(rollout: Any) -> bool:
     """Whether generate calls from several threads run concurrently on the rollout engine (a server, or actors)."""
     server = rollout.engine == "vllm" and rollout.vllm.mode == "server"
     return bool(server or rollout.placement == "disaggregated")
-
-
-def _has_greedy_baseline(estimator: str) -> bool:
-    """Whether the advantage estimator compares against a greedy baseline (ReMax: it takes ``baseline_rewards``)."""
-    from shardforge.engine.objectives import ADVANTAGE_ESTIMATORS  # the registry, as GRPOConfig validates with
-
-    if ":" in estimator or estimator not in ADVANTAGE_ESTIMATORS:
-        return False
-    return "baseline_rewards" in inspect.signature(ADVANTAGE_ESTIMATORS.get(estimator)).parameters

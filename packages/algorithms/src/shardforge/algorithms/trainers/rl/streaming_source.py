@@ -73,6 +73,7 @@ class StreamingSource:
         keep_fn, max_rounds: dynamic sampling (`StreamingRollouts`): each rank judges its own finished groups.
         chunks: partial rollouts: the `ChunkedGeneration` the engine was built with (see the module docstring);
             None: every generate call runs under one weight version.
+        late_groups: what a group unfinished at the last batch the bound allows does (`streaming_late`).
     """
 
     checkpoint_key = "streaming_rollouts"
@@ -97,6 +98,7 @@ class StreamingSource:
         keep_fn: KeepFn | None = None,
         max_rounds: int = 1,
         chunks: ChunkedGeneration | None = None,
+        late_groups: str = "defer",
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers} must be >= 1 (generator threads of the streaming source)")
@@ -128,6 +130,7 @@ class StreamingSource:
             max_staleness=max_staleness, num_batches=num_batches, start=start,
             restored=rank_share(restored, dp_rank, dp_size, prompts_per_step), groups_fn=self._groups, workers=workers,
             groups_per_call=-(-self.local // workers), keep_fn=keep_fn, max_rounds=max_rounds,
+            late_groups=late_groups,
         )  # fmt: skip
         self._hooks = contextlib.ExitStack()
         if chunks is not None:  # for the source's lifetime: every worker's calls (an evaluation's are not interrupted)
