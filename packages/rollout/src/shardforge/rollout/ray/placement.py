@@ -7,7 +7,9 @@
     (`shardforge.rollout.ray.hf_actor.RolloutActor`). Trainer rank ``r`` generates through actor
     ``r % rollout.num_actors``; after each step trainer rank 0 sends the new weights to every actor over
     weight-sync's collective transport (a gloo group of rank 0 + the actors, verified, version-tagged; no shared
-    filesystem).
+    filesystem). With ``async_rollouts`` (and streaming) the versions go to disk under ``output_dir/weights``
+    instead and every generate call names the version it needs, which the actor loads first (on several Ray nodes
+    ``output_dir`` must be on storage rank 0's and the actors' nodes share).
   - ``rollout.engine: vllm`` with ``rollout.vllm.mode: server``: one actor that runs ``vllm serve`` in its bundle
     (`shardforge.rollout.ray.vllm_server.VLLMServerActor`); every rank is a `VLLMServerRolloutEngine`
     on its URL, and trainer rank 0 sends the server every version over weight-sync's collective transport
@@ -115,12 +117,6 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
             f"with rollout.on_actor_failure=drop moves the ranks of a dead rollout actor to a surviving one, which "
             f"needs rollout.num_actors >= 2 (rollout.num_actors={num_actors}): raise it, or set "
             "rollout.on_actor_failure=error",
-        ),
-        (
-            bool(getattr(config, "async_rollouts", False)) and engine == "hf",
-            "with rollout.engine=hf serves the newest weights only: asynchronous rollouts (which may need an older "
-            "version) are not supported there yet; set async_rollouts=false, or use rollout.engine=vllm with "
-            "rollout.vllm.mode=server (its server loads disk versions)",
         ),
         (
             bool(getattr(config, "async_rollouts", False))
