@@ -194,7 +194,7 @@ def _ray_client(
             options = dataclasses.replace(options, weight_transport="disk")
         return RayVLLMServerEngine(
             names[0], model_dir, tokenizer, options=options, weights_root=weights_root, dtype=config.dtype,
-            seed=seed,
+            seed=seed, per_call_versions=asynchronous,
         )  # fmt: skip
     from shardforge.rollout.ray.hf_actor import RayRolloutClient
 
