@@ -231,12 +231,20 @@ def test_streaming_on_a_shared_hf_rollout_actor_at_staleness_zero_is_the_synchro
     assert len(stats["loaded"]) >= 3 and stats["served_newer"] == 0, stats
 
 
-@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "async"])
-def test_asynchronous_rollouts_on_a_shared_hf_rollout_actor_keep_the_staleness_bound(tmp_path, assets, streaming):
+PARTIAL = {"rollout.partial_rollouts": True, "rollout.interrupt_chunk_tokens": 2, "max_new_tokens": 8}
+
+
+@pytest.mark.parametrize(
+    ("streaming", "partial"), [(True, False), (False, False), (True, True)], ids=["streaming", "async", "partial"]
+)
+def test_asynchronous_rollouts_on_a_shared_hf_rollout_actor_keep_the_staleness_bound(
+    tmp_path, assets, streaming, partial
+):
     """max_staleness 1, 2 ranks on one HF rollout actor: every batch is whole groups (each rank's own prompt), no group
     is more than one version stale, every prompt position is trained once, and the actor loaded the versions the
-    calls named from disk (streaming: the group records; async: whole batches one step ahead)."""
-    entries = STREAM | {"streaming_rollouts": streaming, "max_staleness": 1, "steps": 4}
+    calls named from disk (streaming: the group records; async: whole batches one step ahead; partial: streaming
+    whose calls the actor continues under newer versions between chunks, no token more than one version stale)."""
+    entries = STREAM | {"streaming_rollouts": streaming, "max_staleness": 1, "steps": 4} | (PARTIAL if partial else {})
     result = _train(_config(tmp_path, assets, "stream1", **entries), "--launcher", "ray")
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     curve = _metrics(tmp_path / "stream1")
@@ -252,6 +260,8 @@ def test_asynchronous_rollouts_on_a_shared_hf_rollout_actor_keep_the_staleness_b
                 assert all(r["batch"] - v <= 1 for v in r["start_versions"]), r
             positions += [p for r in records for p in r["positions"]]
         assert sorted(positions) == list(range(8)), "every prompt position trained exactly once"
+    if partial:
+        assert all(r["partial/token_staleness_max"] <= 1.0 for r in curve), curve
     (stats,) = _rollout_actor_stats(result.stdout + result.stderr)
     assert stats["received"] == [] and stats["loaded"] == sorted(set(stats["loaded"])) and stats["loaded"], stats
 

@@ -58,7 +58,16 @@ def test_disaggregated_under_ray_gives_the_actors_spec(cls):
             "ray",
             "set rollout.vllm.weight_transport=auto or disk",
         ),
-        ({"rollout.partial_rollouts": True, "async_rollouts": False}, "ray", "set rollout.partial_rollouts=false"),
+        (
+            {
+                "rollout.partial_rollouts": True,
+                "async_rollouts": True,
+                "rollout.engine": "vllm",
+                "rollout.vllm": {"mode": "server"},
+            },
+            "ray",
+            "does not interrupt the server's generations: set rollout.partial_rollouts=false",
+        ),
         ({"engine": {"router_replay": True}}, "ray", "set engine.router_replay=false"),
         ({"rollout.num_actors": 0}, "ray", "rollout.num_actors=0 must be >= 1"),
         ({"rollout.on_actor_failure": "drop"}, "ray", "needs rollout.num_actors >= 2 (rollout.num_actors=1)"),
@@ -80,7 +89,15 @@ def test_the_rollout_actors_take_asynchronous_and_streaming_rollouts(engine, str
     entries = {"rollout.placement": "disaggregated", "rollout.engine": engine, **server,
                "async_rollouts": True, "streaming_rollouts": streaming, "rollout.streaming_workers": 2 if streaming else 1}  # fmt: skip
     spec = rollout_actor_spec(_config(**entries), "ray", world_size=2)
-    assert spec is not None and spec.engine == engine
+    assert spec is not None and spec.engine == engine and spec.interrupt_chunk_tokens == 0
+
+
+def test_the_hf_rollout_actors_take_partial_rollouts():
+    """Issue 41: the HF actors interrupt a call at a chunk boundary (integration_tests/test_ray_streaming_actors.py)."""
+    entries = {"rollout.placement": "disaggregated", "async_rollouts": True, "streaming_rollouts": True,
+               "rollout.partial_rollouts": True, "rollout.interrupt_chunk_tokens": 3}  # fmt: skip
+    spec = rollout_actor_spec(_config(**entries), "ray", world_size=2)
+    assert spec is not None and spec.engine == "hf" and spec.interrupt_chunk_tokens == 3
 
 
 def test_dropping_dead_actors_needs_two_and_disaggregated_rollouts():

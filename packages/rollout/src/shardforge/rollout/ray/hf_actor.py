@@ -24,12 +24,16 @@
   (``Rollout.version``; the decoupled loss uses each rollout's own behaviour log-probs, so it stays exact; the
   batch is fresher than the staleness bound asks). On several Ray nodes ``weights_root`` (``output_dir/weights``)
   must be on storage the trainer's rank 0 and the actors share, as for the vLLM server's disk versions.
+- Partial rollouts (``rollout.partial_rollouts``, ``spec.interrupt_chunk_tokens`` > 0): the actor's engine generates in
+  chunks, and between two chunks of a call the actor loads the newest published disk version (AReaL's interruption at
+  a weight update); the unfinished rows continue under it and every token keeps the version that sampled it.
 
 Sampling is seeded per request (`rollout.seeds`), so the actor samples what the colocated engine would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
@@ -39,6 +43,7 @@ import torch.distributed as dist
 
 from shardforge.core import hooks
 from shardforge.core.log import get_logger
+from shardforge.rollout.chunked import ChunkedGeneration
 from shardforge.rollout.ray.actor_pool import ActorPool
 from shardforge.rollout.server.health import RolloutServerError, ray_get
 from shardforge.rollout.types import Rollout, SamplingParams
@@ -62,10 +67,20 @@ class RolloutActor:
         torch.set_num_threads(1)  # one bundle = one CPU; the ranks' generate ran single-threaded too
         self.index = index
         tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer)
+        chunk_tokens = int(spec.interrupt_chunk_tokens)
+        chunks = ChunkedGeneration(chunk_tokens) if chunk_tokens > 0 else None
         self.engine = HFRolloutEngine(
             spec.model, tokenizer, dtype=spec.dtype, device=current_device(), kv_reuse=spec.kv_reuse,
             kv_reuse_max_tokens=spec.kv_reuse_max_tokens, share_prefill=spec.share_prefill, batch_size=spec.batch_size,
+            chunks=chunks,
         )  # fmt: skip
+        self._refreshing = contextlib.ExitStack()  # partial rollouts: for the actor's lifetime
+        if chunks is not None:
+            self._refreshing.enter_context(chunks.refreshing(self._between_chunks))
+        self._call_root: str | None = None
+        """The disk root the call in progress named (None: none, or versions over the collective transport)."""
+        self.switched_mid_call = 0
+        """Partial rollouts: chunk boundaries at which a call continued under a newer version."""
         self.receiver: Any = None
         self.address: tuple[str, int, int, int] | None = None
         self.received: list[int] = []
@@ -95,13 +110,37 @@ class RolloutActor:
         hooks.fire("rollout_generate", index=self.index, call=self.generate_calls)  # tests kill the actor here
         if weights is not None:
             self._serve_disk_version(*weights)
-        rollouts = self.engine.generate(prompts, params, sessions=sessions)
+        self._call_root = None if weights is None else weights[0]
+        try:
+            rollouts = self.engine.generate(prompts, params, sessions=sessions)
+        finally:
+            self._call_root = None
         version = int(self.engine.version)
         self.rollouts_by_version[version] = self.rollouts_by_version.get(version, 0) + len(rollouts)
         return rollouts
 
     def end_sessions(self, sessions: list[Hashable]) -> None:
         self.engine.end_sessions(sessions)
+
+    def _between_chunks(self) -> bool:
+        """Partial rollouts, after a chunk that left unfinished rows: load the newest committed disk version and go on
+        (the unfinished rows continue under it, each token tagged with its version). The newest published version may
+        always be used: a step publishes only after every rank's batch for it is complete, so no batch still
+        generating is trained before it. The actor runs one call at a time: no other call's weights change."""
+        root = self._call_root
+        if root is None:
+            return False
+        latest = self._source(root).latest()
+        if latest is not None and latest > int(self.engine.version):
+            self._serve_disk_version(root, latest)
+            self.switched_mid_call += 1
+        return False
+
+    def _source(self, root: str) -> DiskWeightSource:
+        source = self.sources.get(root)
+        if source is None:
+            source = self.sources[root] = DiskWeightSource(root)
+        return source
 
     def _serve_disk_version(self, root: str, version: int) -> None:
         """Load disk version ``version`` under ``root`` when it is newer than the served one (verified and applied
@@ -113,9 +152,7 @@ class RolloutActor:
             return
         if version == served:
             return
-        source = self.sources.get(root)
-        if source is None:
-            source = self.sources[root] = DiskWeightSource(root)
+        source = self._source(root)
         manifest = source.manifest(version)  # a one-line WeightVersionError when it is not committed (or pruned)
         self.engine.receiver.apply(manifest, source.tensors(manifest))
         self.loaded.append(version)
@@ -142,6 +179,7 @@ class RolloutActor:
             "received": list(self.received),
             "loaded": list(self.loaded),
             "served_newer": self.served_newer,
+            "switched_mid_call": self.switched_mid_call,
             "generate_calls": self.generate_calls,
             "rollouts_by_version": dict(self.rollouts_by_version),
         }
