@@ -71,6 +71,11 @@ def test_disaggregated_under_ray_gives_the_actors_spec(cls):
         ({"engine": {"router_replay": True}}, "ray", "set engine.router_replay=false"),
         ({"rollout.num_actors": 0}, "ray", "rollout.num_actors=0 must be >= 1"),
         ({"rollout.on_actor_failure": "drop"}, "ray", "needs rollout.num_actors >= 2 (rollout.num_actors=1)"),
+        (
+            {"async_rollouts": True, "rollout.num_actors": 2, "rollout.on_actor_failure": "drop"},
+            "ray",
+            "which asynchronous rollouts run on a background thread: set rollout.on_actor_failure=error",
+        ),
     ],
 )
 def test_unsupported_combinations_are_refused_with_the_fix(entries, launcher, fragment):

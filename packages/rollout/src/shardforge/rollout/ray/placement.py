@@ -123,6 +123,12 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
             "rollout.on_actor_failure=error",
         ),
         (
+            bool(getattr(config, "async_rollouts", False)) and engine == "hf" and on_failure == "drop",
+            "with rollout.on_actor_failure=drop agrees on dead actors with the ranks' collectives once per generation "
+            "round, which asynchronous rollouts run on a background thread: set rollout.on_actor_failure=error, or "
+            "async_rollouts=false",
+        ),
+        (
             bool(getattr(config, "async_rollouts", False))
             and engine == "vllm"
             and vllm.weight_transport == "collective",
