@@ -13,7 +13,10 @@ batches them continuously) and the vLLM server as a Ray rollout actor (``rollout
 * `test_streaming_grpo_on_a_ray_vllm_server_actor`: ``shardforge train grpo --launcher ray`` with one trainer rank
   and the server in its Ray actor (weights as disk versions: ``weight_transport: auto`` resolves to disk when
   rollouts are asynchronous); `..._shared_by_two_ranks`: the same with 2 trainer ranks sharing the server (the ranks'
-  version gate, `rollout.server.version_gate`): each rank trains its own half of every batch, within the bound.
+  version gate, `rollout.server.version_gate`): each rank trains its own half of every batch, within the bound;
+  `test_streaming_at_staleness_zero_on_a_shared_ray_vllm_server_actor_is_synchronous`: at ``max_staleness: 0`` those
+  2 ranks train on the synchronous run's batches (measured 2026-11-29: rewards, losses, grad norms and final weights
+  bitwise equal; two runs: over 60 s).
 * `test_streaming_ppo_on_the_vllm_server`: PPO (actor + critic) streaming on the server: the bound, whole groups,
   every prompt once, the critic's values, GAE and losses finite at every step;
   `test_streaming_ppo_at_staleness_zero_is_synchronous_ppo_on_the_vllm_server`: at ``max_staleness: 0`` the same
@@ -212,13 +215,10 @@ def test_streaming_grpo_on_a_ray_vllm_server_actor(assets: dict[str, Any], tmp_p
     assert (out / "weights").is_dir(), "asynchronous rollouts on the actor load disk versions"
 
 
-def test_streaming_grpo_on_a_ray_vllm_server_actor_shared_by_two_ranks(assets: dict[str, Any], tmp_path: Path) -> None:
-    """Two trainer ranks stream their own prompts through the one server actor; every call names its version and the
-    ranks' version gate (`rollout.server.version_gate`) switches the server only while no rank's call is in flight."""
-    pytest.importorskip("ray")
-    out = tmp_path / "out"
-    data = _grpo_data(assets, out, **{"rollout.placement": "disaggregated"})
-    config = tmp_path / "grpo.yaml"
+def _grpo_on_two_ranks_under_ray(assets: dict[str, Any], out: Path, **more: Any) -> str:
+    """``shardforge train grpo --launcher ray --nproc-per-node 2`` with the vLLM server actor; its output."""
+    data = _grpo_data(assets, out, **{"rollout.placement": "disaggregated"}, **more)
+    config = out.parent / f"{out.name}.yaml"
     config.write_text(yaml.safe_dump(data))
     env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "WORLD_SIZE", "RANK")}
     env |= ENV | {"PYTHONPATH": os.pathsep.join(filter(None, [str(assets["root"]), os.environ.get("PYTHONPATH")]))}
@@ -227,6 +227,15 @@ def test_streaming_grpo_on_a_ray_vllm_server_actor_shared_by_two_ranks(assets: d
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500, check=False)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
+    return output
+
+
+def test_streaming_grpo_on_a_ray_vllm_server_actor_shared_by_two_ranks(assets: dict[str, Any], tmp_path: Path) -> None:
+    """Two trainer ranks stream their own prompts through the one server actor; every call names its version and the
+    ranks' version gate (`rollout.server.version_gate`) switches the server only while no rank's call is in flight."""
+    pytest.importorskip("ray")
+    out = tmp_path / "out"
+    output = _grpo_on_two_ranks_under_ray(assets, out)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in rows if r.get("split") == "train"]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1)), train
@@ -297,4 +306,34 @@ def test_streaming_ppo_at_staleness_zero_is_synchronous_ppo_on_the_vllm_server(
     weights = [load_file(str(path)) for path in (sorted((tmp_path / d / "hf").glob("*.safetensors"))[0]
                                                  for d in ("sync", "s0"))]  # fmt: skip
     worst = max(float((weights[0][k] - weights[1][k]).abs().max()) for k in weights[0])
+    assert worst <= PPO_WEIGHT_TOL, worst
+
+
+def test_streaming_at_staleness_zero_on_a_shared_ray_vllm_server_actor_is_synchronous(
+    assets: dict[str, Any], tmp_path: Path
+) -> None:
+    """2 trainer ranks, one vLLM server actor: streaming at max_staleness 0 (one worker: each rank's whole share in
+    one call, as the synchronous trainer sends it; versions switched through the ranks' gate from disk) trains on the
+    synchronous run's batches (weights over the collective transport): the same samples, losses, weights."""
+    pytest.importorskip("ray")
+    from safetensors.torch import load_file
+
+    runs = {}
+    for name, more in (("sync", {"async_rollouts": False, "streaming_rollouts": False}),
+                       ("s0", {"max_staleness": 0})):  # fmt: skip
+        _grpo_on_two_ranks_under_ray(assets, tmp_path / name, export_hf_at_end=True, steps=3,
+                                     **{"rollout.streaming_workers": 1}, **more)  # fmt: skip
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines() if line]
+        weights = load_file(str(sorted((tmp_path / name / "hf").glob("*.safetensors"))[0]))
+        runs[name] = ([r for r in rows if r.get("split") == "train"], weights)
+    (sync, sync_weights), (stream, stream_weights) = runs["sync"], runs["s0"]
+    assert [r["step"] for r in stream] == [r["step"] for r in sync] == [1, 2, 3]
+    assert any(r["loss"] != 0.0 for r in sync), sync  # the comparison is not vacuous
+    for a, b in zip(sync, stream, strict=True):
+        for key in ("reward_mean", "reward_std", "response_len_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-9), (a["step"], key, a[key], b[key])
+        for key in ("loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=PPO_REL, abs=1e-7), (a["step"], key, a[key], b[key])
+        assert b["stream/staleness_max"] == 0.0, b
+    worst = max(float((sync_weights[k] - stream_weights[k]).abs().max()) for k in sync_weights)
     assert worst <= PPO_WEIGHT_TOL, worst
