@@ -467,8 +467,11 @@ def ray(session: nox.Session) -> None:
 
     Not part of `tests`: Ray is an 80 MB wheel, and every run starts Ray's daemons (GCS, raylet,
     dashboard agent), ~10 s and ~1 GB of memory before the first rank; the tests then train the same
-    GRPO under torchrun (once, shared), Ray, Ray with a disaggregated rollout actor and Ray with reward workers. The test skips without Ray, so `nox -s tests` passes without it.
+    GRPO under torchrun (once, shared), Ray, Ray with a disaggregated rollout actor (synchronous, asynchronous and
+    streaming) and Ray with reward workers; and a streaming source on a real HF rollout actor
+    (integration_tests/test_ray_streaming_actors.py). The tests skip without Ray, so `nox -s tests` passes without it.
     """
     _install_workspace(session, "ray")
-    args = session.posargs or ["-q", "-ra", "integration_tests/test_ray_launch.py"]
+    args = session.posargs or ["-q", "-ra", "integration_tests/test_ray_launch.py",
+                               "integration_tests/test_ray_streaming_actors.py"]  # fmt: skip
     session.run("python", "-m", "pytest", *args, env=THREAD_ENV)

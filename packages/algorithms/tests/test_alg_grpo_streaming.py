@@ -313,12 +313,16 @@ def test_streaming_refuses_what_it_does_not_support(
         _config(assets, tmp_path, **overrides)
 
 
-def test_streaming_with_several_ranks_needs_an_engine_per_rank(assets: dict[str, Any], tmp_path: Path) -> None:
+def test_streaming_with_several_ranks_needs_an_engine_per_rank_or_per_call_versions(
+    assets: dict[str, Any], tmp_path: Path
+) -> None:
     from shardforge.algorithms.trainers.rl.streaming_checks import check_streaming_layout
 
     check_streaming_layout(_config(assets, tmp_path, **STREAM, **{"rollout.engine": "vllm"}), 1)
     each = {"rollout.engine": "vllm", "rollout.vllm.placement": "each_rank"}
     check_streaming_layout(_config(assets, tmp_path, **STREAM, **each), 2)
+    # the embedded-HF Ray actors, shared by the ranks: each call names its disk version (integration_tests/test_ray_launch.py)
+    check_streaming_layout(_config(assets, tmp_path, **STREAM, **{"rollout.placement": "disaggregated"}), 2)
     with pytest.raises(ValueError, match="with 2 ranks needs a rollout engine per rank"):
         check_streaming_layout(_config(assets, tmp_path, **STREAM, **{"rollout.engine": "vllm"}), 2)
 

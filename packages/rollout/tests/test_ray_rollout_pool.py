@@ -48,7 +48,8 @@ class StandInActor:
     def version(self) -> int:
         return int(self.version_file.read_text()) if self.version_file.exists() else 0
 
-    def generate(self, prompts: list[list[int]], params: Any, keys: Any) -> list[tuple[Any, ...]]:
+    def generate(self, prompts: list[list[int]], params: Any, keys: Any, weights: Any = None) -> list[tuple[Any, ...]]:
+        assert weights is None, "versions arrive over the collective transport here"
         from shardforge.rollout.seeds import prompt_seeds
 
         self.generate_calls += 1

@@ -180,8 +180,9 @@ def _ray_client(
     asynchronous: bool = False,
 ) -> PublishedRolloutEngine:
     """placement=disaggregated: this rank's client of the rollout actors the Ray launcher started. ``asynchronous``:
-    the vLLM server actor loads disk versions (``weight_transport: auto`` -> ``disk``) when the generator thread
-    asks for them, since a collective send would switch the server under the generator's requests."""
+    the actors load disk versions when the generator thread asks for them, since a collective send would switch
+    them under the generator's requests: the vLLM server actor with ``weight_transport: auto`` -> ``disk``, the HF
+    actors per call (`RayRolloutClient` with ``weights_root``)."""
     from shardforge.rollout.ray.placement import rollout_actor_names_from_env
 
     names = rollout_actor_names_from_env(config.num_actors)  # refuses a rank not started by --launcher ray
@@ -193,8 +194,16 @@ def _ray_client(
             options = dataclasses.replace(options, weight_transport="disk")
         return RayVLLMServerEngine(
             names[0], model_dir, tokenizer, options=options, weights_root=weights_root, dtype=config.dtype,
-            seed=seed,
+            seed=seed, per_call_versions=asynchronous,
         )  # fmt: skip
     from shardforge.rollout.ray.hf_actor import RayRolloutClient
 
-    return RayRolloutClient(names, timeout_s=timeout_s, on_actor_failure=config.on_actor_failure)
+    if asynchronous and weights_root is None:
+        raise ValueError(
+            "asynchronous rollouts on the rollout actors load weight versions from disk: pass weights_root (the "
+            "directory the trainer publishes to)"
+        )
+    return RayRolloutClient(
+        names, timeout_s=timeout_s, on_actor_failure=config.on_actor_failure,
+        weights_root=weights_root if asynchronous else None,
+    )  # fmt: skip

@@ -7,7 +7,10 @@
     (`shardforge.rollout.ray.hf_actor.RolloutActor`). Trainer rank ``r`` generates through actor
     ``r % rollout.num_actors``; after each step trainer rank 0 sends the new weights to every actor over
     weight-sync's collective transport (a gloo group of rank 0 + the actors, verified, version-tagged; no shared
-    filesystem).
+    filesystem). With ``async_rollouts`` (and streaming) the versions go to disk under ``output_dir/weights``
+    instead and every generate call names the version it needs, which the actor loads first (on several Ray nodes
+    ``output_dir`` must be on storage rank 0's and the actors' nodes share); with ``rollout.partial_rollouts`` the
+    actor also loads the newest published version between two chunks of a call.
   - ``rollout.engine: vllm`` with ``rollout.vllm.mode: server``: one actor that runs ``vllm serve`` in its bundle
     (`shardforge.rollout.ray.vllm_server.VLLMServerActor`); every rank is a `VLLMServerRolloutEngine`
     on its URL, and trainer rank 0 sends the server every version over weight-sync's collective transport
@@ -68,6 +71,9 @@ class RolloutActorSpec:
     """``rollout.share_prefill``: encode each distinct prompt of a call once."""
     batch_size: int = 256
     """``rollout.batch_size``: most rows per ``generate`` call."""
+    interrupt_chunk_tokens: int = 0
+    """engine=hf with ``rollout.partial_rollouts``: the actor generates this many new tokens at a time and loads the
+    newest published disk version between chunks (``rollout.interrupt_chunk_tokens``); 0: whole calls."""
     vllm: Any = None
     """engine=vllm: the trainer's `VLLMOptions` (the server's flags and environment)."""
     seed: int = 0
@@ -109,7 +115,7 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
             f"holds the embedded HF engine or a vLLM server; rollout.engine={engine!r} is neither: use "
             "rollout.engine=hf or rollout.engine=vllm with rollout.vllm.mode=server",
         ),
-        *(_vllm_refusals(vllm, num_actors, on_failure) if engine == "vllm" else []),
+        *(_vllm_refusals(vllm, num_actors, on_failure, rollout.partial_rollouts) if engine == "vllm" else []),
         (
             on_failure == "drop" and engine == "hf" and num_actors < 2,
             f"with rollout.on_actor_failure=drop moves the ranks of a dead rollout actor to a surviving one, which "
@@ -117,10 +123,10 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
             "rollout.on_actor_failure=error",
         ),
         (
-            bool(getattr(config, "async_rollouts", False)) and engine == "hf",
-            "with rollout.engine=hf serves the newest weights only: asynchronous rollouts (which may need an older "
-            "version) are not supported there yet; set async_rollouts=false, or use rollout.engine=vllm with "
-            "rollout.vllm.mode=server (its server loads disk versions)",
+            bool(getattr(config, "async_rollouts", False)) and engine == "hf" and on_failure == "drop",
+            "with rollout.on_actor_failure=drop agrees on dead actors with the ranks' collectives once per generation "
+            "round, which asynchronous rollouts run on a background thread: set rollout.on_actor_failure=error, or "
+            "async_rollouts=false",
         ),
         (
             bool(getattr(config, "async_rollouts", False))
@@ -129,10 +135,6 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
             "with async_rollouts loads weight versions from disk when its generator needs them; "
             "rollout.vllm.weight_transport=collective switches the server at every publish: set "
             "rollout.vllm.weight_transport=auto or disk",
-        ),
-        (
-            rollout.partial_rollouts,
-            "does not interrupt generations: set rollout.partial_rollouts=false",
         ),
         (
             bool(getattr(getattr(config, "engine", None), "router_replay", False)),
@@ -157,13 +159,14 @@ def rollout_actor_spec(config: Any, launcher: str, world_size: int | None = None
         kv_reuse_max_tokens=rollout.kv_reuse_max_tokens,
         share_prefill=rollout.share_prefill,
         batch_size=rollout.batch_size,
+        interrupt_chunk_tokens=rollout.interrupt_chunk_tokens if rollout.partial_rollouts else 0,
         vllm=vllm if engine == "vllm" else None,
         seed=int(getattr(config, "seed", 0)),
         output_dir=str(Path(config.output_dir).resolve()) if getattr(config, "output_dir", "") else "",
     )
 
 
-def _vllm_refusals(vllm: Any, num_actors: int, on_failure: str) -> list[tuple[bool, str]]:
+def _vllm_refusals(vllm: Any, num_actors: int, on_failure: str, partial_rollouts: bool) -> list[tuple[bool, str]]:
     """What ``rollout.engine=vllm`` with disaggregated placement (one `VLLMServerActor`) does not support yet."""
     mode = getattr(vllm, "mode", "in_process")
     return [
@@ -186,6 +189,11 @@ def _vllm_refusals(vllm: Any, num_actors: int, on_failure: str) -> list[tuple[bo
             num_actors != 1,
             f"with rollout.engine=vllm starts one vLLM server for every rank (rollout.num_actors={num_actors}): set "
             "rollout.num_actors=1 (rollout.vllm.max_num_seqs and rollout.vllm.tensor_parallel_size size the server)",
+        ),
+        (
+            partial_rollouts,
+            "with rollout.engine=vllm does not interrupt the server's generations: set rollout.partial_rollouts=false, "
+            "or use rollout.engine=hf (its actors interrupt a call at a chunk boundary)",
         ),
     ]
 

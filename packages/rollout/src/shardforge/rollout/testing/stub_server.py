@@ -20,6 +20,9 @@ versions in order. ``--update-delay S``: answer ``/update_weights`` S seconds af
 ``--weights``: import torch before serving (a fast ``/init_weight_transfer_engine``); ``--die-in-transfer FILE``: the first transfer that finds FILE deletes it and exits after the first bucket;
 ``--corrupt-once FILE``: the first version that finds FILE deletes it and gets a bit flipped before the check (the
 server refuses it with HTTP 500).
+``--completion-delay S``: answer each completion S seconds after it arrived (requests overlap); a completion
+whose weight version changed while it was in flight counts in ``switched_under_requests`` of ``/stub/state`` (what
+a version switch under another rank's requests would do to a real server's samples).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from typing import Any
 MAX_MODEL_LEN = 64
 STATE: dict[str, Any] = {"version": 0, "die_once": None, "die_after": 0, "completions": 0, "vocab_size": 50,
                          "calls": [], "sleep_mode": False, "asleep": set(),
-                         "receiver": None, "received": [], "checksums": {}, "args": None}  # fmt: skip
+                         "receiver": None, "received": [], "checksums": {}, "args": None,
+                         "switched_under_requests": 0}  # fmt: skip
 
 
 class ManifestChecked:
@@ -98,7 +102,13 @@ def receive(version: int) -> None:
 
 
 def completion(body: dict[str, Any]) -> dict[str, Any]:
-    rng = random.Random(f"{body['prompt']}|{body['seed']}|{STATE['version']}")
+    version = STATE["version"]
+    delay = STATE["args"].completion_delay if STATE["args"] is not None else 0.0
+    if delay:
+        time.sleep(delay)
+        if STATE["version"] != version:  # the weights changed under this request
+            STATE["switched_under_requests"] += 1
+    rng = random.Random(f"{body['prompt']}|{body['seed']}|{version}")
     choices = []
     for index in range(body["n"]):
         tokens = [rng.randrange(3, STATE["vocab_size"]) for _ in range(body["max_tokens"])]
@@ -115,7 +125,8 @@ class Handler(BaseHTTPRequestHandler):
             self.reply({"data": [{"id": "policy", "max_model_len": MAX_MODEL_LEN}]})
         elif self.path == "/stub/state":
             self.reply({"pid": os.getpid(), "version": STATE["version"], "calls": STATE["calls"],
-                        "received": STATE["received"], "checksums": STATE["checksums"]})  # fmt: skip
+                        "received": STATE["received"], "checksums": STATE["checksums"],
+                        "switched_under_requests": STATE["switched_under_requests"]})  # fmt: skip
         else:
             self.send_error(404)
 
@@ -182,6 +193,7 @@ def main() -> None:
     parser.add_argument("--corrupt-once", type=Path, default=None)
     parser.add_argument("--weights", action="store_true")
     parser.add_argument("--enable-sleep-mode", action="store_true")
+    parser.add_argument("--completion-delay", type=float, default=0.0)
     args, _ = parser.parse_known_args()  # the vLLM flags the engine passes are ignored
     STATE["args"] = args
     STATE["sleep_mode"] = args.enable_sleep_mode

@@ -26,7 +26,10 @@ run from another interpreter or venv (``VLLMOptions.server_python``), or already
   weight switch is stopped, so the next generation restarts it at the new version.
 - Ranks: global rank 0 starts the server and shares its URL; every rank sends its own
   requests. `update_weights` and `publish` are collective: rank 0 switches the server, and no
-  rank returns (so none samples from the previous version) before it has.
+  rank returns (so none samples from the previous version) before it has. Asynchronous rollouts on
+  several ranks (``per_call_versions``, disk versions): `update_weights` only records the version this
+  rank's next calls need, and each `generate` runs through the ranks' `SharedVersionGate`, which
+  switches the server (from whichever rank) only while no rank's call is in flight.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from shardforge.rollout.server.http import get_json as _get
 from shardforge.rollout.server.http import local_address_towards
 from shardforge.rollout.server.http import post_json as _post
 from shardforge.rollout.server.shared_restart import SharedServerRestarts
+from shardforge.rollout.server.version_gate import SharedVersionGate, check_per_call_versions
 from shardforge.rollout.types import Rollout, SamplingParams
 from shardforge.rollout.vllm.engine import require_main_thread
 from shardforge.rollout.vllm.server_collective import (
@@ -84,6 +88,8 @@ class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
     Arguments as for `VLLMRolloutEngine`; ``options.server_url`` connects to a running server
     (started with the flags above), else rank 0 starts one with ``options.server_python``
     (default: this interpreter), logging to ``log_file`` (default: a file in the temp directory).
+    ``per_call_versions``: asynchronous rollouts (generator threads drive the engine); with several ranks every
+    call names its version and the ranks share the server's switches through a `SharedVersionGate`.
     """
 
     def __init__(
@@ -97,6 +103,7 @@ class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
         seed: int = 0,
         log_file: str | os.PathLike[str] | None = None,
         chunks: ChunkedGeneration | None = None,
+        per_call_versions: bool = False,
     ) -> None:
         if not Path(model_dir).is_dir():
             raise FileNotFoundError(f"rollout model directory {str(model_dir)!r} does not exist")
@@ -153,6 +160,13 @@ class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
         assert url is not None
         self.url = url.rstrip("/")
         self.max_model_len = int(_get(self.url, "/v1/models")["data"][0]["max_model_len"])
+        self.gate: SharedVersionGate | None = None
+        """Asynchronous rollouts on several ranks: every call runs under one version the ranks agree on."""
+        if per_call_versions and world > 1:
+            check_per_call_versions(self.options, self.publishes_directly, chunks)
+            self.gate = SharedVersionGate.create(
+                self._transfer_host(self.url), timeout_s=self.options.request_timeout_s
+            )
 
     # ------------------------------------------------------------------ weight transfer set-up
     def _transfer_host(self, url: str) -> str:
@@ -239,6 +253,9 @@ class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
         target = self.source.latest() if version is None else version
         if target is None:
             raise WeightVersionError(f"no committed weight version under {self.source.root}")
+        if self.gate is not None:  # the next calls switch the server when they need to (`SharedVersionGate`)
+            self._version = target
+            return target
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:  # one server for all ranks: its version switches are collective
             require_main_thread("a shared vLLM server switches versions for all ranks at once")
@@ -302,9 +319,16 @@ class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
             decode = partial(self.tokenizer.decode, skip_special_tokens=True)
             chunks = self.chunks
             return chunked_requests(self._generate, prompts, params, chunks.chunk_tokens, chunks.between_chunks, decode)
+        if self.gate is not None:  # several ranks' asynchronous calls: one version per call, switched between calls
+            with self.gate.serve(self._version, self._switch) as serving:
+                return self._generate(prompts, params, serving)
         return self._generate(prompts, params)
 
-    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
+    def _generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, version: int | None = None
+    ) -> list[Rollout]:
+        """One completion request per prompt; the rollouts carry ``version`` (None: the served one)."""
+        version = self._version if version is None else version
         if len(prompts) == 0:
             raise ValueError("generate() needs at least one prompt")
         seeds = prompt_seeds(params, len(prompts))
@@ -342,7 +366,7 @@ class VLLMServerRolloutEngine(CollectivePublishing, VLLMServerProcess):
                         response_ids=tokens,
                         logprobs=logprobs,
                         finished=choice["finish_reason"] == "stop",
-                        version=self._version,
+                        version=version,
                         text=self.tokenizer.decode(tokens, skip_special_tokens=True),
                     )
                 )

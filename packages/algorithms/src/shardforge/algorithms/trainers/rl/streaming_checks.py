@@ -44,7 +44,10 @@ def check_streaming_config(config: Any) -> None:
 
 
 def check_streaming_layout(config: Any, world_size: int) -> None:
-    """With several ranks every rank streams on an engine of its own (its weights switch when its groups need)."""
+    """With several ranks every rank streams on an engine of its own (its weights switch when its groups need), or
+    on the Ray rollout actors, which they share: every call names the disk version it needs; an embedded-HF actor
+    runs one call at a time, loading that version first (`shardforge.rollout.ray.hf_actor`), and the vLLM server
+    actor switches only while no rank's call is in flight (`shardforge.rollout.server.version_gate`)."""
     if not config.streaming_rollouts or world_size <= 1:
         return
     rollout = config.rollout
@@ -52,11 +55,14 @@ def check_streaming_layout(config: Any, world_size: int) -> None:
         rollout.engine == "hf"
         or (rollout.engine == "vllm" and rollout.vllm.mode == "in_process" and rollout.vllm.placement == "each_rank")
     )
-    if not own:
+    per_call_versions = rollout.placement == "disaggregated"  # the HF actors, or the vLLM server actor's gate
+    if not (own or per_call_versions):
         raise ValueError(
             f"streaming_rollouts=true with {world_size} ranks needs a rollout engine per rank (each rank's generator "
-            "switches weights on its own): use rollout.engine=hf with rollout.placement=colocated, or rollout.engine=vllm "
-            "with rollout.vllm.mode=in_process and rollout.vllm.placement=each_rank"
+            "switches weights on its own) or one whose calls name their weight version: use rollout.engine=hf with "
+            "rollout.placement=colocated, rollout.engine=vllm with rollout.vllm.mode=in_process and "
+            "rollout.vllm.placement=each_rank, or the Ray rollout actors (rollout.placement=disaggregated, --launcher "
+            "ray: rollout.engine=hf, or rollout.engine=vllm with rollout.vllm.mode=server)"
         )
 
 
