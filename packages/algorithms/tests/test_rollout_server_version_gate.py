@@ -93,6 +93,7 @@ def _stream_on_a_shared_server(tmp: Path, max_staleness: int) -> dict[str, Any]:
                 source.publish(step + 1)
         dist.barrier()
         state = _state(engine.url)
+        dist.barrier()  # every rank has read the state before the rank that owns the server stops it
     finally:
         source.close()
         engine.shutdown(grace_s=5.0)
