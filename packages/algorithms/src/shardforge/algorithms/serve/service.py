@@ -11,6 +11,7 @@ from typing import Any
 
 from shardforge.algorithms.serve.codecs import FwdBwdRequest
 from shardforge.algorithms.serve.config import ServeConfig
+from shardforge.algorithms.serve.distributed import LocalOps, OpsFactory
 from shardforge.algorithms.serve.futures import BatchGroup, FutureQueue, UserError
 from shardforge.algorithms.serve.models import ModelRegistry, SamplerWeights, TrainingModel, lora_config_for
 from shardforge.algorithms.serve.runs import check_user_metadata
@@ -25,9 +26,11 @@ class TinkerService:
     Args:
         config: what to serve and the limits.
         keys: the API keys of the tenants.
+        ops: builds how jobs touch the training models (None: `LocalOps`, in this process; rank 0 of a multi-rank
+            service passes `serve.distributed.sharded_ops`).
     """
 
-    def __init__(self, config: ServeConfig, keys: TenantKeys) -> None:
+    def __init__(self, config: ServeConfig, keys: TenantKeys, ops: OpsFactory | None = None) -> None:
         from shardforge.algorithms.serve.batching import LoRABatcher
         from shardforge.algorithms.serve.export import DownloadSigner
         from shardforge.algorithms.serve.metrics import ServeMetrics
@@ -46,6 +49,7 @@ class TinkerService:
         # LoRA models' forward(_backward) jobs of different tenants that are queued at once run as one batch
         # over the shared base (`LoRABatcher`); forward-only and training batches apart.
         self._batcher = LoRABatcher(self.registry)
+        self.ops = (ops or LocalOps)(self.registry, self._batcher)
         # On CPU each worker's batch runs on its own core, so the tenants are spread over the workers; an
         # accelerator gets one batch (one device, where a bigger batch is what saves time).
         spread = config.batch_spread
@@ -68,6 +72,7 @@ class TinkerService:
 
     def close(self) -> None:
         self.futures.close()
+        self.ops.close()
         if self.step_logs is not None:
             self.step_logs.close()
 
@@ -84,7 +89,7 @@ class TinkerService:
 
     def _run_batch(self, items: list[tuple[TrainingModel, FwdBwdRequest]]) -> list[bytes | Exception]:
         started = time.perf_counter()
-        outcomes = self._batcher.run(items)
+        outcomes = self.ops.run_batch(items)
         for (model, request), outcome in zip(items, outcomes, strict=True):
             if isinstance(outcome, bytes):
                 self._log_forward_backward(model, request, outcome, started)
@@ -127,7 +132,7 @@ class TinkerService:
         model_id = self._model_id(data)
 
         def job() -> dict[str, Any]:
-            model = self.registry.create_model(tenant, model_id, lora, None if seed is None else int(seed), metadata)
+            model = self.ops.create_model(tenant, model_id, lora, None if seed is None else int(seed), metadata)
             return {"type": "create_model", "model_id": model.model_id}
 
         return self.futures.submit(tenant, "CreateModel", job, lane=model_id)
@@ -150,7 +155,7 @@ class TinkerService:
         }  # fmt: skip
 
     def forward_backward(self, tenant: str, request: FwdBwdRequest) -> str:
-        from shardforge.algorithms.serve.training import check_datums, forward_backward
+        from shardforge.algorithms.serve.training import check_datums
 
         model = self.registry.model(tenant, request.model_id)
         check_datums(
@@ -165,7 +170,7 @@ class TinkerService:
 
         def job() -> bytes:  # alone (a batch runs `_run_batch` instead)
             started = time.perf_counter()
-            output = forward_backward(model, request)
+            output = self.ops.forward_backward(model, request)
             self._log_forward_backward(model, request, output, started)
             return output
 
@@ -174,7 +179,7 @@ class TinkerService:
         )
 
     def optim_step(self, tenant: str, data: dict[str, Any]) -> str:
-        from shardforge.algorithms.serve.training import check_adam, optim_step
+        from shardforge.algorithms.serve.training import check_adam
 
         model = self.registry.model(tenant, str(data.get("model_id")))
         adam = data.get("adam_params")
@@ -184,7 +189,7 @@ class TinkerService:
 
         def job() -> dict[str, Any]:
             started = time.perf_counter()
-            result = optim_step(model, adam)
+            result = self.ops.optim_step(model, adam)
             if self.step_logs is not None:
                 self.step_logs.optim_step(model, adam, result, started)
             return result
@@ -250,11 +255,11 @@ class TinkerService:
         return self.futures.submit(tenant, "Sample", lambda: self.sampler.sample(weights, job)), job.params.n
 
     def save_state(self, tenant: str, data: dict[str, Any]) -> str:
-        from shardforge.algorithms.serve.checkpoints import save_state
-
         model = self.registry.model(tenant, str(data.get("model_id")))
         root = Path(self.config.output_dir)
-        return self.futures.submit(tenant, "SaveWeights", lambda: save_state(root, model, data), lane=model.model_id)
+        return self.futures.submit(
+            tenant, "SaveWeights", lambda: self.ops.save_state(root, model, data), lane=model.model_id
+        )
 
     def list_checkpoints(self, tenant: str, model_id: str) -> dict[str, Any]:
         """``RestClient.list_checkpoints``: the model's ``save_state`` checkpoints and ``save_weights_external``
@@ -304,13 +309,13 @@ class TinkerService:
     def load_state(self, tenant: str, data: dict[str, Any]) -> str:
         """Into a live model (``model_id``), or into a new one (``session_id`` + ``model_seq_id``: the SDK's
         ``create_training_client_from_state*``, which also resumes a checkpoint after a service restart)."""
-        from shardforge.algorithms.serve.checkpoints import load_state, read_lora
+        from shardforge.algorithms.serve.checkpoints import read_lora
 
         root = Path(self.config.output_dir)
         if data.get("model_id"):
             model = self.registry.model(tenant, str(data["model_id"]))
             return self.futures.submit(
-                tenant, "LoadWeights", lambda: load_state(root, model, data), lane=model.model_id
+                tenant, "LoadWeights", lambda: self.ops.load_state(root, model, data), lane=model.model_id
             )
         self.check_session(tenant, str(data.get("session_id")))
         if data.get("base_model") is not None:
@@ -320,6 +325,6 @@ class TinkerService:
         metadata = check_user_metadata(data.get("user_metadata"))
 
         def job() -> dict[str, Any]:
-            return load_state(root, self.registry.create_model(tenant, model_id, lora, 0, metadata), data)
+            return self.ops.load_state(root, self.ops.create_model(tenant, model_id, lora, 0, metadata), data)
 
         return self.futures.submit(tenant, "LoadWeights", job, lane=model_id)
