@@ -257,3 +257,16 @@ def test_restart_at_two_ranks_resumes_and_a_dead_rank_stops_the_service(services
     while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(pid) for pid in ranks), "a rank outlived the service"
+
+
+def test_layouts_other_than_fsdp_are_refused_before_any_rank_starts(tmp_path: Path, capsys) -> None:
+    from shardforge.algorithms.cli.main import main
+    from shardforge.algorithms.serve.ranks import check_serve_layout
+
+    assert check_serve_layout("d-1", 4).dp_shard == 4
+    assert check_serve_layout("r2d2", 4).dp_replicate == 2
+    with pytest.raises(ValueError, match="tp=2; shardforge serve shards the base with FSDP"):
+        check_serve_layout("d1t2", 2)
+    (tmp_path / "model").mkdir()
+    assert main(["serve", "--model", str(tmp_path / "model"), "--nproc-per-node", "2", "--layout", "d3"]) == 1
+    assert "world_size=2" in capsys.readouterr().err

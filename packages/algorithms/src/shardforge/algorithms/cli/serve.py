@@ -123,9 +123,10 @@ def _serve_rank0(args: argparse.Namespace, world: int) -> int:
     )  # fmt: skip
     ops = None
     if world > 1:
+        from shardforge.algorithms.launch.torchrun import write_rank_error
         from shardforge.algorithms.serve.distributed import sharded_ops
 
-        ops = sharded_ops(args.model, args.layout or "d-1")
+        ops = sharded_ops(args.model, args.layout or "d-1", report=write_rank_error)
     server = ServiceServer(TinkerService(config, keys, ops), host=args.host, port=args.port)
     log.info(
         "serving %s for tenants %s at http://%s:%d (tinker.ServiceClient(base_url=...)); Ctrl-C stops",

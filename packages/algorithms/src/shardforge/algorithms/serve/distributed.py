@@ -101,9 +101,10 @@ class ShardedOps:
     agent stops the other ranks, with the error as the service's last line.
     """
 
-    def __init__(self, runtime: Any, registry: ModelRegistry) -> None:
+    def __init__(self, runtime: Any, registry: ModelRegistry, report: Callable[[str], bool] | None = None) -> None:
         self._runtime = runtime  # a `serve.ranks.RankRuntime` holding `registry.models`
         self._registry = registry
+        self._report = report
         self._lock = threading.Lock()
 
     def _run(self, op: str, *args: Any) -> Any:
@@ -114,8 +115,8 @@ class ShardedOps:
             try:
                 self._runtime.send(job)
                 return self._runtime.execute(job)
-            except BaseException as exc:  # noqa: BLE001  (the ranks are out of step: nothing can continue)
-                _fatal(op, exc)
+            except BaseException as exc:  # the ranks are out of step: nothing can continue
+                _fatal(op, exc, self._report)
 
     def create_model(
         self, owner: str, model_id: str, lora: LoRAConfig | None, seed: int | None, metadata: dict[str, str]
@@ -175,27 +176,29 @@ class ShardedOps:
         thread.join(timeout=5)
 
 
-def sharded_ops(model_dir: str, layout: str, *, timeout_s: float = 600.0) -> OpsFactory:
+def sharded_ops(
+    model_dir: str, layout: str, *, timeout_s: float = 600.0, report: Callable[[str], bool] | None = None
+) -> OpsFactory:
     """The `OpsFactory` of rank 0 of a multi-rank service (collective: the other ranks build their
-    `serve.ranks.RankRuntime` at the same time)."""
+    `serve.ranks.RankRuntime` at the same time). ``report`` hands a fatal error's line to the launcher (the CLI
+    passes `launch.torchrun.write_rank_error`; False: nobody listens, the line goes to stderr)."""
 
     def build(registry: ModelRegistry, batcher: LoRABatcher) -> ModelOps:
         from shardforge.algorithms.serve.ranks import RankRuntime
 
-        return ShardedOps(RankRuntime(model_dir, layout, models=registry.models, timeout_s=timeout_s), registry)
+        runtime = RankRuntime(model_dir, layout, models=registry.models, timeout_s=timeout_s)
+        return ShardedOps(runtime, registry, report)
 
     return build
 
 
-def _fatal(op: str, exc: BaseException) -> NoReturn:
-    from shardforge.algorithms.launch.torchrun import write_rank_error
-
+def _fatal(op: str, exc: BaseException, report: Callable[[str], bool] | None) -> NoReturn:
     log.error("serve: the %r job failed on rank 0:\n%s", op, traceback.format_exc())
     line = (
         f"shardforge: error: serve: the {op!r} job that every rank runs failed on rank 0 ({type(exc).__name__}: "
         f"{exc}); the ranks are out of step, so the service stops\n"
     )
-    if not write_rank_error(line):
+    if report is None or not report(line):
         sys.stderr.write(line)
     sys.stderr.flush()
     os._exit(1)

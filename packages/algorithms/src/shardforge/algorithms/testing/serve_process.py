@@ -49,7 +49,7 @@ class ServeProcess:
             command += ["--api-key", f"{tenant}={key}"]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TINKER_TELEMETRY="0")
         self.log = log
-        sink = subprocess.DEVNULL if log is None else open(log, "wb")  # noqa: SIM115  (closed in stop)
+        sink = subprocess.DEVNULL if log is None else open(log, "wb")  # closed in stop
         self.proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
         self._sink = sink
         self.url, deadline = f"http://127.0.0.1:{self.port}", time.monotonic() + timeout_s
@@ -60,7 +60,9 @@ class ServeProcess:
             except httpx.TransportError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"shardforge serve did not start (exit code {self.proc.poll()}):\n{self.output()}")
+                    raise RuntimeError(
+                        f"shardforge serve did not start (exit code {self.proc.poll()}):\n{self.output()}"
+                    ) from None
                 time.sleep(0.3)
 
     def ranks(self) -> list[int]:
