@@ -51,6 +51,9 @@ _IDLE_TIMEOUT = datetime.timedelta(days=365)
 """The control group's timeout: followers wait for the next job as long as the service is idle. A dead rank does
 not leave the others waiting: the launcher's torchrun agent stops every rank when one exits."""
 
+_FAILED_ELSEWHERE = "the loss failed on another rank"
+"""A request's error on a rank that has none of its datums (the ranks that have some send the message)."""
+
 
 def check_serve_layout(layout: str, world_size: int) -> ParallelDims:
     """The resolved layout of ``--layout`` on ``world_size`` ranks; ValueError unless it only shards (d) and
@@ -63,6 +66,25 @@ def check_serve_layout(layout: str, world_size: int) -> ParallelDims:
             f"shards the base with FSDP (d) and HSDP (r, d) only, e.g. d{world_size} or r2d{max(world_size // 2, 1)}"
         )
     return dims
+
+
+class _RankBatchTree(_BatchTree):
+    """`serve.batching`'s adapter hooks, with a plain path for a job of one request (the usual case): its adapters
+    over every row, as `LoRALinear.forward` computes them, without the stacking and row masks of a batch."""
+
+    def _hook(self, name: str):  # type: ignore[no-untyped-def]
+        batched = super()._hook(name)
+
+        def add_adapters(module: nn.Module, args: tuple[torch.Tensor, ...], out_RSO: torch.Tensor) -> torch.Tensor:
+            plan = self.plan
+            if plan is None or len(plan) != 1:
+                return batched(module, args, out_RSO)
+            lora = plan[0].adapters.get(name)
+            if lora is None:
+                return out_RSO
+            return out_RSO + lora.lora_B(lora.lora_A(lora.lora_dropout(args[0]))) * lora.lora_scaling
+
+        return add_adapters
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +142,7 @@ class RankRuntime:
         self.base.eval()
         for param in self.base.parameters():
             param.requires_grad_(False)
-        self._batch = _BatchTree(self.base)
+        self._batch = _RankBatchTree(self.base)
         with torch.device("meta"):  # the followers' adapters are made on a weightless copy of the module tree
             from transformers import AutoModelForCausalLM
 
@@ -259,10 +281,12 @@ class RankRuntime:
             except Exception as exc:  # this tenant's loss only
                 results.append(None)
                 errors.append(f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
-        every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, errors, group=self.control)
-        agreed = [next((rank_errors[i] for rank_errors in every if rank_errors[i] is not None), None)
-                  for i in range(len(local))]  # fmt: skip
+        # One small all-reduce decides which requests failed anywhere; the messages travel with the results.
+        failed = torch.tensor([float(error is not None) for error in errors])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.control)
+        agreed = [
+            error or (_FAILED_ELSEWHERE if flag > 0 else None) for error, flag in zip(errors, failed, strict=True)
+        ]
         return results, agreed
 
     def _backward(
@@ -296,22 +320,22 @@ class RankRuntime:
     ) -> list[tuple[torch.Tensor, LossResult] | str] | None:
         """Rank 0: each request's log-probs, per-token losses and loss summed over the ranks, in datum order."""
         mine = []
-        for i, (item, result) in enumerate(zip(local, results, strict=True)):
+        for i, (item, result, error) in enumerate(zip(local, results, errors, strict=True)):
             lp = logprobs_T[_token_slice(local, i)].detach().float().cpu() if item.data else torch.zeros(0)
-            if result is None:
-                mine.append((lp, torch.zeros(0), 0.0))
+            if result is None or error is not None:
+                mine.append((lp, torch.zeros(0), 0.0, error))
             else:
-                mine.append((lp, result.elementwise.float().cpu(), float(result.loss.detach())))
+                mine.append((lp, result.elementwise.float().cpu(), float(result.loss.detach()), None))
         every: list[Any] = [None] * self.world if self.rank == 0 else []
         dist.gather_object(mine, every if self.rank == 0 else None, dst=0, group=self.control)
         if self.rank != 0:
             return None
         out: list[tuple[torch.Tensor, LossResult] | str] = []
         for i, error in enumerate(errors):
-            if error is not None:
-                out.append(error)
-                continue
             parts = [rank_parts[i] for rank_parts in every]
+            if error is not None:  # the first rank's own message (a rank without its rows only knows it failed)
+                out.append(next((part[3] for part in parts if part[3] != _FAILED_ELSEWHERE), error))
+                continue
             loss = torch.tensor(sum(part[2] for part in parts))
             elementwise = torch.cat([part[1] for part in parts])
             out.append((torch.cat([part[0] for part in parts]), LossResult(loss=loss, elementwise=elementwise)))
