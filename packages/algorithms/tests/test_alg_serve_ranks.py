@@ -38,6 +38,7 @@ KEYS = {ALICE: "alice", BOB: "bob"}
 # 5 datums: 2 on rank 0, 3 on rank 1
 TEXTS = ["12+34=46", "7*8=56", "99-9=90", "5+5=10", "64/8=8"]
 ADAM = types.AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
+WAIT = 120  # seconds for any SDK result: a service that died fails the test instead of leaving the SDK retrying
 REL = 1e-5  # the 2-rank sums add the ranks' partial sums: another float summation order than one rank (~1e-7 seen)
 
 
@@ -87,8 +88,8 @@ def _steps(trainer, batches: list[list[types.Datum]]) -> list[float]:
     for batch in batches:
         fwdbwd = trainer.forward_backward(batch, "cross_entropy")
         step = trainer.optim_step(ADAM)
-        losses.append(fwdbwd.result().metrics["loss:sum"])
-        step.result()
+        losses.append(fwdbwd.result(timeout=WAIT).metrics["loss:sum"])
+        step.result(timeout=WAIT)
     return losses
 
 
@@ -118,10 +119,10 @@ def test_sft_loop_matches_one_rank(services) -> None:
     runs = {}
     for name in ("one", "two"):
         trainer = services["client"](services[name]).create_lora_training_client(base_model="tiny", rank=4, seed=7)
-        trainer = trainer.result()
+        trainer = trainer.result(timeout=WAIT)
         losses = _steps(trainer, batches)
-        forward = trainer.forward(datums, "cross_entropy").result()
-        runs[name] = (losses, forward, trainer.save_state("final").result().path)
+        forward = trainer.forward(datums, "cross_entropy").result(timeout=WAIT)
+        runs[name] = (losses, forward, trainer.save_state("final").result(timeout=WAIT).path)
     (losses_1, forward_1, path_1), (losses_2, forward_2, path_2) = runs["one"], runs["two"]
     assert losses_2 == pytest.approx(losses_1, rel=REL)
     assert losses_1[-1] < losses_1[0]
@@ -137,7 +138,7 @@ def test_two_tenants_at_once_match_one_rank(services) -> None:
 
     def tenant(url: str, key: str, rank: int, texts: slice) -> list[float]:
         trainer = services["client"](url, key).create_lora_training_client(base_model="tiny", rank=rank, seed=rank)
-        return _steps(trainer.result(), [datums[texts]] * 3)
+        return _steps(trainer.result(timeout=WAIT), [datums[texts]] * 3)
 
     expected = [tenant(services["one"], ALICE, 4, slice(0, 3)), tenant(services["one"], BOB, 8, slice(1, 5))]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -166,10 +167,10 @@ def test_sampling_on_rank_zero(services) -> None:
     samples = {}
     for name in ("one", "two"):
         trainer = services["client"](services[name]).create_lora_training_client(base_model="tiny", rank=4, seed=1)
-        trainer = trainer.result()
+        trainer = trainer.result(timeout=WAIT)
         _steps(trainer, [_datums(services["tokenizer"])])
-        sampler = trainer.save_weights_and_get_sampling_client().result()
-        samples[name] = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
+        sampler = trainer.save_weights_and_get_sampling_client().result(timeout=WAIT)
+        samples[name] = sampler.sample(prompt, num_samples=2, sampling_params=params).result(timeout=WAIT)
         assert all(1 <= len(s.tokens) <= 6 for s in samples[name].sequences)
     # the trained adapters agree to ~1e-7, so the seeded samples are the same tokens
     assert [s.tokens for s in samples["two"].sequences] == [s.tokens for s in samples["one"].sequences]
@@ -179,33 +180,37 @@ def test_checkpoints_move_between_rank_counts(services) -> None:
     datums = _datums(services["tokenizer"])
     for saver, loader in (("two", "one"), ("one", "two")):
         trainer = services["client"](services[saver]).create_lora_training_client(base_model="tiny", rank=4, seed=11)
-        trainer = trainer.result()
+        trainer = trainer.result(timeout=WAIT)
         _steps(trainer, [datums, datums])
-        path = trainer.save_state("mid").result().path
+        path = trainer.save_state("mid").result(timeout=WAIT).path
         expected = _steps(trainer, [datums, datums[:1]])
-        resumed = services["client"](services[loader]).create_training_client_from_state_with_optimizer(path).result()
+        resumed = (
+            services["client"](services[loader])
+            .create_training_client_from_state_with_optimizer(path)
+            .result(timeout=WAIT)
+        )
         assert _steps(resumed, [datums, datums[:1]]) == pytest.approx(expected, rel=REL), (saver, loader)
 
 
 def test_bad_requests_are_4xx_and_the_ranks_keep_serving(services) -> None:
     url = services["two"]
     service = services["client"](url)
-    trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result(timeout=WAIT)
     datum = _datums(services["tokenizer"])[0]
     bad_tokens = types.Datum(
         model_input=types.ModelInput.from_ints([10**6]), loss_fn_inputs={"target_tokens": [1], "weights": [1.0]}
     )
     with pytest.raises(tinker.BadRequestError, match="outside"):
-        trainer.forward_backward([bad_tokens], "cross_entropy").result()
+        trainer.forward_backward([bad_tokens], "cross_entropy").result(timeout=WAIT)
     # a loss that fails on the ranks (clip thresholds out of range): the ranks agree, the request gets the error
-    trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    trainer = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result(timeout=WAIT)
     rl = types.Datum(
         model_input=datum.model_input,
         loss_fn_inputs={"target_tokens": datum.loss_fn_inputs["target_tokens"],
                         "logprobs": [-1.0] * datum.model_input.length, "advantages": [1.0] * datum.model_input.length},
     )  # fmt: skip
     with pytest.raises(Exception, match="clip_low_threshold"):
-        trainer.forward_backward([rl, rl], "ppo", loss_fn_config={"clip_low_threshold": 2.0}).result()
+        trainer.forward_backward([rl, rl], "ppo", loss_fn_config={"clip_low_threshold": 2.0}).result(timeout=WAIT)
     with pytest.raises(Exception, match="full fine-tuning"):
         from shardforge.algorithms.serve.client import create_full_training_client
 
@@ -214,10 +219,10 @@ def test_bad_requests_are_4xx_and_the_ranks_keep_serving(services) -> None:
     losses = {}
     for name in ("one", "two"):
         trainer = services["client"](services[name]).create_lora_training_client(base_model="tiny", rank=4, seed=5)
-        trainer = trainer.result()
+        trainer = trainer.result(timeout=WAIT)
         _steps(trainer, [[datum, datum, datum]])
         losses[name] = [
-            trainer.forward_backward([rl, rl, rl], loss).result().metrics["loss:sum"]
+            trainer.forward_backward([rl, rl, rl], loss).result(timeout=WAIT).metrics["loss:sum"]
             for loss in ("importance_sampling", "ppo", "cispo")
         ]
     assert losses["two"] == pytest.approx(losses["one"], rel=REL)
@@ -234,14 +239,14 @@ def test_restart_at_two_ranks_resumes_and_a_dead_rank_stops_the_service(services
 
     datums = _datums(services["tokenizer"])
     trainer = services["client"](services["two"]).create_lora_training_client(base_model="tiny", rank=4, seed=13)
-    trainer = trainer.result()
+    trainer = trainer.result(timeout=WAIT)
     _steps(trainer, [datums])
-    path = trainer.save_state("before-restart").result().path
+    path = trainer.save_state("before-restart").result(timeout=WAIT).path
     expected = _steps(trainer, [datums, datums])
     again = ServeProcess(services["model"], KEYS, services["out"], nproc=2, log=tmp_path / "again.log")
     try:
         client = tinker.ServiceClient(base_url=again.url, api_key=ALICE)
-        resumed = client.create_training_client_from_state_with_optimizer(path).result()
+        resumed = client.create_training_client_from_state_with_optimizer(path).result(timeout=WAIT)
         assert _steps(resumed, [datums, datums]) == pytest.approx(expected, rel=REL)
         client.close("success").result(timeout=10)  # before the service goes: no heartbeat left polling it
         ranks = again.ranks()
