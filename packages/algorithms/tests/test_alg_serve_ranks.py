@@ -164,16 +164,18 @@ def _batched_requests(metrics: str) -> float:
 def test_sampling_on_rank_zero(services) -> None:
     prompt = types.ModelInput.from_ints(services["tokenizer"]("12+")["input_ids"])
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
-    samples = {}
+    samples, logprobs = {}, {}
     for name in ("one", "two"):
         trainer = services["client"](services[name]).create_lora_training_client(base_model="tiny", rank=4, seed=1)
         trainer = trainer.result(timeout=WAIT)
         _steps(trainer, [_datums(services["tokenizer"])])
         sampler = trainer.save_weights_and_get_sampling_client().result(timeout=WAIT)
         samples[name] = sampler.sample(prompt, num_samples=2, sampling_params=params).result(timeout=WAIT)
+        logprobs[name] = sampler.compute_logprobs(prompt).result(timeout=WAIT)
         assert all(1 <= len(s.tokens) <= 6 for s in samples[name].sequences)
     # the trained adapters agree to ~1e-7, so the seeded samples are the same tokens
     assert [s.tokens for s in samples["two"].sequences] == [s.tokens for s in samples["one"].sequences]
+    assert logprobs["two"][1:] == pytest.approx(logprobs["one"][1:], rel=REL, abs=1e-6)
 
 
 def test_checkpoints_move_between_rank_counts(services) -> None:
@@ -275,3 +277,27 @@ def test_layouts_other_than_fsdp_are_refused_before_any_rank_starts(tmp_path: Pa
     (tmp_path / "model").mkdir()
     assert main(["serve", "--model", str(tmp_path / "model"), "--nproc-per-node", "2", "--layout", "d3"]) == 1
     assert "world_size=2" in capsys.readouterr().err
+
+
+def test_split_rows_gives_each_rank_a_contiguous_chunk_and_a_weight_0_row_when_it_has_none() -> None:
+    from shardforge.algorithms.serve.codecs import FwdBwdRequest, WireDatum
+    from shardforge.algorithms.serve.rank_batch import split_rows, token_slice
+
+    def request(lengths: list[int]) -> FwdBwdRequest:
+        data = [WireDatum(tokens=[1] * n) for n in lengths]
+        return FwdBwdRequest(model_id="m", seq_id=0, loss_fn="cross_entropy", forward_only=False, loss_fn_config={},
+                             data=data)  # fmt: skip
+
+    a, b = request([2, 3, 4]), request([5, 6])
+    items = [("model-a", a), ("model-b", b)]
+    first, datums_0 = split_rows(items, 2, 0)  # type: ignore[arg-type]
+    second, datums_1 = split_rows(items, 2, 1)  # type: ignore[arg-type]
+    assert [len(d.tokens) for d in datums_0] == [2, 3] and [len(d.tokens) for d in datums_1] == [4, 5, 6]
+    assert [(i.start, i.rows, len(i.data)) for i in first] == [(0, 2, 2), (2, 0, 0)]
+    assert [(i.start, i.rows, len(i.data)) for i in second] == [(0, 1, 1), (1, 2, 2)]
+    assert token_slice(second, 1) == slice(4, 15)
+    # one datum over two ranks: rank 0 runs it with weight 0 (its request has a row there but no datum)
+    alone, datums = split_rows([("model-a", request([7]))], 2, 0)  # type: ignore[list-item]
+    assert [len(d.tokens) for d in datums] == [7] and (alone[0].rows, alone[0].data) == (1, [])
+    other, datums = split_rows([("model-a", request([7]))], 2, 1)  # type: ignore[list-item]
+    assert (other[0].rows, len(other[0].data)) == (1, 1)

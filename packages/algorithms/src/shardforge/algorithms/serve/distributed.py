@@ -137,7 +137,7 @@ class ShardedOps:
         return outcome
 
     def run_batch(self, items: Sequence[tuple[TrainingModel, FwdBwdRequest]]) -> list[bytes | Exception]:
-        from shardforge.algorithms.serve.ranks import encode_outcomes
+        from shardforge.algorithms.serve.rank_batch import encode_outcomes
 
         if len({request.forward_only for _, request in items}) != 1:
             raise ValueError("a batch mixes forward and forward_backward requests")

@@ -7,22 +7,14 @@ over a gloo control group, then every rank runs the same method of `RankRuntime`
 the job like the others and assembles the answer. Jobs run one at a time (rank 0 holds a lock around each), so
 every rank issues the same collectives in the same order.
 
-forward(_backward): the datums of the job (of one or several LoRA tenants) are split into contiguous chunks, one
-per data-parallel rank; each rank runs its rows through the sharded base with each row's tenant's adapters (the
-forward hooks of `serve.batching`), computes each tenant's loss on its own rows and backpropagates. Tinker's losses
-are sums over tokens, so the sum of the ranks' losses is the 1-rank loss, and summing each adapter's gradient
-over the ranks (at ``optim_step``, one all-reduce of all of a model's gradients) gives the 1-rank gradient. A rank
-without rows (fewer datums than ranks) runs the first datum with weight 0: FSDP needs every rank in every forward
-and backward. A loss that fails on any rank fails for all (the ranks agree before the backward), and that tenant's
-gradients are left as they were, as on one rank.
+forward(_backward) jobs: `serve.rank_batch`.
 
-Legend: T = the rank's rows' tokens packed end to end.
+Legend: T = tokens of a job's datums packed end to end.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import datetime
 import hashlib
 from collections.abc import Callable, Sequence
@@ -34,11 +26,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardforge.algorithms.serve.batching import _BatchTree, _Rows
-from shardforge.algorithms.serve.codecs import FwdBwdRequest, WireDatum
+from shardforge.algorithms.serve.batching import _Rows
+from shardforge.algorithms.serve.codecs import FwdBwdRequest
 from shardforge.algorithms.serve.losses import LossResult
 from shardforge.algorithms.serve.models import TrainingModel, adapter_optimizer
-from shardforge.algorithms.serve.training import encode_result, request_loss, target_logprobs
+from shardforge.algorithms.serve.rank_batch import (
+    RankBatchTree,
+    agreed_losses,
+    backward,
+    gather_outcomes,
+    split_rows,
+)
+from shardforge.algorithms.serve.training import target_logprobs
 from shardforge.core.log import get_logger
 from shardforge.lora import LoRAConfig
 from shardforge.mesh import ParallelDims
@@ -50,9 +49,6 @@ log = get_logger(__name__)
 _IDLE_TIMEOUT = datetime.timedelta(days=365)
 """The control group's timeout: followers wait for the next job as long as the service is idle. A dead rank does
 not leave the others waiting: the launcher's torchrun agent stops every rank when one exits."""
-
-_FAILED_ELSEWHERE = "the loss failed on another rank"
-"""A request's error on a rank that has none of its datums (the ranks that have some send the message)."""
 
 
 def check_serve_layout(layout: str, world_size: int) -> ParallelDims:
@@ -68,45 +64,12 @@ def check_serve_layout(layout: str, world_size: int) -> ParallelDims:
     return dims
 
 
-class _RankBatchTree(_BatchTree):
-    """`serve.batching`'s adapter hooks, with a plain path for a job of one request (the usual case): its adapters
-    over every row, as `LoRALinear.forward` computes them, without the stacking and row masks of a batch."""
-
-    def _hook(self, name: str):  # type: ignore[no-untyped-def]
-        batched = super()._hook(name)
-
-        def add_adapters(module: nn.Module, args: tuple[torch.Tensor, ...], out_RSO: torch.Tensor) -> torch.Tensor:
-            plan = self.plan
-            if plan is None or len(plan) != 1:
-                return batched(module, args, out_RSO)
-            lora = plan[0].adapters.get(name)
-            if lora is None:
-                return out_RSO
-            return out_RSO + lora.lora_B(lora.lora_A(lora.lora_dropout(args[0]))) * lora.lora_scaling
-
-        return add_adapters
-
-
 @dataclass(frozen=True, slots=True)
 class RankJob:
     """What rank 0 broadcasts: a `RankRuntime` method name and its (picklable) arguments."""
 
     op: str
     args: tuple[Any, ...] = ()
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _LocalItem:
-    """One rank's share of one tenant's request: its datums and where their rows start in the rank's batch."""
-
-    model: TrainingModel
-    request: FwdBwdRequest
-    data: list[WireDatum]
-    """This rank's datums of the request (its loss runs on them)."""
-    start: int
-    """The first of its rows in the rank's batch."""
-    rows: int
-    """Its rows in the rank's batch: ``len(data)``, or 1 for the weight-0 row of a rank without datums."""
 
 
 class RankRuntime:
@@ -142,7 +105,7 @@ class RankRuntime:
         self.base.eval()
         for param in self.base.parameters():
             param.requires_grad_(False)
-        self._batch = _RankBatchTree(self.base)
+        self._batch = RankBatchTree(self.base)
         with torch.device("meta"):  # the followers' adapters are made on a weightless copy of the module tree
             from transformers import AutoModelForCausalLM
 
@@ -210,7 +173,8 @@ class RankRuntime:
         per request its (log-probs [T], loss) over all its datums, or the error its loss failed with; the others
         None."""
         train = not jobs[0][1].forward_only
-        local, datums = self._split([(self.models[model_id], request) for model_id, request in jobs])
+        items = [(self.models[model_id], request) for model_id, request in jobs]
+        local, datums = split_rows(items, self.ctx.dims.dp, self.ctx.dp_rank)
         plan = [_Rows(i.start, i.start + i.rows, dict(_lora_children(i.model.module))) for i in local]
         with torch.set_grad_enabled(train):
             self._batch.plan = plan
@@ -218,10 +182,10 @@ class RankRuntime:
                 logprobs_T = target_logprobs(self.base, datums)
             finally:
                 self._batch.plan = None
-            results, errors = self._losses(local, logprobs_T)
+            results, errors = agreed_losses(local, logprobs_T, self.control)
             if train and any(error is None for error in errors):
-                self._backward(local, results, errors, logprobs_T)
-        return self._gather(local, logprobs_T, results, errors)
+                backward(local, results, errors, logprobs_T)
+        return gather_outcomes(local, logprobs_T, results, errors, self.control)
 
     def op_optim_step(self, model_id: str, adam: dict[str, Any]) -> dict[str, Any]:
         """Sum the ranks' gradients (one all-reduce), then the 1-rank AdamW step on every rank."""
@@ -238,121 +202,6 @@ class RankRuntime:
                 param.grad = grad.view_as(param).clone()
         return optim_step(model, adam)
 
-    def op_drop(self, model_id: str) -> None:
-        """Forget ``model_id`` (rank 0 failed to finish making it)."""
-        if self.rank != 0:
-            self.models.pop(model_id, None)
-
-    # ------------------------------------------------------------------ forward_backward's parts
-    def _split(self, items: list[tuple[TrainingModel, FwdBwdRequest]]) -> tuple[list[_LocalItem], list[WireDatum]]:
-        """This rank's contiguous chunk of the jobs' datums (every request keeps an entry, maybe empty)."""
-        rows = [(i, datum) for i, (_, request) in enumerate(items) for datum in request.data]
-        ranks, me = self.ctx.dims.dp, self.ctx.dp_rank
-        lo, hi = len(rows) * me // ranks, len(rows) * (me + 1) // ranks
-        mine = rows[lo:hi]
-        local, start = [], 0
-        for i, (model, request) in enumerate(items):
-            data = [datum for owner, datum in mine if owner == i]
-            local.append(_LocalItem(model, request, data, start, len(data)))
-            start += len(data)
-        datums = [datum for _, datum in mine]
-        if not datums:  # no rows here: the first datum, weight 0 (it must still run the model's collectives)
-            datums = [items[0][1].data[0]]
-            local[0] = dataclasses.replace(local[0], rows=1)
-            local[1:] = [dataclasses.replace(item, start=1) for item in local[1:]]
-        return local, datums
-
-    def _losses(
-        self, local: list[_LocalItem], logprobs_T: torch.Tensor
-    ) -> tuple[list[LossResult | None], list[str | None]]:
-        """Each request's loss on this rank's rows; the errors agreed over the ranks (a loss that failed anywhere
-        failed for all)."""
-        results: list[LossResult | None] = []
-        errors: list[str | None] = []
-        for i, item in enumerate(local):
-            if not item.data:
-                results.append(None)
-                errors.append(None)
-                continue
-            rows = logprobs_T[_token_slice(local, i)]
-            try:
-                results.append(request_loss(dataclasses.replace(item.request, data=item.data), rows))
-                errors.append(None)
-            except Exception as exc:  # this tenant's loss only
-                results.append(None)
-                errors.append(f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
-        # One small all-reduce decides which requests failed anywhere; the messages travel with the results.
-        failed = torch.tensor([float(error is not None) for error in errors])
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.control)
-        agreed = [
-            error or (_FAILED_ELSEWHERE if flag > 0 else None) for error, flag in zip(errors, failed, strict=True)
-        ]
-        return results, agreed
-
-    def _backward(
-        self,
-        local: list[_LocalItem],
-        results: list[LossResult | None],
-        errors: list[str | None],
-        logprobs_T: torch.Tensor,
-    ) -> None:
-        """One backward on every rank into every request's adapters; the failed requests' gradients restored."""
-        params = [p for item in local for p in item.model.module.parameters() if p.requires_grad]
-        failed = [p for item, error in zip(local, errors, strict=True) if error is not None
-                  for p in item.model.module.parameters() if p.requires_grad]  # fmt: skip
-        saved = [(p, None if p.grad is None else p.grad.clone()) for p in failed]
-        # The 0-weighted sum over all rows keeps the graph the same on every rank (the same FSDP collectives in the
-        # backward), whichever requests have rows here and whichever failed.
-        total = logprobs_T.sum() * 0.0
-        for result, error in zip(results, errors, strict=True):
-            if result is not None and error is None:
-                total = total + result.loss
-        torch.autograd.backward(total, inputs=params)
-        for param, grad in saved:
-            param.grad = grad
-
-    def _gather(
-        self,
-        local: list[_LocalItem],
-        logprobs_T: torch.Tensor,
-        results: list[LossResult | None],
-        errors: list[str | None],
-    ) -> list[tuple[torch.Tensor, LossResult] | str] | None:
-        """Rank 0: each request's log-probs, per-token losses and loss summed over the ranks, in datum order."""
-        mine = []
-        for i, (item, result, error) in enumerate(zip(local, results, errors, strict=True)):
-            lp = logprobs_T[_token_slice(local, i)].detach().float().cpu() if item.data else torch.zeros(0)
-            if result is None or error is not None:
-                mine.append((lp, torch.zeros(0), 0.0, error))
-            else:
-                mine.append((lp, result.elementwise.float().cpu(), float(result.loss.detach()), None))
-        every: list[Any] = [None] * self.world if self.rank == 0 else []
-        dist.gather_object(mine, every if self.rank == 0 else None, dst=0, group=self.control)
-        if self.rank != 0:
-            return None
-        out: list[tuple[torch.Tensor, LossResult] | str] = []
-        for i, error in enumerate(errors):
-            parts = [rank_parts[i] for rank_parts in every]
-            if error is not None:  # the first rank's own message (a rank without its rows only knows it failed)
-                out.append(next((part[3] for part in parts if part[3] != _FAILED_ELSEWHERE), error))
-                continue
-            loss = torch.tensor(sum(part[2] for part in parts))
-            elementwise = torch.cat([part[1] for part in parts])
-            out.append((torch.cat([part[0] for part in parts]), LossResult(loss=loss, elementwise=elementwise)))
-        return out
-
-
-def encode_outcomes(
-    requests: Sequence[FwdBwdRequest], outcomes: Sequence[tuple[torch.Tensor, LossResult] | str]
-) -> list[bytes | Exception]:
-    """Rank 0: the ForwardBackwardOutput protobuf of each request, or its loss's error."""
-    from shardforge.algorithms.serve.futures import UserError
-
-    return [
-        UserError(outcome) if isinstance(outcome, str) else encode_result(request, *outcome)
-        for request, outcome in zip(requests, outcomes, strict=True)
-    ]
-
 
 def follow(runtime: RankRuntime) -> None:
     """Ranks 1..N-1: run rank 0's jobs until it says stop. An exception ends the rank (and, through the
@@ -363,12 +212,6 @@ def follow(runtime: RankRuntime) -> None:
             log.info("rank %d: rank 0 stopped the service", runtime.rank)
             return
         runtime.execute(job)
-
-
-def _token_slice(local: list[_LocalItem], index: int) -> slice:
-    """The tokens of ``item``'s datums in the rank's packed log-probs (a rank with datums has no weight-0 row)."""
-    start = sum(len(d.tokens) for other in local[:index] for d in other.data)
-    return slice(start, start + sum(len(d.tokens) for d in local[index].data))
 
 
 def _lora_children(module: nn.Module) -> list[tuple[str, Any]]:
