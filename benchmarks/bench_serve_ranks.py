@@ -6,7 +6,8 @@ processes of their own: ``shardforge serve`` on one rank, and ``shardforge serve
 sharded over 2 gloo ranks with FSDP, each rank running half of every step's rows). Metric: tokens/s of
 ``forward_backward("cross_entropy")`` + ``optim_step``, median of ``ROUNDS`` alternated rounds of ``STEPS`` steps
 after ``WARMUP``. No target: a number (on a 2-core CPU the 2 ranks' FSDP all-gathers and the job broadcast cost
-about what splitting the rows saves). Run: ``python benchmarks/bench_serve_ranks.py`` (~2 min).
+about what splitting the rows saves). Run: ``python benchmarks/bench_serve_ranks.py [--hidden H --layers L]`` (~1 min
+at the defaults; a larger model is a row of its own, ``serve_ranks_h<H>``).
 """
 
 from __future__ import annotations
@@ -27,13 +28,19 @@ ROUNDS = 5
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="the tiny Qwen3's hidden size")
+    parser.add_argument("--layers", type=int, default=2, help="its decoder layers")
+    args = parser.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     from shardforge.algorithms.testing.serve_process import ServeProcess
     from shardforge.rollout.testing.tiny import tiny_model
 
     key = "tml-bench-ranks-0123456789"
     with tempfile.TemporaryDirectory(prefix="bench_serve_ranks_") as tmp:
-        tiny = tiny_model(Path(tmp), hidden=HIDDEN, layers=2)
+        tiny = tiny_model(Path(tmp), hidden=args.hidden, layers=args.layers)
         services = {n: ServeProcess(tiny["model"], {key: "bench"}, Path(tmp) / f"out{n}", nproc=n) for n in (1, 2)}
         rates: dict[int, list[float]] = {1: [], 2: []}
         loads = [os.getloadavg()[0]]
@@ -50,14 +57,15 @@ def main() -> None:
     ratio = statistics.median(two / one for one, two in zip(rates[1], rates[2], strict=True))
     payload = {
         "machine": info, "batch": BATCH, "steps": STEPS, "warmup": WARMUP, "rounds": ROUNDS, "lora_rank": RANK,
-        "hidden": HIDDEN, "tokens_s_1_rank": rates[1], "tokens_s_2_ranks": rates[2], "ratio": ratio,
+        "hidden": args.hidden, "layers": args.layers, "tokens_s_1_rank": rates[1], "tokens_s_2_ranks": rates[2], "ratio": ratio,
         "load_average_1min": loads,
     }  # fmt: skip
-    _common.write_json(NAME, payload)
+    name = NAME if (args.hidden, args.layers) == (HIDDEN, 2) else f"{NAME}_h{args.hidden}"
+    _common.write_json(name, payload)
     _common.upsert_result_row(
-        benchmark=NAME,
+        benchmark=name,
         metric=f"LoRA r{RANK} training tokens/s of one tenant (forward_backward + optim_step, tinker SDK over HTTP), "
-        f"tiny Qwen3 hidden {HIDDEN}, {BATCH} rows/step: `shardforge serve --nproc-per-node 2` (base FSDP-sharded "
+        f"tiny Qwen3 hidden {args.hidden}, {args.layers} layers, {BATCH} rows/step: `shardforge serve --nproc-per-node 2` (base FSDP-sharded "
         f"over 2 gloo ranks, rows split) vs 1 rank, each in its own process; median of {ROUNDS} alternated rounds; "
         f"1-min load {min(loads):.1f}-{max(loads):.1f}",
         ours=f"{statistics.median(rates[2]):,.0f}",
