@@ -161,6 +161,26 @@ def _batched_requests(metrics: str) -> float:
     return counts["+Inf"] - counts["1.0"]
 
 
+def test_forward_backward_custom_matches_one_rank(services) -> None:
+    """The SDK runs a custom loss client-side over `forward`'s log-probs and sends its gradient back as a
+    forward_backward: over 2 ranks the step equals the 1-rank one."""
+    datums = _datums(services["tokenizer"])
+
+    def squared(data: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        return sum(
+            (lp**2 * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs, strict=True)
+        ), {}
+
+    runs = {}
+    for name in ("one", "two"):
+        trainer = services["client"](services[name]).create_lora_training_client(base_model="tiny", rank=4, seed=9)
+        trainer = trainer.result(timeout=WAIT)
+        loss = trainer.forward_backward_custom(datums, squared).result(timeout=WAIT).metrics["loss:sum"]
+        trainer.optim_step(ADAM).result(timeout=WAIT)
+        runs[name] = (loss, trainer.forward(datums, "cross_entropy").result(timeout=WAIT).metrics["loss:sum"])
+    assert runs["two"] == pytest.approx(runs["one"], rel=REL)
+
+
 def test_sampling_on_rank_zero(services) -> None:
     prompt = types.ModelInput.from_ints(services["tokenizer"]("12+")["input_ids"])
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
