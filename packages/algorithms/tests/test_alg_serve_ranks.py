@@ -213,7 +213,7 @@ def test_checkpoints_move_between_rank_counts(services) -> None:
         )
         assert _steps(resumed, [datums, datums[:1]]) == pytest.approx(expected, rel=REL), (saver, loader)
         # into a live model too: the loader's client, trained on, goes back to the checkpoint on every rank
-        with pytest.warns(FutureWarning, match="deprecated"):  # the SDK still sends it; the cookbook's older recipes do
+        with pytest.warns(FutureWarning, match="deprecated"):  # deprecated in the SDK, still served
             resumed.load_state_with_optimizer(path).result(timeout=WAIT)
         assert _steps(resumed, [datums, datums[:1]]) == pytest.approx(expected, rel=REL), (saver, loader, "live")
 
