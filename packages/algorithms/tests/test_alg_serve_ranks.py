@@ -237,7 +237,7 @@ def test_bad_requests_are_4xx_and_the_ranks_keep_serving(services) -> None:
     )  # fmt: skip
     with pytest.raises(Exception, match="clip_low_threshold"):
         trainer.forward_backward([rl, rl], "ppo", loss_fn_config={"clip_low_threshold": 2.0}).result(timeout=WAIT)
-    with pytest.raises(Exception, match="full fine-tuning"):
+    with pytest.raises(tinker.BadRequestError, match="full fine-tuning"):
         from shardforge.algorithms.serve.client import create_full_training_client
 
         create_full_training_client(service, "tiny")

@@ -30,7 +30,11 @@ log = get_logger(__name__)
 
 
 class ModelOps(Protocol):
-    """What the queued jobs do to training models (each method runs inside one job)."""
+    """What the queued jobs do to training models (each method but `check_lora` runs inside one job)."""
+
+    def check_lora(self, lora: LoRAConfig | None) -> None:
+        """UserError (a 400 before anything is queued) if a model of this kind cannot be trained here."""
+        ...
 
     def create_model(
         self, owner: str, model_id: str, lora: LoRAConfig | None, seed: int | None, metadata: dict[str, str]
@@ -59,6 +63,9 @@ class LocalOps:
     def __init__(self, registry: ModelRegistry, batcher: LoRABatcher) -> None:
         self._registry = registry
         self._batcher = batcher
+
+    def check_lora(self, lora: LoRAConfig | None) -> None:
+        pass
 
     def create_model(
         self, owner: str, model_id: str, lora: LoRAConfig | None, seed: int | None, metadata: dict[str, str]
@@ -118,14 +125,17 @@ class ShardedOps:
             except BaseException as exc:  # the ranks are out of step: nothing can continue
                 _fatal(op, exc, self._report)
 
-    def create_model(
-        self, owner: str, model_id: str, lora: LoRAConfig | None, seed: int | None, metadata: dict[str, str]
-    ) -> TrainingModel:
+    def check_lora(self, lora: LoRAConfig | None) -> None:
         if lora is None:
             raise UserError(
                 "full fine-tuning (no lora_config) is not served with --nproc-per-node > 1: the ranks shard the "
                 "shared base and replicate LoRA adapters; create a LoRA training client, or serve with one rank"
             )
+
+    def create_model(
+        self, owner: str, model_id: str, lora: LoRAConfig | None, seed: int | None, metadata: dict[str, str]
+    ) -> TrainingModel:
+        self.check_lora(lora)
         model = self._registry.create_model(owner, model_id, lora, seed, metadata)  # a repeated id fails here
         self._run("create", owner, model_id, lora, model.seed, model.base_model)
         return model

@@ -127,6 +127,7 @@ class TinkerService:
         if optimizer != "adamw":
             raise UserError(f"optimizer_config.type={optimizer!r} is not served; only 'adamw'")
         lora = None if lora_json is None else lora_config_for(lora_json, alpha=self.config.lora_alpha)
+        self.ops.check_lora(lora)
         seed = None if lora_json is None else lora_json.get("seed")
         metadata = check_user_metadata(data.get("user_metadata"))
         model_id = self._model_id(data)
@@ -322,6 +323,7 @@ class TinkerService:
             self.registry.check_base_model(data["base_model"])
         model_id = self._model_id(data)
         lora = read_lora(root, tenant, data, alpha=self.config.lora_alpha)
+        self.ops.check_lora(lora)
         metadata = check_user_metadata(data.get("user_metadata"))
 
         def job() -> dict[str, Any]:
