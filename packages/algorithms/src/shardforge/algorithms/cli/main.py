@@ -330,7 +330,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "serve":
         from shardforge.algorithms.cli.serve import serve
 
-        return serve(args)
+        return serve(args, argv)
     if args.command == "prepare-tiny":
         from shardforge.algorithms.demos.prepare_tiny import prepare_tiny
 

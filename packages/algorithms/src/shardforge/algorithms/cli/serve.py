@@ -45,17 +45,66 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="how long a batch of LoRA tenants' forward_backward waits for the other stepping tenants (0: no wait)",
     )  # fmt: skip
     parser.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha of every adapter")
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=1,
+        help="ranks on this machine: the base model is sharded over them with FSDP (rank 0 serves HTTP); "
+        "N > 1 relaunches the command through torchrun, like `shardforge train`",
+    )  # fmt: skip
+    parser.add_argument(
+        "--layout", default=None, metavar="LAYOUT",
+        help="how the ranks hold the base, in the trainers' layout letters: d (FSDP) and r (HSDP replicas) only, "
+        "e.g. d2 or r2d2 (default: d<N>, every rank a shard)",
+    )  # fmt: skip
     return parser
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Run the service: in this process (one rank), as one rank started by torchrun, or (``--nproc-per-node`` N >
+    1 outside torchrun) relaunched on N ranks through torchrun's agent in this process (`launch.torchrun`)."""
     import importlib.util
+    import os
     from pathlib import Path
 
     if not Path(args.model).is_dir():
         raise FileNotFoundError(f"--model {args.model!r} is not a directory (an HF model saved with save_pretrained)")
     if importlib.util.find_spec("tinker") is None:  # the SDK's protobuf messages are the service's wire format
         raise ModuleNotFoundError("shardforge serve needs the tinker SDK: pip install 'shardforge-algorithms[serve]'")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if "WORLD_SIZE" not in os.environ and args.nproc_per_node != 1:
+        return _launch_ranks(args, argv)
+    if args.layout is not None and world == 1:
+        log.warning("--layout %s is ignored with one rank (nothing to shard); pass --nproc-per-node N", args.layout)
+    if world > 1:
+        from shardforge.algorithms.launch.torchrun import die_with_launcher
+        from shardforge.algorithms.trainers.run.threads import set_process_threads
+
+        die_with_launcher()  # a rank never outlives the agent that started it
+        set_process_threads(int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+        if int(os.environ.get("RANK", "0")) != 0:
+            from shardforge.algorithms.serve.ranks import RankRuntime, follow
+
+            follow(RankRuntime(args.model, args.layout or "d-1"))
+            return 0
+    return _serve_rank0(args, world)
+
+
+def _launch_ranks(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The launching process: check the layout, then start the ranks and wait for them."""
+    from shardforge.algorithms.launch.multinode import LaunchSpec
+    from shardforge.algorithms.launch.torchrun import relaunch
+    from shardforge.algorithms.serve.ranks import check_serve_layout
+
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be >= 1")
+    if argv is None:
+        raise ValueError("serve with --nproc-per-node > 1 needs the command line to relaunch (run it as `shardforge`)")
+    dims = check_serve_layout(args.layout or "d-1", args.nproc_per_node)
+    log.info("starting %d ranks (layout %s): rank 0 serves http://%s:%d", args.nproc_per_node, dims, args.host,
+             args.port)  # fmt: skip
+    return relaunch(LaunchSpec(nproc_per_node=args.nproc_per_node), argv, debug=args.debug)
+
+
+def _serve_rank0(args: argparse.Namespace, world: int) -> int:
     from shardforge.algorithms.serve.config import ServeConfig
     from shardforge.algorithms.serve.server import ServiceServer
     from shardforge.algorithms.serve.service import TinkerService
@@ -70,8 +119,15 @@ def serve(args: argparse.Namespace) -> int:
         model_dir=args.model, base_model=args.name, output_dir=args.output_dir, max_tokens=args.max_tokens,
         lora_alpha=args.lora_alpha, workers=args.workers, batch_window_s=args.batch_window_ms / 1000,
         batch_tenants=args.batch_tenants, loggers=tuple(args.logger),
+        batch_spread=False if world > 1 else None,  # the ranks run one job at a time: one batch, not one per worker
     )  # fmt: skip
-    server = ServiceServer(TinkerService(config, keys), host=args.host, port=args.port)
+    ops = None
+    if world > 1:
+        from shardforge.algorithms.launch.torchrun import write_rank_error
+        from shardforge.algorithms.serve.distributed import sharded_ops
+
+        ops = sharded_ops(args.model, args.layout or "d-1", report=write_rank_error)
+    server = ServiceServer(TinkerService(config, keys, ops), host=args.host, port=args.port)
     log.info(
         "serving %s for tenants %s at http://%s:%d (tinker.ServiceClient(base_url=...)); Ctrl-C stops",
         server.service.registry.base_model, keys.tenants, args.host, args.port,

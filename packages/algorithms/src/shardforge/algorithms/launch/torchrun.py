@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -60,7 +61,6 @@ def die_with_launcher() -> bool:
         watch_parent(os.getppid())
         return False
     import ctypes
-    import signal
 
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
@@ -136,8 +136,13 @@ def relaunch(spec: LaunchSpec, argv: list[str], *, debug: bool = False) -> int:
             if debug:
                 raise
             line = first_rank_error(error_dir)
-            # no rank wrote a line (a crash, a kill): name the rank that failed first
-            rank, failure = min(exc.failures.items(), key=lambda item: (item[1].exitcode < 0, item[0]))
+            # no rank wrote a line (a crash, a kill): name the rank that failed first. An exit code first, then a
+            # signal other than SIGTERM: the agent stops the surviving ranks with SIGTERM once one fails, so a rank
+            # that ended on SIGTERM is rarely the cause (e.g. rank 1 killed with -9, rank 0 then stopped: -15).
+            rank, failure = min(
+                exc.failures.items(),
+                key=lambda item: (item[1].exitcode < 0, item[1].exitcode == -signal.SIGTERM, item[0]),
+            )
             if line is None:
                 line = (
                     f"shardforge: rank {rank} exited with code {failure.exitcode}; rerun with --debug for "

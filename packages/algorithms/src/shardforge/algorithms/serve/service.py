@@ -14,6 +14,7 @@ from typing import Any
 from shardforge.algorithms.serve.checkpoints import check_name
 from shardforge.algorithms.serve.codecs import FwdBwdRequest
 from shardforge.algorithms.serve.config import ServeConfig
+from shardforge.algorithms.serve.distributed import LocalOps, OpsFactory
 from shardforge.algorithms.serve.expiry import check_ttl
 from shardforge.algorithms.serve.futures import BatchGroup, FutureQueue, UserError
 from shardforge.algorithms.serve.models import ModelRegistry, SamplerWeights, TrainingModel, lora_config_for
@@ -31,9 +32,11 @@ class TinkerService:
     Args:
         config: what to serve and the limits.
         keys: the API keys of the tenants.
+        ops: builds how jobs touch the training models (None: `LocalOps`, in this process; rank 0 of a multi-rank
+            service passes `serve.distributed.sharded_ops`).
     """
 
-    def __init__(self, config: ServeConfig, keys: TenantKeys) -> None:
+    def __init__(self, config: ServeConfig, keys: TenantKeys, ops: OpsFactory | None = None) -> None:
         from shardforge.algorithms.serve.batching import LoRABatcher
         from shardforge.algorithms.serve.expiry import ExpiryBook
         from shardforge.algorithms.serve.export import DownloadSigner
@@ -53,6 +56,7 @@ class TinkerService:
         # LoRA models' forward(_backward) jobs of different tenants that are queued at once run as one batch
         # over the shared base (`LoRABatcher`); forward-only and training batches apart.
         self._batcher = LoRABatcher(self.registry)
+        self.ops = (ops or LocalOps)(self.registry, self._batcher)
         # On CPU each worker's batch runs on its own core, so the tenants are spread over the workers; an
         # accelerator gets one batch (one device, where a bigger batch is what saves time).
         spread = config.batch_spread
@@ -79,6 +83,9 @@ class TinkerService:
     def close(self) -> None:
         self._closed.set()
         self.futures.close()
+        self.ops.close()
+        if self.step_logs is not None:
+            self.step_logs.close()
 
     def _sweep_expired(self) -> None:
         from shardforge.algorithms.serve.expiry import SWEEP_EVERY_S
@@ -102,8 +109,6 @@ class TinkerService:
         """Record the TTL of the checkpoint a save job just wrote (None clears an overwritten one's)."""
         self.expiry.set(tenant, model_id, str(result["path"]).removeprefix(f"tinker://{model_id}/"), ttl_s)
         return result
-        if self.step_logs is not None:
-            self.step_logs.close()
 
     def _log_forward_backward(
         self, model: TrainingModel, request: FwdBwdRequest, output: bytes, started: float
@@ -118,7 +123,7 @@ class TinkerService:
 
     def _run_batch(self, items: list[tuple[TrainingModel, FwdBwdRequest]]) -> list[bytes | Exception]:
         started = time.perf_counter()
-        outcomes = self._batcher.run(items)
+        outcomes = self.ops.run_batch(items)
         for (model, request), outcome in zip(items, outcomes, strict=True):
             if isinstance(outcome, bytes):
                 self._log_forward_backward(model, request, outcome, started)
@@ -156,12 +161,13 @@ class TinkerService:
         if optimizer != "adamw":
             raise UserError(f"optimizer_config.type={optimizer!r} is not served; only 'adamw'")
         lora = None if lora_json is None else lora_config_for(lora_json, alpha=self.config.lora_alpha)
+        self.ops.check_lora(lora)
         seed = None if lora_json is None else lora_json.get("seed")
         metadata = check_user_metadata(data.get("user_metadata"))
         model_id = self._model_id(data)
 
         def job() -> dict[str, Any]:
-            model = self.registry.create_model(tenant, model_id, lora, None if seed is None else int(seed), metadata)
+            model = self.ops.create_model(tenant, model_id, lora, None if seed is None else int(seed), metadata)
             return {"type": "create_model", "model_id": model.model_id}
 
         return self.futures.submit(tenant, "CreateModel", job, lane=model_id)
@@ -184,7 +190,7 @@ class TinkerService:
         }  # fmt: skip
 
     def forward_backward(self, tenant: str, request: FwdBwdRequest) -> str:
-        from shardforge.algorithms.serve.training import check_datums, forward_backward
+        from shardforge.algorithms.serve.training import check_datums
 
         model = self.registry.model(tenant, request.model_id)
         check_datums(
@@ -199,7 +205,7 @@ class TinkerService:
 
         def job() -> bytes:  # alone (a batch runs `_run_batch` instead)
             started = time.perf_counter()
-            output = forward_backward(model, request)
+            output = self.ops.forward_backward(model, request)
             self._log_forward_backward(model, request, output, started)
             return output
 
@@ -208,7 +214,7 @@ class TinkerService:
         )
 
     def optim_step(self, tenant: str, data: dict[str, Any]) -> str:
-        from shardforge.algorithms.serve.training import check_adam, optim_step
+        from shardforge.algorithms.serve.training import check_adam
 
         model = self.registry.model(tenant, str(data.get("model_id")))
         adam = data.get("adam_params")
@@ -218,7 +224,7 @@ class TinkerService:
 
         def job() -> dict[str, Any]:
             started = time.perf_counter()
-            result = optim_step(model, adam)
+            result = self.ops.optim_step(model, adam)
             if self.step_logs is not None:
                 self.step_logs.optim_step(model, adam, result, started)
             return result
@@ -290,14 +296,12 @@ class TinkerService:
         return self.futures.submit(tenant, "Sample", lambda: self.sampler.sample(weights, job)), job.params.n
 
     def save_state(self, tenant: str, data: dict[str, Any]) -> str:
-        from shardforge.algorithms.serve.checkpoints import save_state
-
         model = self.registry.model(tenant, str(data.get("model_id")))
         root = Path(self.config.output_dir)
         ttl_s = check_ttl(data.get("ttl_seconds"))
 
         def job() -> dict[str, Any]:
-            return self._expire(tenant, model.model_id, save_state(root, model, data), ttl_s)
+            return self._expire(tenant, model.model_id, self.ops.save_state(root, model, data), ttl_s)
 
         return self.futures.submit(tenant, "SaveWeights", job, lane=model.model_id)
 
@@ -369,23 +373,24 @@ class TinkerService:
     def load_state(self, tenant: str, data: dict[str, Any]) -> str:
         """Into a live model (``model_id``), or into a new one (``session_id`` + ``model_seq_id``: the SDK's
         ``create_training_client_from_state*``, which also resumes a checkpoint after a service restart)."""
-        from shardforge.algorithms.serve.checkpoints import load_state, read_lora
+        from shardforge.algorithms.serve.checkpoints import read_lora
 
         root = Path(self.config.output_dir)
         self.sweep_path(tenant, data.get("path"))
         if data.get("model_id"):
             model = self.registry.model(tenant, str(data["model_id"]))
             return self.futures.submit(
-                tenant, "LoadWeights", lambda: load_state(root, model, data), lane=model.model_id
+                tenant, "LoadWeights", lambda: self.ops.load_state(root, model, data), lane=model.model_id
             )
         self.check_session(tenant, str(data.get("session_id")))
         if data.get("base_model") is not None:
             self.registry.check_base_model(data["base_model"])
         model_id = self._model_id(data)
         lora = read_lora(root, tenant, data, alpha=self.config.lora_alpha)
+        self.ops.check_lora(lora)
         metadata = check_user_metadata(data.get("user_metadata"))
 
         def job() -> dict[str, Any]:
-            return load_state(root, self.registry.create_model(tenant, model_id, lora, 0, metadata), data)
+            return self.ops.load_state(root, self.ops.create_model(tenant, model_id, lora, 0, metadata), data)
 
         return self.futures.submit(tenant, "LoadWeights", job, lane=model_id)
