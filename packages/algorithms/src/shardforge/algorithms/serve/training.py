@@ -125,11 +125,11 @@ def optim_step(model: TrainingModel, adam: dict[str, Any]) -> dict[str, Any]:
     the gradients."""
     lr, clip = float(adam.get("learning_rate", 1e-4)), float(adam.get("grad_clip_norm", 0.0))
     betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
-    params = [p for group in model.optimizer.param_groups for p in group["params"]]
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else None
+    params = [p for p in model.trainable if p.grad is not None]
+    # one foreach norm over all gradients (not one op per tensor), reused by the clipping
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True) if params else None
     if clip > 0 and norm is not None:
-        torch.nn.utils.clip_grad_norm_(params, clip)
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
     for group in model.optimizer.param_groups:
         group.update(
             lr=lr, betas=betas, eps=float(adam.get("eps", 1e-12)), weight_decay=float(adam.get("weight_decay", 0.0))
