@@ -185,10 +185,7 @@ class FutureQueue:
         """The result of ``request_id`` once done, waiting up to ``wait_s``; None while pending.
 
         KeyError when no such request belongs to ``owner`` (another tenant's ids read as unknown)."""
-        with self._lock:
-            result = self._results.get(request_id)
-        if result is None or result.owner != owner:
-            raise KeyError(request_id)
+        result = self.lookup(owner, request_id)
         return result if result.done.wait(wait_s) else None
 
     def lookup(self, owner: str, request_id: str) -> FutureResult:
