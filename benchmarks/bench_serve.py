@@ -135,7 +135,8 @@ class _ServiceProcess:
     """`shardforge serve` in a process of its own, as users run it (the SDK's client on another machine or
     process): the client's HTTP and serialisation work and the service's training do not share one interpreter."""
 
-    def __init__(self, model: str, keys: dict[str, str], out: Path) -> None:
+    def __init__(self, model: str, keys: dict[str, str], out: Path, launcher: list[str] | None = None) -> None:
+        """``launcher``: the command before ``serve ...`` (default: ``python -m shardforge.algorithms.cli``)."""
         import subprocess
 
         import httpx
@@ -143,7 +144,8 @@ class _ServiceProcess:
         from shardforge.mesh import free_port
 
         port = free_port()
-        command = [sys.executable, "-m", "shardforge.algorithms.cli", "serve", "--model", model, "--port", str(port),
+        launcher = launcher or [sys.executable, "-m", "shardforge.algorithms.cli"]
+        command = [*launcher, "serve", "--model", model, "--port", str(port),
                    "--name", "tiny", "--output-dir", str(out)]  # fmt: skip
         for key, tenant in keys.items():
             command += ["--api-key", f"{tenant}={key}"]
