@@ -1,12 +1,15 @@
 """`shardforge serve` driven by the real ``tinker`` SDK: what the service costs, and what tenants share.
 
 Setup: the tiny Qwen3 of the serve tests (`shardforge.rollout.testing.tiny.tiny_model`, hidden ``HIDDEN``),
-LoRA rank 8 on every linear of the attention and MLP, batches of ``BATCH`` addition strings (``"37+45=82"``,
+LoRA rank 8 on every linear of the attention and MLP (on both sides: the service's clients pass
+``train_unembed=False``, since 2026-11-29 late morning; before, the SDK's default also adapted ``lm_head`` on the
+service side only), batches of ``BATCH`` addition strings (``"37+45=82"``,
 about 9 tokens each), AdamW.
 
 1. ``serve_vs_trainer``: tokens/s of ``forward_backward("cross_entropy")`` + ``optim_step`` through the service
    (the SDK over HTTP on 127.0.0.1, one process) vs our training engine (`TrainEngine`, 1 process, the same LoRA,
-   the same batches packed, one ``train_batch`` per step). Target >= 0.8x.
+   the same batches packed, one ``train_batch`` per step; its packed rows hold each string's last token too, as
+   a masked input: one position per row more than the service's datums, the same trained tokens). Target >= 0.8x.
 2. ``serve_tenants``: total tokens/s of ``TENANTS`` tenants training at once (a thread each, own API key and
    LoRA) vs one tenant alone, the service at its defaults: ``workers`` 2 (threads running different models' jobs
    at once) and LoRA tenants' queued ``forward_backward`` requests batched into one forward/backward over the
@@ -70,7 +73,8 @@ def _service_steps(
     from tinker import types
 
     client = tinker.ServiceClient(base_url=url, api_key=key)
-    trainer = client.create_lora_training_client(base_model="tiny", rank=RANK, seed=seed).result()
+    # train_unembed=False: the SDK's default also adapts lm_head, which the engine's TARGETS do not
+    trainer = client.create_lora_training_client(base_model="tiny", rank=RANK, seed=seed, train_unembed=False).result()
     adam = types.AdamParams(learning_rate=1e-3)
     for step in range(WARMUP):
         trainer.forward_backward(_datums(tokenizer, seed * 1000 + step), "cross_entropy").result()
@@ -131,7 +135,8 @@ class _ServiceProcess:
     """`shardforge serve` in a process of its own, as users run it (the SDK's client on another machine or
     process): the client's HTTP and serialisation work and the service's training do not share one interpreter."""
 
-    def __init__(self, model: str, keys: dict[str, str], out: Path) -> None:
+    def __init__(self, model: str, keys: dict[str, str], out: Path, launcher: list[str] | None = None) -> None:
+        """``launcher``: the command before ``serve ...`` (default: ``python -m shardforge.algorithms.cli``)."""
         import subprocess
 
         import httpx
@@ -139,7 +144,8 @@ class _ServiceProcess:
         from shardforge.mesh import free_port
 
         port = free_port()
-        command = [sys.executable, "-m", "shardforge.algorithms.cli", "serve", "--model", model, "--port", str(port),
+        launcher = launcher or [sys.executable, "-m", "shardforge.algorithms.cli"]
+        command = [*launcher, "serve", "--model", model, "--port", str(port),
                    "--name", "tiny", "--output-dir", str(out)]  # fmt: skip
         for key, tenant in keys.items():
             command += ["--api-key", f"{tenant}={key}"]

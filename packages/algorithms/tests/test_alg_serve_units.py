@@ -89,3 +89,64 @@ def test_future_lanes_run_at_once_in_order_and_lane_less_jobs_alone() -> None:
     assert log.index("b1+") < log.index("a1-")  # b1 ran while a1 ran
     assert log.index("s+") > max(log.index(x) for x in ("a1-", "a2-", "b1-"))
     assert log.index("s-") + 1 == log.index("b2+")  # nothing ran beside the lane-less job
+
+
+def test_a_done_callback_runs_once_when_the_job_ends_or_at_once_if_it_has() -> None:
+    """What `retrieve_future` waits on (no thread blocks): a callback added while the job runs runs once, right
+    after the result is set; one added after it ended runs at once; another tenant's id reads as unknown."""
+    import threading
+
+    from shardforge.algorithms.serve.futures import FutureQueue
+
+    queue = FutureQueue(workers=1)
+    release = threading.Event()
+    try:
+        request_id = queue.submit("alice", "Job", lambda: {"ok": release.wait(5)}, lane="m")
+        result = queue.lookup("alice", request_id)
+        seen: list[object] = []
+        called = threading.Event()
+        result.add_done_callback(lambda: (seen.append(result.json), called.set()))
+        assert not called.wait(0.1) and seen == []  # still running
+        release.set()
+        assert called.wait(5) and seen == [{"ok": True}]  # the result is set before the callback runs
+        late: list[bool] = []
+        result.add_done_callback(lambda: late.append(True))
+        assert late == [True] and seen == [{"ok": True}]  # at once; the first one did not run again
+        with pytest.raises(KeyError):
+            queue.lookup("bob", request_id)
+    finally:
+        release.set()
+        queue.close()
+
+
+def test_retrieve_future_answers_try_again_after_the_poll_wait_then_the_result() -> None:
+    """`retrieve_future` on the event loop: a pending job is answered ``try_again`` after ``poll_wait_s``, and
+    once the job is done, with its result; an unknown id (or another tenant's) is a 404."""
+    import threading
+    from types import SimpleNamespace
+
+    pytest.importorskip("tinker")
+    from fastapi.testclient import TestClient
+
+    from shardforge.algorithms.serve.app import build_app
+    from shardforge.algorithms.serve.futures import FutureQueue
+
+    key = generate_key()
+    queue = FutureQueue(workers=1)
+    config = SimpleNamespace(max_request_bytes=1 << 20, poll_wait_s=0.2)
+    service = SimpleNamespace(keys=TenantKeys({key: "alice"}), futures=queue, config=config)
+    release = threading.Event()
+    try:
+        request_id = queue.submit("alice", "Job", lambda: {"type": "done", "ok": release.wait(5)}, lane="m")
+        with TestClient(build_app(service)) as http:  # type: ignore[arg-type]
+            headers = {"X-API-Key": key}
+            pending = http.post("/api/v1/retrieve_future", json={"request_id": request_id}, headers=headers)
+            assert pending.status_code == 200 and pending.json()["type"] == "try_again"
+            threading.Timer(0.05, release.set).start()
+            answer = http.post("/api/v1/retrieve_future", json={"request_id": request_id}, headers=headers)
+            assert answer.json() == {"type": "done", "ok": True}
+            unknown = http.post("/api/v1/retrieve_future", json={"request_id": "req-999"}, headers=headers)
+            assert unknown.status_code == 404
+    finally:
+        release.set()
+        queue.close()

@@ -6,6 +6,7 @@ then queued (`serve.futures`); the SDK polls ``/api/v1/retrieve_future`` for the
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,13 +43,18 @@ def _http_errors() -> Iterator[None]:
         raise HTTPException(400, str(exc)) from exc
 
 
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # the wait may have timed out (cancelled) first
+        future.set_result(None)
+
+
 def build_app(service: TinkerService) -> FastAPI:
     """The FastAPI app serving ``service``."""
     app = FastAPI(title="shardforge serve (Tinker API)")
     app.state.service = service
     limit = service.config.max_request_bytes
 
-    def tenant(request: Request) -> str:
+    async def tenant(request: Request) -> str:  # async: FastAPI runs a sync dependency on a thread pool
         name = service.keys.tenant(request.headers.get("x-api-key"))
         if name is None:
             raise HTTPException(401, "missing or unknown API key: send X-API-Key: tml-... (the key of your tenant)")
@@ -235,14 +241,17 @@ def build_app(service: TinkerService) -> FastAPI:
     async def retrieve(request: Request, who: str = Depends(tenant)) -> Response:
         request_id = str((await payload(request)).get("request_id"))
         try:
-            # The wait blocks: run it off the event loop so other requests keep flowing.
-            from starlette.concurrency import run_in_threadpool
-
-            result = await run_in_threadpool(service.futures.get, who, request_id, service.config.poll_wait_s)
+            result = service.futures.lookup(who, request_id)
         except KeyError as exc:
             raise HTTPException(404, f"request_id {request_id!r} is not a request of this API key") from exc
-        if result is None:
-            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        if not result.done.is_set():  # wait on the event loop (no thread blocks), answered as soon as it is done
+            loop = asyncio.get_running_loop()
+            done = loop.create_future()
+            result.add_done_callback(lambda: loop.call_soon_threadsafe(_resolve, done))
+            try:
+                await asyncio.wait_for(done, service.config.poll_wait_s)
+            except TimeoutError:
+                return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         if result.error is not None:
             return JSONResponse({"error": result.error, "category": result.category})
         if result.proto is not None:

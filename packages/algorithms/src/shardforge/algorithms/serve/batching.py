@@ -33,7 +33,7 @@ from torch import nn
 from shardforge.algorithms.serve.codecs import FwdBwdRequest
 from shardforge.algorithms.serve.models import ModelRegistry, TrainingModel
 from shardforge.algorithms.serve.training import encode_result, request_loss, target_logprobs
-from shardforge.lora import LoRALinear, lora_modules
+from shardforge.lora import LoRALinear
 
 __all__ = ["LoRABatcher"]
 
@@ -140,7 +140,7 @@ class LoRABatcher:
             raise ValueError("only LoRA training models batch (a full fine-tuning model has weights of its own)")
         plan, start = [], 0
         for model, request in items:
-            plan.append(_Rows(start, start + len(request.data), dict(lora_modules(model.module))))
+            plan.append(_Rows(start, start + len(request.data), model.adapters))
             start += len(request.data)
         train = not forward_only.pop()
         batch_tree = self._take_tree()
@@ -172,7 +172,7 @@ class LoRABatcher:
                 continue
             outcomes.append((logprobs, result))
             losses.append(result.loss)
-            params += [p for p in model.module.parameters() if p.requires_grad]
+            params += model.trainable
         if train and losses:
             try:
                 # only into the adapters of tenants whose loss ran: a failed tenant's adapters are in the graph

@@ -21,6 +21,7 @@ __all__ = [
     "WireDatum",
     "decode_forward_backward",
     "encode_forward_backward_output",
+    "encode_packed_forward_backward_output",
     "encode_sample_response",
 ]
 
@@ -71,23 +72,58 @@ def _tensor(msg: pb.Tensor, name: str) -> torch.Tensor:
     return torch.from_numpy(values.reshape(shape) if shape else values)
 
 
+def _datum_token_bytes(i: int, datum: pb.Datum) -> bytes:
+    """The int32 token bytes of a datum's model input (its token chunks joined)."""
+    parts = []
+    for chunk in datum.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise ValueError(f"datum {i}: {kind} chunks are not supported yet (only token chunks)")
+        parts.append(chunk.encoded_text.tokens)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _packed_inputs(data: Sequence[pb.Datum], name: str) -> list[torch.Tensor] | None:
+    """Loss input ``name`` of every datum as views of one tensor, when every datum has it dense, 1-D and of one
+    dtype (what the SDK sends): one decode for the request instead of one per datum. None: decode per datum."""
+    msgs = [datum.loss_fn_inputs.get(name) for datum in data]
+    first = msgs[0]
+    if first is None or first.dtype not in _NUMPY_DTYPES:
+        return None
+    sizes = []
+    for msg in msgs:
+        if msg is None or msg.dtype != first.dtype or msg.WhichOneof("encoding") != "dense" or len(msg.shape) != 1:
+            return None
+        sizes.append(msg.shape[0])
+    dtype = _NUMPY_DTYPES[first.dtype]
+    values = np.frombuffer(b"".join(msg.dense for msg in msgs), dtype=dtype)
+    if values.size != sum(sizes) or any(len(m.dense) != n * values.itemsize for m, n in zip(msgs, sizes, strict=True)):
+        return None  # a datum's shape does not hold its values: the per-datum decode says which
+    return list(torch.from_numpy(values.copy()).split(sizes))
+
+
 def decode_forward_backward(body: bytes) -> FwdBwdRequest:
-    """Parse a ``/api/v1/forward_backward`` body; ValueError says what is malformed."""
+    """Parse a ``/api/v1/forward_backward`` body; ValueError says what is malformed.
+
+    The datums' tokens and loss inputs are decoded for the whole request at once (one ``frombuffer`` per field,
+    each datum's tensors views of one tensor), falling back to one datum at a time for mixed encodings."""
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except Exception as exc:  # protobuf raises its own DecodeError
         raise ValueError(f"the body is not a ForwardBackwardRequest protobuf ({exc})") from exc
+    token_bytes = [_datum_token_bytes(i, datum) for i, datum in enumerate(msg.data)]
+    flat = np.frombuffer(b"".join(token_bytes), dtype=np.int32).tolist()
+    offsets = np.cumsum([0] + [len(b) // 4 for b in token_bytes]).tolist()
+    names = sorted({name for datum in msg.data for name in datum.loss_fn_inputs})
+    packed = {name: _packed_inputs(msg.data, name) for name in names} if msg.data else {}
     data = []
     for i, datum in enumerate(msg.data):
-        tokens: list[int] = []
-        for chunk in datum.model_input:
-            kind = chunk.WhichOneof("chunk")
-            if kind != "encoded_text":
-                raise ValueError(f"datum {i}: {kind} chunks are not supported yet (only token chunks)")
-            tokens += np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
-        inputs = {name: _tensor(t, name) for name, t in datum.loss_fn_inputs.items()}
-        data.append(WireDatum(tokens=tokens, inputs=inputs))
+        inputs = {
+            name: values[i] if (values := packed.get(name)) is not None else _tensor(t, name)
+            for name, t in datum.loss_fn_inputs.items()
+        }
+        data.append(WireDatum(tokens=flat[offsets[i] : offsets[i + 1]], inputs=inputs))
     config = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for key, value in msg.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "number":
@@ -121,6 +157,24 @@ def encode_forward_backward_output(
             for o in outputs
         ]
         record.fields[name].CopyFrom(_batched(arrays))
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record], metrics=dict(metrics))
+    return msg.SerializeToString()
+
+
+def encode_packed_forward_backward_output(
+    fields: Mapping[str, torch.Tensor], lengths: Sequence[int], metrics: Mapping[str, float]
+) -> bytes:
+    """`encode_forward_backward_output` for outputs packed end to end: each field [T] (T = sum of ``lengths``),
+    datum i its i-th ``lengths`` piece; one conversion per field instead of one per datum."""
+    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(lengths))
+    for name, packed_T in fields.items():
+        values = packed_T.detach().cpu().numpy()
+        values = values.astype(np.float32 if packed_T.is_floating_point() else np.int64, copy=False)
+        offsets = np.cumsum([0, *lengths], dtype=np.int64) * values.itemsize
+        dtype = pb.DTYPE_INT64 if values.dtype == np.int64 else pb.DTYPE_FLOAT32
+        record.fields[name].CopyFrom(
+            pb.BatchedTensor(data=values.tobytes(), offsets=offsets.tobytes(), dtype=dtype, trailing_shape=[])
+        )
     msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record], metrics=dict(metrics))
     return msg.SerializeToString()
 

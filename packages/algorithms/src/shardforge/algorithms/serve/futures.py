@@ -63,6 +63,28 @@ class FutureResult:
     queued_at: float = field(default_factory=time.perf_counter)
     batch_size: int = 1
     """How many jobs ran together with it (itself included)."""
+    _callbacks: list[Callable[[], None]] = field(default_factory=list)
+    _callbacks_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once the result is done: at once if it is, else from the thread that finishes it
+        (an asyncio waiter passes ``loop.call_soon_threadsafe``: no thread has to block on `done`)."""
+        with self._callbacks_lock:
+            if not self.done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def finish(self) -> None:
+        """Mark it done and run the waiting callbacks (an exception in one is logged, never raised)."""
+        with self._callbacks_lock:
+            self.done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                log.warning("a future's done callback failed:\n%s", traceback.format_exc())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -163,11 +185,16 @@ class FutureQueue:
         """The result of ``request_id`` once done, waiting up to ``wait_s``; None while pending.
 
         KeyError when no such request belongs to ``owner`` (another tenant's ids read as unknown)."""
+        result = self.lookup(owner, request_id)
+        return result if result.done.wait(wait_s) else None
+
+    def lookup(self, owner: str, request_id: str) -> FutureResult:
+        """The result record of ``request_id``, done or not (KeyError as in `get`)."""
         with self._lock:
             result = self._results.get(request_id)
         if result is None or result.owner != owner:
             raise KeyError(request_id)
-        return result if result.done.wait(wait_s) else None
+        return result
 
     def close(self) -> None:
         with self._ready:
@@ -302,7 +329,7 @@ class FutureQueue:
             log.error("%s request failed:\n%s", result.kind, traceback.format_exc())
             result.error, result.category = f"{type(exc).__name__}: {exc}", "server"
         finally:
-            result.done.set()
+            result.finish()
             self._report(result, started)
 
     def _report(self, result: FutureResult, started: float) -> None:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from shardforge.algorithms.serve.futures import UserError
-from shardforge.lora import LoRAConfig
+from shardforge.lora import LoRAConfig, LoRALinear, lora_modules
 
 __all__ = [
     "LORA_TARGETS", "ModelRegistry", "SamplerWeights", "TrainingModel", "adapter_optimizer", "lora_config_for",
@@ -73,6 +73,14 @@ class TrainingModel:
     and kept in its checkpoints."""
     created: str = ""
     """When it was created (ISO 8601, UTC)."""
+    adapters: dict[str, LoRALinear] = field(init=False)
+    """Its LoRA layers by qualified name (empty for full fine-tuning); found once, not per batch."""
+    trainable: list[nn.Parameter] = field(init=False)
+    """Its trainable parameters (the adapters, or every weight); found once, not per batch."""
+
+    def __post_init__(self) -> None:
+        self.adapters = dict(lora_modules(self.module))
+        self.trainable = [p for p in self.module.parameters() if p.requires_grad]
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """The trained parameters (CPU copies) by their qualified names: the adapters, or every weight (full FT)."""

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardforge.algorithms.serve.codecs import FwdBwdRequest, WireDatum, encode_forward_backward_output
+from shardforge.algorithms.serve.codecs import FwdBwdRequest, WireDatum, encode_packed_forward_backward_output
 from shardforge.algorithms.serve.futures import UserError
 from shardforge.algorithms.serve.losses import OPTIONAL_INPUTS, SERVE_LOSSES, LossResult, required_inputs
 from shardforge.algorithms.serve.models import TrainingModel
@@ -36,6 +36,7 @@ def check_datums(
     total = sum(len(d.tokens) for d in data)
     if total > max_tokens:
         raise UserError(f"the request holds {total} tokens; the limit is {max_tokens} per request (--max-batch-tokens)")
+    names = (*required_inputs(loss_fn), *OPTIONAL_INPUTS.get(loss_fn, ()))
     for i, datum in enumerate(data):
         n = len(datum.tokens)
         if n == 0:
@@ -44,7 +45,7 @@ def check_datums(
             raise UserError(f"datum {i}: {n} tokens exceed the model's context of {max_context}")
         if min(datum.tokens) < 0 or max(datum.tokens) >= vocab_size:
             raise UserError(f"datum {i}: model_input has token ids outside [0, {vocab_size})")
-        for name in (*required_inputs(loss_fn), *OPTIONAL_INPUTS.get(loss_fn, ())):
+        for name in names:
             value = datum.inputs.get(name)
             if value is None and name in required_inputs(loss_fn):
                 raise UserError(
@@ -52,9 +53,16 @@ def check_datums(
                 )
             if value is not None and value.shape != (n,):
                 raise UserError(f"datum {i}: loss_fn_inputs[{name!r}] has shape {list(value.shape)}; expected [{n}]")
-        targets = datum.inputs["target_tokens"]
-        if targets.is_floating_point() or targets.min() < 0 or targets.max() >= vocab_size:
-            raise UserError(f"datum {i}: target_tokens must be int64 ids in [0, {vocab_size})")
+    # the target ids' range over the whole request in one op; the failing datum is looked up only on failure
+    targets = [datum.inputs["target_tokens"] for datum in data]
+    floating = any(t.is_floating_point() for t in targets)
+    if floating or not _in_range(torch.cat(targets), vocab_size):
+        bad = next(i for i, t in enumerate(targets) if t.is_floating_point() or not _in_range(t, vocab_size))
+        raise UserError(f"datum {bad}: target_tokens must be int64 ids in [0, {vocab_size})")
+
+
+def _in_range(ids: torch.Tensor, vocab_size: int) -> bool:
+    return bool(ids.min() >= 0) and bool(ids.max() < vocab_size)
 
 
 def target_logprobs(module: torch.nn.Module, data: Sequence[WireDatum]) -> torch.Tensor:
@@ -95,10 +103,8 @@ def request_loss(request: FwdBwdRequest, logprobs_T: torch.Tensor) -> LossResult
 def encode_result(request: FwdBwdRequest, logprobs_T: torch.Tensor, result: LossResult) -> bytes:
     """The ForwardBackwardOutput protobuf: per datum its log-probs and loss terms, and the summed loss."""
     lengths = [len(d.tokens) for d in request.data]
-    per_datum_lp = logprobs_T.detach().cpu().split(lengths)
-    per_datum_loss = result.elementwise.cpu().split(lengths)
-    outputs = [{"logprobs": lp, "elementwise_loss": el} for lp, el in zip(per_datum_lp, per_datum_loss, strict=True)]
-    return encode_forward_backward_output(outputs, {"loss:sum": float(result.loss.detach())})
+    fields = {"logprobs": logprobs_T, "elementwise_loss": result.elementwise}
+    return encode_packed_forward_backward_output(fields, lengths, {"loss:sum": float(result.loss.detach())})
 
 
 def check_adam(adam: dict[str, Any]) -> None:
@@ -119,11 +125,11 @@ def optim_step(model: TrainingModel, adam: dict[str, Any]) -> dict[str, Any]:
     the gradients."""
     lr, clip = float(adam.get("learning_rate", 1e-4)), float(adam.get("grad_clip_norm", 0.0))
     betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
-    params = [p for group in model.optimizer.param_groups for p in group["params"]]
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else None
+    params = [p for p in model.trainable if p.grad is not None]
+    # one foreach norm over all gradients (not one op per tensor), reused by the clipping
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True) if params else None
     if clip > 0 and norm is not None:
-        torch.nn.utils.clip_grad_norm_(params, clip)
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
     for group in model.optimizer.param_groups:
         group.update(
             lr=lr, betas=betas, eps=float(adam.get("eps", 1e-12)), weight_decay=float(adam.get("weight_decay", 0.0))
