@@ -247,7 +247,11 @@ def build_app(service: TinkerService) -> FastAPI:
         if not result.done.is_set():  # wait on the event loop (no thread blocks), answered as soon as it is done
             loop = asyncio.get_running_loop()
             done = loop.create_future()
-            result.add_done_callback(lambda: loop.call_soon_threadsafe(_resolve, done))
+
+            def wake() -> None:  # runs on the worker thread that finished the job
+                loop.call_soon_threadsafe(_resolve, done)
+
+            result.add_done_callback(wake)
             try:
                 await asyncio.wait_for(done, service.config.poll_wait_s)
             except TimeoutError:

@@ -127,7 +127,8 @@ def optim_step(model: TrainingModel, adam: dict[str, Any]) -> dict[str, Any]:
     betas = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
     params = [p for p in model.trainable if p.grad is not None]
     # one foreach norm over all gradients (not one op per tensor), reused by the clipping
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True) if params else None
+    grads = [grad for p in params if (grad := p.grad) is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
     if clip > 0 and norm is not None:
         torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
     for group in model.optimizer.param_groups:
