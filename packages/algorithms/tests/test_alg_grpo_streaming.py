@@ -332,7 +332,7 @@ def test_asynchronous_rollouts_with_several_ranks_need_an_engine_per_rank_or_per
     check_streaming_layout(_config(assets, tmp_path, **STREAM, **url), 2)
     check_streaming_layout(_config(assets, tmp_path, **server), 2)  # synchronous: collective switches
     for async_mode in (STREAM, {"async_rollouts": True}):
-        with pytest.raises(ValueError, match="with 2 ranks and rollout.vllm.placement=rank0 is not supported"):
+        with pytest.raises(ValueError, match=r"with 2 ranks and rollout\.vllm\.placement=rank0 is not supported"):
             check_streaming_layout(_config(assets, tmp_path, **async_mode, **{"rollout.engine": "vllm"}), 2)
     refused = [
         ({"weight_transport": "collective"}, "set rollout.vllm.weight_transport=auto or disk"),
