@@ -12,7 +12,8 @@ only, so a position's samples say which version generated them, whichever rank g
 Checked: streaming (`StreamingSource`, two generator threads per rank) and whole-batch asynchronous rollouts
 (`AsyncRollouts`) at max_staleness 1: no switch under a request, the bound holds, whole groups, every position
 once; streaming at max_staleness 0 on a trainer-started server and on one given by ``server_url``: the very
-batches (positions per step, samples) of the synchronous run (`SyncRollouts`, collective switches).
+batches (positions per step, samples) of the synchronous run (`SyncRollouts`, collective switches). And the trainer
+end to end: streaming GRPO at max_staleness 0 on 2 FSDP ranks sharing the server it starts equals synchronous GRPO.
 """
 
 from __future__ import annotations
@@ -216,3 +217,70 @@ def _check(runs: list[dict[str, Any]], synchronous: dict[int, Any], max_stalenes
                 assert {g // PROMPTS for g in positions} == {step}, (step, positions)
                 assert [merged[g] for g in positions] == [synchronous[g] for g in positions], (step, positions)
     assert sorted(trained) == list(range(STEPS * PROMPTS)), "every prompt position trained once over the ranks"
+
+
+# ------------------------------------------------------------------------------------------ trainer
+REWARD = "def has_seven(prompt, response, reference):\n    return float('7' in response) + 0.1 * len(response)\n"
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from shardforge.algorithms.testing import tiny_assets
+
+    root = tmp_path_factory.mktemp("grpo_shared_async")
+    tiny = tiny_assets(root, seed=11, max_operand=20, num_eval=4, data_seed=2)
+    (root / "shared_async_rewards.py").write_text(REWARD)
+    return {"root": str(root), "model": str(root / "model"), "train": str(tiny["train"]),
+            "vocab_size": len(tiny["tokenizer"])}  # fmt: skip
+
+
+def _grpo(assets: dict[str, Any], out: Path, streaming: bool) -> list[dict[str, Any]]:
+    """Three GRPO steps on 2 ranks (FSDP d2) on a stub server that rank 0 starts; the train metrics (rank 0)."""
+    import torch.distributed as dist
+
+    from shardforge.algorithms.config_io import build_config
+    from shardforge.algorithms.trainers.grpo import GRPOConfig, run_grpo
+    from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
+
+    def stub_command(self: Any, model_dir: Any, tokenizer: Any, dtype: str, seed: int, port: int) -> list[str]:
+        return [sys.executable, str(STUB_SERVER), "--port", str(port), "--vocab-size", str(assets["vocab_size"])]
+
+    if assets["root"] not in sys.path:
+        sys.path.insert(0, assets["root"])  # the reward function's module
+    data = {
+        "model": assets["model"], "train_file": assets["train"], "output_dir": str(out), "layout": "d2",
+        "steps": 3, "prompts_per_step": 4, "group_size": 2, "max_new_tokens": 4, "progress": False,
+        "reward_fn": "shared_async_rewards:has_seven", "save_every": 0, "export_hf_at_end": False,
+        "reuse_training_logprobs": False, "rollout.engine": "vllm",
+        "rollout.vllm": {"mode": "server", "server_python": sys.executable, "server_startup_timeout_s": 30.0},
+        "engine": {"max_tokens_per_microbatch": 64, "optimizer": {"lr": 1e-2, "eps": 1e-6}},
+    }  # fmt: skip
+    if streaming:
+        data |= {"async_rollouts": True, "streaming_rollouts": True, "max_staleness": 0}
+    original = VLLMServerRolloutEngine._server_command
+    VLLMServerRolloutEngine._server_command = stub_command  # type: ignore[method-assign]
+    try:
+        run_grpo(build_config(GRPOConfig, data))
+    finally:
+        VLLMServerRolloutEngine._server_command = original  # type: ignore[method-assign]
+    if dist.get_rank() != 0:
+        return []
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == "train"]
+
+
+def test_grpo_streams_on_two_ranks_sharing_the_server_it_starts(assets: dict[str, Any], tmp_path: Path) -> None:
+    """The trainer end to end (its config checks, `build_trainer_rollout`, `StreamingSource`): streaming GRPO at
+    max_staleness 0 on 2 ranks sharing the server the trainer starts trains as the synchronous run does (measured
+    bitwise equal: rewards, losses, entropies)."""
+    from shardforge.mesh.testing import get_rank_pool
+
+    pool = get_rank_pool(RANKS)
+    synchronous = pool.run(_grpo, assets, tmp_path / "sync", False, timeout_s=180)[0]
+    streamed = pool.run(_grpo, assets, tmp_path / "stream", True, timeout_s=180)[0]
+    assert [r["step"] for r in streamed] == [1, 2, 3]
+    assert len({r["reward_mean"] for r in synchronous}) > 1, "the rewards vary (the weights change)"
+    assert [r["stream/staleness_max"] for r in streamed] == [0.0, 0.0, 0.0], "streamed"
+    for a, b in zip(synchronous, streamed, strict=True):  # the same batches, the same computation: bitwise
+        for key in ("reward_mean", "loss", "tokens", "actor/entropy", "rollout_version"):
+            assert b[key] == a[key], (a["step"], key, a[key], b[key])
