@@ -73,13 +73,9 @@ def check_streaming_layout(config: Any, world_size: int) -> None:
                 "rollout.vllm.placement=each_rank, rollout.vllm.mode=server, or rollout.engine=hf"
             )
         return
+    # weight_transport=collective with asynchronous rollouts is refused at any world size (`check_rollout_batch`)
     shared = f"{mode} with {world_size} ranks on one vLLM server (rollout.vllm.mode=server)"
     refusals = [
-        (
-            vllm.weight_transport == "collective",
-            "loads disk versions per call; rollout.vllm.weight_transport=collective would switch the server under "
-            "the generators' requests: set rollout.vllm.weight_transport=auto or disk",
-        ),
         (
             vllm.on_server_failure == "restart",
             "does not restart the server yet (the ranks agree on restarts per synchronous round): set "
