@@ -42,9 +42,9 @@ class RolloutEngineBuilder(Protocol):
     """``fn(model_dir, tokenizer, *, config, weights_root, seed, record_routing, chunks) -> PublishedRolloutEngine``:
     a rollout engine for ``model_dir`` built whole from ``config`` (a `RolloutConfig`).
 
-    Optional keyword: a builder that also declares ``asynchronous: bool = False`` by name gets
-    ``asynchronous=True`` when generator threads will drive the engine (``async_rollouts``, streaming), e.g. to make
-    a server that several trainer ranks share switch versions per call (the ``vllm`` builder). A builder without
+    Optional keyword: a builder that also declares ``asynchronous: bool = False`` by name is called with
+    ``asynchronous=``, True when generator threads will drive the engine (``async_rollouts``, streaming), e.g. to
+    make a server that several trainer ranks share switch versions per call (the ``vllm`` builder). A builder without
     it is called exactly as before (`build_rollout_engine` reads its signature): the keyword is not part of this
     protocol's ``__call__``, so builders written against it stay valid."""
 
