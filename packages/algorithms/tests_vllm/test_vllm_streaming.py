@@ -20,7 +20,8 @@ batches them continuously) and the vLLM server as a Ray rollout actor (``rollout
 * `test_streaming_grpo_on_a_trainer_started_vllm_server_shared_by_two_ranks`: 2 trainer ranks (gloo, no Ray) on the
   server trainer rank 0 starts (``rollout.vllm.mode: server``): the builder gets ``asynchronous``, the ranks share
   the server through the same version gate; the bound, whole groups, every prompt once; `..._at_staleness_zero_..`:
-  at ``max_staleness: 0`` the synchronous run's samples, losses and weights (two servers: over 60 s).
+  at ``max_staleness: 0`` the synchronous run's samples, losses and weights (measured 2026-11-29 at load ~0: 56 s and,
+  two servers, 94 s).
 * `test_streaming_ppo_on_the_vllm_server`: PPO (actor + critic) streaming on the server: the bound, whole groups,
   every prompt once, the critic's values, GAE and losses finite at every step;
   `test_streaming_ppo_at_staleness_zero_is_synchronous_ppo_on_the_vllm_server`: at ``max_staleness: 0`` the same
