@@ -313,7 +313,7 @@ def test_streaming_refuses_what_it_does_not_support(
         _config(assets, tmp_path, **overrides)
 
 
-def test_streaming_with_several_ranks_needs_an_engine_per_rank_or_per_call_versions(
+def test_asynchronous_rollouts_with_several_ranks_need_an_engine_per_rank_or_per_call_versions(
     assets: dict[str, Any], tmp_path: Path
 ) -> None:
     from shardforge.algorithms.trainers.rl.streaming_checks import check_streaming_layout
@@ -323,8 +323,23 @@ def test_streaming_with_several_ranks_needs_an_engine_per_rank_or_per_call_versi
     check_streaming_layout(_config(assets, tmp_path, **STREAM, **each), 2)
     # the embedded-HF Ray actors, shared by the ranks: each call names its disk version (integration_tests/test_ray_launch.py)
     check_streaming_layout(_config(assets, tmp_path, **STREAM, **{"rollout.placement": "disaggregated"}), 2)
-    with pytest.raises(ValueError, match="with 2 ranks needs a rollout engine per rank"):
-        check_streaming_layout(_config(assets, tmp_path, **STREAM, **{"rollout.engine": "vllm"}), 2)
+    # a vLLM server the trainer starts (or reaches by server_url), shared by the ranks: its version gate
+    # (test_rollout_server_version_gate.py), streamed or whole batches
+    server = {"rollout.engine": "vllm", "rollout.vllm.mode": "server"}
+    check_streaming_layout(_config(assets, tmp_path, **STREAM, **server), 2)
+    check_streaming_layout(_config(assets, tmp_path, async_rollouts=True, **server), 2)
+    url = {"rollout.engine": "vllm", "rollout.vllm": {"mode": "server", "server_url": "http://127.0.0.1:1"}}
+    check_streaming_layout(_config(assets, tmp_path, **STREAM, **url), 2)
+    check_streaming_layout(_config(assets, tmp_path, **server), 2)  # synchronous: collective switches
+    for async_mode in (STREAM, {"async_rollouts": True}):
+        with pytest.raises(ValueError, match=r"with 2 ranks and rollout\.vllm\.placement=rank0 is not supported"):
+            check_streaming_layout(_config(assets, tmp_path, **async_mode, **{"rollout.engine": "vllm"}), 2)
+    restart = {"rollout.engine": "vllm", "rollout.vllm": {"mode": "server", "on_server_failure": "restart"}}
+    for async_mode in (STREAM, {"async_rollouts": True}):
+        with pytest.raises(ValueError, match="with 2 ranks on one vLLM server") as error:
+            check_streaming_layout(_config(assets, tmp_path, **async_mode, **restart), 2)
+        assert str(error.value).endswith("set rollout.vllm.on_server_failure=error")
+        check_streaming_layout(_config(assets, tmp_path, **async_mode, **restart), 1)  # one rank: nothing shared
 
 
 def test_streaming_workers_with_an_engine_that_serves_concurrent_requests(

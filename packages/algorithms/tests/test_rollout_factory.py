@@ -274,3 +274,62 @@ def test_variant_knobs_live_in_their_variants_section() -> None:
         with pytest.raises(ValueError) as error:
             build_config(GRPOConfig, base | {old: 1})
         assert str(error.value).startswith(f"config key {old} is now {new}"), str(error.value)
+
+
+KEYWORD_BUILDERS = """
+from types import SimpleNamespace
+
+CALLS = []
+
+
+def _engine(**kwargs):
+    CALLS.append(kwargs)
+    return SimpleNamespace(source=None, version=0)
+
+
+def old(model_dir, tokenizer, *, config, weights_root, seed, record_routing, chunks):
+    return _engine(config=config)
+
+
+def new(model_dir, tokenizer, *, config, weights_root, seed, record_routing, chunks, asynchronous=False):
+    return _engine(config=config, asynchronous=asynchronous)
+
+
+def catch_all(model_dir, tokenizer, **kwargs):
+    return _engine(**kwargs)
+"""
+
+
+def test_asynchronous_reaches_only_builders_that_declare_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`build_rollout_engine(asynchronous=...)` calls a builder written against `RolloutEngineBuilder` (no such
+    keyword) exactly as before, passes it to one that declares it, and not into a ``**kwargs`` catch-all."""
+    import importlib
+
+    (tmp_path / "keyword_builders.py").write_text(KEYWORD_BUILDERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    calls = importlib.import_module("keyword_builders").CALLS
+    for asynchronous in (False, True):
+        for name in ("old", "new", "catch_all"):
+            build_rollout_engine(f"keyword_builders:{name}", tmp_path, None, asynchronous=asynchronous)
+        assert "asynchronous" not in calls[-3]
+        assert calls[-2]["asynchronous"] is asynchronous
+        assert "asynchronous" not in calls[-1] and set(calls[-1]) >= {"config", "chunks"}
+
+
+def test_the_vllm_builder_makes_a_shared_server_switch_per_call_when_asynchronous(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rollout.vllm.mode: server`` built for asynchronous rollouts gets ``per_call_versions`` (the version gate
+    with several ranks: test_rollout_server_shared_async.py); synchronous, it does not."""
+    from shardforge.rollout.vllm import server
+
+    seen: list[bool] = []
+
+    def record(self: Any, *args: Any, per_call_versions: bool = False, **kwargs: Any) -> None:
+        seen.append(per_call_versions)
+
+    monkeypatch.setattr(server.VLLMServerRolloutEngine, "__init__", record)
+    config = RolloutConfig(engine="vllm", vllm=VLLMOptions(mode="server", server_url="http://127.0.0.1:1"))
+    for asynchronous in (False, True):
+        build_rollout_engine(config, tmp_path, None, asynchronous=asynchronous)
+    assert seen == [False, True]

@@ -17,6 +17,11 @@ batches them continuously) and the vLLM server as a Ray rollout actor (``rollout
   `test_streaming_at_staleness_zero_on_a_shared_ray_vllm_server_actor_is_synchronous`: at ``max_staleness: 0`` those
   2 ranks train on the synchronous run's batches (measured 2026-11-29: rewards, losses, grad norms and final weights
   bitwise equal; two runs: over 60 s).
+* `test_streaming_grpo_on_a_trainer_started_vllm_server_shared_by_two_ranks`: 2 trainer ranks (gloo, no Ray) on the
+  server trainer rank 0 starts (``rollout.vllm.mode: server``): the builder gets ``asynchronous``, the ranks share
+  the server through the same version gate; the bound, whole groups, every prompt once; `..._at_staleness_zero_..`:
+  at ``max_staleness: 0`` the synchronous run's samples, losses and weights (measured 2026-11-29 at load ~0: 56 s and,
+  two servers, 94 s).
 * `test_streaming_ppo_on_the_vllm_server`: PPO (actor + critic) streaming on the server: the bound, whole groups,
   every prompt once, the critic's values, GAE and losses finite at every step;
   `test_streaming_ppo_at_staleness_zero_is_synchronous_ppo_on_the_vllm_server`: at ``max_staleness: 0`` the same
@@ -230,28 +235,89 @@ def _grpo_on_two_ranks_under_ray(assets: dict[str, Any], out: Path, **more: Any)
     return output
 
 
+def _check_two_ranks(out: Path, staleness: int = STALENESS) -> list[dict[str, Any]]:
+    """2 trainer ranks: each trained its own half of every batch, whole groups within the bound, every prompt once."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r.get("split") == "train"]
+    assert [r["step"] for r in train] == list(range(1, len(train) + 1)) and train, train
+    assert all(r["stream/staleness_max"] <= staleness and math.isfinite(r["loss"]) for r in train), train
+    positions = []
+    for rank in range(2):
+        records = [json.loads(line) for line in (out / "streaming" / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert [r["batch"] for r in records] == list(range(len(train)))
+        for r in records:  # this rank's half of every batch: whole groups within the bound
+            assert len(r["positions"]) == PER_STEP // 2 and all(q % 2 == rank for q in r["positions"]), r
+            assert all(0 <= r["batch"] - v <= staleness for v in r["start_versions"]), r
+            positions += r["positions"]
+    assert sorted(positions) == list(range(len(train) * PER_STEP)), "every prompt trained once over the ranks"
+    return train
+
+
 def test_streaming_grpo_on_a_ray_vllm_server_actor_shared_by_two_ranks(assets: dict[str, Any], tmp_path: Path) -> None:
     """Two trainer ranks stream their own prompts through the one server actor; every call names its version and the
     ranks' version gate (`rollout.server.version_gate`) switches the server only while no rank's call is in flight."""
     pytest.importorskip("ray")
     out = tmp_path / "out"
     output = _grpo_on_two_ranks_under_ray(assets, out)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in rows if r.get("split") == "train"]
-    assert [r["step"] for r in train] == list(range(1, STEPS + 1)), train
-    assert all(r["stream/staleness_max"] <= STALENESS and math.isfinite(r["loss"]) for r in train), train
-    positions = []
-    for rank in range(2):
-        records = [json.loads(line) for line in (out / "streaming" / f"rank{rank}.jsonl").read_text().splitlines()]
-        assert [r["batch"] for r in records] == list(range(STEPS))
-        for r in records:  # this rank's half of every batch: whole groups within the bound
-            assert len(r["positions"]) == PER_STEP // 2 and all(q % 2 == rank for q in r["positions"]), r
-            assert all(0 <= r["batch"] - v <= STALENESS for v in r["start_versions"]), r
-            positions += r["positions"]
-    assert sorted(positions) == list(range(STEPS * PER_STEP)), "every prompt trained once over the ranks"
+    assert len(_check_two_ranks(out)) == STEPS
     prefix = "ray: rollout actor "
     stats = [json.loads(line.split(prefix, 1)[1]) for line in output.splitlines() if prefix in line]
     assert len(stats) == 1 and stats[0]["weight_updates"] >= 2, stats
+
+
+def _grpo_on_two_ranks(assets: dict[str, Any], out: Path, **more: Any) -> None:
+    """``shardforge train grpo --nproc-per-node 2`` on a vLLM server that trainer rank 0 starts (colocated)."""
+    config = out.parent / f"{out.name}.yaml"
+    config.write_text(yaml.safe_dump(_grpo_data(assets, out, **more)))
+    env = {key: value for key, value in os.environ.items() if key not in ("WORLD_SIZE", "RANK")}
+    env |= ENV | {"PYTHONPATH": os.pathsep.join(filter(None, [str(assets["root"]), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "shardforge.algorithms.cli", "train", "grpo", "--config", str(config),
+               "--nproc-per-node", "2"]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+
+
+def test_streaming_grpo_on_a_trainer_started_vllm_server_shared_by_two_ranks(
+    assets: dict[str, Any], tmp_path: Path
+) -> None:
+    """Two trainer ranks (gloo) stream, 2 workers each, on the one server rank 0 starts (``rollout.vllm.mode:
+    server``, no Ray): ``asynchronous`` reaches the vllm builder, so every call names its version and the ranks'
+    version gate switches the server only while no call is in flight. The bound holds, whole groups, every prompt
+    once, and the server moved through the versions (its log: disk-version updates)."""
+    out = tmp_path / "out"
+    _grpo_on_two_ranks(assets, out)
+    train = _check_two_ranks(out)
+    assert len(train) == STEPS and any(r["grad_norm"] > 0 for r in train), train
+    assert all(r["step"] - r["rollout_version"] <= STALENESS for r in train), train
+    log = (out / "vllm_server.log").read_text(errors="replace")
+    assert log.count("POST /update_weights") >= 2, log[-3000:]
+
+
+def test_streaming_at_staleness_zero_on_a_trainer_started_shared_server_is_synchronous(
+    assets: dict[str, Any], tmp_path: Path
+) -> None:
+    """The same 2 ranks at ``max_staleness: 0`` (one worker: each rank's share in one call, as the synchronous trainer
+    sends it) train on the synchronous run's batches (its collective switches): the same samples, losses, weights."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for name, more in (("sync", {"async_rollouts": False, "streaming_rollouts": False}),
+                       ("s0", {"max_staleness": 0})):  # fmt: skip
+        _grpo_on_two_ranks(assets, tmp_path / name, export_hf_at_end=True, steps=3,
+                           **{"rollout.streaming_workers": 1}, **more)  # fmt: skip
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines() if line]
+        weights = load_file(str(sorted((tmp_path / name / "hf").glob("*.safetensors"))[0]))
+        runs[name] = ([r for r in rows if r.get("split") == "train"], weights)
+    (sync, sync_weights), (stream, stream_weights) = runs["sync"], runs["s0"]
+    assert len(_check_two_ranks(tmp_path / "s0", staleness=0)) == 3
+    assert any(r["loss"] != 0.0 for r in sync), sync  # the comparison is not vacuous
+    for a, b in zip(sync, stream, strict=True):
+        for key in ("reward_mean", "reward_std", "response_len_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-9), (a["step"], key, a[key], b[key])
+        for key in ("loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=PPO_REL, abs=1e-7), (a["step"], key, a[key], b[key])
+    worst = max(float((sync_weights[k] - stream_weights[k]).abs().max()) for k in sync_weights)
+    assert worst <= PPO_WEIGHT_TOL, worst
 
 
 def _ppo(assets: dict[str, Any], out: Path, **more: Any) -> list[dict[str, Any]]:

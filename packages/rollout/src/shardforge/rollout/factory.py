@@ -9,6 +9,7 @@ actors for ``placement=disaggregated``. How weights reach it is chosen once, in 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -39,7 +40,13 @@ class PublishedRolloutEngine(RolloutEngine, Protocol):
 
 class RolloutEngineBuilder(Protocol):
     """``fn(model_dir, tokenizer, *, config, weights_root, seed, record_routing, chunks) -> PublishedRolloutEngine``:
-    a rollout engine for ``model_dir`` built whole from ``config`` (a `RolloutConfig`)."""
+    a rollout engine for ``model_dir`` built whole from ``config`` (a `RolloutConfig`).
+
+    Optional keyword: a builder that also declares ``asynchronous: bool = False`` by name is called with
+    ``asynchronous=``, True when generator threads will drive the engine (``async_rollouts``, streaming), e.g. to
+    make a server that several trainer ranks share switch versions per call (the ``vllm`` builder). A builder without
+    it is called exactly as before (`build_rollout_engine` reads its signature): the keyword is not part of this
+    protocol's ``__call__``, so builders written against it stay valid."""
 
     def __call__(
         self,
@@ -131,7 +138,7 @@ def build_rollout(
             config = dataclasses.replace(config, vllm=dataclasses.replace(config.vllm, enable_sleep_mode=True))
         engine = build_rollout_engine(
             config, model_dir, tokenizer, weights_root=weights_root, seed=seed, record_routing=record_routing,
-            chunks=chunks,
+            chunks=chunks, asynchronous=asynchronous,
         )  # fmt: skip
     in_memory = config.publish_in_memory and in_memory_allowed and not asynchronous
     receiver = engine.receiver if in_memory and isinstance(engine, ReceivesInProcess) else None
@@ -150,9 +157,11 @@ def build_rollout_engine(
     seed: int = 0,
     record_routing: bool = False,
     chunks: ChunkedGeneration | None = None,
+    asynchronous: bool = False,
 ) -> PublishedRolloutEngine:
     """Only the engine of ``config.engine`` (no publisher, no placement): see `build_rollout`. ``config`` may be an
-    engine's name alone (its default options)."""
+    engine's name alone (its default options). ``asynchronous`` reaches only a builder that declares it
+    (`RolloutEngineBuilder`); others are called without it."""
     if isinstance(config, str):
         if ":" not in config and config not in ROLLOUT_ENGINES:
             raise ValueError(f"rollout.engine={config!r} is not one of {ROLLOUT_ENGINES.names()}")
@@ -163,10 +172,23 @@ def build_rollout_engine(
             "does not record it yet: use rollout.engine=hf or engine.router_replay=false"
         )
     builder: RolloutEngineBuilder = ROLLOUT_ENGINES.get(config.engine)
+    optional = {"asynchronous": asynchronous} if _accepts_keyword(builder, "asynchronous") else {}
     return builder(
         model_dir, tokenizer, config=config, weights_root=weights_root, seed=seed, record_routing=record_routing,
-        chunks=chunks,
+        chunks=chunks, **optional,
     )  # fmt: skip
+
+
+def _accepts_keyword(fn: Any, name: str) -> bool:
+    """Whether ``fn`` declares a parameter ``name`` that may be passed by keyword (a ``**kwargs`` catch-all does
+    not count: such a builder often forwards its keywords to something that would refuse an unknown one)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a readable signature (a C builtin): call it as before
+        return False
+    parameter = parameters.get(name)
+    keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return parameter is not None and parameter.kind in keyword
 
 
 def _ray_client(

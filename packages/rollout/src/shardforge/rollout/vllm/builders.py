@@ -27,8 +27,11 @@ def build_vllm_engine(
     seed: int,
     record_routing: bool,
     chunks: ChunkedGeneration | None,
+    asynchronous: bool = False,
 ) -> PublishedRolloutEngine:
-    """vLLM, in process (rollout.vllm.mode=in_process) or a server (rollout.vllm.mode=server)"""
+    """vLLM, in process (rollout.vllm.mode=in_process) or a server (rollout.vllm.mode=server). ``asynchronous``:
+    generator threads drive the engine; a server shared by several ranks then switches versions per call (its
+    ``per_call_versions``: `shardforge.rollout.server.version_gate`)."""
     options = config.vllm
     if options.mode == "server":
         from shardforge.rollout.vllm.server import VLLMServerRolloutEngine
@@ -38,6 +41,7 @@ def build_vllm_engine(
         return VLLMServerRolloutEngine(
             model_dir, tokenizer, weights_root=weights_root, dtype=config.dtype, options=options, seed=seed,
             log_file=None if weights_root is None else Path(weights_root).parent / "vllm_server.log", chunks=chunks,
+            per_call_versions=asynchronous,
         )  # fmt: skip
     import_vllm()  # fail here, with the install command, before any model is loaded
     return VLLMRolloutEngine(

@@ -44,26 +44,48 @@ def check_streaming_config(config: Any) -> None:
 
 
 def check_streaming_layout(config: Any, world_size: int) -> None:
-    """With several ranks every rank streams on an engine of its own (its weights switch when its groups need), or
-    on the Ray rollout actors, which they share: every call names the disk version it needs; an embedded-HF actor
-    runs one call at a time, loading that version first (`shardforge.rollout.ray.hf_actor`), and the vLLM server
-    actor switches only while no rank's call is in flight (`shardforge.rollout.server.version_gate`)."""
-    if not config.streaming_rollouts or world_size <= 1:
+    """Asynchronous rollouts (whole batches or streamed) with several ranks: every rank's generator threads drive
+    the rollout engine on their own, so the engine is either the rank's own (its weights switch when its groups need)
+    or shared by the ranks with calls that name their weight version: the Ray rollout actors (an embedded-HF actor
+    runs one call at a time, loading that version first: `shardforge.rollout.ray.hf_actor`), or a vLLM server, a Ray
+    actor or one the trainer starts or reaches by ``server_url``, which switches only while no rank's call is in
+    flight (`shardforge.rollout.server.version_gate`). What that cannot do yet is refused here, one line each."""
+    if not config.async_rollouts or world_size <= 1:
         return
     rollout = config.rollout
-    own = rollout.placement == "colocated" and (
-        rollout.engine == "hf"
-        or (rollout.engine == "vllm" and rollout.vllm.mode == "in_process" and rollout.vllm.placement == "each_rank")
-    )
-    per_call_versions = rollout.placement == "disaggregated"  # the HF actors, or the vLLM server actor's gate
-    if not (own or per_call_versions):
-        raise ValueError(
-            f"streaming_rollouts=true with {world_size} ranks needs a rollout engine per rank (each rank's generator "
-            "switches weights on its own) or one whose calls name their weight version: use rollout.engine=hf with "
-            "rollout.placement=colocated, rollout.engine=vllm with rollout.vllm.mode=in_process and "
-            "rollout.vllm.placement=each_rank, or the Ray rollout actors (rollout.placement=disaggregated, --launcher "
-            "ray: rollout.engine=hf, or rollout.engine=vllm with rollout.vllm.mode=server)"
-        )
+    if rollout.placement == "disaggregated" or rollout.engine == "hf":
+        return  # the Ray rollout actors (their refusals: `rollout_actor_spec`), or an engine per rank
+    mode = "streaming_rollouts=true" if config.streaming_rollouts else "async_rollouts=true"
+    if rollout.engine != "vllm":  # a user's engine: whether it is per rank is the user's to know
+        if config.streaming_rollouts:
+            raise ValueError(
+                f"{mode} with {world_size} ranks needs a rollout engine per rank or one whose calls name their "
+                f"weight version (rollout.engine={rollout.engine!r} is neither known to be): use rollout.engine=hf, "
+                "rollout.engine=vllm, or the Ray rollout actors (rollout.placement=disaggregated, --launcher ray)"
+            )
+        return
+    vllm = rollout.vllm
+    if vllm.mode == "in_process":
+        if vllm.placement != "each_rank":
+            raise ValueError(
+                f"{mode} with {world_size} ranks and rollout.vllm.placement=rank0 is not supported (rank 0's vLLM "
+                "gathers every rank's prompts with collectives, which a generator thread cannot run): use "
+                "rollout.vllm.placement=each_rank, rollout.vllm.mode=server, or rollout.engine=hf"
+            )
+        return
+    # weight_transport=collective with asynchronous rollouts is refused at any world size (`check_rollout_batch`)
+    shared = f"{mode} with {world_size} ranks on one vLLM server (rollout.vllm.mode=server)"
+    refusals = [
+        (
+            vllm.on_server_failure == "restart",
+            "does not restart the server yet (the ranks agree on restarts per synchronous round): set "
+            "rollout.vllm.on_server_failure=error",
+        ),
+        (vllm.enable_sleep_mode, "keeps the server awake: set rollout.vllm.enable_sleep_mode=false"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"{shared} {why}")
 
 
 def check_async_recompute(config: Any) -> None:
