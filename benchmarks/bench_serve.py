@@ -131,47 +131,13 @@ def _engine_steps(model_dir: str, tokenizer: Any, steps: int, seed: int) -> tupl
     return tokens, time.perf_counter() - start
 
 
-class _ServiceProcess:
-    """`shardforge serve` in a process of its own, as users run it (the SDK's client on another machine or
-    process): the client's HTTP and serialisation work and the service's training do not share one interpreter."""
-
-    def __init__(self, model: str, keys: dict[str, str], out: Path, launcher: list[str] | None = None) -> None:
-        """``launcher``: the command before ``serve ...`` (default: ``python -m shardforge.algorithms.cli``)."""
-        import subprocess
-
-        import httpx
-
-        from shardforge.mesh import free_port
-
-        port = free_port()
-        launcher = launcher or [sys.executable, "-m", "shardforge.algorithms.cli"]
-        command = [*launcher, "serve", "--model", model, "--port", str(port),
-                   "--name", "tiny", "--output-dir", str(out)]  # fmt: skip
-        for key, tenant in keys.items():
-            command += ["--api-key", f"{tenant}={key}"]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        self.url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
-        while True:
-            try:
-                httpx.get(f"{self.url}/api/v1/healthz", timeout=2).raise_for_status()
-                return
-            except httpx.TransportError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"shardforge serve did not start (exit code {self.proc.poll()})") from None
-                time.sleep(0.3)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-
-
 def main() -> None:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     from shardforge.algorithms.serve.config import ServeConfig
     from shardforge.algorithms.serve.server import ServiceServer
     from shardforge.algorithms.serve.service import TinkerService
     from shardforge.algorithms.serve.tenants import TenantKeys
+    from shardforge.algorithms.testing.serve_process import ServeProcess
     from shardforge.rollout.testing.tiny import tiny_model
 
     separate = "--in-process" not in sys.argv  # default: the service in its own process, as it is deployed
@@ -179,7 +145,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
         tiny = tiny_model(Path(tmp), hidden=HIDDEN, layers=2)
         if separate:
-            server: Any = _ServiceProcess(tiny["model"], keys, Path(tmp) / "out")
+            server: Any = ServeProcess(tiny["model"], keys, Path(tmp) / "out")
         else:
             config = ServeConfig(model_dir=tiny["model"], base_model="tiny", output_dir=str(Path(tmp) / "out"))
             server = ServiceServer(TinkerService(config, TenantKeys(keys)), port=0).start()

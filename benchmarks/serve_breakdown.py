@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
 import bench_serve
 
+from shardforge.algorithms.testing.serve_process import ServeProcess
+
 STEPS, WARMUP = 60, 5
 _SERVE_FLAG = "--serve-timed"
 _PARTS = (
@@ -105,7 +107,7 @@ def _use_canned_training(training: Any) -> None:
     training.forward_backward, training.optim_step = forward_backward, optim_step
 
 
-class _TimedService(bench_serve._ServiceProcess):
+class _TimedService(ServeProcess):
     def __init__(self, model: str, keys: dict[str, str], out: Path, events: Path, canned: bool) -> None:
         prefix = [sys.executable, __file__, _SERVE_FLAG, str(events), "canned" if canned else "train"]
         super().__init__(model, keys, out, launcher=prefix)

@@ -24,6 +24,7 @@ class ServeProcess:
         extra: more command-line flags.
         log: where the service's stdout and stderr go (None: discarded).
         timeout_s: how long to wait for it to answer.
+        launcher: the command before ``serve ...`` (None: ``python -m shardforge.algorithms.cli``).
     """
 
     def __init__(
@@ -36,13 +37,15 @@ class ServeProcess:
         extra: Sequence[str] = (),
         log: Path | None = None,
         timeout_s: float = 180.0,
+        launcher: Sequence[str] | None = None,
     ) -> None:
         import httpx
 
         from shardforge.mesh import free_port
 
         self.port = free_port()
-        command = [sys.executable, "-m", "shardforge.algorithms.cli", "serve", "--model", model, "--port",
+        launcher = launcher or [sys.executable, "-m", "shardforge.algorithms.cli"]
+        command = [*launcher, "serve", "--model", model, "--port",
                    str(self.port), "--name", "tiny", "--output-dir", str(out), "--nproc-per-node", str(nproc),
                    *extra]  # fmt: skip
         for key, tenant in keys.items():
