@@ -90,6 +90,10 @@ def _steps(trainer, batches: list[list[types.Datum]], adam=ADAM) -> list[tuple[f
     return out
 
 
+def _flat(steps: list[tuple[float, float]]) -> list[float]:
+    return [value for step in steps for value in step]
+
+
 def _read(out: Path, tinker_path: str) -> dict:
     """A DCP checkpoint of the service as one plain dict (``model`` / ``optimizer`` by parameter name)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -145,3 +149,56 @@ def test_full_fine_tuning_on_two_ranks_matches_one_rank(services) -> None:
     for out_1, out_2 in zip(forward_1.loss_fn_outputs, forward_2.loss_fn_outputs, strict=True):
         assert out_2["logprobs"].tolist() == pytest.approx(out_1["logprobs"].tolist(), rel=REL, abs=1e-6)
     _assert_states_close(_read(services["out"], path_2), _read(services["out"], path_1))
+
+
+def test_full_checkpoints_move_between_rank_counts(services) -> None:
+    """Saved sharded on 2 ranks, resumed on 1, and the reverse: the resumed run continues as the uninterrupted one.
+    The loader never held the model (as after a service restart)."""
+    datums = _datums(services["tokenizer"])
+    for saver, loader in (("two", "one"), ("one", "two")):
+        trainer = create_full_training_client(services["clients"][saver], "tiny")
+        _steps(trainer, [datums, datums[:2]])
+        path = trainer.save_state("mid").result(timeout=WAIT).path
+        expected = _steps(trainer, [datums, datums[:1]], CLIPPED)
+        rest = tinker.RestClient(base_url=services[loader].url, api_key=ALICE)
+        listed = rest.list_checkpoints(trainer.model_id).result(timeout=WAIT)
+        assert path in [c.tinker_path for c in listed.checkpoints], (saver, loader)
+        resumed = (
+            services["clients"][loader].create_training_client_from_state_with_optimizer(path).result(timeout=WAIT)
+        )
+        assert resumed.get_info().is_lora is False
+        got = _steps(resumed, [datums, datums[:1]], CLIPPED)
+        assert _flat(got) == pytest.approx(_flat(expected), rel=REL), (saver, loader)
+        # weights only, into the live model: the weights go back, the AdamW moments stay (as on one rank)
+        with pytest.warns(FutureWarning, match="deprecated"):  # deprecated in the SDK, still served
+            resumed.load_state(path).result(timeout=WAIT)
+        forward = resumed.forward(datums, "cross_entropy").result(timeout=WAIT).metrics["loss:sum"]
+        assert forward == pytest.approx(expected[0][0], rel=REL), (saver, loader)
+
+
+def test_sampling_and_export_of_a_sharded_model(services) -> None:
+    """save_weights_for_sampler and save_weights_external gather the sharded weights whole onto rank 0."""
+    from transformers import AutoModelForCausalLM
+
+    datums = _datums(services["tokenizer"])
+    prompt = types.ModelInput.from_ints(services["tokenizer"]("12+")["input_ids"])
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    samples, logprobs, exports = {}, {}, {}
+    for name in ("one", "two"):
+        trainer = create_full_training_client(services["clients"][name], "tiny")
+        _steps(trainer, [datums, datums])
+        sampler = trainer.save_weights_and_get_sampling_client().result(timeout=WAIT)
+        samples[name] = sampler.sample(prompt, num_samples=2, sampling_params=params).result(timeout=WAIT)
+        ids = [*datums[0].model_input.to_ints(), datums[0].loss_fn_inputs["target_tokens"].tolist()[-1]]
+        logprobs[name] = sampler.compute_logprobs(types.ModelInput.from_ints(ids)).result(timeout=WAIT)
+        expected = trainer.forward([datums[0]], "cross_entropy").result(timeout=WAIT).loss_fn_outputs[0]
+        assert logprobs[name][3:] == pytest.approx(expected["logprobs"].tolist()[2:], abs=1e-4), name
+        export = trainer.save_weights_external("hf").result(timeout=WAIT)
+        model_id = export.path.removeprefix("tinker://").split("/")[0]
+        folder = services["out"] / "alice" / model_id / "external_weights" / "hf"
+        exports[name] = dict(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).named_parameters())
+    assert [s.tokens for s in samples["two"].sequences] == [s.tokens for s in samples["one"].sequences]
+    assert logprobs["two"][1:] == pytest.approx(logprobs["one"][1:], rel=REL, abs=1e-6)
+    assert exports["two"].keys() == exports["one"].keys()
+    for key, value in exports["one"].items():
+        torch.testing.assert_close(exports["two"][key], value, rtol=REL, atol=1e-6, msg=key)
