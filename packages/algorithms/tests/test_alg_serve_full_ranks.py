@@ -202,3 +202,59 @@ def test_sampling_and_export_of_a_sharded_model(services) -> None:
     assert exports["two"].keys() == exports["one"].keys()
     for key, value in exports["one"].items():
         torch.testing.assert_close(exports["two"][key], value, rtol=REL, atol=1e-6, msg=key)
+
+
+def _write_legacy(out: Path, model, name: str) -> str:
+    """``model`` (a live model of the 1-rank service) saved as an earlier service version did: one ``state.pt``."""
+    folder = out / model.owner / model.model_id / "weights" / name
+    folder.mkdir(parents=True)
+    torch.save({
+        "adapter": model.adapter_state(), "optimizer": model.optimizer.state_dict(),
+        "rank": None if model.lora is None else model.lora.r,
+        "target_modules": [] if model.lora is None else list(model.lora.target_modules),
+        "steps": model.steps, "base_model": model.base_model, "user_metadata": dict(model.user_metadata),
+    }, folder / "state.pt")  # fmt: skip
+    return f"tinker://{model.model_id}/weights/{name}"
+
+
+def test_state_pt_checkpoints_of_earlier_versions_still_load(services) -> None:
+    datums = _datums(services["tokenizer"])
+    registry = services["one"].service.registry
+    lora = services["clients"]["one"].create_lora_training_client(base_model="tiny", rank=4, seed=5).result(WAIT)
+    full = create_full_training_client(services["clients"]["one"], "tiny")
+    paths, expected = {}, {}
+    for kind, trainer in (("lora", lora), ("full", full)):
+        _steps(trainer, [datums, datums[:2]])
+        paths[kind] = _write_legacy(services["out"], registry.model("alice", trainer.model_id), "legacy")
+        expected[kind] = _flat(_steps(trainer, [datums, datums[:1]]))
+    rest = tinker.RestClient(base_url=services["one"].url, api_key=ALICE)
+    assert paths["lora"] in [c.tinker_path for c in rest.list_checkpoints(lora.model_id).result(WAIT).checkpoints]
+    for name in ("one", "two"):  # a LoRA state.pt loads on any number of ranks (its adapters are replicated)
+        resumed = services["clients"][name].create_training_client_from_state_with_optimizer(paths["lora"])
+        got = _flat(_steps(resumed.result(timeout=WAIT), [datums, datums[:1]]))
+        assert got == pytest.approx(expected["lora"], rel=REL), name
+    resumed = services["clients"]["one"].create_training_client_from_state_with_optimizer(paths["full"])
+    assert _flat(_steps(resumed.result(timeout=WAIT), [datums, datums[:1]])) == pytest.approx(expected["full"], rel=REL)
+    # a full fine-tuning state.pt on 2 ranks: the request's (user) error says how to move it to DCP, and the service
+    # keeps serving
+    with pytest.raises(tinker.RequestFailedError, match="nproc-per-node 1 and save_state it again") as failed:
+        services["clients"]["two"].create_training_client_from_state_with_optimizer(paths["full"]).result(WAIT)
+    assert failed.value.category is types.RequestErrorCategory.User
+    assert services["two"].proc.poll() is None
+
+
+def test_restart_at_two_ranks_resumes_a_full_fine_tuning_checkpoint(services, tmp_path: Path) -> None:
+    datums = _datums(services["tokenizer"])
+    trainer = create_full_training_client(services["clients"]["two"], "tiny")
+    _steps(trainer, [datums])
+    path = trainer.save_state("before-restart").result(timeout=WAIT).path
+    expected = _flat(_steps(trainer, [datums, datums[:1]], CLIPPED))
+    model = str(services["out"].parent / "model")
+    again = ServeProcess(model, KEYS, services["out"], nproc=2, log=tmp_path / "again.log")
+    try:
+        client = tinker.ServiceClient(base_url=again.url, api_key=ALICE)
+        resumed = client.create_training_client_from_state_with_optimizer(path).result(timeout=WAIT)
+        assert _flat(_steps(resumed, [datums, datums[:1]], CLIPPED)) == pytest.approx(expected, rel=REL)
+        client.close("success").result(timeout=10)
+    finally:
+        assert again.stop() in (0, 128 + signal.SIGTERM), again.output()[-3000:]
