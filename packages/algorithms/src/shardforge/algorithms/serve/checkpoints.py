@@ -20,6 +20,7 @@ import torch
 from shardforge.algorithms.serve.dcp_state import (
     META_FILE,
     ModelState,
+    check_dcp,
     is_dcp_checkpoint,
     load_dcp,
     read_meta,
@@ -159,8 +160,10 @@ def read_lora(root: Path, tenant: str, request: dict[str, Any], *, alpha: float)
     return LoRAConfig(r=int(info["rank"]), alpha=alpha, target_modules=tuple(info["target_modules"]))
 
 
-def check_loadable(root: Path, model: TrainingModel, request: dict[str, Any]) -> Path:
-    """The folder of the checkpoint ``request["path"]``; UserError unless its LoRA config is ``model``'s."""
+def check_loadable(root: Path, model: TrainingModel, request: dict[str, Any], *, files: bool = False) -> Path:
+    """The folder of the checkpoint ``request["path"]``; UserError unless its LoRA config is ``model``'s (and, with
+    ``files``, unless its files are whole and its parameter names and shapes are ``model``'s: `check_dcp`, for a
+    caller that must know before every rank starts loading)."""
     path = str(request.get("path", ""))
     folder = checkpoint_folder(root, model.owner, path)
     info = _info(folder)
@@ -170,6 +173,11 @@ def check_loadable(root: Path, model: TrainingModel, request: dict[str, Any]) ->
             f"checkpoint {path!r} has LoRA rank {info['rank']} on {info['target_modules']}; this model has rank "
             f"{rank} on {targets} (rank None: full fine-tuning): create the training client with the same config"
         )
+    if files and not is_legacy(folder):
+        try:
+            check_dcp(folder, ModelState(model.module, None))
+        except ValueError as exc:
+            raise UserError(f"checkpoint {path!r} cannot be loaded: {exc}") from exc
     return folder
 
 
@@ -198,6 +206,6 @@ def _read_legacy(folder: Path, model: TrainingModel, *, optimizer: bool) -> None
 
 def load_state(root: Path, model: TrainingModel, request: dict[str, Any]) -> dict[str, Any]:
     """``load_state`` into a model this process holds whole (one rank, or replicated adapters)."""
-    folder = check_loadable(root, model, request)
+    folder = check_loadable(root, model, request, files=True)
     read_into(folder, model, optimizer=bool(request.get("optimizer")))
     return {"type": "load_weights", "path": str(request.get("path", "")), "model_id": model.model_id}

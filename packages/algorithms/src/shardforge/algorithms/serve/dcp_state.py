@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from shardforge.checkpoint_dcp import COMMIT_MARKER, check_compatible, verify_files
 
-__all__ = ["META_FILE", "ModelState", "is_dcp_checkpoint", "load_dcp", "read_meta", "save_dcp"]
+__all__ = ["META_FILE", "ModelState", "check_dcp", "is_dcp_checkpoint", "load_dcp", "read_meta", "save_dcp"]
 
 META_FILE = "serve.json"
 """The run's description next to the DCP files (read without loading a tensor)."""
@@ -123,11 +123,17 @@ def save_dcp(target: Path, state: ModelState, meta: dict[str, Any], *, collectiv
             shutil.rmtree(staging)
 
 
-def load_dcp(folder: Path, state: ModelState, *, collective: bool) -> None:
-    """Load the checkpoint ``folder`` into ``state`` in place (``collective``: as in `save_dcp`). ValueError
-    naming the missing or mis-shaped keys when it does not fit the model."""
+def check_dcp(folder: Path, state: ModelState) -> None:
+    """ValueError (`checkpoint_dcp.CorruptCheckpointError` for damaged files) naming what is wrong unless the
+    checkpoint ``folder`` loads into ``state``; reads no tensor and runs no collective."""
     verify_files(folder)
     check_compatible({"train": state}, folder)
+
+
+def load_dcp(folder: Path, state: ModelState, *, collective: bool) -> None:
+    """Load the checkpoint ``folder`` into ``state`` in place (``collective``: as in `save_dcp`), after
+    `check_dcp`."""
+    check_dcp(folder, state)
     with _quiet(collective):
         dcp.load({"train": state}, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=not collective)
 

@@ -197,7 +197,9 @@ class ShardedOps:
         from shardforge.algorithms.serve.checkpoints import check_loadable, is_legacy, load_state
 
         if model.lora is None:
-            folder = check_loadable(root, model, request)  # a missing or mismatched checkpoint fails on rank 0 alone
+            # a missing, damaged or mismatched checkpoint fails here, on rank 0 alone (inside the ranks' job, a
+            # failure would stop the service)
+            folder = check_loadable(root, model, request, files=True)
             if is_legacy(folder):
                 raise UserError(
                     f"checkpoint {request.get('path')!r} is a full fine-tuning state.pt of an earlier shardforge "
