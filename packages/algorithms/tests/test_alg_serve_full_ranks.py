@@ -258,3 +258,17 @@ def test_restart_at_two_ranks_resumes_a_full_fine_tuning_checkpoint(services, tm
         client.close("success").result(timeout=10)
     finally:
         assert again.stop() in (0, 128 + signal.SIGTERM), again.output()[-3000:]
+
+
+def test_a_damaged_sharded_checkpoint_is_a_user_error_and_the_ranks_keep_serving(services) -> None:
+    datums = _datums(services["tokenizer"])
+    trainer = create_full_training_client(services["clients"]["two"], "tiny")
+    _steps(trainer, [datums])
+    path = trainer.save_state("to-damage").result(timeout=WAIT).path
+    folder = services["out"] / "alice" / trainer.model_id / "weights" / "to-damage"
+    shard = folder / "__1_0.distcp"  # rank 1's shard
+    shard.write_bytes(shard.read_bytes()[:64])
+    with pytest.raises(tinker.RequestFailedError, match="truncated") as failed:
+        services["clients"]["two"].create_training_client_from_state_with_optimizer(path).result(timeout=WAIT)
+    assert failed.value.category is types.RequestErrorCategory.User
+    assert len(_steps(trainer, [datums])) == 1 and services["two"].proc.poll() is None
