@@ -244,13 +244,14 @@ def test_state_pt_checkpoints_of_earlier_versions_still_load(services) -> None:
 
 
 def test_restart_at_two_ranks_resumes_a_full_fine_tuning_checkpoint(services, tmp_path: Path) -> None:
+    """Saved FSDP-sharded (d2), resumed by a restarted service whose ranks replicate the copy (HSDP r2d1)."""
     datums = _datums(services["tokenizer"])
     trainer = create_full_training_client(services["clients"]["two"], "tiny")
     _steps(trainer, [datums])
     path = trainer.save_state("before-restart").result(timeout=WAIT).path
     expected = _flat(_steps(trainer, [datums, datums[:1]], CLIPPED))
     model = str(services["out"].parent / "model")
-    again = ServeProcess(model, KEYS, services["out"], nproc=2, log=tmp_path / "again.log")
+    again = ServeProcess(model, KEYS, services["out"], nproc=2, extra=["--layout", "r2d1"], log=tmp_path / "again.log")
     try:
         client = tinker.ServiceClient(base_url=again.url, api_key=ALICE)
         resumed = client.create_training_client_from_state_with_optimizer(path).result(timeout=WAIT)
