@@ -86,7 +86,8 @@ def main() -> None:
     ratio = statistics.median(two / one for one, two in zip(rates[1], rates[2], strict=True))
     payload = {
         "machine": info, "batch": BATCH, "steps": STEPS, "warmup": WARMUP, "rounds": ROUNDS, "lora_rank": RANK,
-        "hidden": args.hidden, "layers": args.layers, "full": args.full, "tokens_s_1_rank": rates[1], "tokens_s_2_ranks": rates[2], "ratio": ratio,
+        "hidden": args.hidden, "layers": args.layers, "full": args.full, "tokens_s_1_rank": rates[1],
+        "tokens_s_2_ranks": rates[2], "ratio": ratio,
         "load_average_1min": loads,
     }  # fmt: skip
     name = NAME if (args.hidden, args.layers) == (HIDDEN, 2) else f"{NAME}_h{args.hidden}"

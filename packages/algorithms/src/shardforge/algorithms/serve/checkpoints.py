@@ -31,8 +31,9 @@ from shardforge.algorithms.serve.models import TrainingModel
 from shardforge.lora import LoRAConfig
 
 __all__ = [
-    "check_loadable", "check_name", "checkpoint_dir", "checkpoint_folder", "checkpoint_meta", "delete_checkpoint", "is_legacy", "list_training_checkpoints",
-    "load_state", "read_checkpoint_info", "read_into", "read_lora", "save_state", "save_target", "write_state",
+    "check_loadable", "check_name", "checkpoint_dir", "checkpoint_folder", "checkpoint_meta", "delete_checkpoint",
+    "is_legacy", "list_training_checkpoints", "load_state", "read_checkpoint_info", "read_into", "read_lora",
+    "save_state", "save_target", "write_state",
 ]  # fmt: skip
 
 _LEGACY_FILE = "state.pt"
@@ -105,7 +106,8 @@ def list_training_checkpoints(root: Path, tenant: str, model_id: str) -> list[di
         out.append({
             "checkpoint_id": f"weights/{path.name}", "checkpoint_type": "training",
             "time": datetime.datetime.fromtimestamp(stamp.stat().st_mtime, datetime.UTC).isoformat(),
-            "tinker_path": f"tinker://{model_id}/weights/{path.name}", "size_bytes": sum(f.stat().st_size for f in files),
+            "tinker_path": f"tinker://{model_id}/weights/{path.name}",
+            "size_bytes": sum(f.stat().st_size for f in files),
         })  # fmt: skip
     return sorted(out, key=lambda c: c["time"])
 
