@@ -7,7 +7,8 @@ sharded over 2 gloo ranks with FSDP, each rank running half of every step's rows
 ``forward_backward("cross_entropy")`` + ``optim_step``, median of ``ROUNDS`` alternated rounds of ``STEPS`` steps
 after ``WARMUP``. No target: a number (on a 2-core CPU the 2 ranks' FSDP all-gathers and the job broadcast cost
 about what splitting the rows saves). Run: ``python benchmarks/bench_serve_ranks.py [--hidden H --layers L]`` (~1 min
-at the defaults; a larger model is a row of its own, ``serve_ranks_h<H>``).
+at the defaults; a larger model is a row of its own, ``serve_ranks_h<H>``). ``--full``: a full fine-tuning client
+instead (every weight trained; on 2 ranks its copy and AdamW state sharded with FSDP too), row ``serve_ranks_full``.
 """
 
 from __future__ import annotations
@@ -16,15 +17,41 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common
-from bench_serve import BATCH, HIDDEN, RANK, STEPS, WARMUP, _service_steps
+from bench_serve import BATCH, HIDDEN, RANK, STEPS, WARMUP, _datums, _service_steps
 
 NAME = "serve_ranks"
 ROUNDS = 5
+
+
+def _full_steps(url: str, key: str, tokenizer: Any, steps: int, seed: int) -> tuple[int, float, float]:
+    """As `bench_serve._service_steps`, for a new full fine-tuning client."""
+    import tinker
+    from tinker import types
+
+    from shardforge.algorithms.serve.client import create_full_training_client
+
+    with tinker.ServiceClient(base_url=url, api_key=key) as client:
+        trainer = create_full_training_client(client, "tiny")
+        adam = types.AdamParams(learning_rate=1e-4)
+        for step in range(WARMUP):
+            trainer.forward_backward(_datums(tokenizer, seed * 1000 + step), "cross_entropy").result()
+            trainer.optim_step(adam).result()
+        tokens, start = 0, time.perf_counter()
+        for step in range(steps):
+            datums = _datums(tokenizer, seed * 1000 + WARMUP + step)
+            tokens += sum(len(d.model_input.to_ints()) for d in datums)
+            fwdbwd = trainer.forward_backward(datums, "cross_entropy")
+            optim = trainer.optim_step(adam)
+            fwdbwd.result()
+            optim.result()
+        return tokens, start, time.perf_counter()
 
 
 def main() -> None:
@@ -33,6 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--hidden", type=int, default=HIDDEN, help="the tiny Qwen3's hidden size")
     parser.add_argument("--layers", type=int, default=2, help="its decoder layers")
+    parser.add_argument("--full", action="store_true", help="a full fine-tuning client instead of LoRA")
     args = parser.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     from shardforge.algorithms.testing.serve_process import ServeProcess
@@ -47,7 +75,8 @@ def main() -> None:
         try:
             for round_ in range(ROUNDS):
                 for n, service in services.items():
-                    tokens, start, end = _service_steps(service.url, key, tiny["tokenizer"], STEPS, round_)
+                    steps = _full_steps if args.full else _service_steps
+                    tokens, start, end = steps(service.url, key, tiny["tokenizer"], STEPS, round_)
                     rates[n].append(tokens / (end - start))
                 loads.append(os.getloadavg()[0])
         finally:
@@ -57,15 +86,19 @@ def main() -> None:
     ratio = statistics.median(two / one for one, two in zip(rates[1], rates[2], strict=True))
     payload = {
         "machine": info, "batch": BATCH, "steps": STEPS, "warmup": WARMUP, "rounds": ROUNDS, "lora_rank": RANK,
-        "hidden": args.hidden, "layers": args.layers, "tokens_s_1_rank": rates[1], "tokens_s_2_ranks": rates[2], "ratio": ratio,
+        "hidden": args.hidden, "layers": args.layers, "full": args.full, "tokens_s_1_rank": rates[1],
+        "tokens_s_2_ranks": rates[2], "ratio": ratio,
         "load_average_1min": loads,
     }  # fmt: skip
     name = NAME if (args.hidden, args.layers) == (HIDDEN, 2) else f"{NAME}_h{args.hidden}"
+    name += "_full" if args.full else ""
+    what = "full fine-tuning (every weight)" if args.full else f"LoRA r{RANK}"
+    sharded = "base and the client's copy + AdamW FSDP-sharded" if args.full else "base FSDP-sharded"
     _common.write_json(name, payload)
     _common.upsert_result_row(
         benchmark=name,
-        metric=f"LoRA r{RANK} training tokens/s of one tenant (forward_backward + optim_step, tinker SDK over HTTP), "
-        f"tiny Qwen3 hidden {args.hidden}, {args.layers} layers, {BATCH} rows/step: `shardforge serve --nproc-per-node 2` (base FSDP-sharded "
+        metric=f"{what} training tokens/s of one tenant (forward_backward + optim_step, tinker SDK over HTTP), "
+        f"tiny Qwen3 hidden {args.hidden}, {args.layers} layers, {BATCH} rows/step: `shardforge serve --nproc-per-node 2` ({sharded} "
         f"over 2 gloo ranks, rows split) vs 1 rank, each in its own process; median of {ROUNDS} alternated rounds; "
         f"1-min load {min(loads):.1f}-{max(loads):.1f}",
         ours=f"{statistics.median(rates[2]):,.0f}",

@@ -26,7 +26,11 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="a tenant and its API key (repeatable); none given: one key for tenant 'default' is generated and logged",
     )  # fmt: skip
     parser.add_argument("--api-keys", default=None, metavar="FILE", help='a JSON file {"tenant": "tml-...", ...}')
-    parser.add_argument("--output-dir", default="runs/serve", help="where save_state writes checkpoints")
+    parser.add_argument(
+        "--output-dir",
+        default="runs/serve",
+        help="where save_state writes checkpoints (DCP, loadable on any --nproc-per-node)",
+    )
     parser.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens a sample request may ask")
     parser.add_argument(
         "--workers", type=int, default=2, help="worker threads: different training clients' requests run at once"
@@ -47,7 +51,8 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha of every adapter")
     parser.add_argument(
         "--nproc-per-node", type=int, default=1,
-        help="ranks on this machine: the base model is sharded over them with FSDP (rank 0 serves HTTP); "
+        help="ranks on this machine: the base model, and each full fine-tuning client's copy, is sharded over them "
+        "with FSDP (LoRA adapters are replicated; rank 0 serves HTTP); "
         "N > 1 relaunches the command through torchrun, like `shardforge train`",
     )  # fmt: skip
     parser.add_argument(

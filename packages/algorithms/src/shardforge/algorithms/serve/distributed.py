@@ -1,10 +1,12 @@
 """How the service's queued jobs touch the training models: `LocalOps` in one process (the default), or
 `ShardedOps` on rank 0 of `shardforge serve --nproc-per-node N`, which runs each job on every rank together
-(`serve.ranks`: the base sharded with the engine's FSDP, LoRA adapters replicated).
+(`serve.ranks`: the base sharded with the engine's FSDP, LoRA adapters replicated, full fine-tuning copies sharded
+as the base is, `serve.full_ranks`).
 
 Rank 0 alone still holds what needs no other rank: the HTTP app, the futures queue, tenants and keys, the
 registry (with a full copy of the base weights in host memory, the source of sampling, ``save_weights_for_sampler``
-and exports), and the sampler, which generates on rank 0 alone (docs/tinker.md).
+and exports; a full fine-tuning model's weights are gathered to rank 0 for those), and the sampler, which generates
+on rank 0 alone (docs/tinker.md).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
+
+import torch
 
 from shardforge.algorithms.serve.batching import LoRABatcher
 from shardforge.algorithms.serve.codecs import FwdBwdRequest
@@ -45,6 +49,10 @@ class ModelOps(Protocol):
     def run_batch(self, items: Sequence[tuple[TrainingModel, FwdBwdRequest]]) -> list[bytes | Exception]: ...
 
     def optim_step(self, model: TrainingModel, adam: dict[str, Any]) -> dict[str, Any]: ...
+
+    def trained_weights(self, model: TrainingModel) -> dict[str, torch.Tensor]:
+        """The model's trained weights, whole, on the CPU (sampler snapshots and exports)."""
+        ...
 
     def save_state(self, root: Path, model: TrainingModel, request: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -84,6 +92,9 @@ class LocalOps:
         from shardforge.algorithms.serve.training import optim_step
 
         return optim_step(model, adam)
+
+    def trained_weights(self, model: TrainingModel) -> dict[str, torch.Tensor]:
+        return model.adapter_state()
 
     def save_state(self, root: Path, model: TrainingModel, request: dict[str, Any]) -> dict[str, Any]:
         from shardforge.algorithms.serve.checkpoints import save_state
@@ -126,16 +137,15 @@ class ShardedOps:
                 _fatal(op, exc, self._report)
 
     def check_lora(self, lora: LoRAConfig | None) -> None:
-        if lora is None:
-            raise UserError(
-                "full fine-tuning (no lora_config) is not served with --nproc-per-node > 1: the ranks shard the "
-                "shared base and replicate LoRA adapters; create a LoRA training client, or serve with one rank"
-            )
+        pass  # LoRA (adapters replicated) and full fine-tuning (a sharded copy) are both served
 
     def create_model(
         self, owner: str, model_id: str, lora: LoRAConfig | None, seed: int | None, metadata: dict[str, str]
     ) -> TrainingModel:
-        self.check_lora(lora)
+        if lora is None:  # every rank builds its shard first; the registry then holds rank 0's
+            self._registry.check_new_id(model_id)
+            module = self._run("full_create", owner, model_id, self._registry.base_model, seed or 0)
+            return self._registry.create_model(owner, model_id, None, seed or 0, metadata, module=module)
         model = self._registry.create_model(owner, model_id, lora, seed, metadata)  # a repeated id fails here
         self._run("create", owner, model_id, lora, model.seed, model.base_model)
         return model
@@ -151,24 +161,53 @@ class ShardedOps:
 
         if len({request.forward_only for _, request in items}) != 1:
             raise ValueError("a batch mixes forward and forward_backward requests")
+        if items[0][0].lora is None:  # full fine-tuning: never batched (`TinkerService.forward_backward`)
+            if len(items) != 1:
+                raise ValueError("a full fine-tuning model's requests run one at a time, not in a batch")
+            model, request = items[0]
+            outcomes = self._run("full_forward_backward", model.model_id, request)
+            return encode_outcomes([request], outcomes)
         outcomes = self._run("forward_backward", [(model.model_id, request) for model, request in items])
         return encode_outcomes([request for _, request in items], outcomes)
 
     def optim_step(self, model: TrainingModel, adam: dict[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = self._run("optim_step", model.model_id, adam)
+        result: dict[str, Any] = self._run("optim_step" if model.lora is not None else "full_optim_step",
+                                           model.model_id, adam)  # fmt: skip
         return result
 
-    def save_state(self, root: Path, model: TrainingModel, request: dict[str, Any]) -> dict[str, Any]:
-        from shardforge.algorithms.serve.checkpoints import save_state
+    def trained_weights(self, model: TrainingModel) -> dict[str, torch.Tensor]:
+        if model.lora is not None:  # replicated: rank 0's own copy
+            return model.adapter_state()
+        weights: dict[str, torch.Tensor] = self._run("full_weights", model.model_id)
+        return weights
 
+    def save_state(self, root: Path, model: TrainingModel, request: dict[str, Any]) -> dict[str, Any]:
+        from shardforge.algorithms.serve.checkpoints import save_state, save_target
+
+        if model.lora is None:  # sharded: every rank writes its shards into one DCP checkpoint
+            name, target = save_target(root, model, request)  # an existing name fails here, on rank 0 alone
+            self._run("full_save", model.model_id, str(target))
+            return {"type": "save_weights", "path": f"tinker://{model.model_id}/weights/{name}"}
         # Adapters and AdamW state are replicated: rank 0 writes them, once the ranks agree they are identical
         # (a checkpoint therefore loads on any number of ranks).
         self._run("check_replicas", model.model_id)
         return save_state(root, model, request)
 
     def load_state(self, root: Path, model: TrainingModel, request: dict[str, Any]) -> dict[str, Any]:
-        from shardforge.algorithms.serve.checkpoints import load_state
+        from shardforge.algorithms.serve.checkpoints import check_loadable, is_legacy, load_state
 
+        if model.lora is None:
+            # a missing, damaged or mismatched checkpoint fails here, on rank 0 alone (inside the ranks' job, a
+            # failure would stop the service)
+            folder = check_loadable(root, model, request, files=True)
+            if is_legacy(folder):
+                raise UserError(
+                    f"checkpoint {request.get('path')!r} is a full fine-tuning state.pt of an earlier shardforge "
+                    "serve, which loads on one rank only: load it with --nproc-per-node 1 and save_state it again "
+                    "(DCP, loads on any number of ranks)"
+                )
+            self._run("full_load", model.model_id, str(folder), bool(request.get("optimizer")))
+            return {"type": "load_weights", "path": str(request.get("path", "")), "model_id": model.model_id}
         result = load_state(root, model, request)  # a missing or mismatched checkpoint fails here, on rank 0 alone
         self._run("load", str(root), model.model_id, request)
         return result

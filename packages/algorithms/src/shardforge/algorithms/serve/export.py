@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import torch
+
 from shardforge.algorithms.serve.checkpoints import check_name
 from shardforge.algorithms.serve.futures import UserError
 from shardforge.algorithms.serve.models import TrainingModel
@@ -40,8 +42,18 @@ def export_dir(root: Path, tenant: str, model_id: str, name: str) -> Path:
     return root / tenant / check_name(model_id, "model id") / "external_weights" / check_name(name, "name")
 
 
-def save_external(root: Path, model: TrainingModel, name: str, *, tokenizer: Any, base_model: str) -> dict[str, Any]:
-    """Export ``model`` as ``name`` (PEFT adapter or HF model, see the module doc); the SDK's response JSON."""
+def save_external(
+    root: Path,
+    model: TrainingModel,
+    name: str,
+    *,
+    tokenizer: Any,
+    base_model: str,
+    full_weights: tuple[Any, dict[str, torch.Tensor]] | None = None,
+) -> dict[str, Any]:
+    """Export ``model`` as ``name`` (PEFT adapter or HF model, see the module doc); the SDK's response JSON.
+    ``full_weights``: a full fine-tuning model's (HF model of the same architecture, its whole weights by name),
+    written in place of ``model.module``'s own (which may be FSDP shards)."""
     from shardforge.lora import save_peft_adapter
 
     target = export_dir(root, model.owner, model.model_id, name)
@@ -51,7 +63,8 @@ def save_external(root: Path, model: TrainingModel, name: str, *, tokenizer: Any
         if model.lora is not None:
             save_peft_adapter(model.module, staging, model.lora, base_model_name_or_path=base_model)
         else:
-            model.module.save_pretrained(staging)  # type: ignore[operator]
+            template, weights = full_weights if full_weights is not None else (model.module, None)
+            template.save_pretrained(staging, state_dict=weights)
             tokenizer.save_pretrained(staging)
         if target.exists():
             shutil.rmtree(target)

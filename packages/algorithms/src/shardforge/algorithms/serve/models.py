@@ -158,18 +158,20 @@ class ModelRegistry:
         lora: LoRAConfig | None,
         seed: int | None,
         user_metadata: dict[str, str] | None = None,
+        *,
+        module: nn.Module | None = None,
     ) -> TrainingModel:
         """A new training model ``model_id`` (the SDK derives it: ``<session_id>:train:<model_seq_id>``);
-        ``lora`` None: full fine-tuning."""
+        ``lora`` None: full fine-tuning, on ``module`` when given (a multi-rank service's sharded copy, every
+        weight trainable), else on a full copy of the base."""
         import datetime
 
         from shardforge.lora import apply_lora
 
-        if model_id in self.models:
-            raise UserError(f"model {model_id!r} exists: model_seq_id values must not repeat within a session")
+        self.check_new_id(model_id)
         seed = seed if seed is not None else random.randrange(2**31)
         if lora is None:
-            module = self.full_copy()
+            module = self.full_copy() if module is None else module
         else:
             module = self.shared_tree()
             apply_lora(module, lora, seed=seed)
@@ -182,6 +184,11 @@ class ModelRegistry:
         with self._lock:
             self.models[model.model_id] = model
         return model
+
+    def check_new_id(self, model_id: str) -> None:
+        """UserError if a training model ``model_id`` exists."""
+        if model_id in self.models:
+            raise UserError(f"model {model_id!r} exists: model_seq_id values must not repeat within a session")
 
     def model(self, owner: str, model_id: str) -> TrainingModel:
         """The training model ``model_id`` of ``owner``; another tenant's id reads as unknown (no leak)."""

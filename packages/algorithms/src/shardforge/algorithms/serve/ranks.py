@@ -7,7 +7,7 @@ over a gloo control group, then every rank runs the same method of `RankRuntime`
 the job like the others and assembles the answer. Jobs run one at a time (rank 0 holds a lock around each), so
 every rank issues the same collectives in the same order.
 
-forward(_backward) jobs: `serve.rank_batch`.
+forward(_backward) jobs: `serve.rank_batch`. Full fine-tuning (a sharded trainable copy per client): `serve.full_ranks`.
 
 Legend: T = tokens of a job's datums packed end to end.
 """
@@ -28,6 +28,7 @@ from torch import nn
 
 from shardforge.algorithms.serve.batching import _Rows
 from shardforge.algorithms.serve.codecs import FwdBwdRequest
+from shardforge.algorithms.serve.full_ranks import FullModelRanks
 from shardforge.algorithms.serve.losses import LossResult
 from shardforge.algorithms.serve.models import TrainingModel, adapter_optimizer
 from shardforge.algorithms.serve.rank_batch import (
@@ -72,8 +73,9 @@ class RankJob:
     args: tuple[Any, ...] = ()
 
 
-class RankRuntime:
-    """One rank's sharded base and replicated adapters (see the module doc). Collective: every rank builds one.
+class RankRuntime(FullModelRanks):
+    """One rank's sharded base, replicated adapters and sharded full fine-tuning copies (see the module doc).
+    Collective: every rank builds one.
 
     Args:
         model_dir: the HF base model directory.
@@ -102,6 +104,7 @@ class RankRuntime:
         head = make_head("lm")
         hf_config = head.hf_config(load_hf_config(model_dir))
         self.base, _ = build_model(self.ctx, head, hf_config, model_dir)
+        self._source = (head, hf_config, model_dir)  # a full fine-tuning copy is built as the base was
         self.base.eval()
         for param in self.base.parameters():
             param.requires_grad_(False)
@@ -112,6 +115,13 @@ class RankRuntime:
             self._skeleton = AutoModelForCausalLM.from_config(load_hf_config(model_dir))
         self.control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
         self.models: dict[str, TrainingModel] = {} if models is None else models
+
+    def _build_trainable(self) -> nn.Module:
+        from shardforge.engine.build import build_model
+
+        module, _ = build_model(self.ctx, *self._source)
+        module.eval()  # as the base (and a 1-rank service's full copy): no dropout
+        return module
 
     # ------------------------------------------------------------------ the job channel
     def send(self, job: RankJob) -> None:

@@ -242,7 +242,7 @@ class TinkerService:
             label = name or self.registry.new_id("sampler")
             path = f"tinker://{model.model_id}/sampler_weights/{label}"
             weights = SamplerWeights(
-                path=path, owner=tenant, lora=model.lora, adapter=model.adapter_state(),
+                path=path, owner=tenant, lora=model.lora, adapter=self.ops.trained_weights(model),
                 created=datetime.datetime.now(datetime.UTC).isoformat(),
             )  # fmt: skip
             self.registry.samplers[path] = weights
@@ -268,7 +268,11 @@ class TinkerService:
 
         def job() -> dict[str, Any]:
             registry = self.registry
-            result = save_external(root, model, name, tokenizer=registry.tokenizer, base_model=registry.model_dir)
+            # a full fine-tuning model's weights, gathered whole (sharded on several ranks), on the base's tree
+            full = None if model.lora is not None else (registry.base, self.ops.trained_weights(model))
+            result = save_external(
+                root, model, name, tokenizer=registry.tokenizer, base_model=registry.model_dir, full_weights=full
+            )
             return self._expire(tenant, model.model_id, result, ttl_s)
 
         return self.futures.submit(tenant, "SaveWeightsExternal", job, lane=model.model_id)

@@ -7,11 +7,13 @@ Legend: B = datums, S = padded length, V = vocabulary, T = the datums' tokens pa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from shardforge.algorithms.serve.codecs import FwdBwdRequest, WireDatum, encode_packed_forward_backward_output
 from shardforge.algorithms.serve.futures import UserError
@@ -128,9 +130,14 @@ def optim_step(model: TrainingModel, adam: dict[str, Any]) -> dict[str, Any]:
     params = [p for p in model.trainable if p.grad is not None]
     # one foreach norm over all gradients (not one op per tensor), reused by the clipping
     grads = [grad for p in params if (grad := p.grad) is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
-    if clip > 0 and norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
+    if any(isinstance(grad, DTensor) for grad in grads):  # FSDP shards (full fine-tuning on several ranks)
+        from shardforge.fsdp_wrap import clip_grad_norm_
+
+        norm = clip_grad_norm_(params, clip if clip > 0 else math.inf)  # the global norm over every rank's shards
+    else:
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
+        if clip > 0 and norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
     for group in model.optimizer.param_groups:
         group.update(
             lr=lr, betas=betas, eps=float(adam.get("eps", 1e-12)), weight_decay=float(adam.get("weight_decay", 0.0))

@@ -1,0 +1,155 @@
+"""The ``save_state`` checkpoint format: one DCP checkpoint (`torch.distributed.checkpoint`, the files our
+trainers write through `shardforge.checkpoint_dcp`) per ``tinker://<model_id>/weights/<name>`` folder::
+
+    <output_dir>/<tenant>/<model_id>/weights/<name>/
+        .metadata  __0_0.distcp ...   DCP: the trained weights and the AdamW state, by parameter name
+        COMMITTED                      `checkpoint_dcp.COMMIT_MARKER`: the save finished
+        serve.json                     the run: LoRA rank and targets (null: full fine-tuning), steps, base model,
+                                       user_metadata
+
+Keys are fully qualified parameter names (``get_state_dict``), never rank-local ones, so a checkpoint saved on N
+ranks loads on M: DCP reshards a full fine-tuning model's FSDP shards on load. A LoRA model's adapters are
+replicated, so rank 0 writes them alone; a full fine-tuning model's shards are written by every rank together.
+
+A save is atomic: DCP writes into a hidden staging folder next to the target, rank 0 adds the marker and
+``serve.json``, fsyncs, and renames it into place, so a crash leaves the previous checkpoint or the new one.
+
+Unlike `checkpoint_dcp.TrainState`, nothing here saves or restores RNG state: the service's generators are shared
+by every tenant, and loading one tenant's checkpoint must not reset them for the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from shardforge.checkpoint_dcp import COMMIT_MARKER, check_compatible, verify_files
+
+__all__ = ["META_FILE", "ModelState", "check_dcp", "is_dcp_checkpoint", "load_dcp", "read_meta", "save_dcp"]
+
+META_FILE = "serve.json"
+"""The run's description next to the DCP files (read without loading a tensor)."""
+
+_FORMAT = "shardforge-serve-dcp/1"
+
+
+class ModelState(Stateful):
+    """A training model's trained parameters and AdamW state as one DCP `Stateful` (frozen base weights left out).
+
+    Args:
+        module: the model (plain, or sharded with FSDP).
+        optimizer: its AdamW; None: the weights alone (a load that keeps the optimizer as it is).
+    """
+
+    trainable_only = True
+    """What `checkpoint_dcp.check_compatible` compares: the trained parameters only."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.model = module
+        self.optimizers = [] if optimizer is None else [optimizer]
+
+    def state_dict(self) -> dict[str, Any]:
+        options = StateDictOptions(ignore_frozen_params=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=options)
+        return {"model": model_sd, "optimizer": optim_sd} if self.optimizers else {"model": model_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # strict=False: the frozen base weights are absent on purpose (DCP itself still requires every key of the
+        # template, so no trained weight can go missing silently)
+        options = StateDictOptions(ignore_frozen_params=True, strict=False)
+        set_state_dict(
+            self.model, self.optimizers, model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict.get("optimizer", {}), options=options,
+        )  # fmt: skip
+
+
+def is_dcp_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a committed checkpoint of this format."""
+    return (folder / COMMIT_MARKER).is_file() and (folder / META_FILE).is_file()
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    """``serve.json`` of the checkpoint ``folder``."""
+    meta: dict[str, Any] = json.loads((folder / META_FILE).read_text())
+    return meta
+
+
+def save_dcp(target: Path, state: ModelState, meta: dict[str, Any], *, collective: bool) -> None:
+    """Write ``state`` and ``meta`` as the checkpoint ``target`` (replaced if it exists). ``collective``: every rank
+    of the default process group calls this together (sharded state); else this process writes alone."""
+    main = not collective or dist.get_rank() == 0
+    name = f".tmp-{target.name}-{uuid.uuid4().hex[:8]}" if main else ""
+    if collective:  # every rank writes into rank 0's staging folder
+        box = [name]
+        dist.broadcast_object_list(box, src=0)
+        name = box[0]
+    staging = target.parent / name
+    if main:
+        staging.mkdir(parents=True)
+    if collective:
+        dist.barrier()
+    try:
+        with _quiet(collective):
+            dcp.save({"train": state}, storage_writer=dcp.FileSystemWriter(str(staging)), no_dist=not collective)
+        if collective:
+            dist.barrier()  # every rank's files are on disk
+        if main:
+            (staging / META_FILE).write_text(json.dumps(meta | {"format": _FORMAT}, sort_keys=True))
+            with (staging / COMMIT_MARKER).open("w") as handle:
+                handle.write("{}")
+                handle.flush()
+                os.fsync(handle.fileno())
+            _fsync_dir(staging)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging, target)
+            _fsync_dir(target.parent)
+    finally:
+        if main and staging.exists():
+            shutil.rmtree(staging)
+
+
+def check_dcp(folder: Path, state: ModelState) -> None:
+    """ValueError (`checkpoint_dcp.CorruptCheckpointError` for damaged files) naming what is wrong unless the
+    checkpoint ``folder`` loads into ``state``; reads no tensor and runs no collective."""
+    verify_files(folder)
+    check_compatible({"train": state}, folder)
+
+
+def load_dcp(folder: Path, state: ModelState, *, collective: bool) -> None:
+    """Load the checkpoint ``folder`` into ``state`` in place (``collective``: as in `save_dcp`), after
+    `check_dcp`."""
+    check_dcp(folder, state)
+    with _quiet(collective):
+        dcp.load({"train": state}, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=not collective)
+
+
+@contextlib.contextmanager
+def _quiet(collective: bool) -> Iterator[None]:
+    """DCP warns that a save or load without a process group is meant for one process: here it is."""
+    with warnings.catch_warnings():
+        if not collective:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

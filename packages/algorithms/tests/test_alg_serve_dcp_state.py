@@ -1,0 +1,117 @@
+"""The ``save_state`` DCP format (`serve.dcp_state`, `serve.checkpoints`) on one process, without the HTTP service:
+a round trip restores weights, AdamW state and steps; a save that fails half-way leaves the previous checkpoint
+whole and no staging folder in the listing; damaged files and another model's checkpoint are user errors that
+name the problem; a weights-only load keeps the optimizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardforge.algorithms.serve import checkpoints, dcp_state
+from shardforge.algorithms.serve.futures import UserError
+from shardforge.algorithms.serve.models import ModelRegistry, TrainingModel
+from shardforge.lora import LoRAConfig
+
+LORA = LoRAConfig(r=4, alpha=32.0, target_modules=("q_proj", "v_proj"))
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> ModelRegistry:
+    from shardforge.rollout.testing.tiny import tiny_model
+
+    tiny = tiny_model(tmp_path_factory.mktemp("dcp_state"), hidden=16, layers=1)
+    return ModelRegistry(tiny["model"], base_model="tiny")
+
+
+def _trained(registry: ModelRegistry, model_id: str, lora: LoRAConfig | None, seed: int) -> TrainingModel:
+    model = registry.create_model("alice", model_id, lora, seed)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(2):
+        for param in model.trainable:
+            param.grad = torch.randn(param.shape, generator=generator)
+        model.optimizer.step()
+        model.steps += 1
+    return model
+
+
+def _weights(model: TrainingModel) -> dict[str, torch.Tensor]:
+    return model.adapter_state()
+
+
+def _moments(model: TrainingModel) -> list[torch.Tensor]:
+    return [state[key] for state in model.optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")]
+
+
+@pytest.mark.parametrize("lora", [LORA, None], ids=["lora", "full"])
+def test_round_trip_restores_weights_adam_and_steps(registry, tmp_path: Path, lora) -> None:
+    saved = _trained(registry, f"a-{lora is None}", lora, seed=1)
+    path = checkpoints.save_state(tmp_path, saved, {"path": "ckpt"})["path"]
+    folder = tmp_path / "alice" / saved.model_id / "weights" / "ckpt"
+    assert dcp_state.read_meta(folder)["rank"] == (None if lora is None else 4)
+    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "COMMITTED", "__0_0.distcp", "serve.json"]
+    fresh = registry.create_model("alice", f"b-{lora is None}", lora, seed=2)
+    assert checkpoints.read_lora(tmp_path, "alice", {"path": path}, alpha=32.0) == lora
+    checkpoints.load_state(tmp_path, fresh, {"path": path, "optimizer": True})
+    for name, value in _weights(saved).items():
+        assert torch.equal(_weights(fresh)[name], value), name
+    assert len(_moments(fresh)) == len(_moments(saved)) > 0
+    for got, want in zip(_moments(fresh), _moments(saved), strict=True):
+        assert torch.equal(got, want)
+    assert fresh.steps == saved.steps == 2
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(registry, tmp_path: Path, monkeypatch) -> None:
+    model = _trained(registry, "c", LORA, seed=3)
+    checkpoints.save_state(tmp_path, model, {"path": "ckpt"})
+    before = _weights(model)
+    with torch.no_grad():
+        for param in model.trainable:
+            param.add_(1.0)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp_state.dcp, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoints.save_state(tmp_path, model, {"path": "ckpt", "overwrite": True})
+    monkeypatch.undo()
+    weights = tmp_path / "alice" / "c" / "weights"
+    assert [p.name for p in weights.iterdir()] == ["ckpt"]  # no staging folder left behind
+    listed = checkpoints.list_training_checkpoints(tmp_path, "alice", "c")
+    assert [c["checkpoint_id"] for c in listed] == ["weights/ckpt"]
+    checkpoints.load_state(tmp_path, model, {"path": "tinker://c/weights/ckpt"})  # the old one, whole
+    for name, value in before.items():
+        assert torch.equal(_weights(model)[name], value), name
+    with pytest.raises(UserError, match="exists; pass another name or overwrite=True"):
+        checkpoints.save_state(tmp_path, model, {"path": "ckpt"})
+
+
+def test_damaged_or_foreign_checkpoints_are_user_errors(registry, tmp_path: Path) -> None:
+    model = _trained(registry, "d", LORA, seed=4)
+    checkpoints.save_state(tmp_path, model, {"path": "ckpt"})
+    other = registry.create_model("alice", "e", LoRAConfig(r=4, alpha=32.0, target_modules=("k_proj",)), seed=5)
+    with pytest.raises(UserError, match=r"LoRA rank 4 on \['q_proj', 'v_proj'\]; this model has rank 4 on"):
+        checkpoints.load_state(tmp_path, other, {"path": "tinker://d/weights/ckpt"})
+    with pytest.raises(KeyError, match="not a checkpoint of this API key"):
+        checkpoints.load_state(tmp_path, other, {"path": "tinker://d/weights/missing"})
+    data = tmp_path / "alice" / "d" / "weights" / "ckpt" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(UserError, match="truncated"):
+        checkpoints.load_state(tmp_path, model, {"path": "tinker://d/weights/ckpt"})
+
+
+def test_a_weights_only_load_keeps_the_optimizer(registry, tmp_path: Path) -> None:
+    saved = _trained(registry, "f", LORA, seed=6)
+    path = checkpoints.save_state(tmp_path, saved, {"path": "ckpt"})["path"]
+    live = _trained(registry, "g", LORA, seed=7)
+    moments = [m.clone() for m in _moments(live)]
+    live.steps = 5
+    checkpoints.load_state(tmp_path, live, {"path": path})
+    for name, value in _weights(saved).items():
+        assert torch.equal(_weights(live)[name], value), name
+    for got, want in zip(_moments(live), moments, strict=True):
+        assert torch.equal(got, want)
+    assert live.steps == 5
