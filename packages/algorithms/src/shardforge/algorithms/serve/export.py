@@ -64,7 +64,7 @@ def save_external(
             save_peft_adapter(model.module, staging, model.lora, base_model_name_or_path=base_model)
         else:
             template, weights = full_weights if full_weights is not None else (model.module, None)
-            template.save_pretrained(staging, state_dict=weights)
+            template.save_pretrained(staging, state_dict=weights)  # type: ignore[operator]
             tokenizer.save_pretrained(staging)
         if target.exists():
             shutil.rmtree(target)

@@ -93,7 +93,7 @@ class FullModelRanks:
         if self.rank != 0:
             return None
         trained = {name for name, p in module.named_parameters() if p.requires_grad}
-        return {name: value for name, value in state.items() if name in trained}
+        return {name: value for name, value in state.items() if name in trained and isinstance(value, torch.Tensor)}
 
     def op_full_save(self, model_id: str, target: str) -> None:
         """Every rank writes its shards of ``model_id`` into the checkpoint ``target`` (rank 0 commits it)."""

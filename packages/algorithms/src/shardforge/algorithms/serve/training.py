@@ -133,7 +133,7 @@ def optim_step(model: TrainingModel, adam: dict[str, Any]) -> dict[str, Any]:
     if any(isinstance(grad, DTensor) for grad in grads):  # FSDP shards (full fine-tuning on several ranks)
         from shardforge.fsdp_wrap import clip_grad_norm_
 
-        norm = clip_grad_norm_(params, clip if clip > 0 else math.inf)  # the global norm over every rank's shards
+        norm: torch.Tensor | None = clip_grad_norm_(params, clip if clip > 0 else math.inf)  # over all shards
     else:
         norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
         if clip > 0 and norm is not None:
