@@ -290,14 +290,17 @@ def test_restart_at_two_ranks_resumes_and_a_dead_rank_stops_the_service(services
     assert not any(alive(pid) for pid in ranks), "a rank outlived the service"
 
 
-def test_layouts_other_than_fsdp_are_refused_before_any_rank_starts(tmp_path: Path, capsys) -> None:
+def test_layouts_other_than_fsdp_and_tp_are_refused_before_any_rank_starts(tmp_path: Path, capsys) -> None:
     from shardforge.algorithms.cli.main import main
     from shardforge.algorithms.serve.ranks import check_serve_layout
 
     assert check_serve_layout("d-1", 4).dp_shard == 4
     assert check_serve_layout("r2d2", 4).dp_replicate == 2
-    with pytest.raises(ValueError, match="tp=2; shardforge serve shards the base with FSDP"):
-        check_serve_layout("d1t2", 2)
+    assert check_serve_layout("d2t2", 4).tp == 2  # tensor parallel: `test_alg_serve_tp`
+    with pytest.raises(ValueError, match=r"cp=2; shardforge serve shards the base with FSDP \(d\), HSDP \(r, d\) and "):
+        check_serve_layout("d1c2", 2)
+    with pytest.raises(ValueError, match=r"pp=2, ep=2;.* e.g. d4, r2d2, t2 or d2t2"):
+        check_serve_layout("p2e2", 4)
     (tmp_path / "model").mkdir()
     assert main(["serve", "--model", str(tmp_path / "model"), "--nproc-per-node", "2", "--layout", "d3"]) == 1
     assert "world_size=2" in capsys.readouterr().err

@@ -47,13 +47,14 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha of every adapter")
     parser.add_argument(
         "--nproc-per-node", type=int, default=1,
-        help="ranks on this machine: the base model is sharded over them with FSDP (rank 0 serves HTTP); "
+        help="ranks on this machine: the base model is sharded over them with FSDP and/or TP (rank 0 serves HTTP); "
         "N > 1 relaunches the command through torchrun, like `shardforge train`",
     )  # fmt: skip
     parser.add_argument(
         "--layout", default=None, metavar="LAYOUT",
-        help="how the ranks hold the base, in the trainers' layout letters: d (FSDP) and r (HSDP replicas) only, "
-        "e.g. d2 or r2d2 (default: d<N>, every rank a shard)",
+        help="how the ranks hold the base, in the trainers' layout letters: d (FSDP), r (HSDP replicas) and t "
+        "(tensor parallel, with sequence parallelism) only, e.g. d2, r2d2, t2 or d2t2 (default: d<N>, every rank a "
+        "shard); LoRA adapters are replicated on every rank",
     )  # fmt: skip
     return parser
 
