@@ -140,3 +140,12 @@ def test_tp_adapter_gradients_sum_to_the_one_rank_gradient(lm_dir: str) -> None:
             keys = [k for k in results[0]["local"] if kind in k and any(f".{n}." in k for n in names)]
             shares = {k: max(result["local"][k] for result in results) for k in keys}
             assert shares and min(shares.values()) > 1e-3, (kind, parallel, shares)
+
+
+def test_a_tp_the_model_cannot_split_is_refused_before_any_rank_starts(lm_dir: str, capsys) -> None:
+    from shardforge.algorithms.cli.main import main
+
+    # the tiny Qwen3 has 2 KV heads: tp=4 cannot split them
+    assert main(["serve", "--model", lm_dir, "--nproc-per-node", "4", "--layout", "t4"]) == 1
+    err = capsys.readouterr().err
+    assert "tp=4 must divide num_key_value_heads=2" in err and "valid tp for this model: [1, 2]" in err, err

@@ -100,6 +100,12 @@ def _launch_ranks(args: argparse.Namespace, argv: list[str] | None) -> int:
     if argv is None:
         raise ValueError("serve with --nproc-per-node > 1 needs the command line to relaunch (run it as `shardforge`)")
     dims = check_serve_layout(args.layout or "d-1", args.nproc_per_node)
+    if dims.tp > 1:  # the model's heads, vocabulary and MLP must split over tp: said before any rank starts
+        from shardforge.algorithms.serve.tp_lora import check_tp_base
+        from shardforge.engine import EngineConfig
+        from shardforge.engine.loading import load_hf_config
+
+        check_tp_base(load_hf_config(args.model), dims.tp, sequence_parallel=EngineConfig().sequence_parallel)
     log.info("starting %d ranks (layout %s): rank 0 serves http://%s:%d", args.nproc_per_node, dims, args.host,
              args.port)  # fmt: skip
     return relaunch(LaunchSpec(nproc_per_node=args.nproc_per_node), argv, debug=args.debug)
