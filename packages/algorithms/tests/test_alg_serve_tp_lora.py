@@ -101,7 +101,7 @@ def _tp_vs_one_rank(model_dir: str) -> dict[str, Any]:
     base.eval()
     for param in base.parameters():
         param.requires_grad_(False)
-    tree, tenants = TPLoRATree(base), _tenants(model_dir)
+    tree, tenants = TPLoRATree(base, tp=dims.tp), _tenants(model_dir)
     plan = [
         _Rows(rows.start, rows.stop, dict(lora_modules(m))) for m, (_, _, rows) in zip(tenants, TENANTS, strict=True)
     ]

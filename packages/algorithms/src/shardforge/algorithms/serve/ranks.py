@@ -111,7 +111,7 @@ class RankRuntime:
         for param in self.base.parameters():
             param.requires_grad_(False)
         self._batch: RankBatchTree | TPLoRATree = (
-            RankBatchTree(self.base) if self.dims.tp == 1 else TPLoRATree(self.base)
+            RankBatchTree(self.base) if self.dims.tp == 1 else TPLoRATree(self.base, tp=self.dims.tp)
         )
         with torch.device("meta"):  # the followers' adapters are made on a weightless copy of the module tree
             from transformers import AutoModelForCausalLM

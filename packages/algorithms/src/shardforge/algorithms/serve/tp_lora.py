@@ -94,10 +94,12 @@ class TPLoRATree:
 
     Args:
         base: the base model built by `engine.build.build_model` on a layout with tp > 1 (frozen).
+        tp: the layout's tp (the packed tokens are padded to a multiple of it: sequence parallelism splits them).
     """
 
-    def __init__(self, base: nn.Module) -> None:
+    def __init__(self, base: nn.Module, *, tp: int) -> None:
         self.base = base
+        self.tp = tp
         self._spans: list[_Span] | None = None
         for name, module in base.named_modules():
             if isinstance(module, nn.Linear):
@@ -115,8 +117,7 @@ class TPLoRATree:
         for n in lengths:
             offsets.append(offsets[-1] + n)
         spans = [_Span(offsets[rows.start], offsets[rows.stop], rows.adapters) for rows in plan]
-        tp = _tp_size(self.base)
-        packed = pad_to_multiple(pack_sequences([d.tokens for d in datums]), tp)
+        packed = pad_to_multiple(pack_sequences([d.tokens for d in datums]), self.tp)
         targets = torch.cat([d.inputs["target_tokens"].long() for d in datums])
         targets = torch.cat([targets, targets.new_zeros(packed.num_tokens - targets.numel())])
         device = next(self.base.parameters()).device
@@ -148,13 +149,6 @@ class TPLoRATree:
             return _add_delta(args[0], out, spans, loras)
 
         return add_adapters
-
-
-def _tp_size(base: nn.Module) -> int:
-    for param in base.parameters():
-        if isinstance(param, DTensor) and param.device_mesh.mesh_dim_names and "tp" in param.device_mesh.mesh_dim_names:
-            return int(param.device_mesh["tp"].size())
-    return 1
 
 
 def _scales(spans: list[_Span], loras: list[LoRALinear | None], tokens: int, like: torch.Tensor) -> torch.Tensor:
