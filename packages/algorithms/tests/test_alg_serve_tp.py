@@ -130,6 +130,11 @@ def test_sft_loop_matches_one_rank(services) -> None:
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
     assert all(v.abs().sum() > 0 for k, v in state_2["adapter"].items() if "lora_B" in k)  # every adapter trained
     _assert_states_close(state_2, state_1)
+    # the 1-rank checkpoint (the same format) loads into the TP ranks and gives the 1-rank log-probs
+    resumed = services["client"](services["t2"]).create_training_client_from_state_with_optimizer(path_1)
+    again = resumed.result(timeout=WAIT).forward(datums, "cross_entropy").result(timeout=WAIT)
+    for out_1, out_2 in zip(forward_1.loss_fn_outputs, again.loss_fn_outputs, strict=True):
+        assert out_2["logprobs"].tolist() == pytest.approx(out_1["logprobs"].tolist(), rel=REL, abs=1e-6)
 
 
 def test_two_tenants_at_once_match_one_rank(services) -> None:
