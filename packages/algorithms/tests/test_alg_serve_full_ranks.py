@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import warnings
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,7 @@ from shardforge.algorithms.serve.server import ServiceServer  # noqa: E402
 from shardforge.algorithms.serve.service import TinkerService  # noqa: E402
 from shardforge.algorithms.serve.tenants import TenantKeys  # noqa: E402
 from shardforge.algorithms.testing.serve_process import ServeProcess  # noqa: E402
+from shardforge.algorithms.testing.serve_state import assert_states_close, read_saved_state  # noqa: E402
 
 ALICE = "tml-alice-0123456789"
 KEYS = {ALICE: "alice"}
@@ -94,36 +94,6 @@ def _flat(steps: list[tuple[float, float]]) -> list[float]:
     return [value for step in steps for value in step]
 
 
-def _read(out: Path, tinker_path: str) -> dict:
-    """A DCP checkpoint of the service as one plain dict (``model`` / ``optimizer`` by parameter name)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    model_id, _, name = tinker_path.removeprefix("tinker://").partition("/weights/")
-    folder = out / "alice" / model_id / "weights" / name
-    assert (folder / ".metadata").is_file() and (folder / "COMMITTED").is_file() and (folder / "serve.json").is_file()
-    file = folder.parent / f"{name}.pt"
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp_to_torch_save(folder, file)
-    state = torch.load(file, weights_only=False)["train"]
-    file.unlink()
-    return state
-
-
-def _assert_states_close(a: dict, b: dict) -> None:
-    assert a["model"].keys() == b["model"].keys() and len(a["model"]) > 10
-    for name, value in a["model"].items():
-        torch.testing.assert_close(value, b["model"][name], rtol=REL, atol=1e-6, msg=name)
-    moments_a, moments_b = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert moments_a.keys() == moments_b.keys() == a["model"].keys()
-    for name, state in moments_a.items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            # near-zero entries (gradients that cancel) carry the summation order's absolute error: atol by scale
-            scale = float(state[key].abs().max())
-            torch.testing.assert_close(state[key], moments_b[name][key], rtol=1e-4, atol=1e-5 * scale, msg=name)
-        assert float(state["step"]) == float(moments_b[name]["step"])
-
-
 def test_full_fine_tuning_on_two_ranks_matches_one_rank(services) -> None:
     datums = _datums(services["tokenizer"])
     runs = {}
@@ -148,7 +118,12 @@ def test_full_fine_tuning_on_two_ranks_matches_one_rank(services) -> None:
     assert all(norm > 0.05 for _, norm in steps_1[2:4])  # the clipped steps did clip
     for out_1, out_2 in zip(forward_1.loss_fn_outputs, forward_2.loss_fn_outputs, strict=True):
         assert out_2["logprobs"].tolist() == pytest.approx(out_1["logprobs"].tolist(), rel=REL, abs=1e-6)
-    _assert_states_close(_read(services["out"], path_2), _read(services["out"], path_1))
+    state_1, state_2 = (
+        read_saved_state(services["out"], "alice", path_1),
+        read_saved_state(services["out"], "alice", path_2),
+    )
+    assert len(state_2["model"]) > 10 and state_2["optimizer"]["state"].keys() == state_2["model"].keys()
+    assert_states_close(state_2, state_1)
 
 
 def test_full_checkpoints_move_between_rank_counts(services) -> None:

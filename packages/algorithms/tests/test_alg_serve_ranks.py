@@ -32,6 +32,7 @@ from shardforge.algorithms.serve.server import ServiceServer  # noqa: E402
 from shardforge.algorithms.serve.service import TinkerService  # noqa: E402
 from shardforge.algorithms.serve.tenants import TenantKeys  # noqa: E402
 from shardforge.algorithms.testing.serve_process import ServeProcess  # noqa: E402
+from shardforge.algorithms.testing.serve_state import assert_states_close, read_saved_state  # noqa: E402
 
 ALICE, BOB = "tml-alice-0123456789", "tml-bob-0123456789"
 KEYS = {ALICE: "alice", BOB: "bob"}
@@ -93,38 +94,6 @@ def _steps(trainer, batches: list[list[types.Datum]]) -> list[float]:
     return losses
 
 
-def _state(out: Path, tenant: str, tinker_path: str) -> dict:
-    """A ``save_state`` DCP checkpoint as one plain dict: ``model`` / ``optimizer`` by name, and ``serve.json``."""
-    import json
-    import warnings
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    model_id, _, name = tinker_path.removeprefix("tinker://").partition("/weights/")
-    folder = out / tenant / model_id / "weights" / name
-    file = folder.parent / f"{name}.pt"
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp_to_torch_save(folder, file)
-    state = torch.load(file, weights_only=False)["train"]
-    file.unlink()
-    return state | {"meta": json.loads((folder / "serve.json").read_text())}
-
-
-def _assert_states_close(a: dict, b: dict) -> None:
-    assert a["model"].keys() == b["model"].keys()
-    for name, value in a["model"].items():
-        torch.testing.assert_close(value, b["model"][name], rtol=REL, atol=1e-6, msg=name)
-    moments_a, moments_b = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert moments_a.keys() == moments_b.keys() and moments_a
-    for name, state in moments_a.items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            # near-zero entries (gradients that cancel) carry the summation order's absolute error: atol by scale
-            scale = float(state[key].abs().max())
-            torch.testing.assert_close(state[key], moments_b[name][key], rtol=1e-4, atol=1e-5 * scale)
-    assert a["meta"]["steps"] == b["meta"]["steps"]
-
-
 def test_sft_loop_matches_one_rank(services) -> None:
     datums = _datums(services["tokenizer"])
     # the last step has one datum: rank 1 runs it, rank 0 runs a weight-0 row (FSDP needs both in every pass)
@@ -141,9 +110,12 @@ def test_sft_loop_matches_one_rank(services) -> None:
     assert losses_1[-1] < losses_1[0]
     for out_1, out_2 in zip(forward_1.loss_fn_outputs, forward_2.loss_fn_outputs, strict=True):
         assert out_2["logprobs"].tolist() == pytest.approx(out_1["logprobs"].tolist(), rel=REL, abs=1e-6)
-    state_1, state_2 = _state(services["out"], "alice", path_1), _state(services["out"], "alice", path_2)
+    state_1, state_2 = (
+        read_saved_state(services["out"], "alice", path_1),
+        read_saved_state(services["out"], "alice", path_2),
+    )
     assert any(v.abs().sum() > 0 for k, v in state_2["model"].items() if "lora_B" in k)  # the adapters trained
-    _assert_states_close(state_2, state_1)
+    assert_states_close(state_2, state_1)
 
 
 def test_two_tenants_at_once_match_one_rank(services) -> None:
@@ -299,14 +271,17 @@ def test_restart_at_two_ranks_resumes_and_a_dead_rank_stops_the_service(services
     assert not any(alive(pid) for pid in ranks), "a rank outlived the service"
 
 
-def test_layouts_other_than_fsdp_are_refused_before_any_rank_starts(tmp_path: Path, capsys) -> None:
+def test_layouts_other_than_fsdp_and_tp_are_refused_before_any_rank_starts(tmp_path: Path, capsys) -> None:
     from shardforge.algorithms.cli.main import main
     from shardforge.algorithms.serve.ranks import check_serve_layout
 
     assert check_serve_layout("d-1", 4).dp_shard == 4
     assert check_serve_layout("r2d2", 4).dp_replicate == 2
-    with pytest.raises(ValueError, match="tp=2; shardforge serve shards the base with FSDP"):
-        check_serve_layout("d1t2", 2)
+    assert check_serve_layout("d2t2", 4).tp == 2  # tensor parallel: `test_alg_serve_tp`
+    with pytest.raises(ValueError, match=r"cp=2; shardforge serve shards the base with FSDP \(d\), HSDP \(r, d\) and "):
+        check_serve_layout("d1c2", 2)
+    with pytest.raises(ValueError, match=r"pp=2, ep=2;.* e.g. d4, r2d2, t2 or d2t2"):
+        check_serve_layout("p2e2", 4)
     (tmp_path / "model").mkdir()
     assert main(["serve", "--model", str(tmp_path / "model"), "--nproc-per-node", "2", "--layout", "d3"]) == 1
     assert "world_size=2" in capsys.readouterr().err

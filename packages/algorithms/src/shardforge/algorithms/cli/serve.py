@@ -51,14 +51,15 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha of every adapter")
     parser.add_argument(
         "--nproc-per-node", type=int, default=1,
-        help="ranks on this machine: the base model, and each full fine-tuning client's copy, is sharded over them "
-        "with FSDP (LoRA adapters are replicated; rank 0 serves HTTP); "
+        help="ranks on this machine: the base model is sharded over them with FSDP and/or TP (rank 0 serves HTTP); "
+        "LoRA adapters are replicated; a full fine-tuning client's copy is sharded with FSDP (not with TP); "
         "N > 1 relaunches the command through torchrun, like `shardforge train`",
     )  # fmt: skip
     parser.add_argument(
         "--layout", default=None, metavar="LAYOUT",
-        help="how the ranks hold the base, in the trainers' layout letters: d (FSDP) and r (HSDP replicas) only, "
-        "e.g. d2 or r2d2 (default: d<N>, every rank a shard)",
+        help="how the ranks hold the base, in the trainers' layout letters: d (FSDP), r (HSDP replicas) and t "
+        "(tensor parallel, with sequence parallelism) only, e.g. d2, r2d2, t2 or d2t2 (default: d<N>, every rank a "
+        "shard); LoRA adapters are replicated on every rank",
     )  # fmt: skip
     return parser
 
@@ -104,6 +105,12 @@ def _launch_ranks(args: argparse.Namespace, argv: list[str] | None) -> int:
     if argv is None:
         raise ValueError("serve with --nproc-per-node > 1 needs the command line to relaunch (run it as `shardforge`)")
     dims = check_serve_layout(args.layout or "d-1", args.nproc_per_node)
+    if dims.tp > 1:  # the model's heads, vocabulary and MLP must split over tp: said before any rank starts
+        from shardforge.algorithms.serve.tp_lora import check_tp_base
+        from shardforge.engine import EngineConfig
+        from shardforge.engine.loading import load_hf_config
+
+        check_tp_base(load_hf_config(args.model), dims.tp, sequence_parallel=EngineConfig().sequence_parallel)
     log.info("starting %d ranks (layout %s): rank 0 serves http://%s:%d", args.nproc_per_node, dims, args.host,
              args.port)  # fmt: skip
     return relaunch(LaunchSpec(nproc_per_node=args.nproc_per_node), argv, debug=args.debug)

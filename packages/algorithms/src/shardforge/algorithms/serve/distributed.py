@@ -137,7 +137,14 @@ class ShardedOps:
                 _fatal(op, exc, self._report)
 
     def check_lora(self, lora: LoRAConfig | None) -> None:
-        pass  # LoRA (adapters replicated) and full fine-tuning (a sharded copy) are both served
+        """LoRA (adapters replicated) is served on every layout; full fine-tuning (a copy sharded as the base) on
+        FSDP/HSDP layouts only: its forward runs padded rows, which the TP base (sequence parallel) cannot take."""
+        tp = self._runtime.dims.tp
+        if lora is None and tp > 1:
+            raise UserError(
+                f"full fine-tuning (no lora_config) is not served with a tensor-parallel layout (tp={tp}): serve with "
+                "an FSDP/HSDP layout (d, r) for full fine-tuning clients, or create a LoRA training client"
+            )
 
     def create_model(
         self, owner: str, model_id: str, lora: LoRAConfig | None, seed: int | None, metadata: dict[str, str]

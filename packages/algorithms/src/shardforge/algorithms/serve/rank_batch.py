@@ -146,12 +146,16 @@ def gather_outcomes(
     results: list[LossResult | None],
     errors: list[str | None],
     control: dist.ProcessGroup,
+    *,
+    counted: bool = True,
 ) -> list[tuple[torch.Tensor, LossResult] | str] | None:
-    """Rank 0: each request's log-probs, per-token losses and loss summed over the ranks, in datum order."""
+    """Rank 0: each request's log-probs, per-token losses and loss summed over the ranks, in datum order.
+    ``counted`` False: this rank's rows are another rank's too (a tensor-parallel rank other than the first); it
+    sends its errors only."""
     mine = []
     for i, (item, result, error) in enumerate(zip(local, results, errors, strict=True)):
-        lp = logprobs_T[token_slice(local, i)].detach().float().cpu() if item.data else torch.zeros(0)
-        if result is None or error is not None:
+        lp = logprobs_T[token_slice(local, i)].detach().float().cpu() if item.data and counted else torch.zeros(0)
+        if result is None or error is not None or not counted:
             mine.append((lp, torch.zeros(0), 0.0, error))
         else:
             mine.append((lp, result.elementwise.float().cpu(), float(result.loss.detach()), None))

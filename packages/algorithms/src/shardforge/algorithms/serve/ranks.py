@@ -1,5 +1,6 @@
 """Every rank's part of `shardforge serve --nproc-per-node N` (N > 1): the base model sharded with the engine's
-FSDP/HSDP (`shardforge.engine.build.build_model`, the trainers' composition order), each LoRA training model's
+FSDP/HSDP and tensor parallelism (`shardforge.engine.build.build_model`, the trainers' composition order; TP:
+`serve.tp_lora`), each LoRA training model's
 adapters and AdamW replicated on every rank, and the jobs rank 0 sends (`RankJob`) run by all ranks together.
 
 How a job runs: rank 0 broadcasts a `RankJob` (its op and plain arguments: model ids, the request's datums)
@@ -38,6 +39,7 @@ from shardforge.algorithms.serve.rank_batch import (
     gather_outcomes,
     split_rows,
 )
+from shardforge.algorithms.serve.tp_lora import TPLoRATree, adapter_grad_group, check_tp_base
 from shardforge.algorithms.serve.training import target_logprobs
 from shardforge.core.log import get_logger
 from shardforge.lora import LoRAConfig
@@ -53,14 +55,15 @@ not leave the others waiting: the launcher's torchrun agent stops every rank whe
 
 
 def check_serve_layout(layout: str, world_size: int) -> ParallelDims:
-    """The resolved layout of ``--layout`` on ``world_size`` ranks; ValueError unless it only shards (d) and
-    replicates (r) the base."""
+    """The resolved layout of ``--layout`` on ``world_size`` ranks; ValueError unless it only shards (d),
+    replicates (r) and tensor-parallelises (t) the base."""
     dims = ParallelDims.parse(layout).resolve(world_size)
-    others = {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "ep": dims.ep}
+    others = {"cp": dims.cp, "pp": dims.pp, "ep": dims.ep}
     if any(size > 1 for size in others.values()):
         raise ValueError(
             f"--layout {layout!r} has {', '.join(f'{k}={v}' for k, v in others.items() if v > 1)}; shardforge serve "
-            f"shards the base with FSDP (d) and HSDP (r, d) only, e.g. d{world_size} or r2d{max(world_size // 2, 1)}"
+            f"shards the base with FSDP (d), HSDP (r, d) and tensor parallelism (t) only, e.g. d{world_size}, "
+            f"r2d{max(world_size // 2, 1)}, t2 or d{max(world_size // 2, 1)}t2"
         )
     return dims
 
@@ -79,7 +82,7 @@ class RankRuntime(FullModelRanks):
 
     Args:
         model_dir: the HF base model directory.
-        layout: ``--layout`` (FSDP/HSDP letters only, `check_serve_layout`).
+        layout: ``--layout`` (d, r and t letters only, `check_serve_layout`).
         models: rank 0 passes its registry's training models (the adapters it trains are its own); the other
             ranks start empty and create theirs when rank 0 says.
         timeout_s: collective timeout inside a job.
@@ -99,6 +102,8 @@ class RankRuntime(FullModelRanks):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dims = check_serve_layout(layout, self.world)
         config = EngineConfig(dist_timeout_s=timeout_s)
+        if self.dims.tp > 1:
+            check_tp_base(load_hf_config(model_dir), self.dims.tp, sequence_parallel=config.sequence_parallel)
         mesh = build_mesh(self.dims)
         self.ctx = ParallelContext(dims=self.dims, mesh=mesh, device=current_device(), config=config)
         head = make_head("lm")
@@ -108,7 +113,9 @@ class RankRuntime(FullModelRanks):
         self.base.eval()
         for param in self.base.parameters():
             param.requires_grad_(False)
-        self._batch = RankBatchTree(self.base)
+        self._batch: RankBatchTree | TPLoRATree = (
+            RankBatchTree(self.base) if self.dims.tp == 1 else TPLoRATree(self.base, tp=self.dims.tp)
+        )
         with torch.device("meta"):  # the followers' adapters are made on a weightless copy of the module tree
             from transformers import AutoModelForCausalLM
 
@@ -187,18 +194,26 @@ class RankRuntime(FullModelRanks):
         local, datums = split_rows(items, self.ctx.dims.dp, self.ctx.dp_rank)
         plan = [_Rows(i.start, i.start + i.rows, dict(_lora_children(i.model.module))) for i in local]
         with torch.set_grad_enabled(train):
-            self._batch.plan = plan
-            try:
-                logprobs_T = target_logprobs(self.base, datums)
-            finally:
-                self._batch.plan = None
+            logprobs_T = self._logprobs(datums, plan)
             results, errors = agreed_losses(local, logprobs_T, self.control)
             if train and any(error is None for error in errors):
                 backward(local, results, errors, logprobs_T)
-        return gather_outcomes(local, logprobs_T, results, errors, self.control)
+        # the TP ranks of a data-parallel rank hold the same rows: only the first's count
+        counted = self.ctx.local_rank("tp") == 0
+        return gather_outcomes(local, logprobs_T, results, errors, self.control, counted=counted)
+
+    def _logprobs(self, datums: list[Any], plan: list[_Rows]) -> torch.Tensor:
+        if isinstance(self._batch, TPLoRATree):
+            return self._batch.logprobs(datums, plan)
+        self._batch.plan = plan
+        try:
+            return target_logprobs(self.base, datums)
+        finally:
+            self._batch.plan = None
 
     def op_optim_step(self, model_id: str, adam: dict[str, Any]) -> dict[str, Any]:
-        """Sum the ranks' gradients (one all-reduce), then the 1-rank AdamW step on every rank."""
+        """Sum the ranks' gradients (one all-reduce; over the TP ranks too, `serve.tp_lora`), then the 1-rank AdamW
+        step on every rank."""
         from shardforge.algorithms.serve.training import optim_step
 
         model = self.models[model_id]
@@ -206,7 +221,7 @@ class RankRuntime(FullModelRanks):
         has_grad = torch.tensor([float(any(p.grad is not None for p in params))], device=self.ctx.device)
         grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device) for p in params]
         flat = torch.cat([*grads, has_grad])
-        dist.all_reduce(flat, group=self.ctx.dp_group)
+        dist.all_reduce(flat, group=adapter_grad_group(self.dims.tp, self.ctx.dp_group))
         if flat[-1] > 0:  # some rank has gradients: every rank now holds their sum
             for param, grad in zip(params, flat[:-1].split([p.numel() for p in params]), strict=True):
                 param.grad = grad.view_as(param).clone()
