@@ -1,7 +1,7 @@
 """The ``save_state`` DCP format (`serve.dcp_state`, `serve.checkpoints`) on one process, without the HTTP service:
 a round trip restores weights, AdamW state and steps; a save that fails half-way leaves the previous checkpoint
 whole and no staging folder in the listing; damaged files and another model's checkpoint are user errors that
-name the problem; a weights-only load keeps the optimizer."""
+name the problem; a weights-only load resets the optimizer."""
 
 from __future__ import annotations
 
@@ -103,15 +103,19 @@ def test_damaged_or_foreign_checkpoints_are_user_errors(registry, tmp_path: Path
         checkpoints.load_state(tmp_path, model, {"path": "tinker://d/weights/ckpt"})
 
 
-def test_a_weights_only_load_keeps_the_optimizer(registry, tmp_path: Path) -> None:
+def test_a_weights_only_load_resets_the_optimizer(registry, tmp_path: Path) -> None:
+    """``load_state`` without the optimizer: the checkpoint's weights, and the optimizer afresh (the SDK's docs:
+    "weights only, optimizer resets"), not the live model's moments nor the checkpoint's."""
     saved = _trained(registry, "f", LORA, seed=6)
     path = checkpoints.save_state(tmp_path, saved, {"path": "ckpt"})["path"]
     live = _trained(registry, "g", LORA, seed=7)
-    moments = [m.clone() for m in _moments(live)]
+    assert _moments(live) and live.optimizer.state
     live.steps = 5
     checkpoints.load_state(tmp_path, live, {"path": path})
     for name, value in _weights(saved).items():
         assert torch.equal(_weights(live)[name], value), name
-    for got, want in zip(_moments(live), moments, strict=True):
+    assert not live.optimizer.state and live.steps == 0
+    checkpoints.load_state(tmp_path, live, {"path": path, "optimizer": True})  # with it: the checkpoint's
+    for got, want in zip(_moments(live), _moments(saved), strict=True):
         assert torch.equal(got, want)
-    assert live.steps == 5
+    assert live.steps == saved.steps

@@ -144,7 +144,7 @@ def test_full_checkpoints_move_between_rank_counts(services) -> None:
         assert resumed.get_info().is_lora is False
         got = _steps(resumed, [datums, datums[:1]], CLIPPED)
         assert _flat(got) == pytest.approx(_flat(expected), rel=REL), (saver, loader)
-        # weights only, into the live model: the weights go back, the AdamW moments stay (as on one rank)
+        # weights only, into the live model: the weights go back, the optimizer starts afresh (the SDK's docs)
         with pytest.warns(FutureWarning, match="deprecated"):  # deprecated in the SDK, still served
             resumed.load_state(path).result(timeout=WAIT)
         forward = resumed.forward(datums, "cross_entropy").result(timeout=WAIT).metrics["loss:sum"]

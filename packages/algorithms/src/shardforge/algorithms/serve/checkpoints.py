@@ -185,13 +185,17 @@ def check_loadable(root: Path, model: TrainingModel, request: dict[str, Any], *,
 
 def read_into(folder: Path, model: TrainingModel, *, optimizer: bool, collective: bool = False) -> None:
     """Load the checkpoint ``folder`` (checked by `check_loadable`) into ``model``: its weights, and with
-    ``optimizer`` its AdamW state and step count (``collective``: every rank, a sharded model)."""
+    ``optimizer`` its AdamW state and step count; without, the optimizer starts afresh (no moments, step 0), as the
+    SDK documents for ``load_state`` (``collective``: every rank, a sharded model)."""
     if is_legacy(folder):
         _read_legacy(folder, model, optimizer=optimizer)
     else:
         load_dcp(folder, ModelState(model.module, model.optimizer if optimizer else None), collective=collective)
         if optimizer:
             model.steps = int(read_meta(folder)["steps"])
+    if not optimizer:
+        model.optimizer.state.clear()
+        model.steps = 0
     model.optimizer.zero_grad(set_to_none=True)
 
 
