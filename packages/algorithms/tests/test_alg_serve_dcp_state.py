@@ -1,6 +1,6 @@
 """The ``save_state`` DCP format (`serve.dcp_state`, `serve.checkpoints`) on one process, without the HTTP service:
 a round trip restores weights, AdamW state and steps; a save that fails half-way leaves the previous checkpoint
-whole and no staging folder in the listing; damaged files and another model's checkpoint are user errors that
+whole and no staging folder in the listing; a crash while overwriting loses neither checkpoint; damaged files and another model's checkpoint are user errors that
 name the problem; a weights-only load resets the optimizer."""
 
 from __future__ import annotations
@@ -87,6 +87,73 @@ def test_a_failed_save_leaves_the_previous_checkpoint(registry, tmp_path: Path, 
         assert torch.equal(_weights(model)[name], value), name
     with pytest.raises(UserError, match="exists; pass another name or overwrite=True"):
         checkpoints.save_state(tmp_path, model, {"path": "ckpt"})
+
+
+@pytest.mark.parametrize("killed", ["between_renames", "before_old_deleted"])
+def test_a_crash_while_overwriting_loses_neither_checkpoint(registry, tmp_path: Path, killed) -> None:
+    """An overwrite renames the old checkpoint aside before the new one goes in (`serve.replace`). The folders a
+    process killed in between leaves (made here with the same renames) are put right when the service starts: the
+    new, complete checkpoint in place and the old one removed."""
+    from shardforge.algorithms.serve.service import _recover_interrupted_saves
+
+    model = _trained(registry, f"h-{killed}", LORA, seed=8)
+    checkpoints.save_state(tmp_path, model, {"path": "ckpt"})
+    with torch.no_grad():
+        for param in model.trainable:
+            param.add_(1.0)
+    after = _weights(model)
+    checkpoints.save_state(tmp_path, model, {"path": "new"})
+    weights = tmp_path / "alice" / model.model_id / "weights"
+    (weights / "ckpt").rename(weights / ".old-ckpt-0123abcd")  # the first rename of the overwrite
+    if killed == "between_renames":
+        (weights / "new").rename(weights / ".tmp-ckpt-89abcdef")  # the new one, still in its staging folder
+    else:
+        (weights / "new").rename(weights / "ckpt")  # the second rename done; the old one not deleted yet
+    _recover_interrupted_saves(tmp_path)  # what a restarted service does first
+    assert [p.name for p in weights.iterdir()] == ["ckpt"]
+    fresh = registry.create_model("alice", f"fresh-{killed}", LORA, seed=9)
+    checkpoints.load_state(tmp_path, fresh, {"path": f"tinker://{model.model_id}/weights/ckpt"})  # the new one
+    for name, value in after.items():
+        assert torch.equal(_weights(fresh)[name], value), name
+
+
+def test_an_error_in_the_overwrites_last_rename_keeps_the_old_checkpoint(registry, tmp_path: Path, monkeypatch) -> None:
+    from shardforge.algorithms.serve import replace
+
+    model = _trained(registry, "i", LORA, seed=10)
+    checkpoints.save_state(tmp_path, model, {"path": "ckpt"})
+    before = _weights(model)
+    with torch.no_grad():
+        for param in model.trainable:
+            param.add_(1.0)
+    real_replace, calls = replace.os.replace, []
+
+    def failing_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the new checkpoint's rename into place
+            raise OSError("device busy")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(replace.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="device busy"):
+        checkpoints.save_state(tmp_path, model, {"path": "ckpt", "overwrite": True})
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "alice" / "i" / "weights").iterdir()] == ["ckpt"]
+    checkpoints.load_state(tmp_path, model, {"path": "tinker://i/weights/ckpt"})  # the old one, whole
+    for name, value in before.items():
+        assert torch.equal(_weights(model)[name], value), name
+
+
+def test_recovery_puts_the_old_folder_back_when_the_new_one_is_incomplete(tmp_path: Path) -> None:
+    from shardforge.algorithms.serve.replace import recover_replacements
+
+    (tmp_path / ".old-ckpt-0123abcd").mkdir()
+    (tmp_path / ".old-ckpt-0123abcd" / "old").write_text("old")
+    (tmp_path / ".tmp-ckpt-89abcdef").mkdir()  # a staging folder without its commit marker
+    (tmp_path / ".tmp-other-89abcdef").mkdir()  # another checkpoint's save in progress: untouched
+    assert recover_replacements([tmp_path], lambda staged: (staged / "COMMITTED").is_file()) == [tmp_path / "ckpt"]
+    assert (tmp_path / "ckpt" / "old").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-ckpt-89abcdef", ".tmp-other-89abcdef", "ckpt"]
 
 
 def test_damaged_or_foreign_checkpoints_are_user_errors(registry, tmp_path: Path) -> None:

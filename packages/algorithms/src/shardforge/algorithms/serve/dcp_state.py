@@ -12,7 +12,8 @@ ranks loads on M: DCP reshards a full fine-tuning model's FSDP shards on load. A
 replicated, so rank 0 writes them alone; a full fine-tuning model's shards are written by every rank together.
 
 A save is atomic: DCP writes into a hidden staging folder next to the target, rank 0 adds the marker and
-``serve.json``, fsyncs, and renames it into place, so a crash leaves the previous checkpoint or the new one.
+``serve.json``, fsyncs, and renames it into place (`serve.replace`: an overwritten checkpoint is renamed aside
+first), so a crash leaves the previous checkpoint or the new one.
 
 Unlike `checkpoint_dcp.TrainState`, nothing here saves or restores RNG state: the service's generators are shared
 by every tenant, and loading one tenant's checkpoint must not reset them for the others.
@@ -37,6 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from shardforge.algorithms.serve.replace import replace_folder
 from shardforge.checkpoint_dcp import COMMIT_MARKER, check_compatible, verify_files
 
 __all__ = ["META_FILE", "ModelState", "check_dcp", "is_dcp_checkpoint", "load_dcp", "read_meta", "save_dcp"]
@@ -114,10 +116,7 @@ def save_dcp(target: Path, state: ModelState, meta: dict[str, Any], *, collectiv
                 handle.flush()
                 os.fsync(handle.fileno())
             _fsync_dir(staging)
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(staging, target)
-            _fsync_dir(target.parent)
+            replace_folder(staging, target)  # a crash from here on loses neither checkpoint (`serve.replace`)
     finally:
         if main and staging.exists():
             shutil.rmtree(staging)

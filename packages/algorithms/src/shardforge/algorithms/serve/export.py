@@ -31,6 +31,7 @@ import torch
 from shardforge.algorithms.serve.checkpoints import check_name
 from shardforge.algorithms.serve.futures import UserError
 from shardforge.algorithms.serve.models import TrainingModel
+from shardforge.algorithms.serve.replace import replace_folder
 
 __all__ = ["DownloadSigner", "delete_export", "export_dir", "list_exports", "save_external"]
 
@@ -66,9 +67,7 @@ def save_external(
             template, weights = full_weights if full_weights is not None else (model.module, None)
             template.save_pretrained(staging, state_dict=weights)  # type: ignore[operator]
             tokenizer.save_pretrained(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
+        replace_folder(staging, target)
     finally:
         if staging.exists():
             shutil.rmtree(staging)
