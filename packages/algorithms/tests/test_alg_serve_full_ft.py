@@ -20,6 +20,7 @@ from shardforge.algorithms.serve.config import ServeConfig  # noqa: E402
 from shardforge.algorithms.serve.server import ServiceServer  # noqa: E402
 from shardforge.algorithms.serve.service import TinkerService  # noqa: E402
 from shardforge.algorithms.serve.tenants import TenantKeys  # noqa: E402
+from shardforge.algorithms.testing.serve_datums import sft_datums  # noqa: E402
 
 ALICE = "tml-alice-0123456789"
 TEXTS = ["12+34=46", "7*8=56", "99-9=90"]
@@ -40,18 +41,8 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
-def _datums(tokenizer) -> list[types.Datum]:
-    out = []
-    for text in TEXTS:
-        ids = tokenizer(text)["input_ids"]
-        weights = [0.0] * 2 + [1.0] * (len(ids) - 3)
-        out.append(
-            types.Datum(
-                model_input=types.ModelInput.from_ints(ids[:-1]),
-                loss_fn_inputs={"target_tokens": ids[1:], "weights": weights},
-            )
-        )
-    return out
+def _datums(tokenizer, texts: list[str] = TEXTS) -> list[types.Datum]:
+    return sft_datums(tokenizer, texts)
 
 
 def _reference(model_dir: str, datums: list[types.Datum], steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -29,6 +29,7 @@ from shardforge.algorithms.serve.config import ServeConfig  # noqa: E402
 from shardforge.algorithms.serve.server import ServiceServer  # noqa: E402
 from shardforge.algorithms.serve.service import TinkerService  # noqa: E402
 from shardforge.algorithms.serve.tenants import TenantKeys  # noqa: E402
+from shardforge.algorithms.testing.serve_datums import sft_datums  # noqa: E402
 from shardforge.algorithms.testing.serve_process import ServeProcess  # noqa: E402
 from shardforge.algorithms.testing.serve_state import assert_states_close, read_saved_state  # noqa: E402
 
@@ -67,17 +68,7 @@ def services(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _datums(tokenizer, texts: list[str] = TEXTS) -> list[types.Datum]:
-    out = []
-    for text in texts:
-        ids = tokenizer(text)["input_ids"]
-        weights = [0.0] * 2 + [1.0] * (len(ids) - 3)
-        out.append(
-            types.Datum(
-                model_input=types.ModelInput.from_ints(ids[:-1]),
-                loss_fn_inputs={"target_tokens": ids[1:], "weights": weights},
-            )
-        )
-    return out
+    return sft_datums(tokenizer, texts)
 
 
 def _steps(trainer, batches: list[list[types.Datum]], loss: str = "cross_entropy") -> list[float]:
