@@ -156,6 +156,27 @@ def test_recovery_puts_the_old_folder_back_when_the_new_one_is_incomplete(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-ckpt-89abcdef", ".tmp-other-89abcdef", "ckpt"]
 
 
+def test_a_failed_write_is_an_oserror_and_leaves_nothing(registry, tmp_path: Path) -> None:
+    """A failure inside DCP's write (here from the ``checkpoint_write`` hook point, as a full disk) comes out as an
+    OSError naming it (DCP's CheckpointException is a BaseException, which would escape the service's job handler),
+    and no folder is left."""
+    from shardforge.core import hooks
+
+    model = _trained(registry, "j", LORA, seed=11)
+
+    def full_disk(rank: int, path: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    hooks.register("checkpoint_write", full_disk)
+    try:
+        with pytest.raises(OSError, match=r"checkpoint write failed \(rank 0: OSError: .*No space left on device"):
+            checkpoints.save_state(tmp_path, model, {"path": "ckpt"})
+    finally:
+        hooks.clear("checkpoint_write")
+    assert list((tmp_path / "alice" / "j" / "weights").iterdir()) == []
+    checkpoints.save_state(tmp_path, model, {"path": "ckpt"})  # the next save works
+
+
 def test_damaged_or_foreign_checkpoints_are_user_errors(registry, tmp_path: Path) -> None:
     model = _trained(registry, "d", LORA, seed=4)
     checkpoints.save_state(tmp_path, model, {"path": "ckpt"})

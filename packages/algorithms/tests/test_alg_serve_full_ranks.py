@@ -31,6 +31,7 @@ from shardforge.algorithms.serve.config import ServeConfig  # noqa: E402
 from shardforge.algorithms.serve.server import ServiceServer  # noqa: E402
 from shardforge.algorithms.serve.service import TinkerService  # noqa: E402
 from shardforge.algorithms.serve.tenants import TenantKeys  # noqa: E402
+from shardforge.algorithms.testing.fault_injection import FAULT_FAIL_SAVE_ENV, fault_env  # noqa: E402
 from shardforge.algorithms.testing.serve_datums import sft_datums  # noqa: E402
 from shardforge.algorithms.testing.serve_process import ServeProcess  # noqa: E402
 from shardforge.algorithms.testing.serve_state import assert_states_close, read_saved_state  # noqa: E402
@@ -55,10 +56,14 @@ def services(tmp_path_factory: pytest.TempPathFactory):
     out = root / "out"
     config = ServeConfig(model_dir=tiny["model"], base_model="tiny", output_dir=str(out), max_tokens=32)
     one = ServiceServer(TinkerService(config, TenantKeys(KEYS)), port=0).start()
-    two = ServeProcess(tiny["model"], KEYS, out, nproc=2, log=root / "two.log")
+    # a full disk on rank 1 in one save, armed by deleting the marker (test_a_failed_sharded_save_...)
+    marker = root / "fail_save.marker"
+    marker.write_text("disarmed")
+    faults = fault_env(**{FAULT_FAIL_SAVE_ENV: f"1:{marker}"})
+    two = ServeProcess(tiny["model"], KEYS, out, nproc=2, log=root / "two.log", env=faults)
     clients = {name: tinker.ServiceClient(base_url=url, api_key=ALICE) for name, url in (("one", one.url),
                ("two", two.url))}  # fmt: skip
-    yield {"one": one, "two": two, "clients": clients, "out": out, "tokenizer": tiny["tokenizer"]}
+    yield {"one": one, "two": two, "clients": clients, "out": out, "tokenizer": tiny["tokenizer"], "marker": marker}
     for client in clients.values():
         with contextlib.suppress(Exception):
             client.close("success").result(timeout=10)
@@ -239,3 +244,24 @@ def test_a_damaged_sharded_checkpoint_is_a_user_error_and_the_ranks_keep_serving
         services["clients"]["two"].create_training_client_from_state_with_optimizer(path).result(timeout=WAIT)
     assert failed.value.category is types.RequestErrorCategory.User
     assert len(_steps(trainer, [datums])) == 1 and services["two"].proc.poll() is None
+
+
+def test_a_failed_sharded_save_fails_that_request_and_the_ranks_keep_serving(services) -> None:
+    """Rank 1's write of a full fine-tuning checkpoint fails (an injected full disk, `checkpoint_write`): DCP raises
+    it on both ranks, they agree on it, and that request fails; nothing is half-saved, the earlier checkpoint still
+    loads, and the service trains and saves on. Before, any failure inside the ranks' job ended the service."""
+    datums = _datums(services["tokenizer"])
+    trainer = create_full_training_client(services["clients"]["two"], "tiny")
+    _steps(trainer, [datums])
+    kept = trainer.save_state("kept").result(timeout=WAIT).path
+    services["marker"].unlink()  # arm: rank 1's next checkpoint write fails once
+    with pytest.raises(tinker.RequestFailedError, match="No space left on device"):
+        trainer.save_state("lost").result(timeout=WAIT)
+    assert services["marker"].exists()  # the fault fired (and is disarmed again)
+    weights = services["out"] / "alice" / trainer.model_id / "weights"
+    assert sorted(p.name for p in weights.iterdir()) == ["kept"]  # no half-written or staging folder
+    assert services["two"].proc.poll() is None
+    assert len(_steps(trainer, [datums])) == 1
+    assert trainer.save_state("after").result(timeout=WAIT).path.endswith("/weights/after")
+    resumed = services["clients"]["two"].create_training_client_from_state_with_optimizer(kept).result(timeout=WAIT)
+    assert resumed.forward(datums, "cross_entropy").result(timeout=WAIT).metrics["loss:sum"] > 0

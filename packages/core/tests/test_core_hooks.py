@@ -65,7 +65,7 @@ def test_an_unknown_point_is_refused_with_the_valid_ones() -> None:
         hooks.register("step_ned", lambda **kw: None)
     with pytest.raises(ValueError, match=r"unknown hook point 'step_ned'"):
         hooks.fire("step_ned", step=1)  # a misspelt fire would otherwise never run anything
-    assert set(hooks.POINTS) == {"step_start", "step_end", "rollout_generate"}
+    assert set(hooks.POINTS) == {"step_start", "step_end", "rollout_generate", "checkpoint_write"}
 
 
 def _run(code: str, env_hooks: str | None, path: Path, **extra_env: str) -> subprocess.CompletedProcess[str]:

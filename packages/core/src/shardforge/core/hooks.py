@@ -17,7 +17,10 @@ Points fired today (keyword arguments in brackets):
 
 - ``step_start`` (step): a trainer is about to run step ``step`` (1-based);
 - ``step_end`` (step): step ``step`` is done and its checkpoint, if one was due, is committed;
-- ``rollout_generate`` (index, call): rollout actor ``index`` is in its ``call``-th generate call (1-based).
+- ``rollout_generate`` (index, call): rollout actor ``index`` is in its ``call``-th generate call (1-based);
+- ``checkpoint_write`` (rank, path): a rank is about to write its files of the checkpoint being staged in ``path``
+  (inside the checkpoint's collective write: an exception raised here fails the save on every rank, as a full disk
+  would; `shardforge serve`'s ``save_state``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 __all__ = ["HOOKS_ENV", "POINTS", "clear", "fire", "register"]
 
 HOOKS_ENV = "SHARDFORGE_HOOKS"
-POINTS = ("step_start", "step_end", "rollout_generate")
+POINTS = ("step_start", "step_end", "rollout_generate", "checkpoint_write")
 
 _hooks: dict[str, list[Callable[..., Any]]] = {}
 _loaded: set[str] = set()

@@ -35,11 +35,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from shardforge.algorithms.serve.replace import replace_folder
 from shardforge.checkpoint_dcp import COMMIT_MARKER, check_compatible, verify_files
+from shardforge.core import hooks
 
 __all__ = ["META_FILE", "ModelState", "check_dcp", "is_dcp_checkpoint", "load_dcp", "read_meta", "save_dcp"]
 
@@ -95,18 +97,26 @@ def save_dcp(target: Path, state: ModelState, meta: dict[str, Any], *, collectiv
     of the default process group calls this together (sharded state); else this process writes alone."""
     main = not collective or dist.get_rank() == 0
     name = f".tmp-{target.name}-{uuid.uuid4().hex[:8]}" if main else ""
+    staging = target.parent / name
+    if main:
+        try:
+            staging.mkdir(parents=True)
+        except OSError as exc:  # told to every rank below, so none waits in a collective rank 0 never joins
+            name = f"error: cannot create {staging}: {exc}"
     if collective:  # every rank writes into rank 0's staging folder
         box = [name]
         dist.broadcast_object_list(box, src=0)
         name = box[0]
+    if name.startswith("error: "):
+        raise OSError(name.removeprefix("error: "))
     staging = target.parent / name
-    if main:
-        staging.mkdir(parents=True)
-    if collective:
-        dist.barrier()
     try:
         with _quiet(collective):
-            dcp.save({"train": state}, storage_writer=dcp.FileSystemWriter(str(staging)), no_dist=not collective)
+            try:
+                dcp.save({"train": state}, storage_writer=_Writer(str(staging)), no_dist=not collective)
+            except CheckpointException as exc:  # a BaseException: as an OSError, the request's error (any rank's)
+                failed = "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in exc.failures.items())
+                raise OSError(f"the checkpoint write failed ({failed})") from None
         if collective:
             dist.barrier()  # every rank's files are on disk
         if main:
@@ -120,6 +130,15 @@ def save_dcp(target: Path, state: ModelState, meta: dict[str, Any], *, collectiv
     finally:
         if main and staging.exists():
             shutil.rmtree(staging)
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, firing the ``checkpoint_write`` hook point first (`shardforge.core.hooks`): a failure
+    there is one of the write step, which DCP gathers and raises on every rank, as it does a full disk."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        hooks.fire("checkpoint_write", rank=dist.get_rank() if dist.is_initialized() else 0, path=str(self.path))
+        return super().write_data(plan, planner)
 
 
 def check_dcp(folder: Path, state: ModelState) -> None:

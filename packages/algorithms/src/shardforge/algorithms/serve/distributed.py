@@ -193,7 +193,9 @@ class ShardedOps:
 
         if model.lora is None:  # sharded: every rank writes its shards into one DCP checkpoint
             name, target = save_target(root, model, request)  # an existing name fails here, on rank 0 alone
-            self._run("full_save", model.model_id, str(target))
+            error = self._run("full_save", model.model_id, str(target))
+            if error is not None:  # nothing was committed; the previous checkpoint of that name, if any, is whole
+                raise RuntimeError(f"save_state {name!r} failed on the ranks, nothing was saved: {error}")
             return {"type": "save_weights", "path": f"tinker://{model.model_id}/weights/{name}"}
         # Adapters and AdamW state are replicated: rank 0 writes them, once the ranks agree they are identical
         # (a checkpoint therefore loads on any number of ranks).

@@ -95,11 +95,20 @@ class FullModelRanks:
         trained = {name for name, p in module.named_parameters() if p.requires_grad}
         return {name: value for name, value in state.items() if name in trained and isinstance(value, torch.Tensor)}
 
-    def op_full_save(self, model_id: str, target: str) -> None:
-        """Every rank writes its shards of ``model_id`` into the checkpoint ``target`` (rank 0 commits it)."""
+    def op_full_save(self, model_id: str, target: str) -> str | None:
+        """Every rank writes its shards of ``model_id`` into the checkpoint ``target`` (rank 0 commits it). A failed
+        save (a full disk: DCP raises it on every rank) is this request's error, not the service's end: the ranks
+        agree on it over the control group and rank 0 gets it (None: saved)."""
         from shardforge.algorithms.serve.checkpoints import write_state
 
-        write_state(Path(target), self.models[model_id], collective=True)
+        error = None
+        try:
+            write_state(Path(target), self.models[model_id], collective=True)
+        except Exception as exc:  # every rank is here, with its own error or None: the collectives stay in step
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error, group=self.control)
+        return next((e for e in errors if e is not None), None)
 
     def op_full_load(self, model_id: str, folder: str, optimizer: bool) -> None:
         """Every rank reads its shards of ``model_id`` from the checkpoint ``folder`` (saved on any rank count)."""

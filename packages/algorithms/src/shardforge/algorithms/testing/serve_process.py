@@ -25,6 +25,7 @@ class ServeProcess:
         log: where the service's stdout and stderr go (None: discarded).
         timeout_s: how long to wait for it to answer.
         launcher: the command before ``serve ...`` (None: ``python -m shardforge.algorithms.cli``).
+        env: variables added to the service's environment (e.g. `testing.fault_injection.fault_env`).
     """
 
     def __init__(
@@ -38,6 +39,7 @@ class ServeProcess:
         log: Path | None = None,
         timeout_s: float = 180.0,
         launcher: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         import httpx
 
@@ -50,7 +52,9 @@ class ServeProcess:
                    *extra]  # fmt: skip
         for key, tenant in keys.items():
             command += ["--api-key", f"{tenant}={key}"]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TINKER_TELEMETRY="0")
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TINKER_TELEMETRY="0") | dict(
+            env or {}
+        )
         self.log = log
         sink = subprocess.DEVNULL if log is None else open(log, "wb")  # closed in stop
         self.proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
