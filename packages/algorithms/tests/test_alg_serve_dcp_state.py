@@ -91,7 +91,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(registry, tmp_path: Path, 
 
 @pytest.mark.parametrize("killed", ["between_renames", "before_old_deleted"])
 def test_a_crash_while_overwriting_loses_neither_checkpoint(registry, tmp_path: Path, killed) -> None:
-    """An overwrite renames the old checkpoint aside before the new one goes in (`serve.replace`). The folders a
+    """An overwrite renames the old checkpoint aside before the new one goes in (`checkpoint_dcp.replace`). The folders a
     process killed in between leaves (made here with the same renames) are put right when the service starts: the
     new, complete checkpoint in place and the old one removed."""
     from shardforge.algorithms.serve.service import _recover_interrupted_saves
@@ -118,7 +118,7 @@ def test_a_crash_while_overwriting_loses_neither_checkpoint(registry, tmp_path: 
 
 
 def test_an_error_in_the_overwrites_last_rename_keeps_the_old_checkpoint(registry, tmp_path: Path, monkeypatch) -> None:
-    from shardforge.algorithms.serve import replace
+    from shardforge.checkpoint_dcp import replace
 
     model = _trained(registry, "i", LORA, seed=10)
     checkpoints.save_state(tmp_path, model, {"path": "ckpt"})
@@ -142,18 +142,6 @@ def test_an_error_in_the_overwrites_last_rename_keeps_the_old_checkpoint(registr
     checkpoints.load_state(tmp_path, model, {"path": "tinker://i/weights/ckpt"})  # the old one, whole
     for name, value in before.items():
         assert torch.equal(_weights(model)[name], value), name
-
-
-def test_recovery_puts_the_old_folder_back_when_the_new_one_is_incomplete(tmp_path: Path) -> None:
-    from shardforge.algorithms.serve.replace import recover_replacements
-
-    (tmp_path / ".old-ckpt-0123abcd").mkdir()
-    (tmp_path / ".old-ckpt-0123abcd" / "old").write_text("old")
-    (tmp_path / ".tmp-ckpt-89abcdef").mkdir()  # a staging folder without its commit marker
-    (tmp_path / ".tmp-other-89abcdef").mkdir()  # another checkpoint's save in progress: untouched
-    assert recover_replacements([tmp_path], lambda staged: (staged / "COMMITTED").is_file()) == [tmp_path / "ckpt"]
-    assert (tmp_path / "ckpt" / "old").read_text() == "old"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-ckpt-89abcdef", ".tmp-other-89abcdef", "ckpt"]
 
 
 def test_a_failed_write_is_an_oserror_and_leaves_nothing(registry, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ def test_public_surface() -> None:
         "Checkpointer",
         "CorruptCheckpointError",
         "TrainState",
+        "TrainableState",
         "capture_rng_state",
         "check_compatible",
         "checkpoint_tensor_shapes",

@@ -4,7 +4,7 @@ torch.distributed.checkpoint, and streaming HF safetensors import/export."""
 from shardforge.checkpoint_dcp.checkpointer import COMMIT_MARKER, AsyncMode, Checkpointer
 from shardforge.checkpoint_dcp.convert import convert_dcp_to_hf
 from shardforge.checkpoint_dcp.hf import export_hf, load_hf, write_hf_dir, write_safetensors_shards
-from shardforge.checkpoint_dcp.state import TrainState, capture_rng_state, restore_rng_state
+from shardforge.checkpoint_dcp.state import TrainableState, TrainState, capture_rng_state, restore_rng_state
 from shardforge.checkpoint_dcp.validate import (
     CorruptCheckpointError,
     check_compatible,
@@ -20,6 +20,7 @@ __all__ = [
     "Checkpointer",
     "CorruptCheckpointError",
     "TrainState",
+    "TrainableState",
     "capture_rng_state",
     "check_compatible",
     "checkpoint_tensor_shapes",

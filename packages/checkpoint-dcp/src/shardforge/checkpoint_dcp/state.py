@@ -154,3 +154,39 @@ class TrainState(Stateful):
                     "keeping this run's RNG seeding (model, optimizer, schedule and data position are restored)",
                     stacklevel=2,
                 )
+
+
+class TrainableState(Stateful):
+    """A model's trained parameters and its optimizer's state as one DCP `Stateful`, frozen parameters left out, no
+    RNG, schedulers or step (what a service that trains many models on one shared frozen base saves per model:
+    `shardforge serve`'s ``save_state``; its generators are shared, so restoring RNG would be wrong). Keys are fully
+    qualified parameter names, so a checkpoint saved sharded over N ranks loads on M.
+
+    Args:
+        model: the model (plain, or sharded with FSDP).
+        optimizer: its optimizer; None: the weights alone (a load that leaves the optimizer as it is).
+    """
+
+    trainable_only = True
+    """What `check_compatible` compares: the trained parameters only."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.model = model
+        self.optimizers = [] if optimizer is None else [optimizer]
+
+    def state_dict(self) -> dict[str, Any]:
+        options = StateDictOptions(ignore_frozen_params=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=options)
+        return {"model": model_sd, "optimizer": optim_sd} if self.optimizers else {"model": model_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # strict=False: the frozen weights are absent on purpose (DCP itself still requires every key of the
+        # template, so no trained weight can go missing silently)
+        options = StateDictOptions(ignore_frozen_params=True, strict=False)
+        set_state_dict(
+            self.model,
+            self.optimizers,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict.get("optimizer", {}),
+            options=options,
+        )

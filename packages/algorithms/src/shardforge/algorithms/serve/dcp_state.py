@@ -12,7 +12,7 @@ ranks loads on M: DCP reshards a full fine-tuning model's FSDP shards on load. A
 replicated, so rank 0 writes them alone; a full fine-tuning model's shards are written by every rank together.
 
 A save is atomic: DCP writes into a hidden staging folder next to the target, rank 0 adds the marker and
-``serve.json``, fsyncs, and renames it into place (`serve.replace`: an overwritten checkpoint is renamed aside
+``serve.json``, fsyncs, and renames it into place (`checkpoint_dcp.replace`: an overwritten checkpoint is renamed aside
 first), so a crash leaves the previous checkpoint or the new one.
 
 Unlike `checkpoint_dcp.TrainState`, nothing here saves or restores RNG state: the service's generators are shared
@@ -31,16 +31,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.checkpoint.stateful import Stateful
 
-from shardforge.algorithms.serve.replace import replace_folder
 from shardforge.checkpoint_dcp import COMMIT_MARKER, check_compatible, verify_files
+from shardforge.checkpoint_dcp import TrainableState as ModelState
+from shardforge.checkpoint_dcp.replace import replace_folder
 from shardforge.core import hooks
 
 __all__ = ["META_FILE", "ModelState", "check_dcp", "is_dcp_checkpoint", "load_dcp", "read_meta", "save_dcp"]
@@ -49,36 +46,6 @@ META_FILE = "serve.json"
 """The run's description next to the DCP files (read without loading a tensor)."""
 
 _FORMAT = "shardforge-serve-dcp/1"
-
-
-class ModelState(Stateful):
-    """A training model's trained parameters and AdamW state as one DCP `Stateful` (frozen base weights left out).
-
-    Args:
-        module: the model (plain, or sharded with FSDP).
-        optimizer: its AdamW; None: the weights alone (a load that keeps the optimizer as it is).
-    """
-
-    trainable_only = True
-    """What `checkpoint_dcp.check_compatible` compares: the trained parameters only."""
-
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self.model = module
-        self.optimizers = [] if optimizer is None else [optimizer]
-
-    def state_dict(self) -> dict[str, Any]:
-        options = StateDictOptions(ignore_frozen_params=True)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=options)
-        return {"model": model_sd, "optimizer": optim_sd} if self.optimizers else {"model": model_sd}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # strict=False: the frozen base weights are absent on purpose (DCP itself still requires every key of the
-        # template, so no trained weight can go missing silently)
-        options = StateDictOptions(ignore_frozen_params=True, strict=False)
-        set_state_dict(
-            self.model, self.optimizers, model_state_dict=state_dict["model"],
-            optim_state_dict=state_dict.get("optimizer", {}), options=options,
-        )  # fmt: skip
 
 
 def is_dcp_checkpoint(folder: Path) -> bool:
@@ -126,7 +93,7 @@ def save_dcp(target: Path, state: ModelState, meta: dict[str, Any], *, collectiv
                 handle.flush()
                 os.fsync(handle.fileno())
             _fsync_dir(staging)
-            replace_folder(staging, target)  # a crash from here on loses neither checkpoint (`serve.replace`)
+            replace_folder(staging, target)  # a crash from here on loses neither checkpoint (`checkpoint_dcp.replace`)
     finally:
         if main and staging.exists():
             shutil.rmtree(staging)

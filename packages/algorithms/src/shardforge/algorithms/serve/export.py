@@ -31,7 +31,7 @@ import torch
 from shardforge.algorithms.serve.checkpoints import check_name
 from shardforge.algorithms.serve.futures import UserError
 from shardforge.algorithms.serve.models import TrainingModel
-from shardforge.algorithms.serve.replace import replace_folder
+from shardforge.checkpoint_dcp.replace import replace_folder
 
 __all__ = ["DownloadSigner", "delete_export", "export_dir", "list_exports", "save_external"]
 

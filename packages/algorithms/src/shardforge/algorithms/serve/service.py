@@ -402,11 +402,11 @@ class TinkerService:
 
 
 def _recover_interrupted_saves(root: Path) -> None:
-    """Finish the checkpoint and export replacements a crash of the previous service cut short (`serve.replace`):
+    """Finish the checkpoint and export replacements a crash of the previous service cut short (`checkpoint_dcp.replace`):
     a complete new checkpoint goes in place, else the old one back; an export is rewritten on request, so its old
     folder goes back."""
-    from shardforge.algorithms.serve.replace import recover_replacements
     from shardforge.checkpoint_dcp import COMMIT_MARKER
+    from shardforge.checkpoint_dcp.replace import recover_replacements
 
     folders = sorted(root.glob("*/*/weights"))
     exports = sorted(root.glob("*/*/external_weights"))

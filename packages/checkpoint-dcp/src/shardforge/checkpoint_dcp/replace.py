@@ -1,5 +1,6 @@
 """Putting a finished folder (a checkpoint, an export) in place of an existing one without a moment where a crash
-loses both, and putting things right at the next start if a crash came in between.
+loses both, and putting things right at the next start if a crash came in between (`shardforge serve`'s
+checkpoints and exports use it).
 
 `replace_folder` renames the old folder aside (``.old-<name>-<hex>``), renames the new one into place, then deletes
 the old one (an error in the second rename puts the old one back). A crash (the process killed) between the two
