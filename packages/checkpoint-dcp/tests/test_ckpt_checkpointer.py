@@ -57,6 +57,27 @@ def test_save_writes_committed_step_dir_and_no_temp(tmp_path: Path) -> None:
     assert ckpt.last_save_blocking_s > 0.0
 
 
+def test_a_step_saved_again_survives_a_kill_between_the_renames(tmp_path: Path) -> None:
+    """Saving a step that exists renames the old directory aside first (`checkpoint_dcp.replace`). What a process
+    killed between the two renames leaves (made here with the same renames) is put right by the next Checkpointer:
+    the new, committed step in place, the old one removed."""
+    ckpt = Checkpointer(tmp_path / "ckpts", keep_last=None)
+    ckpt.save(1, _state(1.0))
+    ckpt.path(1).rename(ckpt.root / ".old-step_00000001-0123abcd")
+    ckpt.save(1, _state(2.0))
+    ckpt.path(1).rename(ckpt.root / ".tmp-step_00000001")  # the new one, committed, not yet renamed into place
+    assert ckpt.latest_step() is None
+    again = Checkpointer(tmp_path / "ckpts", keep_last=None)
+    assert _names(again.root) == ["step_00000001"]
+    got = _empty()
+    assert again.load(got) == 1
+    _assert_equal(got, _state(2.0))
+    again.save(1, _state(3.0))  # saved again: replaced in place, nothing left aside
+    assert _names(again.root) == ["step_00000001"]
+    again.load(got)
+    _assert_equal(got, _state(3.0))
+
+
 def test_committed_steps_and_latest(tmp_path: Path) -> None:
     ckpt = Checkpointer(tmp_path, keep_last=None)
     assert ckpt.committed_steps() == []

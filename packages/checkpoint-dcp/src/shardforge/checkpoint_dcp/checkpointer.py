@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
+from shardforge.checkpoint_dcp.replace import recover_replacements, replace_folder
 from shardforge.checkpoint_dcp.validate import CorruptCheckpointError, check_compatible, verify_files
 
 __all__ = ["COMMIT_MARKER", "AsyncMode", "Checkpointer"]
@@ -88,6 +89,9 @@ class Checkpointer:
             self._async_group = dist.new_group(backend="gloo")
         if self._is_main:
             self.root.mkdir(parents=True, exist_ok=True)
+            # a step replaced by a process killed between its two renames: finished before any rank reads or saves
+            for step_dir in recover_replacements([self.root], lambda staged: (staged / COMMIT_MARKER).is_file()):
+                logger.warning("finished the replacement of %s that a crash had interrupted", step_dir)
         self._barrier()
         self.last_save_blocking_s = 0.0
         """Seconds the last `save` call blocked the caller."""
@@ -198,10 +202,7 @@ class Checkpointer:
                 handle.flush()
                 os.fsync(handle.fileno())
             _fsync_dir(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
+            replace_folder(tmp, final)  # a step saved again: the old one goes aside first, never lost (`replace`)
             self._prune()
         self._barrier()
 

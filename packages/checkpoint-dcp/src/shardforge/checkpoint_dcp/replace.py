@@ -5,7 +5,7 @@ checkpoints and exports use it).
 `replace_folder` renames the old folder aside (``.old-<name>-<hex>``), renames the new one into place, then deletes
 the old one (an error in the second rename puts the old one back). A crash (the process killed) between the two
 renames leaves the old folder aside and the new one in its staging folder
-(``.tmp-<name>-<hex>``, complete); `recover_replacements`, run when the service starts (never while saves run: a
+(``.tmp-<name>-<hex>`` or ``.tmp-<name>``, complete); `recover_replacements`, run when the service starts (never while saves run: a
 save in progress has the same shape), puts the new one in place if it is complete (``is_complete``), else the old one
 back.
 """
@@ -50,15 +50,20 @@ def recover_replacements(folders: list[Path], is_complete: Callable[[Path], bool
             if target.exists():  # the replacement had finished: only the old folder's deletion was cut short
                 shutil.rmtree(old)
                 continue
-            staged = [
-                s for s in sorted(parent.glob(f"{_STAGING}{name}-*")) if len(s.name) == len(_STAGING) + len(name) + 9
-            ]
+            staged = [s for s in sorted(parent.glob(f"{_STAGING}{name}*")) if _stages(s.name, name)]
             done = [s for s in staged if is_complete(s)]
             os.replace(done[0] if done else old, target)
             if done:
                 shutil.rmtree(old)
             recovered.append(target)
     return recovered
+
+
+def _stages(folder: str, name: str) -> bool:
+    """Whether ``folder`` is a staging folder of ``name``: ``.tmp-<name>-<8 hex>``, or ``.tmp-<name>`` (one fixed
+    staging folder per target, as `Checkpointer` uses)."""
+    rest = folder[len(_STAGING) + len(name) :]
+    return folder.startswith(f"{_STAGING}{name}") and (rest == "" or (len(rest) == 9 and rest[0] == "-"))
 
 
 def _fsync_dir(path: Path) -> None:
