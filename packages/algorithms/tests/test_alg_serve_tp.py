@@ -23,6 +23,7 @@ tinker = pytest.importorskip(
 )
 
 import httpx  # noqa: E402
+import torch  # noqa: E402
 from tinker import types  # noqa: E402
 
 from shardforge.algorithms.serve.config import ServeConfig  # noqa: E402
@@ -137,6 +138,27 @@ def _batched_requests(metrics: str) -> float:
             bound = line.split('le="', 1)[1].split('"', 1)[0]
             counts[bound] = float(line.rsplit(" ", 1)[1])
     return counts["+Inf"] - counts["1.0"]
+
+
+def test_forward_backward_custom_matches_one_rank(services) -> None:
+    """The SDK's custom loss (computed client-side over `forward`'s log-probs, its gradient sent back as a
+    forward_backward) over the TP ranks: the step equals the 1-rank one."""
+    datums = _datums(services["tokenizer"])
+
+    def squared(data: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        return sum(
+            (lp**2 * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs, strict=True)
+        ), {}
+
+    runs = {}
+    for name in ("one", "t2"):
+        trainer = services["client"](services[name]).create_lora_training_client(base_model="tiny", rank=4, seed=9)
+        trainer = trainer.result(timeout=WAIT)
+        loss = trainer.forward_backward_custom(datums, squared).result(timeout=WAIT).metrics["loss:sum"]
+        trainer.optim_step(ADAM).result(timeout=WAIT)
+        runs[name] = (loss, trainer.forward(datums, "cross_entropy").result(timeout=WAIT).metrics["loss:sum"])
+    assert runs["t2"] == pytest.approx(runs["one"], rel=REL)
+    assert runs["one"][0] > 0
 
 
 def test_rl_losses_and_sampling_from_saved_weights_match_one_rank(services) -> None:
