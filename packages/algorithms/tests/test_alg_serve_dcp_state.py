@@ -94,8 +94,6 @@ def test_a_crash_while_overwriting_loses_neither_checkpoint(registry, tmp_path: 
     """An overwrite renames the old checkpoint aside before the new one goes in (`checkpoint_dcp.replace`). The folders a
     process killed in between leaves (made here with the same renames) are put right when the service starts: the
     new, complete checkpoint in place and the old one removed."""
-    from shardforge.algorithms.serve.service import _recover_interrupted_saves
-
     model = _trained(registry, f"h-{killed}", LORA, seed=8)
     checkpoints.save_state(tmp_path, model, {"path": "ckpt"})
     with torch.no_grad():
@@ -109,7 +107,7 @@ def test_a_crash_while_overwriting_loses_neither_checkpoint(registry, tmp_path: 
         (weights / "new").rename(weights / ".tmp-ckpt-89abcdef")  # the new one, still in its staging folder
     else:
         (weights / "new").rename(weights / "ckpt")  # the second rename done; the old one not deleted yet
-    _recover_interrupted_saves(tmp_path)  # what a restarted service does first
+    checkpoints.recover_interrupted_saves(tmp_path)  # what a restarted service does first
     assert [p.name for p in weights.iterdir()] == ["ckpt"]
     fresh = registry.create_model("alice", f"fresh-{killed}", LORA, seed=9)
     checkpoints.load_state(tmp_path, fresh, {"path": f"tinker://{model.model_id}/weights/ckpt"})  # the new one

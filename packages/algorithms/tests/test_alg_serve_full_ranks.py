@@ -32,7 +32,7 @@ from shardforge.algorithms.serve.server import ServiceServer  # noqa: E402
 from shardforge.algorithms.serve.service import TinkerService  # noqa: E402
 from shardforge.algorithms.serve.tenants import TenantKeys  # noqa: E402
 from shardforge.algorithms.testing.fault_injection import FAULT_FAIL_SAVE_ENV, fault_env  # noqa: E402
-from shardforge.algorithms.testing.serve_datums import sft_datums  # noqa: E402
+from shardforge.algorithms.testing.serve_datums import sft_datums, train_steps  # noqa: E402
 from shardforge.algorithms.testing.serve_process import ServeProcess  # noqa: E402
 from shardforge.algorithms.testing.serve_state import assert_states_close, read_saved_state  # noqa: E402
 
@@ -77,13 +77,7 @@ def _datums(tokenizer, texts: list[str] = TEXTS) -> list[types.Datum]:
 
 def _steps(trainer, batches: list[list[types.Datum]], adam=ADAM) -> list[tuple[float, float]]:
     """Per step its loss and the optim_step's gradient norm."""
-    out = []
-    for batch in batches:
-        fwdbwd = trainer.forward_backward(batch, "cross_entropy")
-        step = trainer.optim_step(adam)
-        loss = fwdbwd.result(timeout=WAIT).metrics["loss:sum"]
-        out.append((loss, step.result(timeout=WAIT).metrics["grad_norm:mean"]))
-    return out
+    return train_steps(trainer, batches, adam, timeout=WAIT)
 
 
 def _flat(steps: list[tuple[float, float]]) -> list[float]:

@@ -31,7 +31,7 @@ from shardforge.algorithms.serve.config import ServeConfig  # noqa: E402
 from shardforge.algorithms.serve.server import ServiceServer  # noqa: E402
 from shardforge.algorithms.serve.service import TinkerService  # noqa: E402
 from shardforge.algorithms.serve.tenants import TenantKeys  # noqa: E402
-from shardforge.algorithms.testing.serve_datums import sft_datums  # noqa: E402
+from shardforge.algorithms.testing.serve_datums import sft_datums, train_steps  # noqa: E402
 from shardforge.algorithms.testing.serve_process import ServeProcess  # noqa: E402
 from shardforge.algorithms.testing.serve_state import assert_states_close, read_saved_state  # noqa: E402
 
@@ -76,13 +76,7 @@ def _datums(tokenizer, texts: list[str] = TEXTS) -> list[types.Datum]:
 
 
 def _steps(trainer, batches: list[list[types.Datum]]) -> list[float]:
-    losses = []
-    for batch in batches:
-        fwdbwd = trainer.forward_backward(batch, "cross_entropy")
-        step = trainer.optim_step(ADAM)
-        losses.append(fwdbwd.result(timeout=WAIT).metrics["loss:sum"])
-        step.result(timeout=WAIT)
-    return losses
+    return [loss for loss, _ in train_steps(trainer, batches, ADAM, timeout=WAIT)]
 
 
 def test_sft_loop_matches_one_rank(services) -> None:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from shardforge.checkpoint_dcp.replace import recover_replacements, replace_folder
+from shardforge.checkpoint_dcp.replace import fsync_dir, recover_replacements, replace_folder
 from shardforge.checkpoint_dcp.validate import CorruptCheckpointError, check_compatible, verify_files
 
 __all__ = ["COMMIT_MARKER", "AsyncMode", "Checkpointer"]
@@ -49,17 +49,6 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 def _step_dir(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Checkpointer:
@@ -201,7 +190,7 @@ class Checkpointer:
                 json.dump({"step": step, "time": time.time()}, handle)
                 handle.flush()
                 os.fsync(handle.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             replace_folder(tmp, final)  # a step saved again: the old one goes aside first, never lost (`replace`)
             self._prune()
         self._barrier()

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["recover_replacements", "replace_folder"]
+__all__ = ["fsync_dir", "recover_replacements", "replace_folder"]
 
 _OLD, _STAGING = ".old-", ".tmp-"
 
@@ -34,7 +34,7 @@ def replace_folder(staging: Path, target: Path) -> None:
         if old is not None:  # an error, not a crash: the old folder goes straight back
             os.replace(old, target)
         raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     if old is not None:
         shutil.rmtree(old)
 
@@ -66,8 +66,13 @@ def _stages(folder: str, name: str) -> bool:
     return folder.startswith(f"{_STAGING}{name}") and (rest == "" or (len(rest) == 9 and rest[0] == "-"))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def fsync_dir(path: Path) -> None:
+    """fsync the directory ``path`` (its entries: a rename or a new file in it survives a power cut); a directory
+    that cannot be opened is skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.fsync(fd)
     finally:

@@ -9,6 +9,7 @@ the optimizer, which a sharded model cannot take: load it on one rank and save i
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
@@ -28,13 +29,17 @@ from shardforge.algorithms.serve.dcp_state import (
 )
 from shardforge.algorithms.serve.futures import UserError
 from shardforge.algorithms.serve.models import TrainingModel
+from shardforge.checkpoint_dcp import COMMIT_MARKER
+from shardforge.checkpoint_dcp.replace import recover_replacements
 from shardforge.lora import LoRAConfig
 
 __all__ = [
     "check_loadable", "check_name", "checkpoint_dir", "checkpoint_folder", "checkpoint_meta", "delete_checkpoint",
     "is_legacy", "list_training_checkpoints", "load_state", "read_checkpoint_info", "read_into", "read_lora",
-    "save_state", "save_target", "write_state",
+    "recover_interrupted_saves", "save_state", "save_target", "write_state",
 ]  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 _LEGACY_FILE = "state.pt"
 """The one file of a checkpoint of an earlier service version."""
@@ -215,3 +220,15 @@ def load_state(root: Path, model: TrainingModel, request: dict[str, Any]) -> dic
     folder = check_loadable(root, model, request, files=True)
     read_into(folder, model, optimizer=bool(request.get("optimizer")))
     return {"type": "load_weights", "path": str(request.get("path", "")), "model_id": model.model_id}
+
+
+def recover_interrupted_saves(root: Path) -> None:
+    """Finish the checkpoint and export replacements that a crash of the previous service cut short
+    (`checkpoint_dcp.replace`; run once at start, before any save): a complete new checkpoint goes in place, else the
+    old one back; an export is rewritten on request, so its old folder goes back."""
+    folders = sorted(root.glob("*/*/weights"))
+    exports = sorted(root.glob("*/*/external_weights"))
+    recovered = recover_replacements(folders, lambda staged: (staged / COMMIT_MARKER).is_file())
+    recovered += recover_replacements(exports, lambda staged: False)
+    for target in recovered:
+        log.warning("shardforge serve: finished the replacement of %s that a crash had interrupted", target)

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from shardforge.checkpoint_dcp import COMMIT_MARKER, check_compatible, verify_files
 from shardforge.checkpoint_dcp import TrainableState as ModelState
-from shardforge.checkpoint_dcp.replace import replace_folder
+from shardforge.checkpoint_dcp.replace import fsync_dir, replace_folder
 from shardforge.core import hooks
 
 __all__ = ["META_FILE", "ModelState", "check_dcp", "is_dcp_checkpoint", "load_dcp", "read_meta", "save_dcp"]
@@ -92,7 +92,7 @@ def save_dcp(target: Path, state: ModelState, meta: dict[str, Any], *, collectiv
                 handle.write("{}")
                 handle.flush()
                 os.fsync(handle.fileno())
-            _fsync_dir(staging)
+            fsync_dir(staging)
             replace_folder(staging, target)  # a crash from here on loses neither checkpoint (`checkpoint_dcp.replace`)
     finally:
         if main and staging.exists():
@@ -130,11 +130,3 @@ def _quiet(collective: bool) -> Iterator[None]:
         if not collective:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -34,7 +34,7 @@ __all__ = ["FullModelRanks"]
 
 
 class FullModelRanks:
-    """`RankRuntime`'s full fine-tuning ops (a mixin: ``ctx``, ``control``, ``models`` and what builds the base are
+    """`RankRuntime`'s full fine-tuning ops (a mixin: ``ctx``, ``control``, ``models``, ``rank`` and ``_source`` are
     the runtime's). Every rank runs each op; rank 0 gets the answer."""
 
     ctx: ParallelContext
@@ -42,9 +42,17 @@ class FullModelRanks:
     models: dict[str, TrainingModel]
     rank: int
 
+    _source: tuple[Any, Any, str]
+    """What the runtime built the base from (head, HF config, model dir): a copy is built the same way."""
+
     def _build_trainable(self) -> nn.Module:
-        """A sharded copy of the base with every weight trainable (collective; the runtime's `build_model`)."""
-        raise NotImplementedError
+        """A sharded copy of the base with every weight trainable (collective: every rank builds its shard with the
+        engine's `build_model` on the base's mesh)."""
+        from shardforge.engine.build import build_model
+
+        module, _ = build_model(self.ctx, *self._source)
+        module.eval()  # as the base (and a 1-rank service's full copy): no dropout
+        return module
 
     def op_full_create(self, owner: str, model_id: str, base_model: str, seed: int) -> nn.Module | None:
         """Build ``model_id``'s sharded copy. Rank 0 gets the module (its registry makes the model around it); the

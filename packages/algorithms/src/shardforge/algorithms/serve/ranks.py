@@ -123,13 +123,6 @@ class RankRuntime(FullModelRanks):
         self.control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
         self.models: dict[str, TrainingModel] = {} if models is None else models
 
-    def _build_trainable(self) -> nn.Module:
-        from shardforge.engine.build import build_model
-
-        module, _ = build_model(self.ctx, *self._source)
-        module.eval()  # as the base (and a 1-rank service's full copy): no dropout
-        return module
-
     # ------------------------------------------------------------------ the job channel
     def send(self, job: RankJob) -> None:
         """Rank 0: hand ``job`` to every other rank (they then run it with `execute`, as rank 0 does)."""

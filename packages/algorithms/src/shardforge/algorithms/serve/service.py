@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardforge.algorithms.serve.checkpoints import check_name
+from shardforge.algorithms.serve.checkpoints import check_name, recover_interrupted_saves
 from shardforge.algorithms.serve.codecs import FwdBwdRequest
 from shardforge.algorithms.serve.config import ServeConfig
 from shardforge.algorithms.serve.distributed import LocalOps, OpsFactory
@@ -46,7 +46,7 @@ class TinkerService:
 
         self.config = config
         self.keys = keys
-        _recover_interrupted_saves(Path(config.output_dir))
+        recover_interrupted_saves(Path(config.output_dir))  # what a crash of the previous service cut short
         name = config.base_model or Path(config.model_dir).resolve().name
         self.registry = ModelRegistry(config.model_dir, base_model=name, lora_alpha=config.lora_alpha)
         self.sampler = SamplerEngine(self.registry, max_tokens=config.max_tokens)
@@ -399,18 +399,3 @@ class TinkerService:
             return self.ops.load_state(root, self.ops.create_model(tenant, model_id, lora, 0, metadata), data)
 
         return self.futures.submit(tenant, "LoadWeights", job, lane=model_id)
-
-
-def _recover_interrupted_saves(root: Path) -> None:
-    """Finish the checkpoint and export replacements a crash of the previous service cut short (`checkpoint_dcp.replace`):
-    a complete new checkpoint goes in place, else the old one back; an export is rewritten on request, so its old
-    folder goes back."""
-    from shardforge.checkpoint_dcp import COMMIT_MARKER
-    from shardforge.checkpoint_dcp.replace import recover_replacements
-
-    folders = sorted(root.glob("*/*/weights"))
-    exports = sorted(root.glob("*/*/external_weights"))
-    recovered = recover_replacements(folders, lambda staged: (staged / COMMIT_MARKER).is_file())
-    recovered += recover_replacements(exports, lambda staged: False)
-    for target in recovered:
-        log.warning("shardforge serve: finished the replacement of %s that a crash had interrupted", target)
